@@ -1,0 +1,27 @@
+# The two commands a new user needs: `make demo` (runs the main job) and `make test` (runs the tests).
+# Each installs what it needs first, into the current Python environment.
+PYTHON ?= python3
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: install demo test test-fast lint bench-engine
+
+.install-stamp: pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $@
+
+install: .install-stamp
+
+demo: .install-stamp
+	pdcluster generate --local --chat --max-tokens 64 "$(PROMPT)"
+
+test: .install-stamp
+	$(PYTHON) -m pytest -q
+
+test-fast: .install-stamp
+	$(PYTHON) -m pytest -q -m "not slow"
+
+lint: .install-stamp
+	ruff check . && mypy engine pdcluster
+
+bench-engine: .install-stamp
+	pdcluster bench engine

@@ -1,0 +1,101 @@
+"""Model architecture (read from the weights) and engine settings (chosen by the user)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as in HF `rope_scaling` ("linear" or "llama3")."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, SmolLM, Qwen2-style q/k/v bias)."""
+
+    name: str
+    # NOTE: model_id scopes prefix-cache block hashes; two engines share KV only if their ids match.
+    model_id: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    # Qwen2-style bias on q/k/v; Llama's `attention_bias` also puts one on o_proj.
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise InvalidRequestError(name, f"must be > 0, got {value}")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance; None means 'derive a sensible default'."""
+
+    block_size: int = 16
+    # NOTE: None sizes the pool from kv_cache_memory_gb; an explicit count wins.
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    # Cap on tokens computed per step (prefill chunks + one per decoding sequence).
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    num_threads: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_blocks", self.num_blocks)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        _positive("num_threads", self.num_threads)
+        if self.kv_cache_memory_gb <= 0:
+            raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        torch_dtype(self.dtype)  # validates
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name ('float32', 'bf16', ...) to a torch dtype, or raise naming the field."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise InvalidRequestError("dtype", f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None

@@ -1,0 +1,68 @@
+"""Receiving side of the KV seam: check an export against this engine, then link, allocate and write."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.errors import CapacityError, InvalidRequestError
+from engine.kv_export import KVExport
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+
+def validate_export(engine: LLMEngine, kv: KVExport) -> None:
+    """Everything the receiver is told must match it, before any byte is written."""
+    rid, cfg = kv.request_id, engine.model_config
+    if kv.scope != engine.scope:
+        raise InvalidRequestError("scope", f"KV of {kv.scope!r} cannot be used by {engine.scope!r}", rid)
+    if kv.block_size != engine.config.block_size:
+        raise InvalidRequestError("block_size", f"{kv.block_size} != {engine.config.block_size}", rid)
+    if kv.num_layers != cfg.num_layers or len(kv.v) != cfg.num_layers:
+        raise InvalidRequestError("num_layers", f"{kv.num_layers} != {cfg.num_layers}", rid)
+    if not 0 < kv.num_kv_tokens < len(kv.token_ids) + 1 or kv.num_kv_tokens > engine.max_model_len:
+        raise InvalidRequestError("num_kv_tokens", f"{kv.num_kv_tokens} does not fit the tokens sent", rid)
+    if not 0 < kv.num_prompt_tokens <= kv.num_kv_tokens:
+        raise InvalidRequestError("num_prompt_tokens", "must be in (0, num_kv_tokens]", rid)
+    if len(kv.block_hashes) != kv.num_kv_tokens // kv.block_size:
+        raise InvalidRequestError("block_hashes", "one hash per full block is required", rid)
+    if not 0 <= kv.start_block <= len(kv.block_hashes):
+        raise InvalidRequestError("start_block", "must point at a full block", rid)
+    shape = (kv.num_blocks - kv.start_block, kv.block_size, cfg.num_kv_heads, cfg.head_dim)
+    for name, tensors in (("k", kv.k), ("v", kv.v)):
+        for t in tensors:
+            if tuple(t.shape) != shape or t.dtype != engine.runner.dtype:
+                raise InvalidRequestError(name, f"expected {shape} {engine.runner.dtype}, got "
+                                          f"{tuple(t.shape)} {t.dtype}", rid)
+
+
+def import_sequence(engine: LLMEngine, kv: KVExport, params: SamplingParams) -> Sequence:
+    """Build a running Sequence whose KV is `kv`: cached leading blocks are linked, the rest written."""
+    validate_export(engine, kv)
+    bm, bs = engine.block_manager, kv.block_size
+    seq = Sequence(kv.request_id, kv.token_ids[: kv.num_prompt_tokens], params, bs, engine.scope)
+    seq.token_ids = list(kv.token_ids)
+    if seq.block_hashes(len(kv.block_hashes)) != kv.block_hashes:
+        raise InvalidRequestError("block_hashes", "do not match the token ids sent", kv.request_id)
+    linked: list[int] = []
+    for i in range(kv.start_block):
+        bid = bm.pool.lookup(kv.block_hashes[i], seq.block_tokens(i))
+        if bid is None:
+            raise CapacityError(f"block {i} was left out but is no longer cached here", kv.request_id)
+        linked.append(bid)
+    need = kv.num_blocks - kv.start_block
+    if need > bm.num_free_blocks - sum(1 for b in linked if bm.pool.is_free(b)):
+        raise CapacityError(f"needs {need} KV blocks, {bm.num_free_blocks} free", kv.request_id)
+    for bid in linked:
+        bm.pool.acquire(bid)
+    fresh = [bm.pool.allocate() for _ in range(need)]
+    for layer in range(kv.num_layers):
+        engine.runner.write_blocks(layer, fresh, kv.k[layer], kv.v[layer])
+    seq.block_table = linked + fresh
+    seq.num_computed_tokens = kv.num_kv_tokens
+    seq.num_cached_tokens = kv.num_cached_tokens
+    seq.num_registered_blocks = kv.start_block
+    bm.register_full_blocks(seq)
+    return seq

@@ -1,0 +1,215 @@
+"""LLMEngine: requests in, tokens out, one `step()` at a time; plus the KV export/import seam.
+
+Life of a request:
+1. `add_request` validates and tokenizes it and queues a Sequence;
+2. each `step()` lets the scheduler pick a batch (decode tokens + prefill chunks), the runner computes it,
+   and sampled tokens are appended, detokenized and checked against the stop conditions;
+3. a finished request frees its blocks (they stay in the prefix cache) — unless it was added with
+   `hold_kv=True`, in which case the blocks stay pinned until `export_kv`/`release_kv`.
+`import_kv` adopts a sequence prefilled elsewhere: it joins the running batch and decodes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_hash import cache_scope
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import CapacityError, InvalidRequestError, UnknownRequestError
+from engine.kv_export import KVExport
+from engine.loader import LoadedModel
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.output import OutputProcessor, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class EngineStats:
+    """Counters a worker reports: pool occupancy and prefix-cache effectiveness."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_waiting: int
+    num_running: int
+    num_held: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """One model replica with its paged KV cache, scheduler and runner (plain class; workers wrap it)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        torch.set_num_threads(config.threads)
+        self.model_config = mcfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        dtype_name = str(config.dtype if config.dtype not in ("fp32", "bf16", "fp16") else config.dtype)
+        self.scope = cache_scope(mcfg.model_id, dtype_name)
+        from engine.config import torch_dtype
+
+        per_block = kv_bytes_per_block(mcfg, config.block_size, torch_dtype(config.dtype))
+        num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // per_block))
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings, num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
+        self._seqs: dict[str, Sequence] = {}  # unfinished requests
+        self._held: dict[str, Sequence] = {}  # finished with hold_kv, blocks pinned until export/release
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    *, hold_kv: bool = False) -> Sequence:
+        """Validate, tokenize and queue a request; raises InvalidRequestError naming the bad field."""
+        params = params or SamplingParams()
+        params.validate()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if request_id in self._seqs or request_id in self._held:
+            raise InvalidRequestError("request_id", "is already in use", request_id)
+        token_ids = self.tokenize(prompt, request_id)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab})", request_id)
+        seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope, hold_kv=hold_kv)
+        self.outputs.start(seq)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def tokenize(self, prompt: str | Seq[int], request_id: str | None = None) -> list[int]:
+        """Token ids of a prompt (text or ids), checked against the vocabulary and the context length."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty", request_id)
+            token_ids = self.tokenizer.encode(prompt)
+            field = "prompt"
+        else:
+            token_ids = list(prompt)
+            field = "prompt_token_ids"
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})", request_id)
+        if not token_ids:
+            raise InvalidRequestError(field, "must not be empty", request_id)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                field, f"is {len(token_ids)} tokens; this engine takes at most {self.max_model_len - 1} "
+                "(max_model_len minus one generated token)", request_id)
+        return token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
+        seq = self._seqs.pop(request_id, None) or self._held.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.outputs.forget(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that got a new token (or finished)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        tokens = self.runner.execute(batch)
+        results: list[RequestOutput] = []
+        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+            if tok is None:
+                continue
+            if seq.num_output_tokens == 0:
+                self._prompt_tokens += seq.num_prompt_tokens
+                self._cached_tokens += seq.num_cached_tokens
+            seq.token_ids.append(tok)
+            out = self.outputs.process(seq, tok)
+            if out.finished:
+                self._finish(seq)
+            results.append(out)
+        return results
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        del self._seqs[seq.request_id]
+        if seq.hold_kv:
+            self._held[seq.request_id] = seq
+        else:
+            self.block_manager.free(seq)
+
+    # ---- KV export / import -----------------------------------------------------------------------------
+    def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVExport:
+        """Copy out the KV of a held (or running) sequence; blocks before `skip_blocks` are left out."""
+        seq = self._held.get(request_id) or self._seqs.get(request_id)
+        if seq is None or not seq.block_table:
+            raise UnknownRequestError("no KV held for this request", request_id)
+        n_kv = seq.num_computed_tokens
+        n_blocks = self.block_manager.blocks_needed(n_kv)
+        if not 0 <= skip_blocks <= n_kv // self.config.block_size:
+            raise InvalidRequestError("skip_blocks", f"must be in [0, {n_kv // self.config.block_size}]", request_id)
+        ids = seq.block_table[skip_blocks:n_blocks]
+        ks, vs = zip(*(self.runner.read_blocks(layer, ids) for layer in range(self.model_config.num_layers)))
+        return KVExport(request_id, self.scope, self.config.block_size, list(seq.token_ids), seq.num_prompt_tokens,
+                        n_kv, seq.block_hashes(n_kv // self.config.block_size), skip_blocks, list(ks), list(vs),
+                        seq.num_cached_tokens)
+
+    def release_kv(self, request_id: str) -> None:
+        """Unpin the blocks of a held sequence (they stay in the prefix cache)."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            raise UnknownRequestError("no KV held for this request", request_id)
+        self.block_manager.free(seq)
+
+    def cached_prefix_blocks(self, kv_hashes: Seq[bytes], token_ids: Seq[int]) -> int:
+        """How many leading blocks of this token sequence the prefix cache already holds."""
+        from engine.block_hash import BlockHash
+
+        bs, n = self.config.block_size, 0
+        for i, h in enumerate(kv_hashes):
+            if self.block_manager.pool.lookup(BlockHash(h), list(token_ids[i * bs : (i + 1) * bs])) is None:
+                break
+            n += 1
+        return n
+
+    def import_kv(self, kv: KVExport, params: SamplingParams) -> Sequence:
+        """Adopt a sequence prefilled elsewhere; it decodes from its last sampled token on."""
+        from engine.kv_import import import_sequence
+
+        if kv.request_id in self._seqs or kv.request_id in self._held:
+            raise InvalidRequestError("request_id", "is already in use", kv.request_id)
+        params.validate()
+        seq = import_sequence(self, kv, params)
+        self.outputs.start(seq)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add_running(seq)
+        return seq
+
+    # ---- introspection ------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool = self.block_manager.pool
+        return EngineStats(pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
+                           len(self.scheduler.waiting), len(self.scheduler.running), len(self._held),
+                           self._prompt_tokens, self._cached_tokens, self.scheduler.num_preemptions)
+
+
+def check_capacity(engine: LLMEngine, num_blocks: int, request_id: str) -> None:
+    """Raise CapacityError when `num_blocks` more blocks cannot be had now."""
+    if num_blocks > engine.block_manager.num_free_blocks:
+        raise CapacityError(f"needs {num_blocks} KV blocks, {engine.block_manager.num_free_blocks} free", request_id)

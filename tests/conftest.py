@@ -1,0 +1,38 @@
+"""Session-wide fixtures: each model is loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.loader import LoadedModel, load_model
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2() -> torch.nn.Module:
+    """transformers' own load of the same GGUF (its loader, not ours): the correctness reference."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import SMOLLM2_FILE, SMOLLM2_PACKAGE
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    assert spec is not None and spec.submodule_search_locations
+    directory = list(spec.submodule_search_locations)[0]
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_FILE, dtype=torch.float32).eval()

@@ -1,0 +1,71 @@
+"""Builders shared by the tests: engines over the loaded models, transformers references, run loops."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.hf_loader import hf_config_dict
+from engine.llm_engine import RequestOutput
+from engine.loader import LoadedModel
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(loaded: LoadedModel, **overrides: object) -> LLMEngine:
+    """An engine over already-loaded weights (loading is done once per session by the fixtures)."""
+    cfg: dict[str, object] = dict(num_blocks=512, max_num_batched_tokens=1024, num_threads=2)
+    cfg.update(overrides)
+    return LLMEngine(loaded, EngineConfig(**cfg))  # type: ignore[arg-type]
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
+    """Step until no request is left; the final output of each request, by id."""
+    final: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    raise AssertionError(f"engine did not finish within {max_steps} steps: {engine.stats()}")
+
+
+def generate_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY,
+                 prefix: str = "r") -> list[list[int]]:
+    """Token ids generated for each prompt, all submitted together (one continuous batch)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, dataclasses.replace(params))
+    final = run_to_completion(engine)
+    return [final[f"{prefix}{i}"].token_ids for i in range(len(prompts))]
+
+
+def hf_model_from(loaded: LoadedModel) -> torch.nn.Module:
+    """A transformers model built from the same weights (for models transformers cannot load itself)."""
+    import transformers
+
+    cfg_dict = hf_config_dict(loaded.config)
+    arch = cfg_dict["architectures"][0]
+    config = transformers.AutoConfig.for_model(**cfg_dict)
+    model = getattr(transformers, arch)(config).eval()
+    missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
+    allowed_missing = {"lm_head.weight"} if loaded.config.tie_word_embeddings else set()
+    assert set(missing) <= allowed_missing and not unexpected, (missing, unexpected)
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation of one prompt (up to n tokens, ending early at EOS) and its logits."""
+    # NOTE: no min_new_tokens: it masks EOS, which changes the argmax; our ignore_eos only keeps going past it.
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].float() for s in out.logits]
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 49152, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of token ids (lengths cycled), reproducible; ids avoid the special tokens below 100."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
