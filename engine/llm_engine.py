@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_hash import cache_scope
+from engine.block_hash import BlockHash, cache_scope
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.errors import CapacityError, InvalidRequestError, UnknownRequestError
+from engine.config import EngineConfig, torch_dtype
+from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.kv_export import KVExport
+from engine.kv_import import import_sequence
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.output import OutputProcessor, RequestOutput
@@ -41,6 +42,7 @@ class EngineStats:
     num_held: int
     prompt_tokens: int
     cached_prompt_tokens: int
+    computed_tokens: int  # tokens run through the model (prefill chunks + decode steps)
     num_preemptions: int
 
 
@@ -52,11 +54,9 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         self.model_config = mcfg = loaded.config
         self.tokenizer = loaded.tokenizer
-        dtype_name = str(config.dtype if config.dtype not in ("fp32", "bf16", "fp16") else config.dtype)
-        self.scope = cache_scope(mcfg.model_id, dtype_name)
-        from engine.config import torch_dtype
-
-        per_block = kv_bytes_per_block(mcfg, config.block_size, torch_dtype(config.dtype))
+        dtype = torch_dtype(config.dtype)
+        self.scope = cache_scope(mcfg.model_id, str(dtype).removeprefix("torch."))
+        per_block = kv_bytes_per_block(mcfg, config.block_size, dtype)
         num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // per_block))
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings, num_blocks * config.block_size)
@@ -68,6 +68,7 @@ class LLMEngine:
         self._held: dict[str, Sequence] = {}  # finished with hold_kv, blocks pinned until export/release
         self._prompt_tokens = 0
         self._cached_tokens = 0
+        self._computed_tokens = 0
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -129,6 +130,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         tokens = self.runner.execute(batch)
+        self._computed_tokens += batch.num_tokens
         results: list[RequestOutput] = []
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
             seq.num_computed_tokens += n
@@ -179,8 +181,6 @@ class LLMEngine:
 
     def cached_prefix_blocks(self, kv_hashes: Seq[bytes], token_ids: Seq[int]) -> int:
         """How many leading blocks of this token sequence the prefix cache already holds."""
-        from engine.block_hash import BlockHash
-
         bs, n = self.config.block_size, 0
         for i, h in enumerate(kv_hashes):
             if self.block_manager.pool.lookup(BlockHash(h), list(token_ids[i * bs : (i + 1) * bs])) is None:
@@ -190,8 +190,6 @@ class LLMEngine:
 
     def import_kv(self, kv: KVExport, params: SamplingParams) -> Sequence:
         """Adopt a sequence prefilled elsewhere; it decodes from its last sampled token on."""
-        from engine.kv_import import import_sequence
-
         if kv.request_id in self._seqs or kv.request_id in self._held:
             raise InvalidRequestError("request_id", "is already in use", kv.request_id)
         params.validate()
@@ -206,10 +204,6 @@ class LLMEngine:
         pool = self.block_manager.pool
         return EngineStats(pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
                            len(self.scheduler.waiting), len(self.scheduler.running), len(self._held),
-                           self._prompt_tokens, self._cached_tokens, self.scheduler.num_preemptions)
+                           self._prompt_tokens, self._cached_tokens, self._computed_tokens,
+                           self.scheduler.num_preemptions)
 
-
-def check_capacity(engine: LLMEngine, num_blocks: int, request_id: str) -> None:
-    """Raise CapacityError when `num_blocks` more blocks cannot be had now."""
-    if num_blocks > engine.block_manager.num_free_blocks:
-        raise CapacityError(f"needs {num_blocks} KV blocks, {engine.block_manager.num_free_blocks} free", request_id)
