@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama, SmolLM, Mistral; Qwen2-style q/k/v bias) over a paged KV cache.
 
-Weights arrive in Hugging Face naming; q/k/v and gate/up are fused into single matmuls at load time.
+Inference only: weights arrive in Hugging Face naming and are frozen (fused and packed) at load time.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig, RopeScaling
+from engine.linear import PackedLinear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -36,48 +36,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     raise ValueError(f"unsupported rope_scaling type {scaling.rope_type!r}")
 
 
-class Rotary(nn.Module):
-    """Precomputed cos/sin tables; `forward` rotates q and k in place of the rotate-half convention."""
+class Rotary:
+    """Precomputed cos/sin tables (rotate-half convention); `at` picks the rows of one step's positions."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [T, 1, D] each (computed once per step, shared by all layers)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP with fused projections."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+
+class DecoderLayer:
+    """Pre-norm attention + SwiGLU MLP; q/k/v and gate/up are fused into single (packed) matmuls."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
         self.cfg = cfg
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.input_norm = nn.Parameter(torch.ones(d))
-        self.post_attn_norm = nn.Parameter(torch.ones(d))
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, d))
-        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if cfg.attention_bias else None
-        self.o = nn.Parameter(torch.empty(d, self.q_size))
-        self.o_bias = nn.Parameter(torch.zeros(d)) if cfg.attention_out_bias else None
-        self.gate_up = nn.Parameter(torch.empty(2 * f, d))
-        self.down = nn.Parameter(torch.empty(d, f))
+        a, m = prefix + "self_attn.", prefix + "mlp."
 
-    def forward(
+        def get(name: str) -> torch.Tensor:
+            return w[name].to(dtype).contiguous()
+
+        self.input_norm = get(prefix + "input_layernorm.weight")
+        self.post_attn_norm = get(prefix + "post_attention_layernorm.weight")
+        qkv_bias = torch.cat([get(a + n + "_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
+        self.qkv = PackedLinear(torch.cat([get(a + n + "_proj.weight") for n in "qkv"]), qkv_bias)
+        self.o = PackedLinear(get(a + "o_proj.weight"), get(a + "o_proj.bias") if cfg.attention_out_bias else None)
+        self.gate_up = PackedLinear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+        self.down = PackedLinear(get(m + "down_proj.weight"))
+
+    def __call__(
         self,
         h: torch.Tensor,  # [T, d]
-        positions: torch.Tensor,  # [T]
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -85,32 +87,36 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         t = h.shape[0]
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2 KVH) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(t, cfg.num_heads, cfg.head_dim), positions)
-        k = rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), positions)
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [T, (H + 2 KVH) D]
+        q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), *rope)
+        k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), *rope)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        h = h + F.linear(attn.view(t, self.q_size), self.o, self.o_bias)
+        h = h + self.o(attn.view(t, self.q_size))
         x = F.rms_norm(h, (cfg.hidden_size,), self.post_attn_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, f] each
-        return h + F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, f] each
+        return h + self.down(F.silu(gate) * up)
 
 
-class LlamaModel(nn.Module):
-    """Embeddings → decoder layers → final norm; `logits` maps chosen hidden states to the vocabulary."""
+class LlamaModel:
+    """Embeddings → decoder layers → final norm; `logits` maps chosen hidden states to the vocabulary.
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
+    Built from Hugging Face-named weights; every expected tensor must be there.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 max_positions: int) -> None:
         self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed = weights["model.embed_tokens.weight"].to(dtype).contiguous()  # [vocab, d]
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype) for i in range(cfg.num_layers)]
+        self.norm = weights["model.norm.weight"].to(dtype)
+        # NOTE: a tied head gets its own packed copy: the packed layout cannot serve embedding lookups.
+        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"].to(dtype).contiguous()
+        self.lm_head = PackedLinear(head)
         self.rotary = Rotary(cfg, max_positions)
 
-    def forward(
+    def __call__(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
@@ -118,34 +124,10 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, d]
         h = F.embedding(input_ids, self.embed)
+        rope = self.rotary.at(positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(h, positions, self.rotary, k_cache, v_cache, meta)
+            h = layer(h, rope, k_cache, v_cache, meta)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, d] → [N, vocab]
-        h = F.rms_norm(h, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head)
-
-    @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every expected tensor must be there."""
-        w = weights
-        self.embed.data = w["model.embed_tokens.weight"].to(dtype).contiguous()
-        if self.cfg.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
-            self.lm_head.data = w["lm_head.weight"].to(dtype).contiguous()
-        self.norm.data = w["model.norm.weight"].to(dtype)
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            layer.input_norm.data = w[p + "input_layernorm.weight"].to(dtype)
-            layer.post_attn_norm.data = w[p + "post_attention_layernorm.weight"].to(dtype)
-            layer.qkv.data = torch.cat([w[a + n + "_proj.weight"] for n in "qkv"]).to(dtype).contiguous()
-            if layer.qkv_bias is not None:
-                layer.qkv_bias.data = torch.cat([w[a + n + "_proj.bias"] for n in "qkv"]).to(dtype)
-            layer.o.data = w[a + "o_proj.weight"].to(dtype).contiguous()
-            if layer.o_bias is not None:
-                layer.o_bias.data = w[a + "o_proj.bias"].to(dtype)
-            layer.gate_up.data = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).to(dtype).contiguous()
-            layer.down.data = w[m + "down_proj.weight"].to(dtype).contiguous()
+        return self.lm_head(F.rms_norm(h, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps))

@@ -27,9 +27,7 @@ class ModelRunner:
         self.cfg = cfg
         self.dtype = torch_dtype(engine_cfg.dtype)
         self.block_size = engine_cfg.block_size
-        self.model = LlamaModel(cfg, max_model_len)
-        self.model.load_hf_weights(weights, self.dtype)
-        self.model.eval().requires_grad_(False)
+        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len)
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=self.dtype)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
