@@ -1,0 +1,180 @@
+"""`pdcluster bench engine`: our engine vs transformers' generate, same weights, prompts and threads, one process.
+
+Reports prefill and decode tok/s at several batch sizes with the ratio ours/transformers, and the memory-bandwidth
+bound of batch-1 decode (weight bytes ÷ read bandwidth measured in this run) with our fraction of it.
+Definitions (identical for both): prefill tok/s = B × prompt_len ÷ time to the first token of all B prompts;
+decode tok/s = B × (N − 1) ÷ (time for N tokens − time for the first). Best of --repeats runs, fresh prompts each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+DEFAULT_OUT = "results/bench_engine.json"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', a .gguf file or a Hugging Face directory")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads for both engines")
+    p.add_argument("--batches", default="1,8,16", help="comma-separated batch sizes")
+    p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill measurement")
+    p.add_argument("--decode-prompt-len", type=int, default=128, help="prompt tokens before decoding")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per sequence when decoding")
+    p.add_argument("--repeats", type=int, default=2, help="runs per figure; the best is kept")
+    p.add_argument("--no-reference", action="store_true", help="skip transformers (ours only)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Sustained read bandwidth (GB/s): sum over a buffer far larger than the caches, best of `repeats`."""
+    buf = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
+class _Ours:
+    """Times our engine: prompts go in together, one continuous batch."""
+
+    def __init__(self, loaded: object, threads: int, budget: int) -> None:
+        from engine import EngineConfig, LLMEngine
+
+        self.engine = LLMEngine(loaded, EngineConfig(num_threads=threads, max_num_batched_tokens=budget,  # type: ignore[arg-type]
+                                                     max_num_seqs=256, enable_prefix_caching=False))
+        self.n = 0
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        """(seconds to the first token of every prompt, seconds to the last token)."""
+        from engine import SamplingParams
+
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        for p in prompts:
+            self.n += 1
+            self.engine.add_request(f"bench-{self.n}", p, params)
+        first, started = None, set()
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                started.add(out.request_id)
+            if first is None and len(started) == len(prompts):
+                first = time.perf_counter() - t0
+        return first or 0.0, time.perf_counter() - t0
+
+
+class _Reference:
+    """Times transformers' generate on the same weights (batch of equal-length prompts: no padding)."""
+
+    def __init__(self, loaded: object) -> None:
+        from pdcluster.bench.reference import hf_model_from
+
+        self.model = hf_model_from(loaded)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts)
+        t0 = time.perf_counter()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+
+def _best(repeats: int, fn: Callable[[int], tuple[float, ...]]) -> tuple[float, ...]:
+    runs = [fn(r) for r in range(repeats)]
+    return tuple(min(col) for col in zip(*runs))
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from engine.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    _log(f"loading {args.model}")
+    loaded = load_model(args.model)
+    cfg = loaded.config
+    budget = max(2048, args.prefill_len, max(batches) * args.decode_prompt_len)
+    ours = _Ours(loaded, args.threads, budget)
+    ref = None if args.no_reference else _Reference(loaded)
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(b: int, n: int) -> list[list[int]]:
+        return torch.randint(100, cfg.vocab_size, (b, n), generator=gen).tolist()
+
+    ours.run(prompts(2, 32), 4)  # warm-up (allocator, oneDNN kernels)
+    if ref:
+        ref.run(prompts(2, 32), 4)
+    results: dict[str, dict[str, dict[str, float]]] = {"prefill": {}, "decode": {}}
+    for b in batches:
+        _log(f"batch {b}: prefill {args.prefill_len} tokens")
+        pre = _best(args.repeats, lambda r: (ours.run(prompts(b, args.prefill_len), 1)[0],
+                                             ref.run(prompts(b, args.prefill_len), 1) if ref else 0.0))
+        _log(f"batch {b}: decode {args.decode_tokens} tokens after {args.decode_prompt_len}")
+
+        def decode_once(r: int) -> tuple[float, float]:
+            p = prompts(b, args.decode_prompt_len)
+            first, total = ours.run(p, args.decode_tokens)
+            ref_decode = (ref.run(p, args.decode_tokens) - ref.run(p, 1)) if ref else 0.0
+            return total - first, ref_decode
+
+        dec = _best(args.repeats, decode_once)
+        for kind, (t_ours, t_ref), n_tok in (("prefill", pre, b * args.prefill_len),
+                                              ("decode", dec, b * (args.decode_tokens - 1))):
+            row = {"ours_tok_s": n_tok / t_ours}
+            if ref:
+                row |= {"transformers_tok_s": n_tok / t_ref, "ratio": t_ref / t_ours}
+            results[kind][str(b)] = row
+    weight_bytes = sum(t.numel() * t.element_size() for name, t in loaded.weights.items()
+                       if name != "model.embed_tokens.weight" or cfg.tie_word_embeddings)
+    bw = read_bandwidth_gbs(args.threads)
+    bound = bw * 1e9 / weight_bytes
+    ours_b1 = results["decode"].get("1", {}).get("ours_tok_s")
+    return {
+        "model": cfg.name, "model_id": cfg.model_id, "dtype": "float32", "threads": args.threads,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch": torch.__version__},
+        "workload": {"prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
+                     "decode_tokens": args.decode_tokens, "repeats": args.repeats},
+        **results,
+        "bandwidth": {"read_gb_s": bw, "weight_bytes": weight_bytes, "decode_bound_tok_s_batch1": bound,
+                      "ours_fraction_of_bound": (ours_b1 / bound) if ours_b1 else None},
+    }
+
+
+def format_table(r: dict) -> str:
+    lines = [f"model {r['model']} ({r['model_id']}), fp32, {r['threads']} threads, torch {r['machine']['torch']}",
+             f"{'':8}{'batch':>6}{'ours tok/s':>13}{'transformers':>14}{'ratio':>8}"]
+    for kind in ("prefill", "decode"):
+        for b, row in r[kind].items():
+            ref = f"{row['transformers_tok_s']:14.1f}{row['ratio']:7.2f}x" if "ratio" in row else ""
+            lines.append(f"{kind:8}{b:>6}{row['ours_tok_s']:13.1f}{ref}")
+    bw = r["bandwidth"]
+    frac = bw["ours_fraction_of_bound"]
+    lines.append(f"read bandwidth {bw['read_gb_s']:.1f} GB/s, weights {bw['weight_bytes'] / 1e6:.0f} MB -> batch-1 "
+                 f"decode bound {bw['decode_bound_tok_s_batch1']:.1f} tok/s"
+                 + (f"; ours {frac:.0%} of it" if frac else ""))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    r = measure(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(r, f, indent=2)
+    print(json.dumps(r) if args.json else format_table(r))
+    _log(f"saved {args.out}")
+    return 0
