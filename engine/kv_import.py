@@ -22,25 +22,41 @@ def validate_export(engine: LLMEngine, kv: KVExport) -> None:
         raise InvalidRequestError("block_size", f"{kv.block_size} != {engine.config.block_size}", rid)
     if kv.num_layers != cfg.num_layers or len(kv.v) != cfg.num_layers:
         raise InvalidRequestError("num_layers", f"{kv.num_layers} != {cfg.num_layers}", rid)
-    if not 0 < kv.num_kv_tokens < len(kv.token_ids) + 1 or kv.num_kv_tokens > engine.max_model_len:
-        raise InvalidRequestError("num_kv_tokens", f"{kv.num_kv_tokens} does not fit the tokens sent", rid)
+    if len(kv.token_ids) >= engine.max_model_len:
+        raise InvalidRequestError("token_ids", f"{len(kv.token_ids)} tokens leave no room to generate within "
+                                  f"max_model_len {engine.max_model_len}", rid)
+    if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in kv.token_ids):
+        raise InvalidRequestError("token_ids", f"token ids must be integers in [0, {cfg.vocab_size})", rid)
+    # NOTE: at least the last sampled token has no K/V yet: a step computes it and samples the next one.
+    # A sequence with nothing left to compute would be scheduled for 0 tokens and sample from another row.
+    if not 0 < kv.num_kv_tokens < len(kv.token_ids):
+        raise InvalidRequestError("num_kv_tokens", f"{kv.num_kv_tokens} must be in (0, {len(kv.token_ids)}): "
+                                  "the tokens sent, less at least the last one", rid)
     if not 0 < kv.num_prompt_tokens <= kv.num_kv_tokens:
         raise InvalidRequestError("num_prompt_tokens", "must be in (0, num_kv_tokens]", rid)
     if len(kv.block_hashes) != kv.num_kv_tokens // kv.block_size:
         raise InvalidRequestError("block_hashes", "one hash per full block is required", rid)
     if not 0 <= kv.start_block <= len(kv.block_hashes):
         raise InvalidRequestError("start_block", "must point at a full block", rid)
+    dtypes = {t.dtype for t in (*kv.k, *kv.v)}
+    if dtypes != {engine.runner.dtype}:
+        raise InvalidRequestError("dtype", f"KV tensors must be {engine.runner.dtype}, got {sorted(map(str, dtypes))}",
+                                  rid)
     shape = (kv.num_blocks - kv.start_block, kv.block_size, cfg.num_kv_heads, cfg.head_dim)
     for name, tensors in (("k", kv.k), ("v", kv.v)):
         for t in tensors:
-            if tuple(t.shape) != shape or t.dtype != engine.runner.dtype:
-                raise InvalidRequestError(name, f"expected {shape} {engine.runner.dtype}, got "
-                                          f"{tuple(t.shape)} {t.dtype}", rid)
+            if tuple(t.shape) != shape:
+                raise InvalidRequestError(name, f"expected shape {shape}, got {tuple(t.shape)}", rid)
 
 
 def import_sequence(engine: LLMEngine, kv: KVExport, params: SamplingParams) -> Sequence:
     """Build a running Sequence whose KV is `kv`: cached leading blocks are linked, the rest written."""
     validate_export(engine, kv)
+    num_sampled = len(kv.token_ids) - kv.num_prompt_tokens
+    if params.max_tokens <= num_sampled:
+        # NOTE: max_tokens counts the tokens sampled before the export; at least one more must be allowed.
+        raise InvalidRequestError("max_tokens", f"{params.max_tokens} leaves nothing to generate after the "
+                                  f"{num_sampled} token(s) already sampled", kv.request_id)
     bm, bs = engine.block_manager, kv.block_size
     seq = Sequence(kv.request_id, kv.token_ids[: kv.num_prompt_tokens], params, bs, engine.scope)
     seq.token_ids = list(kv.token_ids)

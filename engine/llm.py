@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
@@ -41,13 +42,16 @@ class LLM:
         """Run every prompt to completion in one continuous batch; results come back in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params or SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, Seq):
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+            raise InvalidRequestError("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         seqs = []
         try:
             for prompt, p in zip(prompts, params):
-                seqs.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p))
+                seqs.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p))  # type: ignore[arg-type]
         except Exception:
             for s in seqs:  # NOTE: one bad prompt rejects the call, and leaves the engine as it was
                 self.engine.abort_request(s.request_id)
@@ -64,7 +68,8 @@ class LLM:
     def chat(self, conversations: Seq[Message] | Seq[Seq[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
         """Apply the model's chat template to each conversation and generate the assistant's reply."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+        convs: Seq[Seq[Message]] = (
+            [conversations] if conversations and isinstance(conversations[0], dict) else conversations  # type: ignore[list-item, assignment]
+        )
+        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in convs]
         return self.generate(prompts, sampling_params)

@@ -57,7 +57,9 @@ class LLMEngine:
         dtype = torch_dtype(config.dtype)
         self.scope = cache_scope(mcfg.model_id, str(dtype).removeprefix("torch."))
         per_block = kv_bytes_per_block(mcfg, config.block_size, dtype)
-        num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // per_block))
+        # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
+        usable = config.max_num_seqs * -(-(config.max_model_len or mcfg.max_position_embeddings) // config.block_size)
+        num_blocks = config.num_blocks or max(1, min(usable, int(config.kv_cache_memory_gb * 2**30 // per_block)))
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -98,7 +100,11 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
             field = "prompt"
         else:
-            token_ids = list(prompt)
+            try:
+                token_ids = list(prompt)
+            except TypeError:
+                raise InvalidRequestError("prompt", "must be a string or a list of token ids, got "
+                                          f"{type(prompt).__name__}", request_id) from None
             field = "prompt_token_ids"
             vocab = self.model_config.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):

@@ -50,7 +50,10 @@ class OutputProcessor:
         # NOTE: hold back as many characters as a stop string could still need to complete, so streamed
         # text never contains (part of) a stop string that later matches.
         holdback = max((len(s) for s in p.stop), default=1) - 1
-        self._streams[seq.request_id] = _Stream(detok, holdback)
+        stream = self._streams[seq.request_id] = _Stream(detok, holdback)
+        # NOTE: the engine that sampled the imported tokens already returned their text: `new_text` covers only
+        # tokens sampled here (like `new_token_ids`), while the final `text` covers every generated token.
+        stream.emitted = len(detok.text)
 
     def forget(self, seq: Sequence) -> None:
         self._streams.pop(seq.request_id, None)

@@ -7,9 +7,9 @@ import dataclasses
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.hf_loader import hf_config_dict
 from engine.llm_engine import RequestOutput
 from engine.loader import LoadedModel
+from pdcluster.bench.reference import hf_model_from  # noqa: F401  (re-exported for tests)
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -42,18 +42,23 @@ def generate_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
     return [final[f"{prefix}{i}"].token_ids for i in range(len(prompts))]
 
 
-def hf_model_from(loaded: LoadedModel) -> torch.nn.Module:
-    """A transformers model built from the same weights (for models transformers cannot load itself)."""
-    import transformers
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS does not stop it)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    cfg_dict = hf_config_dict(loaded.config)
-    arch = cfg_dict["architectures"][0]
-    config = transformers.AutoConfig.for_model(**cfg_dict)
-    model = getattr(transformers, arch)(config).eval()
-    missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
-    allowed_missing = {"lm_head.weight"} if loaded.config.tie_word_embeddings else set()
-    assert set(missing) <= allowed_missing and not unexpected, (missing, unexpected)
-    return model
+
+def run_alone(loaded: LoadedModel, prompt: list[int], params: SamplingParams = GREEDY,
+              **overrides: object) -> list[int]:
+    """Token ids a fresh engine generates for this prompt on its own: the reference for batched/cached/moved runs."""
+    return generate_ids(make_engine(loaded, **overrides), [prompt], params, prefix="alone")[0]
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    """Nothing queued, running or held, and every KV block back in the free pool (cached blocks count as free)."""
+    s = engine.stats()
+    assert not engine.has_unfinished_requests(), s
+    assert (s.num_waiting, s.num_running, s.num_held) == (0, 0, 0), s
+    assert s.num_free_blocks == s.num_blocks, s
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ class _Reference:
     def __init__(self, loaded: object) -> None:
         from pdcluster.bench.reference import hf_model_from
 
-        self.model = hf_model_from(loaded)  # type: ignore[arg-type]
+        self.model: Any = hf_model_from(loaded)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], new_tokens: int) -> float:
@@ -121,16 +122,19 @@ def measure(args: argparse.Namespace) -> dict:
     results: dict[str, dict[str, dict[str, float]]] = {"prefill": {}, "decode": {}}
     for b in batches:
         _log(f"batch {b}: prefill {args.prefill_len} tokens")
-        pre = _best(args.repeats, lambda r: (ours.run(prompts(b, args.prefill_len), 1)[0],
-                                             ref.run(prompts(b, args.prefill_len), 1) if ref else 0.0))
-        _log(f"batch {b}: decode {args.decode_tokens} tokens after {args.decode_prompt_len}")
 
-        def decode_once(r: int) -> tuple[float, float]:
+        def prefill_once(_: int, b: int = b) -> tuple[float, float]:
+            p = prompts(b, args.prefill_len)
+            return ours.run(p, 1)[0], (ref.run(p, 1) if ref else 0.0)
+
+        def decode_once(_: int, b: int = b) -> tuple[float, float]:
             p = prompts(b, args.decode_prompt_len)
             first, total = ours.run(p, args.decode_tokens)
             ref_decode = (ref.run(p, args.decode_tokens) - ref.run(p, 1)) if ref else 0.0
             return total - first, ref_decode
 
+        pre = _best(args.repeats, prefill_once)
+        _log(f"batch {b}: decode {args.decode_tokens} tokens after {args.decode_prompt_len}")
         dec = _best(args.repeats, decode_once)
         for kind, (t_ours, t_ref), n_tok in (("prefill", pre, b * args.prefill_len),
                                               ("decode", dec, b * (args.decode_tokens - 1))):

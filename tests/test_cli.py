@@ -1,0 +1,59 @@
+"""The `pdcluster` command line, run as a user runs it: a separate process, its stdout, stderr and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import engine
+from tests.helpers import greedy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pdcluster(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "pdcluster", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm() -> engine.LLM:
+    return engine.LLM("tiny", num_blocks=64, num_threads=2)
+
+
+@pytest.mark.parametrize("prompts", [["Hello"], ["Hello", "The capital of France is"]], ids=["one", "two"])
+def test_generate_json_prints_one_line_per_prompt_with_the_engines_tokens(tiny_llm, prompts):
+    proc = pdcluster("generate", "--local", "--model", "tiny", "--json", "--max-tokens", "5", "--ignore-eos", *prompts)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == len(prompts), proc.stdout
+    expected = tiny_llm.generate(prompts, greedy(5))
+    for line, prompt, want in zip(lines, prompts, expected):
+        got = json.loads(line)
+        assert got["prompt"] == prompt
+        assert got["token_ids"] == want.token_ids and len(got["token_ids"]) == 5
+        assert got["text"] == want.text
+        assert got["finish_reason"] == "length"
+        assert got["prompt_tokens"] == len(want.prompt_token_ids)
+
+
+def test_generate_with_zero_max_tokens_exits_2_naming_the_field():
+    proc = pdcluster("generate", "--local", "--model", "tiny", "--max-tokens", "0", "Hello")
+    assert proc.returncode == 2
+    assert "max_tokens" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"]], ids=["top", "generate"])
+def test_help_exits_0_and_names_the_commands(args):
+    proc = pdcluster(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "generate" in proc.stdout
+    if args == ["--help"]:
+        assert "bench" in proc.stdout
+    else:
+        assert "--max-tokens" in proc.stdout and "--local" in proc.stdout
