@@ -57,11 +57,11 @@ class LLMEngine:
         dtype = torch_dtype(config.dtype)
         self.scope = cache_scope(mcfg.model_id, str(dtype).removeprefix("torch."))
         per_block = kv_bytes_per_block(mcfg, config.block_size, dtype)
+        model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
-        usable = config.max_num_seqs * -(-(config.max_model_len or mcfg.max_position_embeddings) // config.block_size)
+        usable = config.max_num_seqs * -(-model_len // config.block_size)
         num_blocks = config.num_blocks or max(1, min(usable, int(config.kv_cache_memory_gb * 2**30 // per_block)))
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings, num_blocks * config.block_size)
+        self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, self.max_model_len)
