@@ -101,7 +101,7 @@ class LLMEngine:
             field = "prompt"
         else:
             try:
-                token_ids = list(prompt)
+                token_ids = list(prompt)  # type: ignore[arg-type]  # a non-iterable raises TypeError, mapped below
             except TypeError:
                 raise InvalidRequestError("prompt", "must be a string or a list of token ids, got "
                                           f"{type(prompt).__name__}", request_id) from None

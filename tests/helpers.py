@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ def assert_idle(engine: LLMEngine) -> None:
 
 
 @torch.inference_mode()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy continuation of one prompt (up to n tokens, ending early at EOS) and its logits."""
     # NOTE: no min_new_tokens: it masks EOS, which changes the argmax; our ignore_eos only keeps going past it.
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
