@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 # NOTE: prefill queries are processed in chunks of this many rows: the scores of a chunk stay in cache and the
-# keys beyond its causal horizon are skipped. On this project's CPU it ran 3x faster than one SDPA call.
+# keys beyond its causal horizon are skipped; on this project's CPU it beat one SDPA call over the whole prompt.
 PREFILL_CHUNK = 128
 
 

@@ -95,9 +95,6 @@ class BlockPool:
         block.hash, block.token_ids = block_hash, tuple(token_ids)
         self._cached[block_hash] = block_id
 
-    def cached_hashes(self) -> list[BlockHash]:
-        return list(self._cached)
-
 
 class BlockManager:
     """Maps sequences onto the pool: prefix matching, slot allocation, freeing."""

@@ -1,8 +1,8 @@
 """The matmul kernel seam: `x @ W.T` with weights prepacked for oneDNN on CPU, plain F.linear elsewhere.
 
-NOTE: measured with `pdcluster bench engine` on this project's 2-core CPU: MKL's sgemm (F.linear) is far from the
-memory bound at the small M of decode (1-16 rows); oneDNN with a prepacked weight was 1.3x faster at M=1 and
-1.7x at M=8, and ~13% faster at prefill sizes. The op is internal to torch (inductor's CPU path uses it), so
+NOTE: on this project's 2-core CPU, MKL's sgemm (F.linear) is far from the memory bound at the small M of decode
+(1-16 rows); in a development microbenchmark oneDNN with a prepacked weight was clearly faster at every M we use,
+and `pdcluster bench engine` shows the effect end to end. The op is internal to torch (inductor's CPU path uses it), so
 we probe it once and fall back to F.linear if it is missing or fails.
 """
 

@@ -64,10 +64,6 @@ class Sequence:
         """Tokens whose K/V still has to be computed (prompt chunks, or the last sampled token)."""
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
