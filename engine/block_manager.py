@@ -11,6 +11,7 @@ when it is reused, as in vLLM's block pool.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Sequence_
 
 from engine.block_hash import BlockHash
 from engine.sequence import Sequence
@@ -110,19 +111,22 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_prefix(self, hashes: Sequence_[BlockHash], token_ids: Sequence_[int]) -> list[int]:
+        """Block ids of the leading blocks (given their hashes and tokens) that the prefix cache holds."""
+        hits: list[int] = []
+        for i, h in enumerate(hashes):
+            bid = self.pool.lookup(h, list(token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Leading blocks of a new sequence already in the cache; at least one token is left to compute."""
         if not self.pool.enable_prefix_caching:
             return []
         # NOTE: the last token is always recomputed: its logits are needed to sample the next one.
-        max_blocks = (len(seq) - 1) // self.block_size
-        hits: list[int] = []
-        for i in range(max_blocks):
-            bid = self.pool.lookup(seq.block_hash(i), seq.block_tokens(i))
-            if bid is None:
-                break
-            hits.append(bid)
-        return hits
+        return self.cached_prefix(seq.block_hashes((len(seq) - 1) // self.block_size), seq.token_ids)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] | None = None) -> bool:
         """Give `seq` slots for `num_new_tokens` more tokens (after linking `prefix_hits`); False if full."""

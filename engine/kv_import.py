@@ -62,23 +62,16 @@ def import_sequence(engine: LLMEngine, kv: KVExport, params: SamplingParams) -> 
     seq.token_ids = list(kv.token_ids)
     if seq.block_hashes(len(kv.block_hashes)) != kv.block_hashes:
         raise InvalidRequestError("block_hashes", "do not match the token ids sent", kv.request_id)
-    linked: list[int] = []
-    for i in range(kv.start_block):
-        bid = bm.pool.lookup(kv.block_hashes[i], seq.block_tokens(i))
-        if bid is None:
-            raise CapacityError(f"block {i} was left out but is no longer cached here", kv.request_id)
-        linked.append(bid)
-    need = kv.num_blocks - kv.start_block
-    if need > bm.num_free_blocks - sum(1 for b in linked if bm.pool.is_free(b)):
-        raise CapacityError(f"needs {need} KV blocks, {bm.num_free_blocks} free", kv.request_id)
-    for bid in linked:
-        bm.pool.acquire(bid)
-    fresh = [bm.pool.allocate() for _ in range(need)]
+    linked = bm.cached_prefix(kv.block_hashes[: kv.start_block], seq.token_ids)
+    if len(linked) < kv.start_block:
+        raise CapacityError(f"block {len(linked)} was left out but is no longer cached here", kv.request_id)
+    if not bm.allocate(seq, kv.num_kv_tokens - kv.start_block * bs, linked):
+        raise CapacityError(f"needs {kv.num_blocks - kv.start_block} KV blocks, {bm.num_free_blocks} free",
+                            kv.request_id)
+    fresh = seq.block_table[kv.start_block :]
     for layer in range(kv.num_layers):
         engine.runner.write_blocks(layer, fresh, kv.k[layer], kv.v[layer])
-    seq.block_table = linked + fresh
     seq.num_computed_tokens = kv.num_kv_tokens
     seq.num_cached_tokens = kv.num_cached_tokens
-    seq.num_registered_blocks = kv.start_block
     bm.register_full_blocks(seq)
     return seq

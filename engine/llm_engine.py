@@ -187,12 +187,7 @@ class LLMEngine:
 
     def cached_prefix_blocks(self, kv_hashes: Seq[bytes], token_ids: Seq[int]) -> int:
         """How many leading blocks of this token sequence the prefix cache already holds."""
-        bs, n = self.config.block_size, 0
-        for i, h in enumerate(kv_hashes):
-            if self.block_manager.pool.lookup(BlockHash(h), list(token_ids[i * bs : (i + 1) * bs])) is None:
-                break
-            n += 1
-        return n
+        return len(self.block_manager.cached_prefix([BlockHash(h) for h in kv_hashes], token_ids))
 
     def import_kv(self, kv: KVExport, params: SamplingParams) -> Sequence:
         """Adopt a sequence prefilled elsewhere; it decodes from its last sampled token on."""
