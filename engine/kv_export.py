@@ -15,6 +15,30 @@ import torch
 from engine.block_hash import BlockHash
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What KV blocks must match to be written into an engine's pool (sent first in every transfer)."""
+
+    scope: str  # model id and KV dtype: only an engine with the same scope may use the blocks
+    dtype: str  # torch dtype name, e.g. "float32"
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    def layer_nbytes(self, num_blocks: int) -> int:
+        """Bytes of K and V of `num_blocks` blocks in one layer."""
+        return 2 * num_blocks * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+
 @dataclass
 class KVExport:
     """KV blocks of one sequence, as tensors plus the metadata to validate and resume them."""
@@ -46,3 +70,9 @@ class KVExport:
     @property
     def dtype(self) -> torch.dtype:
         return self.k[0].dtype
+
+    @property
+    def layout(self) -> KVLayout:
+        """The layout these tensors have (the receiver checks it against its own)."""
+        _, bs, kvh, d = self.k[0].shape
+        return KVLayout(self.scope, str(self.dtype).removeprefix("torch."), self.num_layers, self.block_size, kvh, d)

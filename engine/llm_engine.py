@@ -6,27 +6,31 @@ Life of a request:
    and sampled tokens are appended, detokenized and checked against the stop conditions;
 3. a finished request frees its blocks (they stay in the prefix cache) — unless it was added with
    `hold_kv=True`, in which case the blocks stay pinned until `export_kv`/`release_kv`.
-`import_kv` adopts a sequence prefilled elsewhere: it joins the running batch and decodes on.
+`import_kv` adopts a sequence prefilled elsewhere: it joins the running batch and decodes on. A transfer
+spreads the import over time: `reserve_kv` → `write_kv_blocks` (as blocks arrive) → `commit_kv`;
+on the sending side `watch_layers` reports each layer of a prompt's KV as soon as the forward pass wrote it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from engine import kv_import
 from engine.block_hash import BlockHash, cache_scope
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, torch_dtype
 from engine.errors import InvalidRequestError, UnknownRequestError
-from engine.kv_export import KVExport
-from engine.kv_import import import_sequence
+from engine.kv_export import KVExport, KVLayout
+from engine.kv_import import KVReservation
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.output import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -40,6 +44,7 @@ class EngineStats:
     num_waiting: int
     num_running: int
     num_held: int
+    num_reserved: int  # requests whose incoming KV has blocks reserved, not yet committed
     prompt_tokens: int
     cached_prompt_tokens: int
     computed_tokens: int  # tokens run through the model (prefill chunks + decode steps)
@@ -68,6 +73,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._held: dict[str, Sequence] = {}  # finished with hold_kv, blocks pinned until export/release
+        self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort
+        self._layer_watchers: dict[str, Callable[[int], None]] = {}
+        self.kv_layout = KVLayout(self.scope, str(dtype).removeprefix("torch."), mcfg.num_layers, config.block_size,
+                                  mcfg.num_kv_heads, mcfg.head_dim)
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._computed_tokens = 0
@@ -80,8 +89,7 @@ class LLMEngine:
         params.validate()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
-        if request_id in self._seqs or request_id in self._held:
-            raise InvalidRequestError("request_id", "is already in use", request_id)
+        self._check_unused(request_id)
         token_ids = self.tokenize(prompt, request_id)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
@@ -119,7 +127,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
-        seq = self._seqs.pop(request_id, None) or self._held.pop(request_id, None)
+        self._layer_watchers.pop(request_id, None)
+        res = self._reserved.pop(request_id, None)
+        seq = self._seqs.pop(request_id, None) or self._held.pop(request_id, None) or (res.seq if res else None)
         if seq is None:
             return
         self.scheduler.remove(seq)
@@ -135,7 +145,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        tokens = self.runner.execute(batch)
+        tokens = self.runner.execute(batch, self._layer_hook(batch))
         self._computed_tokens += batch.num_tokens
         results: list[RequestOutput] = []
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
@@ -153,6 +163,20 @@ class LLMEngine:
             results.append(out)
         return results
 
+    def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        """Calls the watchers of the sequences whose prompt KV this step completes, after each layer."""
+        if not self._layer_watchers:
+            return None
+        done = [self._layer_watchers.pop(s.request_id) for s, n in zip(batch.seqs, batch.num_new_tokens)
+                if s.request_id in self._layer_watchers and s.num_computed_tokens + n >= s.num_prompt_tokens]
+        if not done:
+            return None
+
+        def hook(layer: int) -> None:
+            for fn in done:
+                fn(layer)
+        return hook
+
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -163,20 +187,46 @@ class LLMEngine:
             self.block_manager.free(seq)
 
     # ---- KV export / import -----------------------------------------------------------------------------
-    def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVExport:
-        """Copy out the KV of a held (or running) sequence; blocks before `skip_blocks` are left out."""
+    def _kv_seq(self, request_id: str) -> Sequence:
         seq = self._held.get(request_id) or self._seqs.get(request_id)
         if seq is None or not seq.block_table:
             raise UnknownRequestError("no KV held for this request", request_id)
+        return seq
+
+    def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVExport:
+        """Copy out the KV of a held (or running) sequence; blocks before `skip_blocks` are left out."""
+        seq = self._kv_seq(request_id)
         n_kv = seq.num_computed_tokens
-        n_blocks = self.block_manager.blocks_needed(n_kv)
         if not 0 <= skip_blocks <= n_kv // self.config.block_size:
             raise InvalidRequestError("skip_blocks", f"must be in [0, {n_kv // self.config.block_size}]", request_id)
-        ids = seq.block_table[skip_blocks:n_blocks]
-        ks, vs = zip(*(self.runner.read_blocks(layer, ids) for layer in range(self.model_config.num_layers)))
+        ks, vs = zip(*(self.read_kv_layer(request_id, layer, skip_blocks)
+                       for layer in range(self.model_config.num_layers)))
         return KVExport(request_id, self.scope, self.config.block_size, list(seq.token_ids), seq.num_prompt_tokens,
                         n_kv, seq.block_hashes(n_kv // self.config.block_size), skip_blocks, list(ks), list(vs),
                         seq.num_cached_tokens)
+
+    def kv_manifest(self, request_id: str) -> tuple[list[int], int, list[BlockHash]]:
+        """What a transfer announces first: the tokens whose K/V is held, the prompt length, full-block hashes."""
+        seq = self._kv_seq(request_id)
+        n_kv = seq.num_computed_tokens
+        return seq.token_ids[:n_kv], seq.num_prompt_tokens, seq.block_hashes(n_kv // self.config.block_size)
+
+    def read_kv_layer(self, request_id: str, layer: int, skip_blocks: int = 0,
+                      num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one layer's K and V for the blocks of the first `num_tokens` (default: all computed)."""
+        seq = self._kv_seq(request_id)
+        n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
+        return self.runner.read_blocks(layer, seq.block_table[skip_blocks:n_blocks])
+
+    def watch_layers(self, request_id: str, fn: Callable[[int], None]) -> None:
+        """Call `fn(layer)` as soon as each layer's KV of the whole prompt is written (layer-wise sending).
+
+        Fires during the step that completes the prompt's prefill, from inside the forward pass: `fn` should only
+        copy what it needs (`read_kv_layer(request_id, layer, num_tokens=num_prompt_tokens)`) and hand it on.
+        """
+        if request_id not in self._seqs:
+            raise UnknownRequestError("not a running request", request_id)
+        self._layer_watchers[request_id] = fn
 
     def release_kv(self, request_id: str) -> None:
         """Unpin the blocks of a held sequence (they stay in the prefix cache)."""
@@ -191,20 +241,53 @@ class LLMEngine:
 
     def import_kv(self, kv: KVExport, params: SamplingParams) -> Sequence:
         """Adopt a sequence prefilled elsewhere; it decodes from its last sampled token on."""
-        if kv.request_id in self._seqs or kv.request_id in self._held:
-            raise InvalidRequestError("request_id", "is already in use", kv.request_id)
-        params.validate()
-        seq = import_sequence(self, kv, params)
+        self._check_unused(kv.request_id)
+        return self._adopt(kv_import.import_export(self, kv, params))
+
+    def reserve_kv(self, request_id: str, layout: KVLayout, token_ids: Seq[int], num_prompt_tokens: int,
+                   block_hashes: Seq[bytes]) -> KVReservation:
+        """Check an incoming KV payload's description and reserve blocks for it; cached leading blocks are linked."""
+        self._check_unused(request_id)
+        res = kv_import.reserve(self, request_id, layout, token_ids, num_prompt_tokens, block_hashes)
+        self._reserved[request_id] = res
+        return res
+
+    def write_kv_blocks(self, res: KVReservation, layer: int, which: int, first_block: int, kv: torch.Tensor) -> None:
+        """Write K (which=0) or V (1) of some of a reservation's fresh blocks in one layer; kv: [n, bs, KVH, D].
+
+        NOTE: safe while another thread steps the engine: reserved blocks belong to no scheduled sequence.
+        """
+        kv_import.write_blocks(self, res, layer, which, first_block, kv)
+
+    def commit_kv(self, request_id: str, next_token_ids: Seq[int], params: SamplingParams,
+                  num_cached_tokens: int = 0) -> Sequence:
+        """Turn a fully written reservation into a running request; a failed commit frees the reservation."""
+        res = self._reserved.pop(request_id, None)
+        if res is None:
+            raise UnknownRequestError("no KV reserved for this request", request_id)
+        try:
+            seq = kv_import.commit(self, res, next_token_ids, params, num_cached_tokens)
+        except BaseException:
+            self.block_manager.free(res.seq)
+            raise
+        return self._adopt(seq)
+
+    def _adopt(self, seq: Sequence) -> Sequence:
         self.outputs.start(seq)
         self._seqs[seq.request_id] = seq
         self.scheduler.add_running(seq)
         return seq
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self._seqs or request_id in self._held or request_id in self._reserved:
+            raise InvalidRequestError("request_id", "is already in use", request_id)
 
     # ---- introspection ------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool = self.block_manager.pool
         return EngineStats(pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
                            len(self.scheduler.waiting), len(self.scheduler.running), len(self._held),
+                           len(self._reserved),
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
                            self.scheduler.num_preemptions)
 

@@ -6,6 +6,7 @@ Inference only: weights arrive in Hugging Face naming and are frozen (fused and 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -122,11 +123,14 @@ class LlamaModel:
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,  # called after each layer wrote its K/V
     ) -> torch.Tensor:  # [T, d]
         h = F.embedding(input_ids, self.embed)
         rope = self.rotary.at(positions, h.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = layer(h, rope, k_cache, v_cache, meta)
+            if layer_hook is not None:
+                layer_hook(i)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, d] → [N, vocab]

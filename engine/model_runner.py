@@ -5,6 +5,8 @@ The runner makes no scheduling decisions: it computes what the scheduler picked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -33,8 +35,11 @@ class ModelRunner:
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Compute the batch; return the sampled token of each sequence that reached its end, else None."""
+    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[int | None]:
+        """Compute the batch; return the sampled token of each sequence that reached its end, else None.
+
+        `layer_hook(i)` runs after layer i has written its K/V (layer-wise KV sending).
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
@@ -50,7 +55,8 @@ class ModelRunner:
                 sampling.append(i)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
                                        self.block_size)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
+                            layer_hook)
         out: list[int | None] = [None] * len(batch.seqs)
         if not sample_rows:
             return out
@@ -68,8 +74,6 @@ class ModelRunner:
         return self.kv[layer, 0, idx].clone(), self.kv[layer, 1, idx].clone()
 
     @torch.inference_mode()
-    def write_blocks(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K and V ([n, block_size, KVH, D]) into `block_ids` of `layer`."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        self.kv[layer, 0].index_copy_(0, idx, k.to(self.dtype))
-        self.kv[layer, 1].index_copy_(0, idx, v.to(self.dtype))
+    def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Store K (which=0) or V (1), [n, block_size, KVH, D], into `block_ids` of `layer`."""
+        self.kv[layer, which].index_copy_(0, torch.tensor(block_ids, dtype=torch.long), kv.to(self.dtype))

@@ -75,3 +75,37 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 49152, seed: int = 0
     """`n` prompts of token ids (lengths cycled), reproducible; ids avoid the special tokens below 100."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(100, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+# ---- KV transfer ---------------------------------------------------------------------------------------------------
+def open_kv_sender(transport: str, address: str, engine: LLMEngine, request_id: str, prompt: list[int],
+                   sender_cls: type | None = None, **config: Any) -> Any:
+    """A sender of `engine`'s KV of `prompt` (a request added with hold_kv=True) to `address`."""
+    from engine.block_hash import hash_prompt_blocks
+    from kv_transfer import TransferConfig, open_sender
+
+    tc = TransferConfig(transport=transport, **config)
+    hashes = hash_prompt_blocks(prompt, engine.config.block_size, engine.scope)
+    if sender_cls is None:
+        return open_sender(tc, address, request_id, engine.kv_layout, prompt, len(prompt), hashes,
+                           sender_id=f"test-{id(engine)}")
+    sender = open_sender(tc, address, request_id, engine.kv_layout, prompt, len(prompt), hashes)
+    return sender_cls(sender.control, tc, request_id, engine.kv_layout, prompt, len(prompt), hashes,
+                      sender_id=f"test-{id(engine)}")
+
+
+def prefill_layerwise(engine: LLMEngine, sender: Any, prompt: list[int], first: SamplingParams) -> list[int]:
+    """Prefill `prompt` on `engine`, handing each layer to `sender` as soon as it is computed; commit; return
+    the sampled token(s). The KV stays held (pinned) until the caller releases it."""
+    rid = sender.request_id
+    engine.add_request(rid, prompt, first, hold_kv=True)
+    cached = sender.prepare()
+    engine.watch_layers(rid, lambda layer: sender.send_layer(
+        layer, *engine.read_kv_layer(rid, layer, cached, num_tokens=len(prompt))))
+    out = run_to_completion(engine)[rid]
+    sender.commit(out.token_ids)
+    return out.token_ids
+
+
+def free_blocks(engine: LLMEngine) -> int:
+    return engine.stats().num_free_blocks

@@ -176,7 +176,7 @@ BAD_EXPORTS: dict[str, tuple[str, Callable[[KVExport], KVExport]]] = {
     "block_size": ("block_size", lambda kv: dataclasses.replace(kv, block_size=32)),
     "layer_count": ("num_layers", lambda kv: dataclasses.replace(kv, k=kv.k[:-1], v=kv.v[:-1])),
     "dtype": ("dtype", lambda kv: _retype(kv, torch.bfloat16)),
-    "k_shape": ("k", lambda kv: dataclasses.replace(kv, k=[t[:, :, :2] for t in kv.k])),
+    "k_shape": ("num_kv_heads", lambda kv: dataclasses.replace(kv, k=[t[:, :, :2] for t in kv.k])),
     "v_shape": ("v", lambda kv: dataclasses.replace(kv, v=[t[:-1] for t in kv.v])),
     "tokens_changed": ("block_hashes",
                        lambda kv: dataclasses.replace(kv, token_ids=[kv.token_ids[0] + 1, *kv.token_ids[1:]])),

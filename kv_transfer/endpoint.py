@@ -1,0 +1,100 @@
+"""Choosing a transport by name: `open_sender` on the prefill side, `ReceiverEndpoint` on the decode side."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable, Sequence
+
+from engine.kv_export import KVLayout
+from engine.llm_engine import LLMEngine
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+from kv_transfer.state import TransferConfig, TransferError, TransferState
+
+# transport name → (module, sender class, control class); imported on first use
+_SENDERS = {
+    "grpc": ("kv_transfer.grpc_transport", "GrpcKVSender", "GrpcControl"),
+    "torch": ("kv_transfer.torch_transport", "TorchKVSender", None),
+    "local": ("kv_transfer.local", "LocalKVSender", "LocalControl"),
+}
+
+
+def open_sender(config: TransferConfig, address: str, request_id: str, layout: KVLayout, token_ids: Sequence[int],
+                num_prompt_tokens: int, block_hashes: Sequence[bytes], *, sender_id: str = "",
+                on_finish: Callable[[KVSender], None] | None = None) -> KVSender:
+    """A sender of `config.transport` to the receiver at `address` (host:port, or local://name); not started."""
+    module_name, sender_name, control_name = _SENDERS[config.transport]
+    module = importlib.import_module(module_name)
+    if config.transport == "local":
+        control = module.LocalControl(address.removeprefix("local://"))
+    else:  # torch keeps its control plane on gRPC
+        grpc_transport = importlib.import_module("kv_transfer.grpc_transport")
+        control = grpc_transport.GrpcControl(address)
+    sender: KVSender = getattr(module, sender_name)(control, config, request_id, layout, token_ids,
+                                                    num_prompt_tokens, block_hashes, sender_id=sender_id,
+                                                    on_finish=on_finish)
+    return sender
+
+
+class ReceiverEndpoint:
+    """Everything a decode worker serves to receive KV: the receiver, its gRPC service, and torch pair groups."""
+
+    def __init__(self, engine: LLMEngine, config: TransferConfig, *, engine_lock: threading.RLock | None = None,
+                 host: str = "127.0.0.1", port: int = 0, local_name: str | None = None) -> None:
+        self.config = config
+        self.receiver = KVReceiver(engine, engine_lock)
+        self.local_name = local_name
+        if config.transport == "local":
+            from kv_transfer import local
+
+            self.address = f"local://{local_name or id(self)}"
+            local.register(self.address.removeprefix("local://"), self.receiver)
+            self.server = None
+            return
+        from kv_transfer import grpc_transport
+
+        if config.transport == "torch":
+            from kv_transfer.torch_transport import TorchEndpoint
+
+            TorchEndpoint(self.receiver, host, config.torch_backend, config.torch_device)
+        self.server, bound = grpc_transport.serve(self.receiver, f"{host}:{port}")
+        self.address = f"{host}:{bound}"
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=None)
+        if self.config.transport == "local":
+            from kv_transfer import local
+
+            local.unregister(self.address.removeprefix("local://"))
+        self.receiver.close()
+
+
+def send_held_kv(engine: LLMEngine, config: TransferConfig, address: str, request_id: str, *, sender_id: str = "",
+                 retries: int = 0, engine_lock: threading.RLock | None = None,
+                 make_sender: Callable[..., KVSender] = open_sender) -> KVSender:
+    """Send the KV a finished prefill holds (`hold_kv=True`) and wait; retry retryable failures `retries` times.
+
+    Only the blocks the receiver lacks are exported. The caller unpins the KV (`release_kv`) afterwards either way.
+    """
+    lock = engine_lock or threading.RLock()
+    for attempt in range(retries + 1):
+        with lock:
+            token_ids, num_prompt_tokens, hashes = engine.kv_manifest(request_id)
+        sender = make_sender(config, address, request_id, engine.kv_layout, token_ids, num_prompt_tokens, hashes,
+                             sender_id=sender_id)
+        try:
+            cached = sender.prepare()
+        except TransferError as e:
+            if attempt < retries and e.retryable:
+                continue
+            return sender
+        with lock:
+            kv = engine.export_kv(request_id, skip_blocks=cached)
+        sender.send_export(kv)
+        if sender.wait(config.deadline_s) is TransferState.DONE:
+            return sender
+        if not (sender.error and sender.error.retryable):
+            break
+    return sender

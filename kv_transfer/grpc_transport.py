@@ -1,0 +1,200 @@
+"""The `grpc` transport, and the gRPC control plane every remote transport uses.
+
+Receiver: `KVTransferService` serves `pdcluster.v1.KVTransfer` over a `KVReceiver`. Sender: `GrpcControl` makes
+the control calls; `GrpcKVSender` streams K and V as checksummed chunks over `grpc_streams` parallel Push calls,
+each on its own TCP connection (one Python gRPC stream tops out well below what the socket can carry).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+from engine.errors import CapacityError, EngineError, InvalidRequestError, UnknownRequestError
+from kv_transfer import wire
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import Control, KVSender, Layer
+from kv_transfer.state import TransferError
+from pdcluster.v1 import kv_transfer_pb2 as pb
+from pdcluster.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+MAX_MESSAGE = 80 << 20
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+
+
+def status_of(err: Exception) -> grpc.StatusCode:
+    """The one place engine/transfer errors map to gRPC status codes on the KV service."""
+    if isinstance(err, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(err, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(err, UnknownRequestError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(err, TransferError):
+        return grpc.StatusCode.DATA_LOSS if err.retryable else grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+class KVTransferService(pb_grpc.KVTransferServicer):
+    """gRPC face of a KVReceiver."""
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.receiver = receiver
+
+    def _call(self, context: grpc.ServicerContext, fn, *args):  # type: ignore[no-untyped-def]
+        try:
+            return fn(*args)
+        except EngineError as e:
+            context.abort(status_of(e), str(e))
+
+    def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.PrepareResponse:  # noqa: N802
+        return self._call(context, self.receiver.prepare, request)  # type: ignore[no-any-return]
+
+    def Push(self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext) -> pb.PushResponse:  # noqa: N802
+        transfer_id, nbytes = "", 0
+        try:
+            for chunk in request_iterator:
+                transfer_id = chunk.transfer_id
+                self.receiver.on_chunk(chunk)
+                nbytes += len(chunk.data)
+        except EngineError as e:
+            context.abort(status_of(e), str(e))
+        except Exception as e:  # noqa: BLE001 - a stream cut by a dead or cancelled sender lands here
+            if transfer_id:
+                self.receiver.fail(transfer_id, f"sender stream broke: {type(e).__name__}", retryable=True)
+            raise
+        return pb.PushResponse(bytes_received=nbytes)
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:  # noqa: N802
+        return self._call(context, self.receiver.commit, request)  # type: ignore[no-any-return]
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:  # noqa: N802
+        self.receiver.abort(request.transfer_id, request.reason)
+        return pb.AbortResponse()
+
+
+def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start a gRPC server with the KV service; returns it and the bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-grpc"),
+                         options=CHANNEL_OPTIONS)
+    pb_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the KV transfer service to {address}")
+    server.start()
+    return server, port
+
+
+_channels: dict[tuple[str, int], grpc.Channel] = {}
+_channels_lock = threading.Lock()
+
+
+def channel(address: str, index: int = 0) -> grpc.Channel:
+    """A cached channel to `address`; distinct `index`es get distinct TCP connections."""
+    with _channels_lock:
+        ch = _channels.get((address, index))
+        if ch is None:
+            opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("pdcluster.connection", index)]
+            ch = _channels[(address, index)] = grpc.insecure_channel(address, options=opts)
+        return ch
+
+
+def transfer_error(err: grpc.RpcError, request_id: str, what: str) -> TransferError:
+    code = err.code()  # type: ignore[attr-defined]
+    return TransferError(f"{what}: {code.name}: {err.details()}", request_id,  # type: ignore[attr-defined]
+                         retryable=code in RETRYABLE)
+
+
+class GrpcControl(Control):
+    """Control calls to a receiver's KV service at `address` (host:port)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.stub = pb_grpc.KVTransferStub(channel(address))
+
+    def prepare(self, req: pb.PrepareRequest, timeout: float) -> pb.PrepareResponse:
+        try:
+            return self.stub.Prepare(req, timeout=timeout)  # type: ignore[no-any-return]
+        except grpc.RpcError as e:
+            raise transfer_error(e, req.request_id, f"prepare at {self.address}") from None
+
+    def commit(self, req: pb.CommitRequest, timeout: float) -> pb.CommitResponse:
+        try:
+            return self.stub.Commit(req, timeout=timeout)  # type: ignore[no-any-return]
+        except grpc.RpcError as e:
+            raise transfer_error(e, "", f"commit at {self.address}") from None
+
+    def abort(self, req: pb.AbortRequest, timeout: float) -> None:
+        try:
+            self.stub.Abort(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise transfer_error(e, "", f"abort at {self.address}") from None
+
+
+class GrpcKVSender(KVSender):
+    """Streams each layer's K and V in checksummed chunks over parallel Push calls."""
+
+    transport = "grpc"
+    control: GrpcControl
+
+    def _send_layers(self, layers: Iterator[Layer]) -> None:
+        n_streams = self.config.grpc_streams
+        queues: list[queue.Queue[tuple[int, int, object] | None]] = [queue.Queue() for _ in range(n_streams)]
+        calls = [pb_grpc.KVTransferStub(channel(self.control.address, i)).Push.future(
+            self._chunks(q), timeout=self.remaining()) for i, q in enumerate(queues)]
+        self._calls = calls
+        slots = itertools.cycle(range(n_streams))
+        try:
+            for layer in layers:
+                for which, t in ((0, layer.k), (1, layer.v)):
+                    queues[next(slots)].put((layer.index, which, t))
+                if any(c.done() for c in calls):  # a stream ended early: it failed
+                    break
+        finally:
+            for q in queues:
+                q.put(None)
+        for call in calls:
+            try:
+                call.result(timeout=self.remaining())
+            except grpc.RpcError as e:
+                for c in calls:
+                    c.cancel()
+                raise transfer_error(e, self.request_id, f"push to {self.control.address}") from None
+            except futures.TimeoutError:
+                for c in calls:
+                    c.cancel()
+                raise TransferError("deadline passed while pushing", self.request_id, retryable=True) from None
+
+    def _chunks(self, q: queue.Queue[tuple[int, int, object] | None]) -> Iterator[pb.KVChunk]:
+        """Chunk messages of the tensors put on `q` (runs in gRPC's sending thread)."""
+        per_block = wire.block_nbytes(self.layout)
+        step = max(1, self.config.chunk_bytes // per_block)
+        while not self.state.finished:
+            try:
+                item = q.get(timeout=0.2)
+            except queue.Empty:
+                continue  # NOTE: wake up now and then so an aborted transfer ends this thread
+            if item is None:
+                return
+            layer, which, t = item
+            data = wire.as_bytes(t.contiguous())  # type: ignore[attr-defined]
+            n = t.shape[0]  # type: ignore[attr-defined]
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                piece = bytes(data[a * per_block : b * per_block])
+                self.bytes_sent += len(piece)
+                yield pb.KVChunk(transfer_id=self.transfer_id, layer=layer, kv=which, first_block=a,
+                                 num_blocks=b - a, crc32=wire.crc32(piece), data=piece)
+
+    def abort(self, reason: str) -> None:
+        for call in getattr(self, "_calls", []):
+            call.cancel()
+        super().abort(reason)

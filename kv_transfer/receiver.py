@@ -1,0 +1,302 @@
+"""Decode side of a transfer: reserve on handshake, check and write what arrives, complete on commit, expire.
+
+Life of an inbound transfer:
+1. `prepare` checks the sender's description against the engine and reserves blocks (cached ones linked);
+2. data arrives as chunks (`on_chunk`, grpc) or layers (`on_layer`, torch/local); each is checksummed before it
+   is written into the reserved blocks;
+3. `commit` completes it once every block of every layer arrived (DONE); the decode worker then `take`s it into
+   its running batch with the request's sampling params;
+4. a failure, an abort from either side, a broken stream, or a missed deadline frees the reservation (FAILED).
+A background thread expires transfers whose deadline passed, including DONE ones nobody took.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.errors import EngineError, InvalidRequestError
+from engine.kv_import import KVReservation
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kv_transfer import wire
+from kv_transfer.state import TransferError, TransferState
+from pdcluster.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Inbound:
+    """One transfer in flight towards this engine."""
+
+    transfer_id: str
+    res: KVReservation
+    deadline: float  # time.monotonic()
+    received: np.ndarray  # [num_layers, 2, num_blocks] bool: which blocks arrived intact
+    state: TransferState = TransferState.TRANSFERRING
+    error: TransferError | None = None
+    writers: int = 0  # writes into the reserved blocks in progress: freeing waits for them
+    receiving: bool = False  # a transport thread is still pulling this transfer's data (torch): commit waits
+    next_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    bytes_received: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def request_id(self) -> str:
+        return self.res.request_id
+
+    @property
+    def num_blocks(self) -> int:
+        return self.received.shape[2]
+
+
+class KVReceiver:
+    """Holds the inbound transfers of one engine; transports hand it what arrives (plain class, thread-safe)."""
+
+    def __init__(self, engine: LLMEngine, engine_lock: threading.RLock | None = None, *,
+                 max_deadline_s: float = 120.0, reap_interval_s: float = 0.05) -> None:
+        self.engine = engine
+        self.engine_lock = engine_lock or threading.RLock()  # NOTE: the decode loop steps under this same lock
+        self.max_deadline_s = max_deadline_s
+        self.layout = engine.kv_layout
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # notified as data lands and receive threads end
+        self._by_id: dict[str, Inbound] = {}
+        self._by_request: dict[str, Inbound] = {}
+        # transport hooks (torch): set up on handshake, tear down on failure
+        self.on_prepare: Callable[[pb.PrepareRequest, Inbound], pb.TorchRendezvous | None] | None = None
+        self.on_fail: Callable[[Inbound], None] | None = None
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval_s,), daemon=True,
+                                        name="kv-receiver-reaper")
+        self._reaper.start()
+
+    # ---- 1. handshake ---------------------------------------------------------------------------------------
+    def prepare(self, req: pb.PrepareRequest) -> pb.PrepareResponse:
+        """Check the description, reserve blocks; raises InvalidRequestError/CapacityError before any write."""
+        rid = req.request_id
+        if not rid:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if not req.HasField("layout"):
+            raise InvalidRequestError("layout", "is required", rid)
+        if req.transport not in ("grpc", "torch", "local"):
+            raise InvalidRequestError("transport", f"must be grpc, torch or local, got {req.transport!r}", rid)
+        if not 0 < req.deadline_ms <= self.max_deadline_s * 1000:
+            raise InvalidRequestError("deadline_ms", f"must be in (0, {int(self.max_deadline_s * 1000)}]", rid)
+        with self.engine_lock:
+            res = self.engine.reserve_kv(rid, wire.layout_from_proto(req.layout), list(req.token_ids),
+                                         req.num_prompt_tokens, list(req.block_hashes))
+        n = len(res.fresh_blocks)
+        t = Inbound(uuid.uuid4().hex, res, time.monotonic() + req.deadline_ms / 1000,
+                    np.zeros((self.layout.num_layers, 2, n), dtype=bool))
+        with self._lock:
+            self._by_id[t.transfer_id] = t
+            self._by_request[rid] = t
+        resp = pb.PrepareResponse(transfer_id=t.transfer_id, cached_blocks=res.start_block, num_blocks=n)
+        if req.transport == "torch":
+            if self.on_prepare is None:
+                self._fail(t, "this receiver has no torch transport", retryable=False)
+                raise InvalidRequestError("transport", "torch is not enabled on this receiver", rid)
+            rendezvous = self.on_prepare(req, t)
+            if rendezvous is not None:
+                resp.torch.CopyFrom(rendezvous)
+        return resp
+
+    # ---- 2. data --------------------------------------------------------------------------------------------
+    def on_chunk(self, chunk: pb.KVChunk) -> None:
+        """A grpc chunk: some blocks of K or V of one layer, as bytes, checksummed."""
+        expected = chunk.num_blocks * wire.block_nbytes(self.layout)
+        if len(chunk.data) != expected:
+            t = self._get(chunk.transfer_id)
+            self._fail(t, f"chunk of {len(chunk.data)} bytes for {chunk.num_blocks} blocks (expected {expected})")
+            raise InvalidRequestError("data", f"{len(chunk.data)} bytes for {chunk.num_blocks} blocks", t.request_id)
+        self.on_tensor(chunk, wire.tensor_from_bytes(chunk.data, self.layout, chunk.num_blocks))
+
+    def on_tensor(self, chunk: pb.KVChunk, kv: torch.Tensor) -> None:
+        """Blocks of K or V of one layer ([n, block_size, KVH, D]) described by `chunk` (its data unused)."""
+        self._check_crc(chunk.transfer_id, kv, chunk.crc32, f"layer {chunk.layer} {'KV'[chunk.kv % 2]} blocks "
+                        f"[{chunk.first_block}, {chunk.first_block + chunk.num_blocks})")
+        self._write(chunk.transfer_id, chunk.layer, chunk.kv, chunk.first_block, kv)
+
+    def on_layer(self, transfer_id: str, layer: int, kv: torch.Tensor, crc: int) -> None:
+        """A whole layer ([2, num_blocks, block_size, KVH, D]: K then V) with the CRC32 of its bytes."""
+        self._check_crc(transfer_id, kv, crc, f"layer {layer}")
+        self._write(transfer_id, layer, 0, 0, kv[0])
+        self._write(transfer_id, layer, 1, 0, kv[1])
+
+    def _check_crc(self, transfer_id: str, kv: torch.Tensor, crc: int, where: str) -> None:
+        if wire.crc32(kv) != crc:
+            t = self._get(transfer_id)
+            reason = f"checksum mismatch in {where}"
+            self._fail(t, reason, retryable=True)
+            raise TransferError(reason, t.request_id, retryable=True)
+
+    def _write(self, transfer_id: str, layer: int, which: int, first: int, kv: torch.Tensor) -> None:
+        t = self._begin_write(transfer_id)
+        try:
+            self.engine.write_kv_blocks(t.res, layer, which, first, kv)
+        except EngineError as e:
+            self._end_write(t)
+            self._fail(t, f"bad data: {e.reason}")
+            raise
+        self._end_write(t, layer, which, first, kv.shape[0], kv.numel() * kv.element_size())
+
+    def _begin_write(self, transfer_id: str) -> Inbound:
+        with self._lock:
+            t = self._by_id.get(transfer_id)
+            if t is None or t.state is not TransferState.TRANSFERRING:
+                if t is not None and t.error is not None:
+                    raise t.error
+                raise TransferError(f"transfer {transfer_id}: unknown or finished", t.request_id if t else None)
+            t.writers += 1
+            return t
+
+    def _end_write(self, t: Inbound, layer: int = 0, which: int = 0, first: int = 0, n: int = 0,
+                   nbytes: int = 0) -> None:
+        with self._lock:
+            t.writers -= 1
+            t.received[layer, which, first : first + n] = True
+            t.bytes_received += nbytes
+            free_now = t.state is TransferState.FAILED and t.writers == 0
+            self._progress.notify_all()
+        if free_now:
+            self._free(t)
+
+    # ---- 3. completion --------------------------------------------------------------------------------------
+    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
+        """The sender is done: complete if every block arrived, else fail naming what is missing."""
+        t = self._get(req.transfer_id)
+        with self._lock:
+            # NOTE: torch sends complete when the bytes left the sender; the receive thread may still be writing.
+            self._progress.wait_for(lambda: not (t.receiving or t.writers) or t.state is not TransferState.TRANSFERRING,
+                                    timeout=max(0.0, t.deadline - time.monotonic()))
+            if t.state is not TransferState.TRANSFERRING:
+                raise TransferError(f"cannot commit a {t.state.value} transfer"
+                                    + (f": {t.error.reason}" if t.error else ""), t.request_id)
+            missing = np.argwhere(~t.received)
+            if len(missing) == 0 and t.writers == 0:
+                t.next_token_ids = list(req.next_token_ids)
+                t.num_cached_tokens = req.num_cached_tokens
+                t.state = TransferState.DONE
+                t.done.set()
+                return pb.CommitResponse(bytes_received=t.bytes_received)
+        where = f"layer {missing[0][0]} {'KV'[missing[0][1]]} block {missing[0][2]}" if len(missing) else "writes"
+        reason = f"committed before all data arrived ({len(missing)} block(s) missing, first: {where})"
+        self._fail(t, reason, retryable=True)
+        raise TransferError(reason, t.request_id, retryable=True)
+
+    def take(self, request_id: str, params: SamplingParams) -> Sequence:
+        """Hand a DONE transfer to the engine's running batch with the request's sampling params."""
+        with self._lock:
+            t = self._by_request.get(request_id)
+            if t is None or t.state is not TransferState.DONE:
+                state = t.state.value if t else "unknown"
+                raise TransferError(f"no completed transfer to take (state: {state})", request_id)
+            self._forget(t)
+        with self.engine_lock:
+            return self.engine.commit_kv(request_id, t.next_token_ids, params, t.num_cached_tokens)
+
+    # ---- status, abort, expiry ------------------------------------------------------------------------------
+    def poll(self, request_id: str) -> TransferState:
+        t = self._by_request.get(request_id)
+        return t.state if t else TransferState.FAILED
+
+    def error(self, request_id: str) -> TransferError | None:
+        t = self._by_request.get(request_id)
+        return t.error if t else TransferError("unknown transfer", request_id)
+
+    def wait(self, request_id: str, timeout: float | None = None) -> TransferState:
+        """Block until the transfer is DONE or FAILED (or the timeout passes); returns the state."""
+        t = self._by_request.get(request_id)
+        if t is None:
+            return TransferState.FAILED
+        t.done.wait(timeout)
+        return t.state
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        t = self._by_id.get(transfer_id)
+        if t is not None:
+            self._fail(t, f"aborted by sender: {reason}")
+
+    def abort_request(self, request_id: str, reason: str = "aborted") -> None:
+        t = self._by_request.get(request_id)
+        if t is not None:
+            self._fail(t, reason)
+
+    def fail(self, transfer_id: str, reason: str, *, retryable: bool = False) -> None:
+        """A transport saw the transfer break (stream cut, peer gone): free its reservation now."""
+        t = self._by_id.get(transfer_id)
+        if t is not None:
+            self._fail(t, reason, retryable=retryable)
+
+    def set_receiving(self, t: Inbound, receiving: bool) -> None:
+        """A transport thread starts or stops pulling `t`'s data (commit waits while one is)."""
+        with self._lock:
+            t.receiving = receiving
+            self._progress.notify_all()
+
+    @property
+    def num_inflight(self) -> int:
+        with self._lock:
+            return sum(not t.state.finished for t in self._by_id.values())
+
+    def close(self) -> None:
+        self._closed.set()
+        for t in list(self._by_id.values()):
+            self._fail(t, "receiver closed")
+
+    def _get(self, transfer_id: str) -> Inbound:
+        t = self._by_id.get(transfer_id)
+        if t is None:
+            raise TransferError(f"unknown transfer {transfer_id!r}")
+        return t
+
+    def _fail(self, t: Inbound, reason: str, *, retryable: bool = False) -> None:
+        with self._lock:
+            if t.state is TransferState.FAILED or t.transfer_id not in self._by_id:
+                return  # NOTE: a taken transfer left _by_id: it belongs to the engine now
+            log.warning("KV transfer %s of request %s failed: %s", t.transfer_id, t.request_id, reason)
+            t.state, t.error = TransferState.FAILED, TransferError(reason, t.request_id, retryable=retryable)
+            t.done.set()
+            self._progress.notify_all()
+            free_now = t.writers == 0
+        if free_now:
+            self._free(t)
+        if self.on_fail is not None:
+            self.on_fail(t)
+
+    def _free(self, t: Inbound) -> None:
+        with self.engine_lock:
+            self.engine.abort_request(t.request_id)  # frees the reservation (linked blocks stay cached)
+        with self._lock:
+            self._forget(t)
+
+    def _forget(self, t: Inbound) -> None:
+        # NOTE: a failed transfer stays visible (`poll`, `error`, late chunks get its reason) for a minute.
+        if t.state is TransferState.FAILED:
+            return
+        self._by_id.pop(t.transfer_id, None)
+        if self._by_request.get(t.request_id) is t:
+            del self._by_request[t.request_id]
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            now = time.monotonic()
+            for t in [t for t in list(self._by_id.values()) if t.deadline < now]:
+                what = "not taken" if t.state is TransferState.DONE else "not committed"
+                self._fail(t, f"deadline passed: {what} in time", retryable=True)
+            with self._lock:  # failed transfers stay pollable for a minute
+                for t in [t for t in self._by_id.values() if t.state is TransferState.FAILED and t.deadline + 60 < now]:
+                    del self._by_id[t.transfer_id]
+                    if self._by_request.get(t.request_id) is t:
+                        del self._by_request[t.request_id]

@@ -1,0 +1,57 @@
+"""The vocabulary every transport shares: transfer states, the typed failure, and the transfer settings."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.errors import EngineError
+
+TRANSPORTS = ("grpc", "torch", "local")
+
+
+class TransferState(enum.Enum):
+    """Where a transfer is; callers poll it (SGLang's KVPoll, reduced to what we need)."""
+
+    WAITING = "waiting"  # created; handshake not done yet
+    TRANSFERRING = "transferring"  # blocks reserved on the receiver, data on its way
+    DONE = "done"  # every block arrived intact and the sender committed
+    FAILED = "failed"  # see `error`; every block reserved or pinned for it is freed
+
+    @property
+    def finished(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+class TransferError(EngineError):
+    """A transfer failed; `reason` says why, `retryable` whether sending again may succeed."""
+
+    def __init__(self, reason: str, request_id: str | None = None, *, retryable: bool = False) -> None:
+        self.retryable = retryable
+        super().__init__(reason, request_id)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How KV moves from prefill to decode workers (one per cluster; sizes in bytes, times in seconds)."""
+
+    transport: str = "grpc"  # "grpc" | "torch" | "local"
+    deadline_s: float = 30.0  # a transfer not committed by then fails and frees its blocks on both sides
+    chunk_bytes: int = 1 << 20  # grpc: data per chunk message (1 MiB measured best for Python gRPC)
+    grpc_streams: int = 2  # grpc: parallel Push streams, each its own TCP connection
+    torch_backend: str = "gloo"  # torch: "gloo" (CPU) or "nccl" (GPU)
+    torch_device: str = "cpu"  # torch: where the tensors sent live ("cuda" for nccl: staged from the CPU pool)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.deadline_s <= 0:
+            raise ValueError("deadline_s: must be positive")
+        if not 4096 <= self.chunk_bytes <= 64 << 20:
+            raise ValueError("chunk_bytes: must be in [4 KiB, 64 MiB]")
+        if not 1 <= self.grpc_streams <= 16:
+            raise ValueError("grpc_streams: must be in [1, 16]")
+        if self.torch_backend not in ("gloo", "nccl"):
+            raise ValueError(f"torch_backend: must be 'gloo' or 'nccl', got {self.torch_backend!r}")
+        if self.torch_backend == "nccl" and not self.torch_device.startswith("cuda"):
+            raise ValueError("torch_device: nccl sends CUDA tensors; set torch_device to 'cuda'")

@@ -1,0 +1,213 @@
+"""The `torch` transport: torch.distributed point-to-point, `gloo` on CPU and `nccl` on GPU, one code path.
+
+Each (sender, receiver) pair gets its own two-rank process group, made on demand: the receiver hosts a TCPStore
+and names a group key in its Prepare answer; a new key means a new group. Any failure breaks only that pair (the
+next transfer makes a fresh group), so a dead peer never poisons the others. Control stays on gRPC.
+
+Per transfer and layer the sender sends a header (layer, CRC32 of K, CRC32 of V), then K, then V. Transfers of
+one pair run one after another in the order of their tags, on both sides (NCCL ignores tags). With
+`device="cuda"` the layers are staged from the CPU KV pool to the GPU, sent with NCCL, and staged back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer import wire
+from kv_transfer.receiver import Inbound, KVReceiver
+from kv_transfer.sender import KVSender, Layer
+from kv_transfer.state import TransferError, TransferState
+from pdcluster.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SENDER, RECEIVER = 0, 1
+
+
+def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: float) -> Any:
+    """A two-rank process group under `key` (blocks until both ranks joined or `timeout` passes)."""
+    prefixed = dist.PrefixStore(f"pdcluster/kv/{key}", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout))
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout)
+    return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+
+
+@dataclass
+class _Pair:
+    """One end of a pair group, with its transfers in tag order."""
+
+    key: str
+    group: Future[Any] = field(default_factory=Future)
+    tags: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    turn: int = 1  # the tag whose data may move now
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    broken: bool = False
+
+    def wait_turn(self, tag: int, deadline: float) -> None:
+        with self.cond:
+            while self.turn != tag:
+                if self.broken or not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TransferError("pair group broke or timed out before this transfer's turn", retryable=True)
+
+    def end_turn(self, tag: int) -> None:
+        with self.cond:
+            self.turn = max(self.turn, tag + 1)
+            self.cond.notify_all()
+
+    def breaks(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
+
+
+class TorchEndpoint:
+    """Receiver side: hosts the TCPStore, keeps a pair group per sender, receives each transfer's layers."""
+
+    def __init__(self, receiver: KVReceiver, host: str = "127.0.0.1", backend: str = "gloo",
+                 device: str = "cpu", group_timeout_s: float = 30.0) -> None:
+        self.receiver, self.host, self.backend, self.device = receiver, host, backend, device
+        self.group_timeout_s = group_timeout_s
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=group_timeout_s))
+        self.port = self.store.port
+        self._pairs: dict[str, _Pair] = {}
+        self._pair_of: dict[str, _Pair] = {}  # transfer id → its pair
+        self._lock = threading.Lock()
+        receiver.on_prepare = self.prepare
+        receiver.on_fail = self._failed
+
+    def prepare(self, req: pb.PrepareRequest, t: Inbound) -> pb.TorchRendezvous:
+        with self._lock:
+            pair = self._pairs.get(req.sender_id)
+            if pair is None or pair.broken:
+                pair = self._pairs[req.sender_id] = _Pair(f"{req.sender_id}/{uuid.uuid4().hex[:12]}")
+                threading.Thread(target=self._make, args=(pair,), daemon=True, name="kv-torch-group").start()
+            tag = next(pair.tags)
+            self._pair_of[t.transfer_id] = pair
+        threading.Thread(target=self._receive, args=(pair, tag, t), daemon=True,
+                         name=f"kv-torch-recv-{t.request_id}").start()
+        return pb.TorchRendezvous(host=self.host, port=self.port, group_key=pair.key, backend=self.backend,
+                                  tag=tag, device=self.device)
+
+    def _failed(self, t: Inbound) -> None:
+        """A transfer failed (abort, checksum, deadline): its pair's stream is out of step, retire the pair."""
+        with self._lock:
+            pair = self._pair_of.pop(t.transfer_id, None)
+        if pair is not None:
+            self._retire(pair)
+
+    def _retire(self, pair: _Pair) -> None:
+        pair.breaks()
+        with self._lock:
+            for sid, p in list(self._pairs.items()):
+                if p is pair:
+                    del self._pairs[sid]
+
+    def _make(self, pair: _Pair) -> None:
+        try:
+            pair.group.set_result(make_group(self.backend, self.store, pair.key, RECEIVER, self.group_timeout_s))
+        except Exception as e:  # noqa: BLE001 - reported to every transfer waiting on this pair
+            pair.breaks()
+            pair.group.set_exception(e)
+
+    def _receive(self, pair: _Pair, tag: int, t: Inbound) -> None:
+        layout, n = self.receiver.layout, t.num_blocks
+        self.receiver.set_receiving(t, True)
+        try:
+            pair.wait_turn(tag, t.deadline)
+            group = pair.group.result(timeout=max(0.0, t.deadline - time.monotonic()))
+            header = torch.empty(3, dtype=torch.int64, device=self.device)
+            buf = torch.empty((2, n, *layout.block_shape), dtype=layout.torch_dtype, device=self.device)
+            for layer in range(layout.num_layers):
+                for tensor in (header, buf[0], buf[1]):
+                    group.recv([tensor], SENDER, tag).wait(timedelta(seconds=max(0.001, t.deadline - time.monotonic())))
+                got, crc_k, crc_v = header.tolist()
+                if got != layer:
+                    raise TransferError(f"expected layer {layer}, got {got}")
+                kv = buf.cpu() if buf.device.type != "cpu" else buf
+                self.receiver.on_tensor(_chunk(t.transfer_id, layer, 0, n, crc_k), kv[0])
+                self.receiver.on_tensor(_chunk(t.transfer_id, layer, 1, n, crc_v), kv[1])
+            pair.end_turn(tag)
+        except Exception as e:  # noqa: BLE001 - any failure frees the reservation and retires the pair
+            if t.state is TransferState.TRANSFERRING:
+                self.receiver.fail(t.transfer_id, f"torch receive failed: {e}", retryable=True)
+            self._retire(pair)
+        finally:
+            self.receiver.set_receiving(t, False)
+            with self._lock:
+                self._pair_of.pop(t.transfer_id, None)
+
+
+def _chunk(transfer_id: str, layer: int, which: int, n: int, crc: int) -> pb.KVChunk:
+    return pb.KVChunk(transfer_id=transfer_id, layer=layer, kv=which, first_block=0, num_blocks=n, crc32=crc)
+
+
+_pairs: dict[tuple[str, str], _Pair] = {}  # sender side: (receiver address, group key) → pair
+_pairs_lock = threading.Lock()
+
+
+class TorchKVSender(KVSender):
+    """Sends each layer with torch.distributed send over the pair group named in the handshake."""
+
+    transport = "torch"
+
+    def _on_prepared(self, resp: pb.PrepareResponse) -> None:
+        rv = resp.torch
+        self._tag, self._device = rv.tag, rv.device
+        with _pairs_lock:
+            pair = _pairs.get((rv.host, rv.group_key))
+            if pair is None:
+                pair = _pairs[(rv.host, rv.group_key)] = _Pair(rv.group_key)
+                threading.Thread(target=self._make, args=(pair, rv), daemon=True, name="kv-torch-group").start()
+        self._pair = pair
+
+    def _make(self, pair: _Pair, rv: pb.TorchRendezvous) -> None:
+        try:
+            store = dist.TCPStore(rv.host, rv.port, is_master=False, timeout=timedelta(seconds=self.remaining()))
+            pair.group.set_result(make_group(rv.backend, store, rv.group_key, SENDER, self.remaining()))
+        except Exception as e:  # noqa: BLE001 - reported to every transfer waiting on this pair
+            pair.breaks()
+            pair.group.set_exception(e)
+
+    def _send_layers(self, layers: Iterator[Layer]) -> None:
+        pair, tag = self._pair, self._tag
+        try:
+            pair.wait_turn(tag, self._deadline)
+            group = pair.group.result(timeout=self.remaining())
+            for layer in layers:
+                k, v = layer.k.contiguous(), layer.v.contiguous()
+                header = torch.tensor([layer.index, wire.crc32(k), wire.crc32(v)], dtype=torch.int64)
+                works = [group.send([x.to(self._device)], RECEIVER, tag) for x in (header, k, v)]
+                for w in works:
+                    w.wait(timedelta(seconds=self.remaining()))
+                self.bytes_sent += 2 * k.numel() * k.element_size()
+            pair.end_turn(tag)
+            if self.state.finished:  # aborted while sending: the pair's stream is out of step
+                self._retire(pair)
+        except TransferError:
+            self._retire(pair)
+            raise
+        except Exception as e:
+            self._retire(pair)
+            raise TransferError(f"torch send failed: {e}", self.request_id, retryable=True) from None
+
+    def _retire(self, pair: _Pair) -> None:
+        pair.breaks()
+        with _pairs_lock:
+            for key, p in list(_pairs.items()):
+                if p is pair:
+                    del _pairs[key]

@@ -1,0 +1,123 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("scope", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    scope: str
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, scope: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class PrepareRequest(_message.Message):
+    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    layout: KVLayout
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    transport: str
+    deadline_ms: int
+    sender_id: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ...) -> None: ...
+
+class TorchRendezvous(_message.Message):
+    __slots__ = ("host", "port", "group_key", "backend", "tag", "device")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    group_key: str
+    backend: str
+    tag: int
+    device: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group_key: _Optional[str] = ..., backend: _Optional[str] = ..., tag: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class PrepareResponse(_message.Message):
+    __slots__ = ("transfer_id", "cached_blocks", "num_blocks", "torch")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TORCH_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    cached_blocks: int
+    num_blocks: int
+    torch: TorchRendezvous
+    def __init__(self, transfer_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., torch: _Optional[_Union[TorchRendezvous, _Mapping]] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("transfer_id", "layer", "kv", "first_block", "num_blocks", "crc32", "data")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    layer: int
+    kv: int
+    first_block: int
+    num_blocks: int
+    crc32: int
+    data: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., kv: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("bytes_received",)
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("transfer_id", "next_token_ids", "num_cached_tokens")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    next_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("bytes_received",)
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,26 @@
+"""Generate the Python gRPC code in pdcluster/v1/ from proto/ (`make proto`); `--out DIR` writes elsewhere."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from grpc_tools import protoc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def generate(out: pathlib.Path) -> list[pathlib.Path]:
+    protos = sorted((ROOT / "proto").rglob("*.proto"))
+    args = ["protoc", f"-I{ROOT / 'proto'}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}"]
+    if protoc.main([*args, *map(str, protos)]) != 0:
+        raise SystemExit("protoc failed")
+    return sorted(p.relative_to(out) for p in out.rglob("*_pb2*.py*"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT)
+    files = generate(parser.parse_args().out)
+    print("\n".join(map(str, files)), file=sys.stderr)

@@ -1,0 +1,270 @@
+"""KV transfer on the tiny model: every transport's round trip, layer-wise sending, only-missing-blocks, faults.
+
+The endpoints run in this process but grpc and torch still go through real sockets (gRPC, TCPStore, gloo).
+Separate-process round trips with SmolLM2 are in test_kv_transfer_processes.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, send_held_kv
+from kv_transfer.grpc_transport import GrpcControl, GrpcKVSender
+from tests.helpers import (
+    assert_idle,
+    free_blocks,
+    greedy,
+    open_kv_sender,
+    prefill_layerwise,
+    random_prompts,
+    run_alone,
+    run_to_completion,
+)
+
+TRANSPORTS = ["grpc", "torch", "local"]
+N = 8
+FIRST = SamplingParams(max_tokens=1, temperature=0)
+PROMPT = random_prompts(1, [90], vocab=1000, seed=5)[0]  # 5 full blocks + 10 tokens
+
+
+def engine(tiny, **overrides: object) -> LLMEngine:
+    return LLMEngine(tiny, EngineConfig(num_blocks=64, num_threads=1, **overrides))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def endpoints(tiny):
+    """One receiving engine per transport, each behind its own endpoint."""
+    made: dict[str, ReceiverEndpoint] = {}
+
+    def make(transport: str, **config: object) -> ReceiverEndpoint:
+        ep = ReceiverEndpoint(engine(tiny), TransferConfig(transport=transport, **config),  # type: ignore[arg-type]
+                              local_name=f"{transport}-{len(made)}")
+        made[f"{transport}-{len(made)}"] = ep
+        return ep
+
+    yield make
+    for ep in made.values():
+        ep.close()
+
+
+def decode_on(ep: ReceiverEndpoint, request_id: str, max_tokens: int = N) -> list[int]:
+    assert ep.receiver.wait(request_id, 10) is TransferState.DONE, ep.receiver.error(request_id)
+    ep.receiver.take(request_id, greedy(max_tokens))
+    with ep.receiver.engine_lock:
+        return run_to_completion(ep.receiver.engine)[request_id].token_ids
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layerwise_round_trip_continues_like_one_engine(tiny, endpoints, transport):
+    want = run_alone(tiny, PROMPT, greedy(N))
+    a, ep = engine(tiny), endpoints(transport)
+    a_free, b_free = free_blocks(a), free_blocks(ep.receiver.engine)
+    sender = open_kv_sender(transport, ep.address, a, "r", PROMPT)
+    first = prefill_layerwise(a, sender, PROMPT, FIRST)
+    assert sender.wait(10) is TransferState.DONE, sender.error
+    assert sender.cached_blocks == 0 and sender.num_blocks == 6
+    assert sender.bytes_sent == a.kv_layout.num_layers * a.kv_layout.layer_nbytes(6)
+    a.release_kv("r")
+    assert free_blocks(a) == a_free
+    tokens = decode_on(ep, "r")
+    assert first == want[:1] and tokens == want
+    assert free_blocks(ep.receiver.engine) == b_free and ep.receiver.num_inflight == 0
+
+
+def test_layers_are_handed_over_in_order_during_the_prefill_step(tiny):
+    a = engine(tiny)
+    seen: list[tuple[int, bool]] = []
+    a.add_request("r", PROMPT, FIRST, hold_kv=True)
+    a.watch_layers("r", lambda layer: seen.append((layer, a.has_unfinished_requests())))
+    a.step()
+    assert [layer for layer, _ in seen] == list(range(tiny.config.num_layers))
+    assert all(running for _, running in seen)  # each layer arrives before the step (and the prefill) ends
+
+
+@pytest.mark.parametrize("transport", ["grpc", "local"])
+def test_only_missing_blocks_move_when_the_receiver_caches_the_prefix(tiny, endpoints, transport):
+    shared = random_prompts(1, [64], vocab=1000, seed=9)[0]  # 4 full blocks
+    p1, p2 = shared + PROMPT[:20], shared + PROMPT[20:50]
+    ep = endpoints(transport)
+    b = ep.receiver.engine
+    for rid, prompt in (("one", p1), ("two", p2)):
+        a = engine(tiny)
+        sender = open_kv_sender(transport, ep.address, a, rid, prompt)
+        first = prefill_layerwise(a, sender, prompt, FIRST)
+        assert sender.wait(10) is TransferState.DONE, sender.error
+        want = run_alone(tiny, prompt, greedy(N))
+        assert first + decode_on(ep, rid)[1:] == want
+    layout = b.kv_layout
+    assert sender.cached_blocks == 4 and sender.num_blocks == 2  # 94 tokens: 6 blocks, 4 linked
+    assert sender.bytes_sent == layout.num_layers * layout.layer_nbytes(2)
+    assert_idle(b)
+
+
+class CorruptOnce(GrpcKVSender):
+    """Flips one byte of the first chunk of the first transfer it makes (after the checksum was taken)."""
+
+    corrupted = 0
+
+    def _chunks(self, q):  # type: ignore[no-untyped-def]
+        for chunk in super()._chunks(q):
+            if CorruptOnce.corrupted == 0:
+                CorruptOnce.corrupted += 1
+                data = bytearray(chunk.data)
+                data[7] ^= 0xFF
+                chunk.data = bytes(data)
+            yield chunk
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_corrupted_chunk_fails_the_transfer_and_is_retried_once_if_asked(tiny, endpoints, retries):
+    CorruptOnce.corrupted = 0
+    a, ep = engine(tiny), endpoints("grpc")
+    b = ep.receiver.engine
+    baseline = free_blocks(b)
+    a.add_request("r", PROMPT, FIRST, hold_kv=True)
+    first = run_to_completion(a)["r"].token_ids
+
+    def make(config, address, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return CorruptOnce(GrpcControl(address), config, *args, **kwargs)
+
+    sender = send_held_kv(a, TransferConfig(transport="grpc"), ep.address, "r", retries=retries, make_sender=make)
+    a.release_kv("r")
+    assert CorruptOnce.corrupted == 1
+    if retries == 0:
+        assert sender.state is TransferState.FAILED
+        assert "checksum mismatch in layer 0" in sender.error.reason and sender.error.retryable
+        assert ep.receiver.poll("r") is TransferState.FAILED
+        assert wait_for(lambda: free_blocks(b) == baseline)
+    else:
+        assert sender.state is TransferState.DONE, sender.error
+        assert first + decode_on(ep, "r")[1:] == run_alone(tiny, PROMPT, greedy(N))
+        assert free_blocks(b) == baseline
+    assert_idle(a)
+
+
+LAYOUT_FIELDS = {"scope": "another-model|float32", "dtype": "bfloat16", "block_size": 32, "num_layers": 3,
+                 "num_kv_heads": 1, "head_dim": 8}
+
+
+@pytest.mark.parametrize("field", list(LAYOUT_FIELDS))
+@pytest.mark.parametrize("transport", ["grpc", "local"])
+def test_a_mismatched_layout_is_rejected_before_any_write(tiny, endpoints, transport, field):
+    a, ep = engine(tiny), endpoints(transport)
+    before = ep.receiver.engine.stats()
+    sender = open_kv_sender(transport, ep.address, a, "r", PROMPT)
+    sender.layout = dataclasses.replace(a.kv_layout, **{field: LAYOUT_FIELDS[field]})
+    with pytest.raises(TransferError) as err:
+        sender.prepare()
+    assert f"{field}: sender has" in err.value.reason and not err.value.retryable
+    assert sender.state is TransferState.FAILED
+    assert ep.receiver.engine.stats() == before and ep.receiver.num_inflight == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sender_abort_frees_the_receivers_reservation(tiny, endpoints, transport):
+    a, ep = engine(tiny), endpoints(transport)
+    baseline = free_blocks(ep.receiver.engine)
+    sender = open_kv_sender(transport, ep.address, a, "r", PROMPT)
+    sender.prepare()
+    assert free_blocks(ep.receiver.engine) == baseline - 6  # reserved
+    sender.abort("client went away")
+    assert sender.state is TransferState.FAILED
+    assert wait_for(lambda: free_blocks(ep.receiver.engine) == baseline)
+    assert "client went away" in ep.receiver.error("r").reason
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+def test_a_silent_sender_loses_its_reservation_at_the_deadline(tiny, endpoints, transport):
+    a, ep = engine(tiny), endpoints(transport)
+    baseline = free_blocks(ep.receiver.engine)
+    sender = open_kv_sender(transport, ep.address, a, "r", PROMPT, deadline_s=0.5)
+    sender.prepare()  # ... and then never sends a layer nor commits
+    assert free_blocks(ep.receiver.engine) == baseline - 6
+    assert wait_for(lambda: free_blocks(ep.receiver.engine) == baseline, timeout=3)
+    assert "deadline" in ep.receiver.error("r").reason  # its own, or the sender's abort at its deadline
+    assert sender.wait(3) is TransferState.FAILED  # the sender's own deadline fires too
+
+
+@pytest.mark.parametrize("transport", ["grpc"])  # torch: a killed receiver process, test_kv_transfer_processes.py
+def test_receiver_gone_fails_the_sender_fast_and_it_unpins(tiny, endpoints, transport):
+    a, ep = engine(tiny), endpoints(transport)
+    baseline = free_blocks(a)
+    unpinned = threading.Event()
+
+    def release(s):  # type: ignore[no-untyped-def]
+        a.release_kv(s.request_id) if "r" in a._held else a.abort_request(s.request_id)
+        unpinned.set()
+
+    sender = open_kv_sender(transport, ep.address, a, "r", PROMPT)
+    sender.on_finish = release
+    a.add_request("r", PROMPT, FIRST, hold_kv=True)
+    run_to_completion(a)
+    sender.prepare()
+    ep.close()  # the receiver goes away: server stopped, reservations dropped
+    start = time.monotonic()
+    kv = a.export_kv("r", skip_blocks=sender.cached_blocks)
+    sender.send_export(kv)
+    assert sender.wait(10) is TransferState.FAILED
+    assert time.monotonic() - start < 5  # well inside the 30 s deadline
+    assert unpinned.wait(1) and free_blocks(a) == baseline
+
+
+def test_receiver_abort_fails_the_sender(tiny, endpoints):
+    a, ep = engine(tiny), endpoints("grpc")
+    sender = open_kv_sender("grpc", ep.address, a, "r", PROMPT)
+    a.add_request("r", PROMPT, FIRST, hold_kv=True)
+    run_to_completion(a)
+    sender.prepare()
+    ep.receiver.abort_request("r", "decode worker draining")
+    sender.send_export(a.export_kv("r"))
+    assert sender.wait(10) is TransferState.FAILED
+    assert "decode worker draining" in sender.error.reason
+    a.release_kv("r")
+    assert_idle(ep.receiver.engine)
+
+
+def test_commit_before_all_layers_arrived_fails(tiny, endpoints):
+    a, ep = engine(tiny), endpoints("local")
+    sender = open_kv_sender("local", ep.address, a, "r", PROMPT)
+    a.add_request("r", PROMPT, FIRST, hold_kv=True)
+    first = run_to_completion(a)["r"].token_ids
+    sender.prepare()
+    kv = a.export_kv("r")
+    sender.send_layer(0, kv.k[0], kv.v[0])
+    sender.commit(first)
+    assert sender.wait(10) is TransferState.FAILED
+    assert "before all data arrived" in sender.error.reason and "first: layer 1 K block 0" in sender.error.reason
+    assert_idle(ep.receiver.engine)
+
+
+def test_an_unclaimed_transfer_is_freed_at_its_deadline(tiny, endpoints):
+    a, ep = engine(tiny), endpoints("local")
+    baseline = free_blocks(ep.receiver.engine)
+    sender = open_kv_sender("local", ep.address, a, "r", PROMPT, deadline_s=0.5)
+    prefill_layerwise(a, sender, PROMPT, FIRST)
+    assert sender.wait(5) is TransferState.DONE
+    assert ep.receiver.poll("r") is TransferState.DONE  # ... and the decode worker never takes it
+    assert wait_for(lambda: free_blocks(ep.receiver.engine) == baseline, timeout=3)
+    with pytest.raises(TransferError):
+        ep.receiver.take("r", greedy(N))
+
+
+def test_transfer_config_names_the_bad_field():
+    for kwargs, field in (({"transport": "rdma"}, "transport"), ({"chunk_bytes": 10}, "chunk_bytes"),
+                          ({"torch_backend": "nccl"}, "torch_device"), ({"grpc_streams": 0}, "grpc_streams")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            TransferConfig(**kwargs)  # type: ignore[arg-type]

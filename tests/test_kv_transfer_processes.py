@@ -1,0 +1,185 @@
+"""KV transfer between separate processes: SmolLM2 round trips per transport, and processes killed mid-transfer."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.loader import load_model
+from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState
+from tests.helpers import (
+    free_blocks,
+    greedy,
+    open_kv_sender,
+    prefill_layerwise,
+    random_prompts,
+    run_alone,
+    run_to_completion,
+)
+
+N = 12
+FIRST = SamplingParams(max_tokens=1, temperature=0)
+CTX = mp.get_context("spawn")
+
+
+def _config(model: str) -> EngineConfig:
+    return EngineConfig(num_threads=1, num_blocks=64 if model == "tiny" else None, kv_cache_memory_gb=0.25)
+
+
+def _receiver_child(conn, model: str) -> None:  # runs in a spawned process: a decode-side engine behind an endpoint
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        engine = LLMEngine(load_model(model), _config(model))
+        ep = ReceiverEndpoint(engine, TransferConfig(transport="torch"))  # serves grpc and torch
+        conn.send(("ready", ep.address, engine.stats()))
+        while True:
+            op, *args = conn.recv()
+            if op == "stop":
+                return
+            if op == "stats":
+                conn.send(("stats", engine.stats()))
+                continue
+            rid, max_tokens = args
+            if ep.receiver.wait(rid, 60) is not TransferState.DONE:
+                conn.send(("failed", str(ep.receiver.error(rid))))
+                continue
+            ep.receiver.take(rid, greedy(max_tokens))
+            with ep.receiver.engine_lock:
+                tokens = run_to_completion(engine)[rid].token_ids
+            conn.send(("ok", tokens))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+class Child:
+    def __init__(self, target, *args) -> None:  # type: ignore[no-untyped-def]
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+
+    def recv(self, timeout: float = 120):  # type: ignore[no-untyped-def]
+        assert self.conn.poll(timeout), "child process did not answer"
+        msg = self.conn.recv()
+        assert msg[0] != "error", msg[1]
+        return msg
+
+    def ask(self, *msg):  # type: ignore[no-untyped-def]
+        self.conn.send(msg)
+        return self.recv()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def smol_receiver():
+    child = Child(_receiver_child, "smollm2")
+    _, address, baseline = child.recv(180)
+    yield child, address, baseline
+    child.conn.send(("stop",))
+    child.proc.join(10)
+    if child.proc.is_alive():
+        child.kill()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+def test_smollm2_round_trip_between_processes_continues_like_one_engine(smollm2, smol_receiver, transport):
+    child, address, baseline = smol_receiver
+    prompt = random_prompts(1, [300], seed=21)[0]
+    want = run_alone(smollm2, prompt, greedy(N))
+    a = LLMEngine(smollm2, _config("smollm2"))
+    sender = open_kv_sender(transport, address, a, f"rt-{transport}", prompt)
+    first = prefill_layerwise(a, sender, prompt, FIRST)
+    assert sender.wait(30) is TransferState.DONE, sender.error
+    a.release_kv(sender.request_id)
+    _, tokens = child.ask("decode", sender.request_id, N)
+    assert first == want[:1] and tokens == want
+    stats = child.ask("stats")[1]
+    assert stats.num_free_blocks == baseline.num_free_blocks and stats.num_reserved == 0
+
+
+def test_only_missing_blocks_move_with_a_256_token_prefix_cached_on_the_receiver(smollm2, smol_receiver):
+    child, address, _ = smol_receiver
+    shared = random_prompts(1, [256], seed=22)[0]  # 16 full blocks
+    a = LLMEngine(smollm2, _config("smollm2"))
+    layout = a.kv_layout
+    for i, tail in enumerate(random_prompts(2, [40, 72], seed=23)):
+        prompt = shared + tail
+        sender = open_kv_sender("grpc", address, a, f"prefix-{i}", prompt)
+        first = prefill_layerwise(a, sender, prompt, FIRST)
+        assert sender.wait(30) is TransferState.DONE, sender.error
+        a.release_kv(sender.request_id)
+        _, tokens = child.ask("decode", sender.request_id, 4)
+        assert tokens == run_alone(smollm2, prompt, greedy(4)) and tokens[:1] == first
+    # the second request: 328 tokens = 21 blocks, of which the receiver caches the 16 of the shared prefix
+    assert sender.cached_blocks == 16 and sender.num_blocks == 5
+    assert sender.bytes_sent == layout.num_layers * layout.layer_nbytes(5)  # 30 layers × 5 blocks × (K + V)
+
+
+def _sender_child(conn, address: str, transport: str, prompt: list[int]) -> None:  # a prefill side that dies
+    try:
+        from engine.loader import load_model
+
+        a = LLMEngine(load_model("tiny"), _config("tiny"))
+        sender = open_kv_sender(transport, address, a, "doomed", prompt, deadline_s=5)
+        a.add_request("doomed", prompt, FIRST, hold_kv=True)
+        run_to_completion(a)
+        sender.prepare()
+        kv = a.export_kv("doomed")
+        sender.send_layer(0, kv.k[0], kv.v[0])  # ... one layer, then it is killed before the next
+        time.sleep(0.5)
+        conn.send(("sent",))
+        time.sleep(600)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+def test_a_sender_killed_mid_stream_leaves_no_reservation_behind(tiny, transport):
+    b = LLMEngine(tiny, _config("tiny"))
+    ep = ReceiverEndpoint(b, TransferConfig(transport="torch"))
+    try:
+        baseline = free_blocks(b)
+        prompt = random_prompts(1, [90], vocab=1000, seed=5)[0]
+        child = Child(_sender_child, ep.address, transport, prompt)
+        child.recv()
+        assert free_blocks(b) == baseline - 6 and ep.receiver.poll("doomed") is TransferState.TRANSFERRING
+        child.kill()
+        killed = time.monotonic()
+        while free_blocks(b) != baseline and time.monotonic() - killed < 7:
+            time.sleep(0.05)
+        assert free_blocks(b) == baseline, "reservation outlived the 5 s deadline"
+        assert ep.receiver.poll("doomed") is TransferState.FAILED and ep.receiver.num_inflight == 0
+    finally:
+        ep.close()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch"])
+def test_a_killed_receiver_fails_the_sender_fast_and_it_unpins(tiny, transport):
+    child = Child(_receiver_child, "tiny")
+    _, address, _ = child.recv()
+    a = LLMEngine(tiny, _config("tiny"))
+    baseline = free_blocks(a)
+    prompt = random_prompts(1, [90], vocab=1000, seed=5)[0]
+    sender = open_kv_sender(transport, address, a, "orphan", prompt)
+    sender.on_finish = lambda s: a.release_kv(s.request_id)
+    a.add_request("orphan", prompt, FIRST, hold_kv=True)
+    run_to_completion(a)
+    sender.prepare()
+    kv = a.export_kv("orphan")
+    sender.send_layer(0, kv.k[0], kv.v[0])
+    time.sleep(0.5)  # the first layer is through (and a torch pair group exists)
+    child.kill()
+    killed = time.monotonic()
+    for layer in range(1, kv.num_layers):
+        sender.send_layer(layer, kv.k[layer], kv.v[layer])
+    sender.commit(kv.token_ids[kv.num_kv_tokens :])
+    assert sender.wait(10) is TransferState.FAILED
+    assert time.monotonic() - killed < 5, "the sender should not wait for its 30 s deadline"
+    assert free_blocks(a) == baseline
