@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install demo test test-fast lint bench-engine
+.PHONY: install demo test test-fast lint proto bench-engine bench-transfer bench-transfer
 
 .install-stamp: pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -21,7 +21,13 @@ test-fast: .install-stamp
 	$(PYTHON) -m pytest -q -m "not slow"
 
 lint: .install-stamp
-	ruff check . && mypy engine pdcluster
+	ruff check . && mypy engine kv_transfer pdcluster
 
 bench-engine: .install-stamp
 	pdcluster bench engine
+
+bench-transfer: .install-stamp
+	pdcluster bench transfer
+
+proto: .install-stamp
+	$(PYTHON) scripts/gen_proto.py

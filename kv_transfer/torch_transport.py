@@ -17,10 +17,10 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
