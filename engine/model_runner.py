@@ -71,7 +71,7 @@ class ModelRunner:
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D]."""
         idx = torch.tensor(block_ids, dtype=torch.long)
-        return self.kv[layer, 0, idx].clone(), self.kv[layer, 1, idx].clone()
+        return self.kv[layer, 0, idx], self.kv[layer, 1, idx]  # advanced indexing copies
 
     @torch.inference_mode()
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:

@@ -254,6 +254,9 @@ class KVReceiver:
         self._closed.set()
         for t in list(self._by_id.values()):
             self._fail(t, "receiver closed")
+        # NOTE: a daemon thread that drops the last engine reference during interpreter exit aborts the process.
+        if threading.current_thread() is not self._reaper:
+            self._reaper.join(timeout=1.0)
 
     def _get(self, transfer_id: str) -> Inbound:
         t = self._by_id.get(transfer_id)

@@ -12,6 +12,7 @@ EPILOG = """examples:
   pdcluster generate --local --chat --max-tokens 64 "Why is the sky blue?"
   pdcluster generate --local --json --temperature 0.7 --seed 1 "Once upon a time"
   pdcluster bench engine --json
+  pdcluster bench transfer --tokens 256 --repeat 1 --json
 """
 
 
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_bench_args(bsub.add_parser(
         "engine", help="our engine vs transformers: prefill/decode tok/s and the memory-bandwidth bound",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from pdcluster.bench.transfer import add_arguments as add_transfer_bench_args
+
+    add_transfer_bench_args(bsub.add_parser(
+        "transfer", help="KV transports (grpc, torch, local) vs memcpy and raw TCP: GB/s and layer-wise overlap",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return parser
 
@@ -94,4 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         from pdcluster.bench.engine import run
 
         return run(args)
+    if args.command == "bench" and args.bench == "transfer":
+        from pdcluster.bench.transfer import run as run_transfer
+
+        return run_transfer(args)
     return 2

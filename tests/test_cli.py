@@ -57,3 +57,21 @@ def test_help_exits_0_and_names_the_commands(args):
         assert "bench" in proc.stdout
     else:
         assert "--max-tokens" in proc.stdout and "--local" in proc.stdout
+
+
+def test_bench_transfer_prints_one_json_object_with_every_transport(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, "-m", "pdcluster", "bench", "transfer", "--model", "tiny", "--tokens", "256",
+                           "--repeat", "1", "--overlap-repeat", "1", "--json", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout)
+    assert figures == json.loads(out.read_text())
+    assert figures["references"]["tcp"]["best_gb_s"] > 0 and figures["references"]["memcpy"]["best_gb_s"] > 0
+    for name in ("grpc", "torch", "local"):
+        assert figures["transports"][name]["best_gb_s"] > 0
+    assert set(figures["overlap"]) == {"grpc", "torch"}

@@ -1,0 +1,170 @@
+"""The sending side of `bench transfer`: a 1-thread prefill engine, fresh prompts, and timed transfers.
+
+Every transfer it times ends DONE with the receiver holding exactly the KV sent (CRC over every layer), or the
+bench stops with a BenchError naming the transport, the request and the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdcluster.bench.transfer_peers import BenchError, ReceiverPeer, kv_crc
+
+if TYPE_CHECKING:
+    from engine.kv_export import KVExport
+    from engine.loader import LoadedModel
+    from kv_transfer import KVSender, TransferConfig
+
+DEADLINE_S = 60.0  # per transfer; the layer-wise one includes a whole prefill
+
+
+class PrefillSender:
+    """The prefill side: a 1-thread prefill engine, fresh random prompts, and timed sends to one peer."""
+
+    def __init__(self, loaded: LoadedModel, tokens: int, num_blocks: int) -> None:
+        from engine import EngineConfig, LLMEngine
+
+        self.engine = LLMEngine(loaded, EngineConfig(num_blocks=num_blocks, num_threads=1, max_num_seqs=4,
+                                                     max_num_batched_tokens=max(2048, tokens),
+                                                     enable_prefix_caching=False))
+        self.tokens = tokens
+        self.sender_id = f"bench-{os.getpid()}"
+        self._gen = torch.Generator().manual_seed(0)
+        self._ids = itertools.count()
+
+    def rid(self, what: str) -> str:
+        """A request id never used before in this run."""
+        return f"{what}-{next(self._ids)}"
+
+    def prompt(self) -> list[int]:
+        """A fresh random prompt of `tokens` ids (nothing of it is cached anywhere)."""
+        return torch.randint(100, self.engine.model_config.vocab_size, (self.tokens,), generator=self._gen).tolist()
+
+    def prefill(self, rid: str, prompt: list[int], watch: Callable[[int], None] | None = None) -> list[int]:
+        """Run one prompt to its first token (one step: the batch budget covers it), KV held; the token ids."""
+        from engine import SamplingParams
+
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+        if watch is not None:
+            self.engine.watch_layers(rid, watch)
+        token_ids: list[int] = []
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id == rid and out.finished:
+                    token_ids = out.token_ids
+        return token_ids
+
+    def open(self, tc: TransferConfig, peer: ReceiverPeer, rid: str, prompt: list[int]) -> KVSender:
+        from engine.block_hash import hash_prompt_blocks
+        from kv_transfer import open_sender
+
+        hashes = [bytes(h) for h in hash_prompt_blocks(prompt, self.engine.config.block_size, self.engine.scope)]
+        return open_sender(tc, peer.address, rid, self.engine.kv_layout, prompt, len(prompt), hashes,
+                           sender_id=self.sender_id)
+
+    def prepare(self, sender: KVSender) -> int:
+        from kv_transfer import TransferError
+
+        try:
+            cached = sender.prepare()
+        except TransferError as e:
+            raise BenchError(f"{sender.transport} handshake of {sender.request_id} failed: {e}") from None
+        if cached:
+            raise BenchError(f"{sender.transport}: receiver caches {cached} blocks of {sender.request_id}; "
+                             "prefix caching should be off there")
+        return cached
+
+    def finish(self, sender: KVSender, peer: ReceiverPeer, want_crc: int) -> None:
+        """The transfer must be DONE, and the receiver must hold exactly the KV sent; then it frees it."""
+        from kv_transfer import TransferState
+
+        state = sender.wait(DEADLINE_S)
+        if state is not TransferState.DONE:
+            reason = sender.error.reason if sender.error else "no error recorded"
+            raise BenchError(f"{sender.transport} transfer of {sender.request_id} ended {state.value}: {reason}")
+        answer = peer.ask(sender.request_id)
+        if answer[0] != "done":
+            raise BenchError(f"{sender.transport} transfer of {sender.request_id}: {answer[1]}")
+        if answer[1] != want_crc:
+            raise BenchError(f"{sender.transport} transfer of {sender.request_id}: the receiver's KV differs from "
+                             f"the sender's (crc {answer[1]:#x} != {want_crc:#x})")
+
+    def send_export(self, tc: TransferConfig, peer: ReceiverPeer, kv: KVExport, crc: int) -> float:
+        """Seconds for open_sender → prepare → send_export → DONE of a finished export."""
+        rid = self.rid(tc.transport)
+        t0 = time.perf_counter()
+        sender = self.open(tc, peer, rid, kv.token_ids[: kv.num_kv_tokens])
+        self.prepare(sender)
+        sender.send_export(kv)
+        sender.wait(DEADLINE_S)
+        seconds = time.perf_counter() - t0
+        self.finish(sender, peer, crc)
+        return seconds
+
+    def prefill_alone(self) -> float:
+        prompt, rid = self.prompt(), self.rid("prefill")
+        t0 = time.perf_counter()
+        self.prefill(rid, prompt)
+        seconds = time.perf_counter() - t0
+        self.engine.release_kv(rid)
+        return seconds
+
+    def sequential(self, tc: TransferConfig, peer: ReceiverPeer) -> dict[str, float]:
+        """Prefill, then handshake, export_kv and send_export; timed until DONE."""
+        prompt, rid = self.prompt(), self.rid(f"{tc.transport}-seq")
+        t0 = time.perf_counter()
+        self.prefill(rid, prompt)
+        t_prefill = time.perf_counter() - t0
+        sender = self.open(tc, peer, rid, prompt)
+        kv = self.engine.export_kv(rid, skip_blocks=self.prepare(sender))
+        sender.send_export(kv)
+        sender.wait(DEADLINE_S)
+        total = time.perf_counter() - t0
+        self.engine.release_kv(rid)
+        self.finish(sender, peer, kv_crc(kv))
+        return {"sequential_s": total, "sequential_prefill_s": t_prefill, "sequential_tail_s": total - t_prefill}
+
+    def layerwise(self, tc: TransferConfig, peer: ReceiverPeer) -> dict[str, float]:
+        """Handshake, then prefill sending each layer as soon as it is written, commit; timed until DONE."""
+        prompt, rid, n = self.prompt(), self.rid(f"{tc.transport}-lw"), self.tokens
+        engine = self.engine
+        t0 = time.perf_counter()
+        sender = self.open(tc, peer, rid, prompt)
+        cached = self.prepare(sender)
+        token_ids = self.prefill(rid, prompt, lambda layer: sender.send_layer(
+            layer, *engine.read_kv_layer(rid, layer, cached, num_tokens=n)))
+        t_prefill = time.perf_counter() - t0
+        sender.commit(token_ids)
+        sender.wait(DEADLINE_S)
+        total = time.perf_counter() - t0
+        crc = kv_crc(engine.export_kv(rid))
+        engine.release_kv(rid)
+        self.finish(sender, peer, crc)
+        return {"layerwise_s": total, "layerwise_prefill_s": t_prefill, "layerwise_tail_s": total - t_prefill}
+
+    def overlap(self, tc: TransferConfig, peer: ReceiverPeer, rounds: int) -> dict[str, Any]:
+        """T_p, T_seq, T_lw (medians over `rounds`, order alternating against drift) and what they say."""
+        runs: list[dict[str, float]] = []
+        for r in range(rounds):
+            steps = [lambda: {"prefill_s": self.prefill_alone()}, lambda: self.sequential(tc, peer),
+                     lambda: self.layerwise(tc, peer)]
+            run: dict[str, float] = {}
+            for step in steps if r % 2 == 0 else steps[::-1]:
+                run |= step()
+            runs.append(run)
+        o: dict[str, Any] = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        o["transfer_s"] = t_x = o["sequential_s"] - o["prefill_s"]
+        o["overlap"] = (o["sequential_s"] - o["layerwise_s"]) / t_x if t_x > 0 else None
+        o["tail_hidden"] = 1 - o["layerwise_tail_s"] / o["sequential_tail_s"]
+        # NOTE: prefills without sending (alone, and the first part of the sequential run) show the timing noise
+        clean = [run[k] for run in runs for k in ("prefill_s", "sequential_prefill_s")]
+        o["prefill_spread_s"] = max(clean) - min(clean)
+        o["runs"] = runs
+        return o
