@@ -12,11 +12,11 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferConfig, TransferError, TransferState
 
-# transport name → (module, sender class, control class); imported on first use
+# transport name → (module, sender class); imported on first use
 _SENDERS = {
-    "grpc": ("kv_transfer.grpc_transport", "GrpcKVSender", "GrpcControl"),
-    "torch": ("kv_transfer.torch_transport", "TorchKVSender", None),
-    "local": ("kv_transfer.local", "LocalKVSender", "LocalControl"),
+    "grpc": ("kv_transfer.grpc_transport", "GrpcKVSender"),
+    "torch": ("kv_transfer.torch_transport", "TorchKVSender"),
+    "local": ("kv_transfer.local", "LocalKVSender"),
 }
 
 
@@ -24,7 +24,7 @@ def open_sender(config: TransferConfig, address: str, request_id: str, layout: K
                 num_prompt_tokens: int, block_hashes: Sequence[bytes], *, sender_id: str = "",
                 on_finish: Callable[[KVSender], None] | None = None) -> KVSender:
     """A sender of `config.transport` to the receiver at `address` (host:port, or local://name); not started."""
-    module_name, sender_name, control_name = _SENDERS[config.transport]
+    module_name, sender_name = _SENDERS[config.transport]
     module = importlib.import_module(module_name)
     if config.transport == "local":
         control = module.LocalControl(address.removeprefix("local://"))

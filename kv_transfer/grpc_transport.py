@@ -144,13 +144,14 @@ class GrpcKVSender(KVSender):
 
     transport = "grpc"
     control: GrpcControl
+    _calls: tuple[grpc.Future, ...] = ()  # the Push calls in flight, cancelled on abort
 
     def _send_layers(self, layers: Iterator[Layer]) -> None:
         n_streams = self.config.grpc_streams
         queues: list[queue.Queue[tuple[int, int, object] | None]] = [queue.Queue() for _ in range(n_streams)]
         calls = [pb_grpc.KVTransferStub(channel(self.control.address, i)).Push.future(
             self._chunks(q), timeout=self.remaining()) for i, q in enumerate(queues)]
-        self._calls = calls
+        self._calls = tuple(calls)
         slots = itertools.cycle(range(n_streams))
         try:
             for layer in layers:
@@ -195,6 +196,6 @@ class GrpcKVSender(KVSender):
                                  num_blocks=b - a, crc32=wire.crc32(piece), data=piece)
 
     def abort(self, reason: str) -> None:
-        for call in getattr(self, "_calls", []):
+        for call in self._calls:
             call.cancel()
         super().abort(reason)

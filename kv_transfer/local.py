@@ -13,7 +13,7 @@ from engine.errors import EngineError
 from kv_transfer import wire
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
-from kv_transfer.state import TransferError
+from kv_transfer.state import TransferError, as_transfer_error
 from pdcluster.v1 import kv_transfer_pb2 as pb
 
 _receivers: dict[str, KVReceiver] = {}
@@ -42,11 +42,8 @@ class LocalControl(Control):
     def _call(self, fn, req, request_id: str = ""):  # type: ignore[no-untyped-def]
         try:
             return fn(req)
-        except TransferError:
-            raise
         except EngineError as e:
-            raise TransferError(str(e), e.request_id or request_id,
-                                retryable=type(e).__name__ == "CapacityError") from None
+            raise as_transfer_error(e, request_id) from None
 
     def prepare(self, req: pb.PrepareRequest, timeout: float) -> pb.PrepareResponse:
         return self._call(self.receiver.prepare, req, req.request_id)  # type: ignore[no-any-return]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.errors import EngineError
+from engine.errors import CapacityError, EngineError
 
 TRANSPORTS = ("grpc", "torch", "local")
 
@@ -29,6 +29,13 @@ class TransferError(EngineError):
     def __init__(self, reason: str, request_id: str | None = None, *, retryable: bool = False) -> None:
         self.retryable = retryable
         super().__init__(reason, request_id)
+
+
+def as_transfer_error(err: EngineError, request_id: str | None = None) -> TransferError:
+    """An engine error met during a transfer, as the sender sees it: a full pool may free up, a bad layout not."""
+    if isinstance(err, TransferError):
+        return err
+    return TransferError(str(err), err.request_id or request_id, retryable=isinstance(err, CapacityError))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,14 @@ class _Pair:
             self.cond.notify_all()
 
 
+def retire(pair: _Pair, pairs: dict, lock: threading.Lock) -> None:  # type: ignore[type-arg]
+    """Break `pair` and drop it from `pairs` (whatever its key), so the next transfer makes a fresh group."""
+    pair.breaks()
+    with lock:
+        for key in [k for k, p in pairs.items() if p is pair]:
+            del pairs[key]
+
+
 class TorchEndpoint:
     """Receiver side: hosts the TCPStore, keeps a pair group per sender, receives each transfer's layers."""
 
@@ -111,11 +119,7 @@ class TorchEndpoint:
             self._retire(pair)
 
     def _retire(self, pair: _Pair) -> None:
-        pair.breaks()
-        with self._lock:
-            for sid, p in list(self._pairs.items()):
-                if p is pair:
-                    del self._pairs[sid]
+        retire(pair, self._pairs, self._lock)
 
     def _make(self, pair: _Pair) -> None:
         try:
@@ -206,8 +210,4 @@ class TorchKVSender(KVSender):
             raise TransferError(f"torch send failed: {e}", self.request_id, retryable=True) from None
 
     def _retire(self, pair: _Pair) -> None:
-        pair.breaks()
-        with _pairs_lock:
-            for key, p in list(_pairs.items()):
-                if p is pair:
-                    del _pairs[key]
+        retire(pair, _pairs, _pairs_lock)

@@ -9,15 +9,15 @@ decode tok/s = B × (N − 1) ÷ (time for N tokens − time for the first). Bes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from pdcluster.bench.report import emit, log
 
 DEFAULT_OUT = "results/bench_engine.json"
 
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _log(msg: str) -> None:
-    print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
+    log("engine", msg)
 
 
 def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
@@ -176,9 +176,4 @@ def format_table(r: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     r = measure(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(r, f, indent=2)
-    print(json.dumps(r) if args.json else format_table(r))
-    _log(f"saved {args.out}")
-    return 0
+    return emit("engine", r, args.out, args.json, format_table)

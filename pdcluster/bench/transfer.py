@@ -16,7 +16,6 @@ One run, one machine. The payload is the real KV of one prefilled prompt (SmolLM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdcluster.bench.report import emit, log
 from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, kv_crc, kv_receiver, tcp_sink
 from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender
 
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _log(msg: str) -> None:
-    print(f"[bench transfer] {msg}", file=sys.stderr, flush=True)
+    log("transfer", msg)
 
 
 def _figures(seconds: list[float], nbytes: int) -> dict[str, Any]:
@@ -195,9 +195,4 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(r, f, indent=2)
-    print(json.dumps(r) if args.json else format_table(r))
-    _log(f"saved {args.out}")
-    return 0
+    return emit("transfer", r, args.out, args.json, format_table)
