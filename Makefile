@@ -21,7 +21,7 @@ test-fast: .install-stamp
 	$(PYTHON) -m pytest -q -m "not slow"
 
 lint: .install-stamp
-	ruff check . && mypy engine kv_transfer pdcluster
+	ruff check . && mypy engine kv_transfer pdcluster router prefill_workers decode_workers
 
 bench-engine: .install-stamp
 	pdcluster bench engine

@@ -38,6 +38,8 @@ class BlockPool:
         # NOTE: OrderedDict gives O(1) pop-from-head, append and removal from the middle (on a cache hit).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        # NOTE: None until a worker asks for events (the prefix index follows them); then drained by the worker.
+        self._events: dict[BlockHash, bool] | None = None  # hash → True stored / False evicted, latest wins
 
     @property
     def num_blocks(self) -> int:
@@ -75,6 +77,8 @@ class BlockPool:
         if block.hash is not None:
             if self._cached.get(block.hash) == bid:
                 del self._cached[block.hash]
+                if self._events is not None:
+                    self._events[block.hash] = False
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return bid
@@ -95,6 +99,24 @@ class BlockPool:
         block = self.blocks[block_id]
         block.hash, block.token_ids = block_hash, tuple(token_ids)
         self._cached[block_hash] = block_id
+        if self._events is not None:
+            self._events[block_hash] = True
+
+    def enable_events(self) -> None:
+        """Start recording which hashes enter and leave the prefix cache (for `drain_events`)."""
+        if self._events is None:
+            self._events = {}
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Hashes stored and evicted since the last drain (net of each other); needs `enable_events` first."""
+        if self._events is None:
+            return [], []
+        events, self._events = self._events, {}
+        return [h for h, s in events.items() if s], [h for h, s in events.items() if not s]
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (to rebuild an index from scratch)."""
+        return list(self._cached)
 
 
 class BlockManager:

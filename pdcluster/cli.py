@@ -1,4 +1,4 @@
-"""`pdcluster` command line: generate text locally and run the project's benchmarks."""
+"""`pdcluster` command line: serve a cluster, talk to it over gRPC, generate locally, run the benchmarks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ import sys
 import time
 
 EPILOG = """examples:
+  pdcluster demo                                      # start the embedded default, chat through the gRPC API, stop
+  pdcluster serve --config deploy/local.yaml          # prints `pdcluster ready: grpc=HOST:PORT`; Ctrl-C stops it
+  pdcluster generate --addr 127.0.0.1:50051 --stream "The capital of France is"
+  pdcluster chat --addr 127.0.0.1:50051
+  pdcluster status --addr 127.0.0.1:50051
   pdcluster generate --local "The capital of France is"
   pdcluster generate --local --chat --max-tokens 64 "Why is the sky blue?"
   pdcluster generate --local --json --temperature 0.7 --seed 1 "Once upon a time"
@@ -33,16 +38,35 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one or more prompts",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    serve = sub.add_parser("serve", help="start a cluster from YAML and serve the gRPC API until SIGINT/SIGTERM",
+                           formatter_class=fmt)
+    serve.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
+    serve.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
+    demo = sub.add_parser("demo", help="start the embedded default, stream a few chats with timelines, stop",
+                          formatter_class=fmt)
+    demo.add_argument("--config", default="deploy/local.yaml", help="deploy YAML")
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts", formatter_class=fmt)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument("--local", action="store_true", required=True,
-                     help="run the engine in this process (prefill and decode colocated)")
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--addr", metavar="HOST:PORT", help="a running `pdcluster serve` (gRPC)")
+    where.add_argument("--local", action="store_true", help="run the engine in this process (no cluster)")
+    gen.add_argument("--stream", action="store_true", help="--addr: print tokens as they arrive")
     gen.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', a .gguf file or a Hugging Face directory")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (with token ids)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     _add_sampling_args(gen)
+
+    chat = sub.add_parser("chat", help="chat with a running cluster (interactive, or one turn per MESSAGE)",
+                          formatter_class=fmt)
+    chat.add_argument("messages", nargs="*", metavar="MESSAGE")
+    chat.add_argument("--addr", required=True, metavar="HOST:PORT")
+    chat.add_argument("--system", default="", help="system prompt")
+    _add_sampling_args(chat)
+    status = sub.add_parser("status", help="workers, load, free KV blocks and prefix hits of a running cluster")
+    status.add_argument("--addr", required=True, metavar="HOST:PORT")
 
     bench = sub.add_parser("bench", help="run a benchmark and save its figures")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -92,8 +116,45 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, demo: bool = False) -> int:
+    import logging
+
+    from pdcluster import client
+    from pdcluster.config import ClusterConfig, ConfigError
+    from pdcluster.serve import run
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import pathlib
+
+    path = pathlib.Path(args.config)
+    if not path.exists() and not path.is_absolute():  # the default works from any directory
+        path = pathlib.Path(__file__).resolve().parent.parent / path
+    try:
+        config = ClusterConfig.from_yaml(path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if demo:
+        config.router.port = 0
+
+        async def body(addr: str) -> None:
+            import asyncio
+
+            await asyncio.to_thread(client.demo, addr)
+        return run(config, body)
+    if args.port is not None:
+        config.router.port = args.port
+    return run(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "demo"):
+        return _serve(args, demo=args.command == "demo")
+    if args.command in ("chat", "status") or (args.command == "generate" and args.addr):
+        from pdcluster import client
+
+        return {"chat": client.chat, "status": client.status, "generate": client.generate}[args.command](args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench" and args.bench == "engine":

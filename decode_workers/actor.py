@@ -1,0 +1,35 @@
+"""The Ray actor of a decode (or colocated) worker: a thin wrapper over `DecodeWorker` (named `decode-N`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import ray
+
+from decode_workers.worker import DecodeWorker
+from pdcluster.messages import DecodeRequest, Delta, WorkerInfo
+from pdcluster.worker import WorkerSpec
+
+
+@ray.remote
+class DecodeActor:
+    """Ray face of one DecodeWorker; `generate` is a streaming generator (call it with num_returns="streaming")."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.worker = DecodeWorker(spec)
+
+    async def info(self) -> WorkerInfo:
+        return self.worker.info()
+
+    async def load(self) -> dict[str, float]:
+        return self.worker.load()
+
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
+        async for delta in self.worker.generate(req):
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def close(self) -> None:
+        self.worker.close()

@@ -1,0 +1,97 @@
+"""DecodeWorker: takes a request's transferred KV into its continuous batch and streams the tokens back.
+
+Life of a request on a decode worker:
+1. the KV arrives through this worker's KV endpoint (`ReceiverEndpoint`) while the prefill worker computes it:
+   blocks are reserved at the handshake, written as layers arrive, and the transfer is DONE at commit;
+2. `generate(DecodeRequest)` takes the finished transfer into the running batch with the request's sampling
+   params (or, with `token_ids` set, runs the whole request here: the colocated mode, or a prompt this worker
+   already caches almost entirely);
+3. each step's new tokens are merged into `Delta`s and yielded to the router until the request finishes;
+4. a caller that goes away (the generator is closed or cancelled) aborts the request: its blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from engine.output import RequestOutput
+from kv_transfer.endpoint import ReceiverEndpoint
+from kv_transfer.state import TransferError, TransferState
+from pdcluster.messages import DecodeRequest, Delta
+from pdcluster.worker import Worker
+
+
+class DecodeWorker(Worker):
+    """A decode-pool (or colocated) worker (plain class; `decode_workers.actor.DecodeActor` wraps it for Ray)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.kv = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.lock,
+                                   host=self.spec.kv_host)
+
+    @property
+    def kv_address(self) -> str:
+        return self.kv.address if hasattr(self, "kv") else ""
+
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
+        """Stream the request's new tokens; the last Delta has `finished` set and the totals."""
+        arrived, rid = time.monotonic(), req.request_id
+        aio = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:  # the loop thread
+            aio.call_soon_threadsafe(outputs.put_nowait, out)
+
+        if req.token_ids:
+            def start(engine: object) -> None:
+                self._track(self.engine.add_request(rid, req.token_ids, req.params), arrived)
+                self.loop.attach(rid, on_output)
+        else:
+            state = await asyncio.to_thread(self.kv.receiver.wait, rid, self.spec.transfer.deadline_s)
+            if state is not TransferState.DONE:
+                raise self.kv.receiver.error(rid) or TransferError(f"KV transfer {state.value}", rid)
+
+            def start(engine: object) -> None:
+                self.kv.receiver.take(rid, req.params)
+                self.loop.attach(rid, on_output)
+        self.loop.call(start)
+        finished = False
+        try:
+            first = bool(req.token_ids)
+            while not finished:
+                batch = [await outputs.get()]
+                while not outputs.empty():
+                    batch.append(outputs.get_nowait())
+                delta = _merge(batch)
+                if first:
+                    delta.queue_ms, delta.prefill_ms = self.loop.call(
+                        lambda engine: self._first_token(rid, time.monotonic()))
+                    first = False
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Stop a request here: running, or still arriving as KV (its reservation is freed)."""
+        self.loop.call(lambda engine: self._forget(request_id))
+        self.loop.abort(request_id)
+        self.kv.receiver.abort_request(request_id, reason)
+
+    def close(self) -> None:
+        self.kv.close()
+        super().close()
+
+
+def _merge(outs: list[RequestOutput]) -> Delta:
+    """Several steps' outputs of one request as one Delta (the router sends fewer, larger messages)."""
+    last = outs[-1]
+    d = Delta([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs), last.finished,
+              last.finish_reason)
+    if last.finished:
+        d.final_text, d.all_token_ids = last.text, list(last.token_ids)
+    d.num_prompt_tokens, d.num_cached_tokens = last.num_prompt_tokens, last.num_cached_tokens
+    return d

@@ -1,0 +1,103 @@
+"""EngineLoop: steps an LLMEngine on a background thread; workers hand it requests and get outputs back.
+
+Life of a request on the loop:
+1. a caller runs `call(fn)`: `fn(engine)` under the engine lock (add_request, take a transfer, ...), then
+   `attach(request_id, sink)` so the request's outputs reach it; the loop wakes up;
+2. the loop thread steps the engine while it has unfinished requests; after each step it calls `on_step` and then
+   every sink with that request's `RequestOutput`, still under the lock (a sink may abort its request before the
+   next step, e.g. a prefill that stops at its first token);
+3. a finished output detaches its sink; `abort(request_id)` stops a request and detaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.output import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Sink = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    """One engine, one stepping thread, one lock; callers never step the engine themselves."""
+
+    def __init__(self, engine: LLMEngine, *, name: str = "engine",
+                 on_step: Callable[[float], None] | None = None) -> None:
+        self.engine = engine
+        self.lock = threading.RLock()  # NOTE: the KV receiver takes this same lock to reserve and commit
+        self._wake = threading.Condition(self.lock)
+        self._sinks: dict[str, Sink] = {}
+        self._on_step = on_step
+        self._waiting_callers = 0  # callers blocked on the lock: the loop lets them in between steps
+        self._closed = False
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-loop")
+        self._thread.start()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` between two steps and wake the loop (new work may have arrived)."""
+        self._waiting_callers += 1  # NOTE: a hint only (racy under threads); it just makes the loop yield
+        with self._wake:
+            self._waiting_callers -= 1
+            result = fn(self.engine)
+            self._wake.notify()
+            return result
+
+    def attach(self, request_id: str, sink: Sink) -> None:
+        """Deliver the outputs of `request_id` to `sink` (called on the loop thread, under the lock)."""
+        with self.lock:
+            self._sinks[request_id] = sink
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request wherever it is (its blocks are freed) and drop its sink; unknown ids are ignored."""
+        def stop(engine: LLMEngine) -> None:
+            self._sinks.pop(request_id, None)
+            engine.abort_request(request_id)
+        self.call(stop)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def num_attached(self) -> int:
+        return len(self._sinks)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                if self._closed:
+                    return
+                started = time.monotonic()
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # noqa: BLE001 - a failed step must not kill the worker: fail its requests
+                    log.exception("engine step failed; aborting the running requests")
+                    self._abort_all()
+                    continue
+                self.num_steps += 1
+                if self._on_step is not None:
+                    self._on_step(started)
+                for out in outputs:
+                    sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+                    if sink is not None:
+                        sink(out)
+            if self._waiting_callers > 0:
+                time.sleep(0.0005)  # NOTE: Python locks are not fair; without this a caller could wait many steps
+
+    def _abort_all(self) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self.engine.abort_request(rid)
+            sink(RequestOutput(rid, [], "", True, "abort"))
+        self._sinks.clear()

@@ -1,0 +1,353 @@
+"""The cluster's deploy config: pydantic models loaded from YAML, with errors that name the field and the line.
+
+A file has one section per concern (`ray`, `redis`, `router`, `transfer`) and one per pool of workers (`prefill`,
+`decode`, `colocated`); `mode` says which pools run. deploy/README.md lists the files and the schema.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from kv_transfer.state import TransferConfig
+
+_RAY_ADDRESS = re.compile(r"^(ray://)?(\[[0-9a-fA-F:]+\]|[^\s:/\[\]]+):\d{1,5}$")
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a config: the field path ("" for the whole file), its 1-based line if known, and what is wrong."""
+
+    path: str
+    line: int | None
+    message: str
+
+
+class ConfigError(ValueError):
+    """A deploy config that cannot be used; `path`, `line` and `source` locate its first problem."""
+
+    def __init__(self, source: str, issues: Sequence[ConfigIssue]) -> None:
+        assert issues, "a ConfigError needs at least one issue"
+        # NOTE: sorted by line so the first one reported is the first one an operator meets reading the file.
+        self.issues = tuple(sorted(issues, key=lambda i: (i.line is None, i.line or 0)))
+        self.source = source
+        self.path, self.line = self.issues[0].path, self.issues[0].line
+        super().__init__("\n".join(_format_issue(source, i) for i in self.issues))
+
+
+def _format_issue(source: str, issue: ConfigIssue) -> str:
+    where = source if issue.line is None else f"{source}:{issue.line}"
+    return f"{where}: {issue.path}: {issue.message}" if issue.path else f"{where}: {issue.message}"
+
+
+class _RuleError(ValueError):
+    """A cross-field rule broken; `path` is relative to the model whose validator raised it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = tuple(path.split("."))
+        super().__init__(message)
+
+
+class PoolConfig(BaseModel):
+    """One pool of worker actors (prefill, decode or colocated) and the engine each of them runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(default=1, ge=0, description="actors in the pool; 0 only for a pool the mode does not run")
+    num_cpus: float = Field(default=1.0, gt=0, description="Ray logical CPUs reserved per actor")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved per actor (a fraction shares one GPU)")
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="custom Ray resources per actor; {prefill_node: 1} pins it to such nodes")
+    torch_threads: int = Field(default=1, gt=0, description="torch intra-op threads per actor")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the actor computes ('cuda': num_gpus > 0)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights and KV dtype")
+    num_kv_blocks: int | None = Field(default=None, gt=0, description="KV blocks; null: sized from kv_cache_memory_gb")
+    kv_cache_memory_gb: float = Field(default=1.0, gt=0, description="KV cache size when num_kv_blocks is null")
+    block_size: int = Field(default=16, gt=0, description="tokens per KV block (the prefix-cache granularity)")
+    max_num_batched_tokens: int = Field(default=1024, gt=0, description="tokens computed per engine step at most")
+    max_num_seqs: int = Field(default=64, gt=0, description="sequences in one batch at most")
+    max_model_len: int | None = Field(default=None, gt=0, description="prompt + output tokens; null: the model's")
+    max_restarts: int = Field(default=0, ge=-1, description="times Ray restarts a dead actor (-1: forever)")
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolConfig:
+        if self.device == "cuda" and self.num_gpus <= 0:
+            raise _RuleError("num_gpus", "device 'cuda' needs num_gpus > 0 (Ray must reserve a GPU for the actor)")
+        reserved = sorted({"CPU", "GPU"} & set(self.resources))
+        if reserved:
+            # NOTE: Ray refuses CPU/GPU inside `resources`; they have their own fields here too.
+            raise _RuleError("resources", f"{', '.join(reserved)}: use num_cpus / num_gpus instead")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The settings of the engine each actor of this pool runs."""
+        # NOTE: imported here: engine pulls in torch, which a process that only reads the config never needs.
+        from engine.config import EngineConfig
+
+        return EngineConfig(
+            block_size=self.block_size, num_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads)
+
+
+class RayConfig(BaseModel):
+    """Which Ray cluster the pools run on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(default="local", description="'local': a private Ray in this process; 'auto': join the "
+                                                       "running cluster; or 'ray://host:port' / 'host:port'")
+    namespace: str = Field(default="pdcluster", min_length=1, description="Ray namespace of the named actors")
+    num_cpus: float | None = Field(default=None, gt=0, description="CPUs of a private Ray (address 'local' only)")
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, v: str) -> str:
+        if v not in ("local", "auto") and not _RAY_ADDRESS.match(v):
+            raise ValueError(f"must be 'local', 'auto', 'ray://host:port' or 'host:port', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> RayConfig:
+        if self.num_cpus is not None and self.address != "local":
+            raise _RuleError("num_cpus", f"only with address 'local'; the nodes of cluster {self.address!r} declare "
+                                         "their own CPUs (`ray start --num-cpus`)")
+        return self
+
+
+class RedisConfig(BaseModel):
+    """The Redis that holds the prefix index."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = Field(default=None, description="redis:// or rediss:// URL; null: an embedded redis-server")
+    key_prefix: str = Field(default="pdc", min_length=1, pattern=r"^\S+$", description="prefix of every key written")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str | None) -> str | None:
+        if v is not None and urlsplit(v).scheme not in ("redis", "rediss"):
+            raise ValueError(f"must be a redis:// or rediss:// URL (or null for the embedded server), got {v!r}")
+        return v
+
+
+class RouterConfig(BaseModel):
+    """The gRPC front door that clients call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(default="127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 serves other machines")
+    port: int = Field(default=50051, ge=0, le=65535, description="port to bind; 0 picks a free one")
+    routing: Literal["prefix_aware", "round_robin"] = Field(default="prefix_aware", description="how decode is picked")
+    max_inflight: int = Field(default=256, gt=0, description="concurrent requests; more get RESOURCE_EXHAUSTED")
+    skip_prefill_max_uncached_tokens: int = Field(
+        default=64, ge=0, description="a decode worker caching all but this many prompt tokens prefills them (0: off)")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="a request not finished by then fails")
+
+
+class TransferSection(BaseModel):
+    """How KV blocks move from prefill to decode workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # NOTE: kv_transfer also has "local" (an in-process copy), but pool workers are separate processes.
+    transport: Literal["grpc", "torch"] = Field(default="grpc", description="'grpc' or 'torch' (torch.distributed)")
+    torch_backend: Literal["gloo", "nccl"] = Field(default="gloo", description="torch: 'gloo' (CPU) or 'nccl' (GPU)")
+    deadline_s: float = Field(default=30.0, gt=0, description="a transfer not committed by then fails, freeing blocks")
+    chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20, description="grpc: bytes per chunk message")
+    grpc_streams: int = Field(default=2, ge=1, le=16, description="grpc: parallel streams per transfer")
+    host: str = Field(default="127.0.0.1", min_length=1,
+                      description="address decode workers bind their KV port to and advertise to prefill workers")
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _no_local(cls, v: Any) -> Any:
+        if v == "local":
+            raise ValueError("'local' (in-process copy) is not offered: workers are separate processes; "
+                             "use 'grpc' or 'torch'")
+        return v
+
+    def transfer_config(self, device: str) -> TransferConfig:
+        """The kv_transfer settings for workers of a pool on `device` ('cpu' or 'cuda')."""
+        from kv_transfer.state import TransferConfig
+
+        # NOTE: only nccl sends from CUDA; gloo's send/recv take CPU tensors, so it stays on the CPU for any pool.
+        torch_device = device if self.torch_backend == "nccl" else "cpu"
+        return TransferConfig(transport=self.transport, deadline_s=self.deadline_s, chunk_bytes=self.chunk_bytes,
+                              grpc_streams=self.grpc_streams, torch_backend=self.torch_backend,
+                              torch_device=torch_device)
+
+
+class ClusterConfig(BaseModel):
+    """A whole deployment: model, mode, Ray, Redis, router, KV transfer and the worker pools."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default="smollm2", min_length=1, description="'smollm2', 'tiny', a .gguf file or a Hugging "
+                                                                   "Face directory (same path on every node)")
+    mode: Literal["disaggregated", "colocated"] = Field(
+        default="disaggregated", description="'disaggregated': prefill and decode pools; 'colocated': one pool")
+    # NOTE: pydantic copies a model default for each instance, so two configs never share a section.
+    ray: RayConfig = RayConfig()
+    redis: RedisConfig = RedisConfig()
+    router: RouterConfig = RouterConfig()
+    transfer: TransferSection = TransferSection()
+    prefill: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the prompt workers")
+    decode: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the token workers")
+    colocated: PoolConfig = Field(default=PoolConfig(replicas=0), description="colocated mode: the only workers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_are_defaults(cls, data: Any) -> Any:
+        # NOTE: a section whose keys are all commented out parses as null; it means "the defaults", not an error.
+        if not isinstance(data, dict):
+            return data
+        sections = {name for name, f in cls.model_fields.items()
+                    if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+        return {k: {} if v is None and k in sections else v for k, v in data.items()}
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        for name in self.pools():
+            if getattr(self, name).replicas < 1:
+                raise _RuleError(f"{name}.replicas", f"mode {self.mode!r} runs the {name} pool: needs >= 1 replica")
+        # NOTE: colocated workers never transfer KV, so the transfer section only binds in disaggregated mode.
+        if self.mode == "disaggregated" and self.transfer.torch_backend == "nccl":
+            if self.transfer.transport != "torch":
+                raise _RuleError("transfer.torch_backend", f"'nccl' needs transport 'torch', "
+                                                           f"not {self.transfer.transport!r}")
+            cpu_pools = [f"{name}.device" for name in ("prefill", "decode") if getattr(self, name).device != "cuda"]
+            if cpu_pools:
+                raise _RuleError("transfer.torch_backend", f"'nccl' sends CUDA tensors: {' and '.join(cpu_pools)} "
+                                                           "must be 'cuda' (or use torch_backend 'gloo')")
+        return self
+
+    def pools(self) -> dict[str, PoolConfig]:
+        """The pools this mode runs, by role: prefill and decode, or colocated."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ClusterConfig:
+        """Load and validate a YAML file; every problem is a ConfigError naming the field and the line."""
+        source = os.fspath(path)
+        try:
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ConfigError(source, [ConfigIssue("", None, f"no such file ({os.path.abspath(source)})")]) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(source, [ConfigIssue("", None, f"cannot read: {exc}")]) from None
+        return cls.from_yaml_text(text, source)
+
+    @classmethod
+    def from_yaml_text(cls, text: str, source: str = "<string>") -> ClusterConfig:
+        """Validate YAML text; `source` names it in error messages. Empty text gives the defaults."""
+        node, data = _parse(text, source)
+        try:
+            return cls.model_validate({} if data is None else data)
+        except ValidationError as exc:
+            raise ConfigError(source, [_issue(err, node) for err in exc.errors()]) from None
+
+
+def _parse(text: str, source: str) -> tuple[yaml.Node | None, Any]:
+    """The YAML node tree (for line numbers) and the data built from that same tree."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_duplicate_keys(node, (), source, set())
+        data = None if node is None else loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = ": ".join(filter(None, [exc.context, exc.problem]))
+        raise ConfigError(source, [ConfigIssue("", mark.line + 1 if mark else None,
+                                               f"invalid YAML: {problem}")]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [ConfigIssue("", None, f"invalid YAML: {exc}")]) from None
+    finally:
+        loader.dispose()
+    if data is not None and not isinstance(node, yaml.MappingNode):
+        kind = "a list" if isinstance(node, yaml.SequenceNode) else f"the value {data!r}"
+        raise ConfigError(source, [ConfigIssue("", node.start_mark.line + 1,
+                                               f"the top level must be a mapping of sections, got {kind}")])
+    return node, data
+
+
+def _check_duplicate_keys(node: yaml.Node, path: tuple[str, ...], source: str, seen: set[int]) -> None:
+    # NOTE: PyYAML keeps the last of two equal keys without a word; a second `prefill:` would silently win.
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key, value in node.value:
+            name = str(key.value)
+            if isinstance(key, yaml.ScalarNode) and name != "<<":
+                if name in first_line:
+                    raise ConfigError(source, [ConfigIssue(".".join((*path, name)), key.start_mark.line + 1,
+                                                           f"duplicate key (first on line {first_line[name]})")])
+                first_line[name] = key.start_mark.line + 1
+            _check_duplicate_keys(value, (*path, name), source, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicate_keys(item, (*path, str(i)), source, seen)
+
+
+def _issue(err: Any, root: yaml.Node | None) -> ConfigIssue:
+    """A pydantic error as a ConfigIssue: its dotted path and the line of the deepest YAML node on that path."""
+    loc: tuple[str | int, ...] = tuple(err["loc"])
+    message = err["msg"]
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, _RuleError):
+        loc, message = loc + cause.path, str(cause)
+    elif isinstance(cause, ValueError):
+        message = str(cause)  # without pydantic's "Value error, " prefix
+    elif err["type"] == "extra_forbidden":
+        message = _unknown_key_message(loc)
+    return ConfigIssue(".".join(map(str, loc)), _line_of(root, loc), message)
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[str | int, ...]) -> int | None:
+    """1-based line of the deepest node along `loc`: a key's own line, else its mapping's (e.g. a missing field)."""
+    if root is None:
+        return None
+    node, line = root, root.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)),
+                         None)
+            if match is None:
+                break
+            node, line = match[1], match[0].start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _unknown_key_message(loc: tuple[str | int, ...]) -> str:
+    """'unknown key', with the closest valid key or the list of valid keys of the section it is in."""
+    model: type[BaseModel] = ClusterConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return "unknown key"
+        model = field.annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    if close:
+        return f"unknown key; did you mean {close[0]!r}?"
+    return f"unknown key; valid keys: {', '.join(model.model_fields)}"

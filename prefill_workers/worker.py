@@ -1,0 +1,101 @@
+"""PrefillWorker: runs prompts, samples the first token, ships the KV layer by layer to a decode worker.
+
+Life of a request on a prefill worker:
+1. handshake with the decode worker's KV endpoint (`prepare`): it reserves blocks and says how many leading
+   blocks it already caches; only the rest will be sent;
+2. the prompt joins this engine's batch (chunked prefill under the token budget, prefix cache hits skipped);
+   during the step that completes it, each layer's KV is handed to the sender as soon as it is written, and
+   moves while the next layers compute;
+3. the first token is sampled: the sender commits it (the decode worker can take the request) and the request
+   leaves this engine (its blocks stay in the prefix cache); a request that ends at its first token aborts the
+   transfer instead;
+4. the result (first token, timings, bytes sent) goes back once the decode worker confirmed the KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.block_hash import hash_prompt_blocks
+from engine.output import RequestOutput
+from kv_transfer.endpoint import open_sender
+from kv_transfer.sender import KVSender
+from kv_transfer.state import TransferError, TransferState
+from pdcluster.messages import PrefillRequest, PrefillResult
+from pdcluster.worker import Worker
+
+
+class PrefillWorker(Worker):
+    """A prefill-pool worker (plain class; `prefill_workers.actor.PrefillActor` wraps it for Ray)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._senders: dict[str, KVSender] = {}
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        """Prefill one prompt, ship its KV to `req.decode_address`; raises TransferError if the KV did not arrive."""
+        arrived = time.monotonic()
+        e, rid = self.engine, req.request_id
+        tokens = e.tokenize(req.token_ids, rid)
+        n = len(tokens)
+        sender = open_sender(self.spec.transfer, req.decode_address, rid, e.kv_layout, tokens, n,
+                             hash_prompt_blocks(tokens, e.config.block_size, e.scope), sender_id=self.name)
+        cached = await asyncio.to_thread(sender.prepare)
+        self._senders[rid] = sender
+        aio = asyncio.get_running_loop()
+        first: asyncio.Future[tuple[RequestOutput, float, float, float]] = aio.create_future()
+
+        def on_layer(layer: int) -> None:  # inside the forward pass: copy this layer's blocks out and hand them on
+            sender.send_layer(layer, *e.read_kv_layer(rid, layer, cached, num_tokens=n))
+
+        def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock, before the next step
+            now = time.monotonic()
+            queue_ms, prefill_ms = self._first_token(rid, now)
+            if out.finished:
+                sender.abort("the request finished at its first token")
+            else:
+                sender.commit(out.new_token_ids, out.num_cached_tokens)
+                self.loop.abort(rid)  # NOTE: decoding goes on elsewhere; the blocks stay in the prefix cache
+            aio.call_soon_threadsafe(_set, first, (out, now, queue_ms, prefill_ms))
+
+        def start(engine: object) -> None:
+            seq = e.add_request(rid, tokens, req.params)
+            self._track(seq, arrived)
+            e.watch_layers(rid, on_layer)
+            self.loop.attach(rid, on_output)
+
+        try:
+            try:
+                self.loop.call(start)
+            except BaseException:
+                sender.abort("the prefill worker rejected the request")
+                raise
+            out, t_first, queue_ms, prefill_ms = await first
+            if not out.finished:
+                state = await asyncio.to_thread(sender.wait, self.spec.transfer.deadline_s)
+                if state is not TransferState.DONE:
+                    raise sender.error or TransferError("KV transfer did not finish", rid, retryable=True)
+        except asyncio.CancelledError:
+            self.abort(rid, "cancelled by the router")
+            raise
+        finally:
+            self._senders.pop(rid, None)
+        transfer_ms = (sender.finished_at - t_first) * 1e3 if not out.finished else 0.0
+        return PrefillResult(rid, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.text, n,
+                             out.num_cached_tokens, queue_ms, prefill_ms, max(0.0, transfer_ms),
+                             sender.num_blocks if not out.finished else 0, sender.bytes_sent)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Stop a request here and its transfer (the decode side frees its reservation)."""
+        self.loop.call(lambda engine: self._forget(request_id))
+        self.loop.abort(request_id)
+        sender = self._senders.pop(request_id, None)
+        if sender is not None:
+            sender.abort(reason)
+
+
+def _set(fut: asyncio.Future[tuple[RequestOutput, float, float, float]],
+         value: tuple[RequestOutput, float, float, float]) -> None:
+    if not fut.done():
+        fut.set_result(value)

@@ -1,0 +1,1 @@
+"""The router: gRPC front, worker choice, the Redis prefix index."""

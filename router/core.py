@@ -1,0 +1,222 @@
+"""Router: runs one request across the pools and streams its chunks; the gRPC service is a thin face over it.
+
+Life of a request in the router:
+1. admission: at most `max_inflight` requests per router (more → RESOURCE_EXHAUSTED);
+2. the prompt's block hashes are looked up in the Redis prefix index (one round trip; if Redis is down the
+   router routes on load alone and counts the miss);
+3. the policy picks a prefill and a decode worker (or only a decode worker that caches the prompt already);
+4. the prefill worker returns the first token once the KV reached the decode worker: it is streamed at once;
+5. the decode worker streams the rest; the last chunk carries the finish reason, usage and the timeline;
+6. if the client goes away, the workers are told to abort and free the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.block_hash import hash_prompt_blocks
+from pdcluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult, WorkerInfo
+from pdcluster.v1 import inference_pb2 as pb
+from router.errors import Overloaded, WorkerFailed
+from router.policy import Policy, Route, WorkerView
+from router.validate import Checked
+
+log = logging.getLogger(__name__)
+LOAD_REFRESH_S = 0.25
+
+
+@dataclass
+class WorkerHandle:
+    """One worker as the router sees it: its Ray actor, what it said at start, and its load."""
+
+    name: str
+    role: str
+    actor: Any  # ray.actor.ActorHandle
+    info: WorkerInfo
+    view: WorkerView
+
+
+class Router:
+    """Routes requests over the worker pools (plain class; `router.service` puts gRPC in front of it)."""
+
+    def __init__(self, workers: list[WorkerHandle], index: Any | None, *, model: str, mode: str,
+                 routing: str = "prefix_aware", max_inflight: int = 256,
+                 skip_prefill_max_uncached_tokens: int = 64) -> None:
+        if not workers:
+            raise ValueError("a router needs workers")
+        self.workers = {w.name: w for w in workers}
+        self.prefill = [w for w in workers if w.role == "prefill"]
+        self.decode = [w for w in workers if w.role in ("decode", "colocated")]
+        self.info = workers[0].info
+        self.index = index  # router.prefix_index.PrefixIndex, or None without Redis
+        self.model, self.mode = model, mode
+        self.max_inflight = max_inflight
+        self.policy = Policy(routing, self.info.block_size,
+                             skip_prefill_max_uncached_tokens if mode == "disaggregated" else 0)
+        self.inflight = 0
+        self.redis_failures = 0
+        self._refresher: asyncio.Task[None] | None = None
+
+    # ---- one request -----------------------------------------------------------------------------------------
+    async def stream(self, req: Checked, arrived: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError."""
+        arrived = arrived or time.monotonic()
+        if self.inflight >= self.max_inflight:
+            raise Overloaded(f"the router has {self.inflight} requests in flight (router.max_inflight)",
+                             req.request_id)
+        self.inflight += 1
+        self._ensure_refresher()
+        try:
+            matched = await self._lookup(req.token_ids)
+            route = self.policy.route(len(req.token_ids), req.params.max_tokens, matched,
+                                      [w.view for w in self.prefill], [w.view for w in self.decode])
+            async for chunk in self._run(req, route, arrived):
+                yield chunk
+        finally:
+            self.inflight -= 1
+
+    async def _run(self, req: Checked, route: Route, arrived: float) -> AsyncIterator[pb.GenerateChunk]:
+        rid, n = req.request_id, len(req.token_ids)
+        d = self.workers[route.decode]
+        tl = pb.Timeline(decode_worker=d.name, prefill_skipped=route.prefill is None)
+        sent_text, sent_tokens, done = "", 0, False
+        t_first = 0.0
+        p = self.workers[route.prefill] if route.prefill else None
+        d.view.inflight += 1
+        try:
+            if p is not None:
+                tl.prefill_worker = p.name
+                res = await self._prefill(p, req, d, n)
+                t_first = time.monotonic()
+                tl.prefill_ms, tl.transfer_ms = res.prefill_ms, res.transfer_ms
+                tl.queue_ms = max(0.0, (t_first - arrived) * 1e3 - res.prefill_ms - res.transfer_ms)
+                tl.kv_blocks_sent, tl.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
+                tl.first_token_ms = (t_first - arrived) * 1e3
+                sent_text, sent_tokens = res.text, len(res.token_ids)
+                if res.finished:
+                    done = True
+                    yield self._last(rid, res.token_ids, res.text, res.finish_reason, res.final_text, "",
+                                     n, len(res.token_ids), res.num_cached_tokens, tl, arrived, t_first)
+                    return
+                yield pb.GenerateChunk(request_id=rid, token_ids=res.token_ids, text=res.text)
+                dreq = DecodeRequest(rid, req.params)
+            else:
+                dreq = DecodeRequest(rid, req.params, req.token_ids)
+            gen = d.actor.generate.options(num_returns="streaming").remote(dreq)
+            async for ref in gen:
+                delta: Delta = await ref
+                if not t_first:
+                    t_first = time.monotonic()
+                    tl.first_token_ms = (t_first - arrived) * 1e3
+                    tl.queue_ms, tl.prefill_ms = delta.queue_ms, delta.prefill_ms
+                if delta.finished:
+                    done = True
+                    yield self._last(rid, delta.token_ids, delta.text, delta.finish_reason, delta.final_text,
+                                     sent_text, n, len(delta.all_token_ids), delta.num_cached_tokens, tl, arrived,
+                                     t_first)
+                    return
+                sent_text += delta.text
+                sent_tokens += len(delta.token_ids)
+                yield pb.GenerateChunk(request_id=rid, token_ids=delta.token_ids, text=delta.text)
+            raise WorkerFailed(f"decode worker {d.name} ended the stream without finishing", rid)
+        finally:
+            d.view.inflight -= 1
+            if not done:  # the client went away or a worker failed: free the request's blocks everywhere
+                for w in (p, d):
+                    if w is not None:
+                        w.actor.abort.remote(rid)
+
+    async def _prefill(self, p: WorkerHandle, req: Checked, d: WorkerHandle, n: int) -> PrefillResult:
+        p.view.inflight += 1
+        p.view.pending_tokens += n
+        try:
+            res: PrefillResult = await p.actor.prefill.remote(
+                PrefillRequest(req.request_id, req.token_ids, req.params, d.info.kv_address))
+        finally:
+            p.view.inflight -= 1
+            p.view.pending_tokens -= n
+        p.view.observe_prefill(n - res.num_cached_tokens, res.prefill_ms)
+        if res.finish_reason == "abort":
+            raise WorkerFailed(f"prefill worker {p.name} aborted the request", req.request_id)
+        return res
+
+    def _last(self, rid: str, token_ids: list[int], text: str, reason: str | None, final_text: str, sent_text: str,
+              n_prompt: int, n_out: int, n_cached: int, tl: pb.Timeline, arrived: float,
+              t_first: float) -> pb.GenerateChunk:
+        """The final chunk: remaining text (a stop string's hold-back resolved), finish reason, usage, timeline."""
+        if reason == "abort":
+            raise WorkerFailed("a worker aborted the request", rid)
+        sent = sent_text + text
+        if final_text.startswith(sent):
+            text += final_text[len(sent):]
+        now = time.monotonic()
+        tl.decode_ms = (now - t_first) * 1e3 if t_first else 0.0
+        tl.total_ms = (now - arrived) * 1e3
+        return pb.GenerateChunk(request_id=rid, token_ids=token_ids, text=text, finish_reason=reason or "",
+                                usage=pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
+                                               cached_prompt_tokens=n_cached), timeline=tl)
+
+    async def _lookup(self, token_ids: list[int]) -> dict[str, int]:
+        if self.index is None:
+            return {}
+        hashes = hash_prompt_blocks(token_ids, self.info.block_size, self.info.scope)
+        try:
+            return dict(await asyncio.to_thread(self.index.lookup, hashes))
+        except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
+            self.redis_failures += 1
+            if self.redis_failures == 1 or self.redis_failures % 100 == 0:
+                log.warning("prefix index lookup failed (%d so far), routing on load: %s", self.redis_failures, e)
+            return {}
+
+    # ---- shared state ----------------------------------------------------------------------------------------
+    def _ensure_refresher(self) -> None:
+        if self.index is not None and (self._refresher is None or self._refresher.done()):
+            self._refresher = asyncio.create_task(self._refresh_loads())
+
+    async def _refresh_loads(self) -> None:
+        """Keep the heartbeat loads (written by every worker, read by every router) a quarter second fresh."""
+        while True:
+            try:
+                for status in await asyncio.to_thread(self.index.workers):  # type: ignore[union-attr]
+                    w = self.workers.get(status.name)
+                    if w is not None:
+                        w.view.load = status.load
+            except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
+                log.debug("heartbeat refresh failed: %s", e)
+            await asyncio.sleep(LOAD_REFRESH_S)
+
+    async def status(self) -> pb.ClusterStatus:
+        """Workers, their load and KV blocks, and prefix-hit counts, as Redis has them."""
+        out = pb.ClusterStatus(model=self.model, mode=self.mode, router_inflight=self.inflight)
+        live: dict[str, Any] = {}
+        try:
+            assert self.index is not None
+            live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}
+            hits = await asyncio.to_thread(self.index.hit_counts)
+            out.redis_ok = True
+            out.requested_prompt_tokens, out.cached_prompt_tokens = hits.requested_tokens, hits.cached_tokens
+            out.prefix_hit_rate = hits.hit_rate
+            per_worker = hits.per_worker
+        except Exception:  # noqa: BLE001 - report what is known without Redis
+            per_worker = {}
+        now = time.time()
+        for name, w in self.workers.items():
+            s = live.get(name)
+            load = s.load if s else {}
+            req, cached = per_worker.get(name, (0, 0))
+            out.workers.append(pb.WorkerStatus(
+                name=name, role=w.role, epoch=s.epoch if s else w.info.epoch, address=w.info.kv_address,
+                alive=s is not None, running=int(load.get("running", 0)), waiting=int(load.get("waiting", 0)),
+                num_blocks=int(load.get("num_blocks", w.info.num_blocks)), free_blocks=int(load.get("free_blocks", 0)),
+                cached_blocks=int(load.get("cached_blocks", 0)), requested_prompt_tokens=req,
+                cached_prompt_tokens=cached, heartbeat_age_s=max(0.0, now - s.updated) if s else 0.0))
+        return out
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()

@@ -1,0 +1,101 @@
+"""Which workers serve a request: prefill by predicted time to first token, decode by load and free KV blocks.
+
+The inputs are shared through Redis (prefix matches, heartbeat loads) plus what this router itself has in
+flight, so several routers make consistent choices without talking to each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+DEFAULT_PREFILL_TOK_S = 2000.0  # until a worker's own speed is measured
+PREFIX_WEIGHT = 0.5  # decode choice: a fully cached prompt is worth this fraction of a worker's batch of load
+
+
+@dataclass
+class WorkerView:
+    """What the router knows about one worker."""
+
+    name: str
+    num_blocks: int
+    max_num_seqs: int
+    load: dict[str, float] = field(default_factory=dict)  # last heartbeat (all routers see it)
+    inflight: int = 0  # this router's requests on the worker now
+    pending_tokens: int = 0  # this router's prompt tokens waiting for prefill there
+    prefill_tok_s: float = DEFAULT_PREFILL_TOK_S  # measured prefill speed (exponential moving average)
+
+    def queued_tokens(self) -> float:
+        return max(self.load.get("pending_prefill_tokens", 0.0), float(self.pending_tokens))
+
+    def busy(self) -> float:
+        """Requests on the worker, as a fraction of its batch."""
+        shared = self.load.get("running", 0.0) + self.load.get("waiting", 0.0)
+        return max(shared, float(self.inflight)) / max(1, self.max_num_seqs)
+
+    def free_blocks(self) -> float:
+        return self.load.get("free_blocks", float(self.num_blocks))
+
+    def observe_prefill(self, tokens: int, ms: float) -> None:
+        if tokens > 0 and ms > 0:
+            self.prefill_tok_s = 0.8 * self.prefill_tok_s + 0.2 * tokens / (ms / 1e3)
+
+
+@dataclass
+class Route:
+    """The choice for one request; `prefill` None means the decode worker runs the whole request."""
+
+    prefill: str | None
+    decode: str
+    predicted_ttft_ms: float
+    decode_cached_tokens: int
+
+
+class Policy:
+    """`prefix_aware` (predicted TTFT, prefix matches) or `round_robin` (the baseline for comparisons)."""
+
+    def __init__(self, routing: str, block_size: int, skip_prefill_max_uncached_tokens: int) -> None:
+        self.routing = routing
+        self.block_size = block_size
+        self.skip_max = skip_prefill_max_uncached_tokens
+        self._rr_prefill = itertools.count()
+        self._rr_decode = itertools.count()
+
+    def route(self, prompt_len: int, max_tokens: int, matched: dict[str, int], prefill: list[WorkerView],
+              decode: list[WorkerView]) -> Route:
+        """Pick the workers; `matched` is how many leading prompt blocks each worker caches (prefix index)."""
+        if not decode:
+            raise ValueError("no decode workers")
+        d = self._pick_decode(prompt_len, max_tokens, matched, decode)
+        d_cached = min(prompt_len, matched.get(d.name, 0) * self.block_size)
+        uncached_on_decode = prompt_len - d_cached
+        # NOTE: only a prompt the decode worker already caches in part skips the prefill pool; a short uncached
+        # prompt still goes to prefill, so decode steps never wait behind prompt computation.
+        if not prefill or (self.routing == "prefix_aware" and d_cached > 0 and uncached_on_decode <= self.skip_max):
+            ttft = (d.queued_tokens() + uncached_on_decode) / d.prefill_tok_s * 1e3
+            return Route(None, d.name, ttft, d_cached)
+        if self.routing == "round_robin":
+            p = prefill[next(self._rr_prefill) % len(prefill)]
+            return Route(p.name, d.name, self._ttft(p, prompt_len, matched), d_cached)
+        start = next(self._rr_prefill)  # NOTE: rotating the tie order spreads equal-cost requests over workers
+        order = prefill[start % len(prefill):] + prefill[: start % len(prefill)]
+        p = min(order, key=lambda w: (self._ttft(w, prompt_len, matched), w.inflight))
+        return Route(p.name, d.name, self._ttft(p, prompt_len, matched), d_cached)
+
+    def _ttft(self, w: WorkerView, prompt_len: int, matched: dict[str, int]) -> float:
+        uncached = max(1, prompt_len - matched.get(w.name, 0) * self.block_size)
+        return (w.queued_tokens() + uncached) / w.prefill_tok_s * 1e3
+
+    def _pick_decode(self, prompt_len: int, max_tokens: int, matched: dict[str, int],
+                     decode: list[WorkerView]) -> WorkerView:
+        if self.routing == "round_robin":
+            return decode[next(self._rr_decode) % len(decode)]
+        need = -(-(prompt_len + max_tokens) // self.block_size)
+        fits = [w for w in decode if w.free_blocks() >= need - matched.get(w.name, 0)] or decode
+        start = next(self._rr_decode)
+        order = fits[start % len(fits):] + fits[: start % len(fits)]
+
+        def score(w: WorkerView) -> float:
+            cached_frac = matched.get(w.name, 0) * self.block_size / max(1, prompt_len)
+            return w.busy() - PREFIX_WEIGHT * cached_frac
+        return min(order, key=score)

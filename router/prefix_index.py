@@ -1,0 +1,278 @@
+"""The prefix index: the one module that owns the cluster's Redis key schema, its TTLs and its Lua scripts.
+
+Workers (prefill/decode actors) are the only writers of block entries; routers only read (and lazily purge).
+Block hashes are 32-byte sha256 digests, hex-encoded in keys. `{p}` is the cluster's prefix (default "pdc"), so
+two clusters can share one Redis.
+
+| key                  | type                | TTL                         | holds                                     |
+|----------------------|---------------------|-----------------------------|-------------------------------------------|
+| `{p}:epoch:{worker}` | string (int)        | none                        | the epoch; INCR on every (re)start        |
+| `{p}:blk:{hashhex}`  | hash worker → epoch | BLOCK_TTL_S, on every store | the workers holding this block            |
+| `{p}:wblk:{worker}`  | set of hashhex      | BLOCK_TTL_S, on every store | blocks of the current epoch               |
+| `{p}:hb:{worker}`    | hash                | HEARTBEAT_TTL_S, every beat | role, epoch, address, updated, load       |
+| `{p}:hits`           | hash of counters    | none                        | requested/cached tokens, all + per worker |
+
+A block entry counts only while its epoch is the worker's current epoch and the worker's heartbeat key exists.
+NOTE: the block TTL is a safety net; the index follows the workers' store/evict events. A restart bumps the epoch,
+which purges the old entries at once and makes late writes of the old incarnation fail the epoch check.
+NOTE: the scripts touch keys they build from the prefix, so this needs a single Redis, not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+log = logging.getLogger(__name__)
+
+BLOCK_TTL_S = 3600
+HEARTBEAT_TTL_S = 5.0
+_HB_FIELDS = ("role", "epoch", "address", "updated")
+
+# KEYS: epoch, wblk. ARGV: worker, blk key prefix. Returns the new epoch.
+_REGISTER = """
+local epoch = redis.call('INCR', KEYS[1])
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', ARGV[2] .. h, ARGV[1]) end
+redis.call('DEL', KEYS[2])
+return epoch
+"""
+
+# KEYS: epoch, wblk. ARGV: worker, epoch, blk key prefix, ttl, #stored, stored hex..., removed hex...
+# Returns 1 when written, 0 when the epoch is stale.
+_PUBLISH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+local n = tonumber(ARGV[5])
+for i = 6, 5 + n do
+  local k = ARGV[3] .. ARGV[i]
+  redis.call('HSET', k, ARGV[1], ARGV[2])
+  redis.call('EXPIRE', k, ARGV[4])
+  redis.call('SADD', KEYS[2], ARGV[i])
+end
+for i = 6 + n, #ARGV do
+  redis.call('HDEL', ARGV[3] .. ARGV[i], ARGV[1])
+  redis.call('SREM', KEYS[2], ARGV[i])
+end
+if n > 0 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
+return 1
+"""
+
+# KEYS: epoch, wblk, hb. ARGV: worker, epoch, blk key prefix. Returns 1 when purged, 0 when the epoch is stale.
+_UNREGISTER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', ARGV[3] .. h, ARGV[1]) end
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('INCR', KEYS[1])
+return 1
+"""
+
+# KEYS: the blk keys in prompt order. ARGV: prefix. Returns {worker, leading blocks, ...}.
+_LOOKUP = """
+local p = ARGV[1]
+local epochs, live, counts = {}, {}, {}
+local active = nil
+for i, key in ipairs(KEYS) do
+  local flat = redis.call('HGETALL', key)
+  local nxt, any = {}, false
+  for j = 1, #flat, 2 do
+    local w, e = flat[j], flat[j + 1]
+    if epochs[w] == nil then
+      epochs[w] = redis.call('GET', p .. ':epoch:' .. w)
+      live[w] = redis.call('EXISTS', p .. ':hb:' .. w) == 1
+    end
+    if e ~= epochs[w] then
+      redis.call('HDEL', key, w)
+    elseif live[w] and (i == 1 or active[w]) then
+      nxt[w] = true
+      counts[w] = i
+      any = true
+    end
+  end
+  if not any then break end
+  active = nxt
+end
+local out = {}
+for w, c in pairs(counts) do out[#out + 1] = w; out[#out + 1] = c end
+return out
+"""
+
+
+@dataclass
+class WorkerStatus:
+    """One live worker, as its last heartbeat described it."""
+
+    name: str
+    role: str
+    epoch: int
+    address: str
+    updated: float  # unix time
+    load: dict[str, float]  # the numeric fields of the heartbeat (everything else)
+
+
+@dataclass
+class HitCounts:
+    """Prefix-cache hit counters, cluster-wide and per worker."""
+
+    requested_tokens: int
+    cached_tokens: int
+    per_worker: dict[str, tuple[int, int]]  # worker → (requested, cached)
+
+    @property
+    def hit_rate(self) -> float:
+        """cached / requested tokens; 0.0 when nothing was requested."""
+        return self.cached_tokens / self.requested_tokens if self.requested_tokens else 0.0
+
+
+class _Script:
+    """A Lua script run by EVALSHA, falling back to EVAL (which also caches it) on NOSCRIPT."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        # NOTE: the sha is computed here rather than asked of SCRIPT LOAD: the same digest, no round trip.
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:  # a restarted or flushed Redis
+            return client.eval(self.source, len(keys), *keys, *args)
+
+
+_SCRIPTS = {name: _Script(src) for name, src in
+            (("register", _REGISTER), ("publish", _PUBLISH), ("unregister", _UNREGISTER), ("lookup", _LOOKUP))}
+
+
+class PrefixIndex:
+    """Key schema, TTLs and Lua scripts of the prefix index; workers write their own entries, routers read."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "pdc") -> None:
+        self.client = client
+        self.prefix = prefix
+
+    # ---- keys ----
+    def _epoch_key(self, worker: str) -> str:
+        return f"{self.prefix}:epoch:{worker}"
+
+    def _wblk_key(self, worker: str) -> str:
+        return f"{self.prefix}:wblk:{worker}"
+
+    def _hb_key(self, worker: str) -> str:
+        return f"{self.prefix}:hb:{worker}"
+
+    def _blk_key(self, block_hash: bytes) -> str:
+        return f"{self.prefix}:blk:{block_hash.hex()}"
+
+    @property
+    def _hits_key(self) -> str:
+        return f"{self.prefix}:hits"
+
+    # ---- worker side (the only writers of block entries) ----
+    def register_worker(self, worker: str) -> int:
+        """Start a new epoch for `worker`, dropping every block entry of the previous one; the new epoch."""
+        keys = (self._epoch_key(worker), self._wblk_key(worker))
+        return int(_SCRIPTS["register"](self.client, keys, (worker, f"{self.prefix}:blk:")))
+
+    def publish(self, worker: str, epoch: int, stored: Sequence[bytes], removed: Sequence[bytes]) -> bool:
+        """Record blocks `worker` stored and evicted; False (nothing written) when `epoch` is no longer current.
+
+        `removed` is applied after `stored`: a hash in both ends up absent, so pass the net change.
+        """
+        if not stored and not removed:
+            return True
+        keys = (self._epoch_key(worker), self._wblk_key(worker))
+        args: list[str | int] = [worker, str(int(epoch)), f"{self.prefix}:blk:", BLOCK_TTL_S, len(stored)]
+        args += [h.hex() for h in stored]
+        args += [h.hex() for h in removed]
+        written = bool(_SCRIPTS["publish"](self.client, keys, args))
+        if not written:
+            log.debug("ignored publish of %s under stale epoch %d", worker, epoch)
+        return written
+
+    def heartbeat(self, worker: str, epoch: int, role: str, address: str, load: Mapping[str, float],
+                  *, ttl_s: float | None = None) -> None:
+        """Say `worker` is alive for HEARTBEAT_TTL_S (or `ttl_s`) more seconds, with its load numbers."""
+        clash = set(load) & set(_HB_FIELDS)
+        if clash:
+            raise ValueError(f"load fields {sorted(clash)} clash with the heartbeat's own fields")
+        ttl_ms = int((HEARTBEAT_TTL_S if ttl_s is None else ttl_s) * 1000)
+        fields: dict[str, str | float] = {"role": role, "epoch": int(epoch), "address": address, "updated": time.time()}
+        fields.update({k: float(v) for k, v in load.items()})
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self._hb_key(worker), mapping=fields)  # type: ignore[arg-type]
+        pipe.pexpire(self._hb_key(worker), ttl_ms)
+        pipe.execute()
+
+    def count_hits(self, worker: str, requested_tokens: int, cached_tokens: int) -> None:
+        """Add one request's requested and prefix-cached token counts to the totals and to `worker`'s."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hincrby(self._hits_key, "requested_tokens", requested_tokens)
+        pipe.hincrby(self._hits_key, "cached_tokens", cached_tokens)
+        pipe.hincrby(self._hits_key, f"requested_tokens:{worker}", requested_tokens)
+        pipe.hincrby(self._hits_key, f"cached_tokens:{worker}", cached_tokens)
+        pipe.execute()
+
+    def unregister_worker(self, worker: str, epoch: int) -> bool:
+        """Graceful shutdown: drop `worker`'s blocks and heartbeat and retire `epoch`; False when it was stale."""
+        # NOTE: retiring the epoch (INCR) makes a late publish from a still-running thread fail the epoch check.
+        keys = (self._epoch_key(worker), self._wblk_key(worker), self._hb_key(worker))
+        return bool(_SCRIPTS["unregister"](self.client, keys, (worker, str(int(epoch)), f"{self.prefix}:blk:")))
+
+    # ---- router side ----
+    def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """For each live worker, how many leading blocks of `hashes` it holds; one round trip, 0s omitted."""
+        if not hashes:
+            return {}
+        flat = _SCRIPTS["lookup"](self.client, [self._blk_key(h) for h in hashes], (self.prefix,))
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def workers(self) -> list[WorkerStatus]:
+        """Live workers (those with a heartbeat key), sorted by name."""
+        head = f"{self.prefix}:hb:"
+        keys = sorted(k.decode() for k in self.client.scan_iter(match=_glob_escape(head) + "*", count=500))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        out: list[WorkerStatus] = []
+        for key, raw in zip(keys, pipe.execute()):
+            if not raw:  # expired between SCAN and HGETALL
+                continue
+            fields = {k.decode(): v.decode() for k, v in raw.items()}
+            out.append(WorkerStatus(name=key[len(head):], role=fields.pop("role", ""),
+                                    epoch=int(fields.pop("epoch", 0)), address=fields.pop("address", ""),
+                                    updated=float(fields.pop("updated", 0.0)),
+                                    load={k: float(v) for k, v in fields.items()}))
+        return out
+
+    def hit_counts(self) -> HitCounts:
+        """The prefix-cache hit counters."""
+        raw: dict[bytes, bytes] = self.client.hgetall(self._hits_key)  # type: ignore[assignment]
+        counts = HitCounts(requested_tokens=0, cached_tokens=0, per_worker={})
+        per_worker: dict[str, list[int]] = {}
+        for k, v in raw.items():
+            name, _, worker = k.decode().partition(":")
+            slot = 0 if name == "requested_tokens" else 1
+            if worker:
+                per_worker.setdefault(worker, [0, 0])[slot] = int(v)
+            elif slot == 0:
+                counts.requested_tokens = int(v)
+            else:
+                counts.cached_tokens = int(v)
+        counts.per_worker = {w: (r, c) for w, (r, c) in sorted(per_worker.items())}
+        return counts
+
+    def ping(self) -> bool:
+        """True when Redis answers; False instead of raising when it cannot be reached."""
+        try:
+            return bool(self.client.ping())
+        except (redis.RedisError, OSError):
+            return False
+
+
+def _glob_escape(text: str) -> str:
+    """`text` with the glob characters of a SCAN MATCH pattern escaped."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,93 @@
+"""The gRPC face of the router: `pdcluster.v1.Inference` over grpc.aio, plus health and reflection.
+
+Each RPC validates (INVALID_ARGUMENT names the field), hands the request to `Router.stream`, and maps any
+failure to a status code through `router.errors.status_of`; one failing request never affects another.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdcluster.v1 import inference_pb2 as pb
+from pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from router.core import Router
+from router.errors import status_of
+from router.validate import Checked, RequestValidator
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    """Generate / GenerateStream / Chat / ChatStream / GetClusterStatus."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.validator = RequestValidator(router.info)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        return await self._unary(lambda: self.validator.generate(request), context)
+
+    async def GenerateStream(self, request: pb.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        async for chunk in self._stream(lambda: self.validator.generate(request), context):
+            yield chunk
+
+    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        return await self._unary(lambda: self.validator.chat(request), context)
+
+    async def ChatStream(self, request: pb.ChatRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        async for chunk in self._stream(lambda: self.validator.chat(request), context):
+            yield chunk
+
+    async def GetClusterStatus(self, request: pb.ClusterStatusRequest,
+                               context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
+        return await self.router.status()
+
+    async def _unary(self, check: object, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse()
+        async for chunk in self._stream(check, context):
+            resp.request_id = chunk.request_id
+            resp.token_ids.extend(chunk.token_ids)
+            resp.text += chunk.text
+            if chunk.finish_reason:
+                resp.finish_reason = chunk.finish_reason
+                resp.usage.CopyFrom(chunk.usage)
+                resp.timeline.CopyFrom(chunk.timeline)
+        return resp
+
+    async def _stream(self, check: object, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        arrived = time.monotonic()
+        try:
+            req: Checked = check()  # type: ignore[operator]
+            async for chunk in self.router.stream(req, arrived):
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status for this request only
+            code, message = status_of(e)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("request failed")
+            await context.abort(code, message)
+
+
+async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    pb_grpc.add_InferenceServicer_to_server(InferenceService(router), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (router.host / router.port)")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

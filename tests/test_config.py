@@ -1,0 +1,202 @@
+"""The deploy config: every file in deploy/ loads, and a bad file is refused naming the field and its line."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from engine.config import EngineConfig
+from kv_transfer.state import TransferConfig
+from pdcluster.config import ClusterConfig, ConfigError, PoolConfig, TransferSection
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEPLOY_FILES = sorted(glob.glob(os.path.join(REPO, "deploy", "*.yaml")))
+
+
+def lines(*rows: str) -> str:
+    """YAML text whose line N is the N-th argument (so the tests can name lines)."""
+    return "\n".join(rows) + "\n"
+
+
+# ---- the files in deploy/ ---------------------------------------------------------------------------------------
+
+def test_deploy_has_the_documented_files():
+    names = {os.path.basename(p) for p in DEPLOY_FILES}
+    assert {"local.yaml", "local-2p1d.yaml", "local-colocated.yaml", "gpu-cluster.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", DEPLOY_FILES, ids=os.path.basename)
+def test_every_deploy_file_loads_and_runs_pools(path):
+    cfg = ClusterConfig.from_yaml(path)
+    pools = cfg.pools()
+    assert pools and all(p.replicas >= 1 for p in pools.values())
+    for pool in pools.values():
+        assert isinstance(pool.engine_config(), EngineConfig)
+        assert isinstance(cfg.transfer.transfer_config(pool.device), TransferConfig)
+
+
+def test_local_yaml_is_the_embedded_laptop_default():
+    cfg = ClusterConfig.from_yaml(os.path.join(REPO, "deploy", "local.yaml"))
+    assert cfg.mode == "disaggregated" and cfg.model == "smollm2"
+    assert (cfg.prefill.replicas, cfg.decode.replicas) == (1, 1)
+    assert cfg.ray.address == "local" and cfg.redis.url is None
+    assert cfg.transfer.transport == "grpc"
+    assert (cfg.router.host, cfg.router.port) == ("127.0.0.1", 50051)
+    for pool in (cfg.prefill, cfg.decode):
+        assert (pool.num_cpus, pool.torch_threads) == (1, 1)
+        assert (pool.num_kv_blocks, pool.max_num_batched_tokens) == (2048, 1024)
+    assert set(cfg.pools()) == {"prefill", "decode"}
+
+
+def test_other_deploy_files_hold_their_documented_shapes():
+    two_one = ClusterConfig.from_yaml(os.path.join(REPO, "deploy", "local-2p1d.yaml"))
+    assert (two_one.prefill.replicas, two_one.decode.replicas, two_one.router.port) == (2, 1, 0)
+    assert two_one.prefill.num_cpus == two_one.decode.num_cpus == 0.5
+    colo = ClusterConfig.from_yaml(os.path.join(REPO, "deploy", "local-colocated.yaml"))
+    assert colo.mode == "colocated" and set(colo.pools()) == {"colocated"} and colo.colocated.replicas == 2
+    gpu = ClusterConfig.from_yaml(os.path.join(REPO, "deploy", "gpu-cluster.yaml"))
+    assert gpu.ray.address == "auto" and gpu.redis.url == "redis://redis.internal:6379/0"
+    assert (gpu.transfer.transport, gpu.transfer.torch_backend) == ("torch", "nccl")
+    assert gpu.prefill.resources == {"prefill_node": 1} and gpu.decode.resources == {"decode_node": 1}
+    assert gpu.prefill.device == gpu.decode.device == "cuda" and gpu.prefill.max_restarts == 3
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n", "null\n"], ids=["empty", "comment", "doc", "null"])
+def test_empty_file_gives_the_defaults(text):
+    assert ClusterConfig.from_yaml_text(text) == ClusterConfig()
+
+
+def test_a_section_with_every_key_commented_out_takes_its_defaults():
+    cfg = ClusterConfig.from_yaml_text(lines("redis:", "  # url: redis://x:6379/0", "prefill:"))
+    assert cfg.redis == ClusterConfig().redis and cfg.prefill == PoolConfig()
+
+
+def test_colocated_mode_runs_only_the_colocated_pool_and_ignores_the_others():
+    cfg = ClusterConfig.from_yaml_text(lines("mode: colocated", "colocated:", "  replicas: 3", "prefill:",
+                                             "  replicas: 0"))
+    assert set(cfg.pools()) == {"colocated"} and cfg.pools()["colocated"].replicas == 3
+
+
+def test_from_yaml_on_a_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml(path)
+    assert str(path) in str(info.value) and "no such file" in str(info.value)
+    assert info.value.source == str(path) and info.value.line is None
+
+
+def test_from_yaml_reads_a_file_and_names_it_in_errors(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text(lines("mode: disaggregated", "prefill:", "  replicas: 2"))
+    assert ClusterConfig.from_yaml(path).prefill.replicas == 2
+    path.write_text(lines("mode: disaggregated", "prefill:", "  replicas: -1"))
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml(str(path))
+    assert str(info.value) == f"{path}:3: prefill.replicas: Input should be greater than or equal to 0"
+
+
+# ---- bad files: (yaml, path, line, words in the message) -------------------------------------------------------
+
+BAD = {
+    "unknown top-level key": (lines("model: smollm2", "moed: colocated"), "moed", 2, ["unknown key", "'mode'"]),
+    "unknown nested key": (lines("prefill:", "  replicas: 1", "  replicaz: 2"), "prefill.replicaz", 3,
+                           ["unknown key", "'replicas'"]),
+    "unknown key, nothing close": (lines("router:", "  port: 1", "  zzz: 1"), "router.zzz", 3, ["max_inflight"]),
+    "wrong type": (lines("decode:", "  num_kv_blocks: many"), "decode.num_kv_blocks", 2, ["valid integer"]),
+    "section not a mapping": (lines("model: tiny", "ray: 3"), "ray", 2, ["RayConfig"]),
+    "negative replicas": (lines("prefill:", "  num_cpus: 1", "  replicas: -1"), "prefill.replicas", 3,
+                          ["greater than or equal to 0"]),
+    "zero cpus": (lines("decode:", "  num_cpus: 0"), "decode.num_cpus", 2, ["greater than 0"]),
+    "transport local": (lines("transfer:", "  transport: local"), "transfer.transport", 2, ["separate processes"]),
+    "transport carrier-pigeon": (lines("transfer:", "  transport: carrier-pigeon"), "transfer.transport", 2,
+                                 ["'grpc' or 'torch'"]),
+    "bad dtype": (lines("prefill:", "  dtype: fp8"), "prefill.dtype", 2, ["'bfloat16'"]),
+    "nccl over grpc": (lines("transfer:", "  torch_backend: nccl"), "transfer.torch_backend", 2, ["transport 'torch'"]),
+    "nccl with cpu pools": (lines("transfer:", "  transport: torch", "  torch_backend: nccl"),
+                            "transfer.torch_backend", 3, ["prefill.device and decode.device", "'cuda'"]),
+    "nccl with one cpu pool": (lines("transfer: {transport: torch, torch_backend: nccl}",
+                                     "prefill: {device: cuda, num_gpus: 1}"),
+                               "transfer.torch_backend", 1, ["decode.device must"]),
+    "cuda without gpus": (lines("model: tiny", "decode:", "  device: cuda"), "decode.num_gpus", 2, ["num_gpus > 0"]),
+    "CPU in resources": (lines("prefill:", "  resources:", "    CPU: 2"), "prefill.resources", 2, ["num_cpus"]),
+    "negative resource": (lines("prefill:", "  resources:", "    prefill_node: -1"),
+                          "prefill.resources.prefill_node", 3, ["greater than 0"]),
+    "colocated with 0 replicas": (lines("mode: colocated", "colocated:", "  replicas: 0"), "colocated.replicas", 3,
+                                  [">= 1"]),
+    "colocated section missing": (lines("mode: colocated"), "colocated.replicas", 1, [">= 1"]),
+    "disaggregated with 0 decode": (lines("decode:", "  replicas: 0"), "decode.replicas", 2, [">= 1"]),
+    "ray.num_cpus with address auto": (lines("ray:", "  address: auto", "  num_cpus: 4"), "ray.num_cpus", 3,
+                                       ["address 'local'"]),
+    "bad ray address": (lines("ray:", "  address: somewhere"), "ray.address", 2, ["'auto'"]),
+    "bad redis scheme": (lines("redis:", "  url: http://redis:6379"), "redis.url", 2, ["redis://"]),
+    "key_prefix with a space": (lines("redis:", "  key_prefix: my prefix"), "redis.key_prefix", 2, ["pattern"]),
+    "port out of range": (lines("router:", "  host: 0.0.0.0", "  port: 70000"), "router.port", 3, ["65535"]),
+    "chunk too small": (lines("transfer:", "  chunk_bytes: 100"), "transfer.chunk_bytes", 2, ["4096"]),
+    "duplicate section": (lines("prefill:", "  replicas: 1", "decode: {}", "prefill:", "  replicas: 2"), "prefill",
+                          4, ["duplicate key", "line 1"]),
+    "syntax error": (lines("prefill:", "  replicas: 1", " decode: [1, 2"), "", 3, ["invalid YAML"]),
+    "unclosed flow": (lines("prefill: {replicas: 1", "decode:", "  replicas: 1"), "", 2, ["invalid YAML"]),
+    "top level a list": (lines("- prefill", "- decode"), "", 1, ["mapping"]),
+    "top level a scalar": (lines("smollm2"), "", 1, ["mapping"]),
+    "python tag refused": (lines("model: !!python/object/apply:os.system ['true']"), "", 1, ["invalid YAML"]),
+    "two documents": (lines("model: tiny", "---", "model: smollm2"), "", 2, ["invalid YAML"]),
+}
+
+
+@pytest.mark.parametrize("text,path,line,words", BAD.values(), ids=BAD.keys())
+def test_bad_yaml_names_the_field_and_the_line(text, path, line, words):
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml_text(text, "deploy/x.yaml")
+    err = info.value
+    assert (err.path, err.line, err.source) == (path, line, "deploy/x.yaml")
+    message = str(err)
+    assert message.startswith(f"deploy/x.yaml:{line}: " + (f"{path}: " if path else ""))
+    for word in words:
+        assert word in message
+
+
+def test_several_errors_are_one_config_error_listing_each_on_its_own_line_in_file_order():
+    text = lines("router:", "  port: -5", "prefill:", "  replicas: -1", "  bogus: 1")
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml_text(text, "x.yaml")
+    err = info.value
+    assert (err.path, err.line) == ("router.port", 2)
+    assert [(i.path, i.line) for i in err.issues] == [("router.port", 2), ("prefill.replicas", 4),
+                                                        ("prefill.bogus", 5)]
+    rows = str(err).splitlines()
+    assert [r.split(": ")[0:2] for r in rows] == [["x.yaml:2", "router.port"], ["x.yaml:4", "prefill.replicas"],
+                                                  ["x.yaml:5", "prefill.bogus"]]
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        ClusterConfig.from_yaml_text("mode: sideways\n")
+
+
+# ---- what the sections build -----------------------------------------------------------------------------------
+
+def test_engine_config_maps_the_pool_fields():
+    pool = PoolConfig(num_kv_blocks=300, block_size=32, max_num_batched_tokens=512, max_num_seqs=8,
+                      max_model_len=4096, dtype="bfloat16", torch_threads=3, kv_cache_memory_gb=2.5)
+    ec = pool.engine_config()
+    assert (ec.num_blocks, ec.block_size, ec.max_num_batched_tokens, ec.max_num_seqs) == (300, 32, 512, 8)
+    assert (ec.max_model_len, ec.dtype, ec.num_threads, ec.kv_cache_memory_gb) == (4096, "bfloat16", 3, 2.5)
+    assert PoolConfig().engine_config().num_blocks is None  # sized from kv_cache_memory_gb
+
+
+def test_transfer_config_carries_the_section():
+    section = TransferSection(transport="grpc", deadline_s=5, chunk_bytes=1 << 16, grpc_streams=4)
+    tc = section.transfer_config("cpu")
+    assert tc == TransferConfig(transport="grpc", deadline_s=5, chunk_bytes=1 << 16, grpc_streams=4,
+                                torch_backend="gloo", torch_device="cpu")
+
+
+@pytest.mark.parametrize("backend,device,expected", [("nccl", "cuda", "cuda"), ("gloo", "cuda", "cpu"),
+                                                     ("gloo", "cpu", "cpu")])
+def test_transfer_config_sends_from_cuda_only_with_nccl(backend, device, expected):
+    tc = TransferSection(transport="torch", torch_backend=backend).transfer_config(device)
+    assert (tc.transport, tc.torch_backend, tc.torch_device) == ("torch", backend, expected)
