@@ -104,7 +104,8 @@ class Worker:
 
     def _on_step(self, step_started: float) -> None:
         for st in self._starting.values():
-            if not st.started and st.seq.num_computed_tokens > 0:
+            # NOTE: a request that finished in this very step has already given its blocks back (0 computed)
+            if not st.started and (st.seq.num_computed_tokens > 0 or st.seq.num_output_tokens > 0):
                 st.started = step_started
 
     def _first_token(self, request_id: str, now: float) -> tuple[float, float]:

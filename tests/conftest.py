@@ -36,3 +36,15 @@ def hf_smollm2() -> torch.nn.Module:
     assert spec is not None and spec.submodule_search_locations
     directory = list(spec.submodule_search_locations)[0]
     return AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_FILE, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (starting one costs ~8 s); clusters share it, each its namespace."""
+    import ray
+
+    # NOTE: logical CPUs beyond the cores let several small test clusters be placed at once; they idle mostly.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "GRPC_VERBOSITY": "ERROR"}})
+    yield ray
+    ray.shutdown()

@@ -109,3 +109,51 @@ def prefill_layerwise(engine: LLMEngine, sender: Any, prompt: list[int], first: 
 
 def free_blocks(engine: LLMEngine) -> int:
     return engine.stats().num_free_blocks
+
+
+# ---- the cluster -----------------------------------------------------------------------------------------------
+class RouterServer:
+    """A Router's gRPC server on its own event loop thread in the test process (the way `serve` runs it)."""
+
+    def __init__(self, router: Any, port: int = 0) -> None:
+        import asyncio
+        import threading
+
+        from router.service import start_server
+
+        self.router = router
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="router-loop")
+        self._thread.start()
+        self.server, port = asyncio.run_coroutine_threadsafe(start_server(router, "127.0.0.1", port),
+                                                             self.loop).result(30)
+        self.address = f"127.0.0.1:{port}"
+
+    def stub(self) -> Any:
+        import grpc
+
+        from pdcluster.v1 import inference_pb2_grpc
+
+        return inference_pb2_grpc.InferenceStub(grpc.insecure_channel(self.address))
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=1), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.router.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def start_test_cluster(yaml_path: str, namespace: str, **router_overrides: Any) -> tuple[Any, RouterServer]:
+    """A cluster from a deploy YAML inside the session's Ray (its own namespace and embedded Redis) and a router."""
+    from pdcluster.config import ClusterConfig
+    from pdcluster.launch import Cluster
+    from pdcluster.serve import make_router
+
+    config = ClusterConfig.from_yaml(yaml_path)
+    config.ray.namespace = namespace
+    for key, value in router_overrides.items():
+        setattr(config.router, key, value)
+    cluster = Cluster(config).start()
+    return cluster, RouterServer(make_router(cluster))

@@ -1,0 +1,203 @@
+"""The router's pieces without Ray: request validation, the routing policy, and the worker classes in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from decode_workers.worker import DecodeWorker
+from engine import EngineConfig, InvalidRequestError
+from engine.block_hash import hash_prompt_blocks
+from kv_transfer.state import TransferConfig
+from pdcluster.messages import DecodeRequest, PrefillRequest
+from pdcluster.redis_server import EmbeddedRedis, connect
+from pdcluster.v1 import inference_pb2 as pb
+from pdcluster.worker import WorkerSpec
+from prefill_workers.worker import PrefillWorker
+from router.policy import Policy, WorkerView
+from router.prefix_index import PrefixIndex
+from router.validate import RequestValidator
+from tests.helpers import GREEDY, generate_ids, make_engine, random_prompts
+
+CFG = EngineConfig(num_blocks=256, num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+@pytest.fixture(scope="module")
+def workers(tiny, redis_url):
+    p = PrefillWorker(WorkerSpec("prefill-0", "prefill", "tiny", CFG, TransferConfig(), redis_url, "unit"), tiny)
+    d = DecodeWorker(WorkerSpec("decode-0", "decode", "tiny", CFG, TransferConfig(), redis_url, "unit"), tiny)
+    yield p, d
+    p.close()
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def validator(workers):
+    return RequestValidator(workers[1].info())
+
+
+def sampling(**kw):
+    return pb.SamplingParams(**kw)
+
+
+BAD = [
+    (pb.GenerateRequest(), "prompt"),
+    (pb.GenerateRequest(prompt="hi", prompt_token_ids=[1, 2]), "prompt_token_ids"),
+    (pb.GenerateRequest(prompt_token_ids=[10**6]), "prompt_token_ids"),
+    (pb.GenerateRequest(prompt="hello world, " * 3000), "prompt"),  # longer than the context
+    (pb.GenerateRequest(prompt_token_ids=[5] * 5000), "prompt_token_ids"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(max_tokens=0)), "sampling.max_tokens"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(max_tokens=10**6)), "sampling.max_tokens"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=-1)), "sampling.temperature"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=float("nan"))), "sampling.temperature"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(top_p=0)), "sampling.top_p"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(top_p=1.5)), "sampling.top_p"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(stop=[""])), "sampling.stop"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(stop=["a"] * 17)), "sampling.stop"),
+    (pb.GenerateRequest(prompt="hi", sampling=sampling(stop_token_ids=[10**6])), "sampling.stop_token_ids"),
+    (pb.GenerateRequest(request_id="x" * 300, prompt="hi"), "request_id"),
+    (pb.GenerateRequest(request_id="a\nb", prompt="hi"), "request_id"),
+    (pb.ChatRequest(), "messages"),
+    (pb.ChatRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]), "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize("req,field", BAD, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD)])
+def test_bad_requests_are_rejected_naming_the_field(validator, req, field):
+    check = validator.chat if isinstance(req, pb.ChatRequest) else validator.generate
+    with pytest.raises(InvalidRequestError) as e:
+        check(req)
+    assert e.value.field == field and field in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["top", "sampling", "message"])
+def test_unknown_fields_are_rejected_not_dropped(validator, where):
+    extra = b"\xa8\x06\x05"  # field 101, varint 5: not in the schema
+    if where == "message":
+        msg = pb.ChatMessage(role="user", content="hi").SerializeToString() + extra
+        req = pb.ChatRequest.FromString(pb.ChatRequest(messages=[pb.ChatMessage.FromString(msg)]).SerializeToString())
+        with pytest.raises(InvalidRequestError, match=r"messages\[0\]"):
+            validator.chat(req)
+        return
+    if where == "top":
+        data = pb.GenerateRequest(prompt="hi").SerializeToString() + extra
+    else:
+        data = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams.FromString(
+            pb.SamplingParams(max_tokens=2).SerializeToString() + extra)).SerializeToString()
+    with pytest.raises(InvalidRequestError, match="unknown field number 101") as e:
+        validator.generate(pb.GenerateRequest.FromString(data))
+    assert e.value.field == ("sampling" if where == "sampling" else "GenerateRequest")
+
+
+def test_defaults_follow_vllm_and_openai(validator):
+    checked = validator.generate(pb.GenerateRequest(prompt="hi"))
+    p = checked.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (16, 1.0, 1.0, 0)
+    assert checked.request_id.startswith("req-") and p.seed is not None
+    explicit = validator.generate(pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=0, seed=7)))
+    assert explicit.params.greedy and explicit.params.seed == 7
+
+
+def test_chat_applies_the_models_template(validator, tiny):
+    req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hello there")])
+    text = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}])
+    assert validator.chat(req).token_ids == tiny.tokenizer.encode(text)
+
+
+def view(name, **load):
+    return WorkerView(name, num_blocks=1000, max_num_seqs=8, load={k: float(v) for k, v in load.items()})
+
+
+def test_prefill_choice_follows_predicted_ttft():
+    pol = Policy("prefix_aware", 16, 64)
+    prefill = [view("p0", pending_prefill_tokens=4000), view("p1")]
+    # p0 caches 30 of 32 blocks but has 4,000 tokens queued: p1 computing all 512 tokens is sooner
+    assert pol.route(512, 8, {"p0": 30}, prefill, [view("d0")]).prefill == "p1"
+    prefill[0].load["pending_prefill_tokens"] = 0
+    assert pol.route(512, 8, {"p0": 30}, prefill, [view("d0")]).prefill == "p0"
+
+
+def test_decode_choice_weighs_load_free_blocks_and_prefix():
+    pol = Policy("prefix_aware", 16, 0)
+    d = [view("d0", running=6), view("d1", running=1)]
+    assert pol.route(100, 10, {}, [view("p")], d).decode == "d1"
+    d[1].load["free_blocks"] = 3  # cannot hold 110 tokens
+    assert pol.route(100, 10, {}, [view("p")], d).decode == "d0"
+    even = [view("d0", running=2), view("d1", running=2)]
+    assert pol.route(320, 10, {"d1": 20}, [view("p")], even).decode == "d1"
+
+
+def test_prefill_is_skipped_only_when_the_decode_worker_caches_nearly_all():
+    pol = Policy("prefix_aware", 16, 64)
+    assert pol.route(40, 8, {}, [view("p")], [view("d")]).prefill == "p"  # short but uncached: prefill pool
+    assert pol.route(1000, 8, {"d": 60}, [view("p")], [view("d")]).prefill is None  # 40 tokens left
+    assert pol.route(1000, 8, {"d": 50}, [view("p")], [view("d")]).prefill == "p"  # 200 tokens left
+    assert Policy("round_robin", 16, 64).route(1000, 8, {"d": 60}, [view("p")], [view("d")]).prefill == "p"
+
+
+def test_round_robin_alternates_and_equal_costs_spread():
+    for routing in ("round_robin", "prefix_aware"):
+        pol = Policy(routing, 16, 64)
+        picks = [pol.route(100, 8, {}, [view("p0"), view("p1")], [view("d")]).prefill for _ in range(4)]
+        assert sorted(picks) == ["p0", "p0", "p1", "p1"], routing
+
+
+async def _run(p, d, rid, prompt, params):
+    res = await p.prefill(PrefillRequest(rid, prompt, params, d.kv_address))
+    tokens = list(res.token_ids)
+    if res.finished:
+        return res, tokens, None
+    last = None
+    async for delta in d.generate(DecodeRequest(rid, params)):
+        tokens += delta.token_ids
+        last = delta
+    return res, tokens, last
+
+
+def test_prefill_and_decode_workers_match_one_engine(tiny, workers):
+    p, d = workers
+    prompts = random_prompts(6, [5, 16, 40, 70], vocab=tiny.config.vocab_size)
+
+    async def all_of_them():
+        return await asyncio.gather(*(_run(p, d, f"w{i}", pr, dataclasses.replace(GREEDY))
+                                      for i, pr in enumerate(prompts)))
+    results = asyncio.run(all_of_them())
+    want = generate_ids(make_engine(tiny, num_blocks=256), prompts)
+    for (res, tokens, last), ref, prompt in zip(results, want, prompts):
+        assert tokens == ref and last.finished and last.all_token_ids == ref
+        assert res.kv_blocks_sent == -(-len(prompt) // 16) and res.prefill_ms > 0
+    for w in workers:
+        s = w.engine.stats()
+        assert (s.num_running, s.num_waiting, s.num_reserved, s.num_free_blocks) == (0, 0, 0, s.num_blocks)
+
+
+def test_a_request_ending_at_its_first_token_frees_the_decode_side(tiny, workers):
+    p, d = workers
+    params = dataclasses.replace(GREEDY, max_tokens=1)
+    res, tokens, last = asyncio.run(_run(p, d, "one", random_prompts(1, [40], seed=3)[0], params))
+    assert res.finished and res.finish_reason == "length" and len(tokens) == 1 and last is None
+    assert d.engine.stats().num_reserved == 0 and d.engine.stats().num_free_blocks == CFG.num_blocks
+
+
+def test_workers_publish_their_blocks_and_hits_to_redis(tiny, workers, redis_url):
+    p, d = workers
+    prompt = random_prompts(1, [64], seed=9, vocab=tiny.config.vocab_size)[0]
+    asyncio.run(_run(p, d, "pub", prompt, dataclasses.replace(GREEDY, max_tokens=4)))
+    index = PrefixIndex(connect(redis_url), "unit")
+    hashes = hash_prompt_blocks(prompt, 16, p.engine.scope)
+    import time
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and index.lookup(hashes) != {"prefill-0": 4, "decode-0": 4}:
+        time.sleep(0.05)
+    assert index.lookup(hashes) == {"prefill-0": 4, "decode-0": 4}
+    assert index.hit_counts().per_worker["prefill-0"][0] >= 64
+    assert {w.name for w in index.workers()} == {"prefill-0", "decode-0"}
