@@ -1,9 +1,9 @@
 # The two commands a new user needs: `make demo` (runs the main job) and `make test` (runs the tests).
 # Each installs what it needs first, into the current Python environment.
 PYTHON ?= python3
-PROMPT ?= Explain in two sentences why the sky is blue.
+CONFIG ?= deploy/local.yaml
 
-.PHONY: install demo test test-fast lint proto bench-engine bench-transfer bench-transfer
+.PHONY: install demo serve test test-fast lint proto bench-engine bench-transfer
 
 .install-stamp: pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -12,7 +12,10 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 install: .install-stamp
 
 demo: .install-stamp
-	pdcluster generate --local --chat --max-tokens 64 "$(PROMPT)"
+	$(PYTHON) -m pdcluster demo
+
+serve: .install-stamp
+	$(PYTHON) -m pdcluster serve --config $(CONFIG)
 
 test: .install-stamp
 	$(PYTHON) -m pytest -q

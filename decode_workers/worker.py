@@ -29,7 +29,7 @@ class DecodeWorker(Worker):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.kv = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.lock,
-                                   host=self.spec.kv_host)
+                                   host=node_address(self.spec.kv_host))
 
     @property
     def kv_address(self) -> str:
@@ -84,6 +84,15 @@ class DecodeWorker(Worker):
     def close(self) -> None:
         self.kv.close()
         super().close()
+
+
+def node_address(host: str) -> str:
+    """`host`, or for 'auto' this node's IP as Ray sees it (each decode worker advertises its own node)."""
+    if host != "auto":
+        return host
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
 
 
 def _merge(outs: list[RequestOutput]) -> Delta:

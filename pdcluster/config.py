@@ -167,7 +167,8 @@ class TransferSection(BaseModel):
     chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20, description="grpc: bytes per chunk message")
     grpc_streams: int = Field(default=2, ge=1, le=16, description="grpc: parallel streams per transfer")
     host: str = Field(default="127.0.0.1", min_length=1,
-                      description="address decode workers bind their KV port to and advertise to prefill workers")
+                      description="address decode workers bind their KV port to and advertise to prefill workers; "
+                      "'auto': each worker's own node IP")
 
     @field_validator("transport", mode="before")
     @classmethod
