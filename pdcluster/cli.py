@@ -9,7 +9,8 @@ import time
 
 EPILOG = """examples:
   pdcluster demo                                      # start the embedded default, chat through the gRPC API, stop
-  pdcluster serve --config deploy/local.yaml          # prints `pdcluster ready: grpc=HOST:PORT`; Ctrl-C stops it
+  pdcluster serve --config deploy/local.yaml          # prints `pdcluster ready: grpc=HOST:PORT redis=HOST:PORT`
+  pdcluster router --ray 127.0.0.1:6379 --redis 127.0.0.1:6390 --port 50052   # another router, same cluster
   pdcluster generate --addr 127.0.0.1:50051 --stream "The capital of France is"
   pdcluster chat --addr 127.0.0.1:50051
   pdcluster status --addr 127.0.0.1:50051
@@ -43,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=fmt)
     serve.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
     serve.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
+    rtr = sub.add_parser("router", help="an extra router for a running cluster (shares its state through Redis)",
+                         formatter_class=fmt)
+    rtr.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML")
+    rtr.add_argument("--redis", required=True, metavar="HOST:PORT or URL",
+                     help="the cluster's Redis (`serve` prints redis=HOST:PORT for its embedded one)")
+    rtr.add_argument("--ray", default=None, metavar="HOST:PORT",
+                     help="the cluster's Ray (`serve` prints ray=HOST:PORT for its private one); default: ray.address")
+    rtr.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
     demo = sub.add_parser("demo", help="start the embedded default, stream a few chats with timelines, stop",
                           formatter_class=fmt)
     demo.add_argument("--config", default="deploy/local.yaml", help="deploy YAML")
@@ -144,12 +153,17 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
         return run(config, body)
     if args.port is not None:
         config.router.port = args.port
+    if args.command == "router":
+        config.redis.url = args.redis if "://" in args.redis else f"redis://{args.redis}/0"
+        if args.ray:
+            config.ray.address = args.ray
+        return run(config, attach=True)
     return run(config)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "demo"):
+    if args.command in ("serve", "demo", "router"):
         return _serve(args, demo=args.command == "demo")
     if args.command in ("chat", "status") or (args.command == "generate" and args.addr):
         from pdcluster import client

@@ -36,6 +36,15 @@ def worker_env(torch_threads: int) -> dict[str, str]:
             "RAY_USAGE_STATS_ENABLED": "0", "GRPC_VERBOSITY": "ERROR"}
 
 
+def use_ray_token() -> None:
+    """Send this machine's Ray token when joining a cluster (call before importing ray)."""
+    # NOTE: Ray 2.60 clusters require a token by default; a connecting driver only sends the token it finds
+    # (~/.ray/auth_token, RAY_AUTH_TOKEN[_PATH]) when RAY_AUTH_MODE says so
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
+    if "RAY_AUTH_MODE" not in os.environ and ("RAY_AUTH_TOKEN" in os.environ or os.path.exists(token_file)):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 class Cluster:
     """The Redis, Ray and worker actors of one config; `start()` then `handles()`, and `stop()` at the end."""
 
@@ -46,6 +55,7 @@ class Cluster:
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, WorkerInfo] = {}
         self._started_ray = False
+        self._attached = False
 
     def start(self) -> Cluster:
         import ray
@@ -73,6 +83,25 @@ class Cluster:
             self.stop()
             raise
         log.info("cluster up: %s", ", ".join(self.actors))
+        return self
+
+    def attach(self) -> Cluster:
+        """Join a cluster another process started (an extra router): find its named actors, ask each for info."""
+        use_ray_token()
+        import ray
+
+        cfg = self.config
+        if self.redis_url is None:
+            raise ValueError("redis.url: an extra router needs the cluster's Redis URL (`serve` prints it)")
+        if not ray.is_initialized():
+            # NOTE: "local" in the YAML means the serving process's private Ray: join it as "auto"
+            address = "auto" if cfg.ray.address == "local" else cfg.ray.address
+            ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False)
+            self._started_ray = True  # only this process's connection: shutdown() leaves the cluster running
+        names = [f"{role}-{i}" for role, pool in cfg.pools().items() for i in range(pool.replicas)]
+        self.actors = {n: ray.get_actor(n, namespace=cfg.ray.namespace) for n in names}
+        self.infos = dict(zip(names, ray.get([self.actors[n].info.remote() for n in names], timeout=60)))
+        self._attached = True
         return self
 
     def _start_actor(self, name: str, role: str, pool: Any) -> None:
@@ -103,6 +132,17 @@ class Cluster:
                                  f"has {available.get(key, 0.0):g}: lower the replicas or the per-actor {key} of a "
                                  "pool, or give Ray more (ray.num_cpus)")
 
+    @property
+    def started_ray(self) -> bool:
+        return self._started_ray and not self._attached
+
+    @property
+    def ray_address(self) -> str:
+        """The GCS address of the Ray this cluster runs in (host:port)."""
+        import ray
+
+        return str(ray.get_runtime_context().gcs_address)
+
     def index(self) -> PrefixIndex:
         assert self.redis_url is not None
         return PrefixIndex(connect(self.redis_url), self.config.redis.key_prefix)
@@ -116,7 +156,7 @@ class Cluster:
         """Close the workers, kill the actors, stop what this cluster started; safe to call twice."""
         import ray
 
-        if ray.is_initialized() and self.actors:
+        if ray.is_initialized() and self.actors and not self._attached:
             closing = [a.close.remote() for a in self.actors.values()]
             try:
                 ray.get(closing, timeout=10)

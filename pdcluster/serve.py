@@ -29,11 +29,13 @@ def make_router(cluster: Cluster) -> Router:
     cfg = cluster.config
     return Router(cluster.handles(), cluster.index(), model=cfg.model, mode=cfg.mode, routing=cfg.router.routing,
                   max_inflight=cfg.router.max_inflight,
-                  skip_prefill_max_uncached_tokens=cfg.router.skip_prefill_max_uncached_tokens)
+                  skip_prefill_max_uncached_tokens=cfg.router.skip_prefill_max_uncached_tokens,
+                  request_timeout_s=cfg.router.request_timeout_s)
 
 
-def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None) -> int:
-    """Start the cluster and the router; run `body(address)` (the demo) or serve until SIGINT/SIGTERM."""
+def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:
+    """Start the cluster (or `attach` to a running one: an extra router) and the router; run `body(address)`
+    (the demo) or serve until SIGINT/SIGTERM."""
     cluster = Cluster(config)
     stop_requested = False
 
@@ -44,7 +46,7 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        cluster.start()
+        cluster.attach() if attach else cluster.start()
         if not stop_requested:
             asyncio.run(_serve(cluster, body))
         return 0
@@ -70,7 +72,10 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
         loop = asyncio.get_running_loop()
         for s in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(s, stop.set)
-        print(f"pdcluster ready: grpc={address}", flush=True)
+        # NOTE: what an extra router (`pdcluster router`) needs to join: the private Ray and the embedded Redis
+        extra = f" ray={cluster.ray_address}" if cluster.started_ray else ""
+        extra += f" redis=127.0.0.1:{cluster.redis.port}" if cluster.redis else ""
+        print(f"pdcluster ready: grpc={address}{extra}", flush=True)
         await stop.wait()
         print("pdcluster stopping ...", file=sys.stderr, flush=True)
     finally:

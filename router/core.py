@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ class Router:
 
     def __init__(self, workers: list[WorkerHandle], index: Any | None, *, model: str, mode: str,
                  routing: str = "prefix_aware", max_inflight: int = 256,
-                 skip_prefill_max_uncached_tokens: int = 64) -> None:
+                 skip_prefill_max_uncached_tokens: int = 64, request_timeout_s: float = 600.0) -> None:
         if not workers:
             raise ValueError("a router needs workers")
         self.workers = {w.name: w for w in workers}
@@ -56,6 +56,7 @@ class Router:
         self.index = index  # router.prefix_index.PrefixIndex, or None without Redis
         self.model, self.mode = model, mode
         self.max_inflight = max_inflight
+        self.request_timeout_s = request_timeout_s
         self.policy = Policy(routing, self.info.block_size,
                              skip_prefill_max_uncached_tokens if mode == "disaggregated" else 0)
         self.inflight = 0
@@ -63,7 +64,7 @@ class Router:
         self._refresher: asyncio.Task[None] | None = None
 
     # ---- one request -----------------------------------------------------------------------------------------
-    async def stream(self, req: Checked, arrived: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
+    async def stream(self, req: Checked, arrived: float | None = None) -> AsyncGenerator[pb.GenerateChunk, None]:
         """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError."""
         arrived = arrived or time.monotonic()
         if self.inflight >= self.max_inflight:

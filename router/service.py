@@ -6,6 +6,7 @@ failure to a status code through `router.errors.status_of`; one failing request 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -67,8 +68,21 @@ class InferenceService(pb_grpc.InferenceServicer):
         arrived = time.monotonic()
         try:
             req: Checked = check()  # type: ignore[operator]
-            async for chunk in self.router.stream(req, arrived):
-                yield chunk
+            # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
+            budget = min(self.router.request_timeout_s, context.time_remaining() or float("inf"))
+            chunks = self.router.stream(req, arrived)
+            try:
+                while True:
+                    remaining = budget - (time.monotonic() - arrived)
+                    if remaining <= 0:
+                        raise TimeoutError
+                    try:
+                        chunk = await asyncio.wait_for(anext(chunks), remaining)
+                    except StopAsyncIteration:
+                        break
+                    yield chunk
+            finally:
+                await chunks.aclose()
         except Exception as e:  # noqa: BLE001 - every failure becomes a status for this request only
             code, message = status_of(e)
             if code is grpc.StatusCode.INTERNAL:

@@ -19,9 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
-def start_serve(*args: str) -> tuple[subprocess.Popen[str], str]:
+def start_serve(*args: str, command: str = "serve") -> tuple[subprocess.Popen[str], dict[str, str]]:
     env = dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.Popen([sys.executable, "-m", "pdcluster", "serve", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "pdcluster", command, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 240
@@ -29,7 +29,7 @@ def start_serve(*args: str) -> tuple[subprocess.Popen[str], str]:
         line = proc.stdout.readline()
         if line.startswith("pdcluster ready: "):
             fields = dict(f.split("=", 1) for f in line.split(": ", 1)[1].split())
-            return proc, fields["grpc"]
+            return proc, fields
         if not line and proc.poll() is not None:
             break
     proc.kill()
@@ -37,7 +37,8 @@ def start_serve(*args: str) -> tuple[subprocess.Popen[str], str]:
 
 
 def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
-    proc, addr = start_serve("--config", "deploy/local.yaml", "--port", "0")
+    proc, endpoints = start_serve("--config", "deploy/local.yaml", "--port", "0")
+    addr = endpoints["grpc"]
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in family}
@@ -50,6 +51,19 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
         status = subprocess.run([sys.executable, "-m", "pdcluster", "status", "--addr", addr], cwd=REPO,
                                 env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=60)
         assert status.returncode == 0 and "prefill-0" in status.stdout and "decode-0" in status.stdout
+        # a second router process joins through Ray and the embedded Redis, and serves the same workers
+        second, second_endpoints = start_serve("--ray", endpoints["ray"], "--redis", endpoints["redis"], "--port", "0",
+                                              command="router")
+        try:
+            r2 = pb_grpc.InferenceStub(grpc.insecure_channel(second_endpoints["grpc"])).Generate(
+                pb.GenerateRequest(prompt="The capital of France is",
+                                   sampling=pb.SamplingParams(max_tokens=8, temperature=0)), timeout=120)
+            assert list(r2.token_ids) == list(r.token_ids) and r2.timeline.decode_worker == "decode-0"
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=60) == 0
+        again = stub.Generate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2)), timeout=60)
+        assert again.usage.completion_tokens == 2  # the extra router's exit left the cluster serving
         family = psutil.Process(proc.pid).children(recursive=True)  # the workers exist by now too
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
