@@ -41,7 +41,11 @@ class DecodeWorker(Worker):
         aio = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
-        def on_output(out: RequestOutput) -> None:  # the loop thread
+        timing: list[tuple[float, float]] = []  # a request run whole here: its queue and prefill time (ms)
+
+        def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock
+            if req.token_ids and not timing:
+                timing.append(self._first_token(rid, time.monotonic()))
             aio.call_soon_threadsafe(outputs.put_nowait, out)
 
         if req.token_ids:
@@ -59,16 +63,15 @@ class DecodeWorker(Worker):
         self.loop.call(start)
         finished = False
         try:
-            first = bool(req.token_ids)
+            first = True
             while not finished:
                 batch = [await outputs.get()]
                 while not outputs.empty():
                     batch.append(outputs.get_nowait())
                 delta = _merge(batch)
-                if first:
-                    delta.queue_ms, delta.prefill_ms = self.loop.call(
-                        lambda engine: self._first_token(rid, time.monotonic()))
-                    first = False
+                if first and timing:
+                    delta.queue_ms, delta.prefill_ms = timing[0]
+                first = False
                 finished = delta.finished
                 yield delta
         finally:

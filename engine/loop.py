@@ -6,7 +6,8 @@ Life of a request on the loop:
 2. the loop thread steps the engine while it has unfinished requests; after each step it calls `on_step` and then
    every sink with that request's `RequestOutput`, still under the lock (a sink may abort its request before the
    next step, e.g. a prefill that stops at its first token);
-3. a finished output detaches its sink; `abort(request_id)` stops a request and detaches it.
+3. a finished output detaches its sink; `abort(request_id)` stops a request (its sink hears "abort"), and
+   `release(request_id)` drops one that is done here without telling the sink.
 """
 
 from __future__ import annotations
@@ -56,11 +57,20 @@ class EngineLoop:
             self._sinks[request_id] = sink
 
     def abort(self, request_id: str) -> None:
-        """Stop the request wherever it is (its blocks are freed) and drop its sink; unknown ids are ignored."""
+        """Stop the request wherever it is (its blocks are freed); its sink gets a final "abort" output."""
         def stop(engine: LLMEngine) -> None:
+            sink = self._sinks.pop(request_id, None)
+            engine.abort_request(request_id)
+            if sink is not None:
+                sink(RequestOutput(request_id, [], "", True, "abort"))
+        self.call(stop)
+
+    def release(self, request_id: str) -> None:
+        """The request is done here (e.g. a prefill handed on): drop it and its sink without a final output."""
+        def drop(engine: LLMEngine) -> None:
             self._sinks.pop(request_id, None)
             engine.abort_request(request_id)
-        self.call(stop)
+        self.call(drop)
 
     def close(self) -> None:
         with self._wake:

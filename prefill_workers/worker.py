@@ -56,7 +56,7 @@ class PrefillWorker(Worker):
                 sender.abort("the request finished at its first token")
             else:
                 sender.commit(out.new_token_ids, out.num_cached_tokens)
-                self.loop.abort(rid)  # NOTE: decoding goes on elsewhere; the blocks stay in the prefix cache
+                self.loop.release(rid)  # NOTE: decoding goes on elsewhere; the blocks stay in the prefix cache
             aio.call_soon_threadsafe(_set, first, (out, now, queue_ms, prefill_ms))
 
         def start(engine: object) -> None:

@@ -127,6 +127,21 @@ def test_sixteen_concurrent_requests_match_the_colocated_engine(cluster, referen
     assert prefill_workers == {"prefill-0", "prefill-1"}  # both prefill workers got traffic
 
 
+def test_seeded_sampling_draws_the_same_tokens_as_one_engine(cluster, smollm2):
+    """The first token is sampled on a prefill worker, the rest on the decode worker: the same draws as one engine."""
+    _, server = cluster
+    prompt = ("Lighthouses guided ships along dangerous coasts for centuries. Keepers trimmed the wicks, polished "
+              "the lenses and logged every passing vessel through long winter nights. Write the next sentence:")
+    engine = make_engine(smollm2, num_blocks=512)
+    engine.add_request("seeded", prompt, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=50,
+                                                         seed=1234, ignore_eos=True))
+    want = run_to_completion(engine)["seeded"].token_ids
+    req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9,
+                                                                      top_k=50, seed=1234, ignore_eos=True))
+    ids, _, last = call(server.stub(), req, stream=True)
+    assert ids == want and not last.timeline.prefill_skipped
+
+
 def test_chat_applies_the_template_and_matches_the_engine(cluster, reference, smollm2):
     _, server = cluster
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a colour."}]

@@ -201,3 +201,33 @@ def test_workers_publish_their_blocks_and_hits_to_redis(tiny, workers, redis_url
     assert index.lookup(hashes) == {"prefill-0": 4, "decode-0": 4}
     assert index.hit_counts().per_worker["prefill-0"][0] >= 64
     assert {w.name for w in index.workers()} == {"prefill-0", "decode-0"}
+
+
+def test_an_aborted_stream_ends_with_abort_and_frees_its_blocks(tiny, workers):
+    _, d = workers
+    prompt = random_prompts(1, [40], seed=5, vocab=tiny.config.vocab_size)[0]
+
+    async def run():
+        gen = d.generate(DecodeRequest("ab", dataclasses.replace(GREEDY, max_tokens=200), prompt))
+        first = await anext(gen)
+        d.abort("ab")
+        rest = [delta async for delta in gen]
+        return first, rest
+    first, rest = asyncio.run(run())
+    assert not first.finished and first.queue_ms >= 0 and first.prefill_ms > 0
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    s = d.engine.stats()
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_blocks)
+
+
+def test_a_client_that_goes_away_aborts_the_request(tiny, workers):
+    _, d = workers
+    prompt = random_prompts(1, [40], seed=6, vocab=tiny.config.vocab_size)[0]
+
+    async def run():
+        gen = d.generate(DecodeRequest("gone", dataclasses.replace(GREEDY, max_tokens=200), prompt))
+        await anext(gen)
+        await gen.aclose()  # what Ray does when the router stops reading
+    asyncio.run(run())
+    s = d.engine.stats()
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_blocks)
