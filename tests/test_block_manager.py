@@ -179,3 +179,24 @@ def test_prefix_caching_disabled_never_hits():
     prefill(bm, make_seq(list(range(9)), "a"))
     assert bm.pool.num_cached_blocks == 0
     assert bm.match_prefix(make_seq(list(range(9)), "b")) == []
+
+
+def test_pool_events_report_stored_and_evicted_hashes_net_of_each_other():
+    from engine.block_hash import BlockHash
+    from engine.block_manager import BlockPool
+
+    pool = BlockPool(2)
+    assert pool.drain_events() == ([], [])  # off until a worker asks
+    pool.enable_events()
+    a, b, c = (BlockHash(bytes([i]) * 32) for i in range(3))
+    x, y = pool.allocate(), pool.allocate()
+    pool.register(x, a, [1])
+    pool.register(y, b, [2])
+    assert pool.drain_events() == ([a, b], [])
+    pool.release([x, y])
+    z = pool.allocate()  # reuses the least recently freed block: its hash leaves the cache
+    pool.register(z, c, [3])
+    stored, removed = pool.drain_events()
+    assert stored == [c] and len(removed) == 1 and removed[0] in (a, b)
+    assert pool.drain_events() == ([], [])
+    assert set(pool.cached_hashes()) == {c, ({a, b} - set(removed)).pop()}

@@ -231,3 +231,41 @@ def test_a_client_that_goes_away_aborts_the_request(tiny, workers):
     asyncio.run(run())
     s = d.engine.stats()
     assert (s.num_running, s.num_free_blocks) == (0, s.num_blocks)
+
+
+def wait_for(fn, want, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and fn() != want:
+        time.sleep(0.05)
+    return fn()
+
+
+def test_the_index_follows_evictions_and_restarts(tiny, redis_url):
+    """A small pool evicts; the worker's events remove its entries. A restart (new epoch) drops the rest."""
+    spec = WorkerSpec("decode-small", "colocated", "tiny", EngineConfig(num_blocks=10, num_threads=2),
+                      TransferConfig(), redis_url, "evict")
+    w = DecodeWorker(spec, tiny)
+    index = PrefixIndex(connect(redis_url), "evict")
+    a, b, c = random_prompts(3, [64], seed=11, vocab=tiny.config.vocab_size)
+    hashes = hash_prompt_blocks(a, 16, w.engine.scope)
+
+    async def run(rid, prompt):
+        async for _ in w.generate(DecodeRequest(rid, dataclasses.replace(GREEDY, max_tokens=8), prompt)):
+            pass
+    try:
+        asyncio.run(run("a", a))
+        assert wait_for(lambda: index.lookup(hashes), {"decode-small": 4}) == {"decode-small": 4}
+        asyncio.run(run("b", b))
+        asyncio.run(run("c", c))  # 10 blocks hold two 72-token requests at most: a's blocks were reused
+        assert wait_for(lambda: index.lookup(hashes), {}) == {}
+        assert index.lookup(hash_prompt_blocks(c, 16, w.engine.scope)) == {"decode-small": 4}
+    finally:
+        w.close()
+    assert index.lookup(hash_prompt_blocks(c, 16, w.engine.scope)) == {}  # unregistered on close
+    again = DecodeWorker(spec, tiny)
+    try:
+        assert again.epoch > w.epoch
+    finally:
+        again.close()

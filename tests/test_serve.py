@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -36,6 +37,11 @@ def start_serve(*args: str, command: str = "serve") -> tuple[subprocess.Popen[st
     raise AssertionError(f"serve did not get ready: {proc.stderr.read() if proc.stderr else ''}")
 
 
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdcluster", *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
     proc, endpoints = start_serve("--config", "deploy/local.yaml", "--port", "0")
     addr = endpoints["grpc"]
@@ -48,9 +54,18 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
         r = stub.Generate(pb.GenerateRequest(prompt="The capital of France is",
                                              sampling=pb.SamplingParams(max_tokens=8, temperature=0)), timeout=120)
         assert r.usage.completion_tokens == len(r.token_ids) > 0 and r.timeline.decode_worker == "decode-0"
-        status = subprocess.run([sys.executable, "-m", "pdcluster", "status", "--addr", addr], cwd=REPO,
-                                env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=60)
+        status = cli("status", "--addr", addr)
         assert status.returncode == 0 and "prefill-0" in status.stdout and "decode-0" in status.stdout
+        gen = cli("generate", "--addr", addr, "--json", "--max-tokens", "8", "The capital of France is")
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout)["token_ids"] == list(r.token_ids)
+        streamed = cli("generate", "--addr", addr, "--stream", "--max-tokens", "8", "The capital of France is")
+        assert streamed.returncode == 0 and streamed.stdout.strip() == r.text.strip()
+        assert "prefill=prefill-0 decode=decode-0" in streamed.stderr or "decode=decode-0" in streamed.stderr
+        chat = cli("chat", "--addr", addr, "--max-tokens", "8", "Name a colour.")
+        assert chat.returncode == 0 and chat.stdout.strip() and "generated]" in chat.stderr
+        bad = cli("generate", "--addr", addr, "--max-tokens", "0", "Hi")
+        assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "sampling.max_tokens" in bad.stderr
         # a second router process joins through Ray and the embedded Redis, and serves the same workers
         second, second_endpoints = start_serve("--ray", endpoints["ray"], "--redis", endpoints["redis"], "--port", "0",
                                               command="router")
