@@ -16,24 +16,27 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import ReceiverEndpoint
+from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferError, TransferState
 from pdcluster.messages import DecodeRequest, Delta
-from pdcluster.worker import Worker
+from pdcluster.worker import Worker, WorkerSpec
 
 
 class DecodeWorker(Worker):
     """A decode-pool (or colocated) worker (plain class; `decode_workers.actor.DecodeActor` wraps it for Ray)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: WorkerSpec, loaded: LoadedModel | None = None) -> None:
+        self.kv: ReceiverEndpoint | None = None  # NOTE: set first: the heartbeat thread may ask for kv_address
+        super().__init__(spec, loaded)
         self.kv = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.lock,
                                    host=node_address(self.spec.kv_host))
 
     @property
     def kv_address(self) -> str:
-        return self.kv.address if hasattr(self, "kv") else ""
+        return self.kv.address if self.kv is not None else ""
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
         """Stream the request's new tokens; the last Delta has `finished` set and the totals."""
@@ -53,12 +56,13 @@ class DecodeWorker(Worker):
                 self._track(self.engine.add_request(rid, req.token_ids, req.params), arrived)
                 self.loop.attach(rid, on_output)
         else:
-            state = await asyncio.to_thread(self.kv.receiver.wait, rid, self.spec.transfer.deadline_s)
+            receiver = self.receiver
+            state = await asyncio.to_thread(receiver.wait, rid, self.spec.transfer.deadline_s)
             if state is not TransferState.DONE:
-                raise self.kv.receiver.error(rid) or TransferError(f"KV transfer {state.value}", rid)
+                raise receiver.error(rid) or TransferError(f"KV transfer {state.value}", rid)
 
             def start(engine: object) -> None:
-                self.kv.receiver.take(rid, req.params)
+                receiver.take(rid, req.params)
                 self.loop.attach(rid, on_output)
         self.loop.call(start)
         finished = False
@@ -82,10 +86,16 @@ class DecodeWorker(Worker):
         """Stop a request here: running, or still arriving as KV (its reservation is freed)."""
         self.loop.call(lambda engine: self._forget(request_id))
         self.loop.abort(request_id)
-        self.kv.receiver.abort_request(request_id, reason)
+        self.receiver.abort_request(request_id, reason)
+
+    @property
+    def receiver(self) -> KVReceiver:
+        assert self.kv is not None
+        return self.kv.receiver
 
     def close(self) -> None:
-        self.kv.close()
+        if self.kv is not None:
+            self.kv.close()
         super().close()
 
 

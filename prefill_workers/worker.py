@@ -18,19 +18,20 @@ import asyncio
 import time
 
 from engine.block_hash import hash_prompt_blocks
+from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import open_sender
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferError, TransferState
 from pdcluster.messages import PrefillRequest, PrefillResult
-from pdcluster.worker import Worker
+from pdcluster.worker import Worker, WorkerSpec
 
 
 class PrefillWorker(Worker):
     """A prefill-pool worker (plain class; `prefill_workers.actor.PrefillActor` wraps it for Ray)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: WorkerSpec, loaded: LoadedModel | None = None) -> None:
+        super().__init__(spec, loaded)
         self._senders: dict[str, KVSender] = {}
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
