@@ -104,8 +104,13 @@ class RedisConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = Field(default=None, description="redis:// or rediss:// URL; null: an embedded redis-server")
+    url: str | None = Field(default=None, description="redis:// or rediss:// (TLS) URL; null: an embedded redis-server")
     key_prefix: str = Field(default="pdc", min_length=1, pattern=r"^\S+$", description="prefix of every key written")
+    username: str | None = Field(default=None, min_length=1, description="Redis ACL user (with password_env)")
+    # NOTE: the password itself never sits in YAML: it is read from this environment variable at start.
+    password_env: str | None = Field(default=None, min_length=1, description="environment variable holding the "
+                                                                            "Redis password")
+    tls_ca_file: str | None = Field(default=None, min_length=1, description="CA bundle to verify a rediss:// server")
 
     @field_validator("url")
     @classmethod
@@ -127,6 +132,49 @@ class RouterConfig(BaseModel):
     skip_prefill_max_uncached_tokens: int = Field(
         default=64, ge=0, description="a decode worker caching all but this many prompt tokens prefills them (0: off)")
     request_timeout_s: float = Field(default=600.0, gt=0, description="a request not finished by then fails")
+
+
+class HttpConfig(BaseModel):
+    """The OpenAI-compatible HTTP front, served by the router process next to gRPC."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(default=True, description="serve /v1/completions, /v1/chat/completions, /v1/models, /health")
+    host: str = Field(default="127.0.0.1", min_length=1, description="address to bind")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to bind; 0 picks a free one")
+    served_model_name: str | None = Field(default=None, min_length=1,
+                                          description="the model id clients pass (default: the config's model)")
+
+
+class MetricsConfig(BaseModel):
+    """Prometheus metrics of the router process (its requests, and the workers' load through Redis)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(default=True, description="serve /metrics in the Prometheus text format")
+    host: str = Field(default="127.0.0.1", min_length=1, description="address to bind")
+    port: int = Field(default=9400, ge=0, le=65535, description="port to bind; 0 picks a free one")
+
+
+class SecurityConfig(BaseModel):
+    """TLS for the gRPC and HTTP fronts, API keys for clients, a token between cluster members."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tls_cert_file: str | None = Field(default=None, min_length=1, description="PEM certificate chain (gRPC and HTTP)")
+    tls_key_file: str | None = Field(default=None, min_length=1, description="PEM private key of tls_cert_file")
+    # NOTE: keys and tokens never sit in YAML: these name environment variables that hold them.
+    api_keys_env: str | None = Field(default=None, min_length=1, description="environment variable with the API "
+                                     "keys clients must send (comma-separated); unset: no key needed")
+    cluster_token_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
+                                          "token KV transfer peers must present; unset: a random one per start")
+
+    @model_validator(mode="after")
+    def _check(self) -> SecurityConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise _RuleError(missing, "TLS needs both tls_cert_file and tls_key_file")
+        return self
 
 
 class TransferSection(BaseModel):
@@ -177,6 +225,9 @@ class ClusterConfig(BaseModel):
     redis: RedisConfig = RedisConfig()
     router: RouterConfig = RouterConfig()
     transfer: TransferSection = TransferSection()
+    http: HttpConfig = HttpConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    security: SecurityConfig = SecurityConfig()
     prefill: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the prompt workers")
     decode: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the token workers")
     colocated: PoolConfig = Field(default=PoolConfig(replicas=0), description="colocated mode: the only workers")
