@@ -17,6 +17,7 @@ import grpc
 
 from engine.errors import CapacityError, EngineError, InvalidRequestError, UnknownRequestError
 from kv_transfer import wire
+from kv_transfer.auth import AddToken, CheckToken
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
 from kv_transfer.state import TransferError
@@ -81,10 +82,11 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         return pb.AbortResponse()
 
 
-def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start a gRPC server with the KV service; returns it and the bound port."""
+def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int = 16,
+          cluster_token: str = "") -> tuple[grpc.Server, int]:
+    """Start the KV service (callers must present `cluster_token` if one is set); returns the server and its port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-grpc"),
-                         options=CHANNEL_OPTIONS)
+                         options=CHANNEL_OPTIONS, interceptors=[CheckToken(cluster_token)] if cluster_token else None)
     pb_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver), server)
     port = server.add_insecure_port(address)
     if port == 0:
@@ -93,17 +95,20 @@ def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int =
     return server, port
 
 
-_channels: dict[tuple[str, int], grpc.Channel] = {}
+_channels: dict[tuple[str, int, str], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
-def channel(address: str, index: int = 0) -> grpc.Channel:
-    """A cached channel to `address`; distinct `index`es get distinct TCP connections."""
+def channel(address: str, index: int = 0, cluster_token: str = "") -> grpc.Channel:
+    """A cached channel to `address` presenting `cluster_token`; distinct `index`es get distinct TCP connections."""
     with _channels_lock:
-        ch = _channels.get((address, index))
+        ch = _channels.get((address, index, cluster_token))
         if ch is None:
             opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("pdcluster.connection", index)]
-            ch = _channels[(address, index)] = grpc.insecure_channel(address, options=opts)
+            ch = grpc.insecure_channel(address, options=opts)
+            if cluster_token:
+                ch = grpc.intercept_channel(ch, AddToken(cluster_token))
+            _channels[(address, index, cluster_token)] = ch
         return ch
 
 
@@ -116,9 +121,10 @@ def transfer_error(err: grpc.RpcError, request_id: str, what: str) -> TransferEr
 class GrpcControl(Control):
     """Control calls to a receiver's KV service at `address` (host:port)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, cluster_token: str = "") -> None:
         self.address = address
-        self.stub = pb_grpc.KVTransferStub(channel(address))
+        self.cluster_token = cluster_token
+        self.stub = pb_grpc.KVTransferStub(channel(address, 0, cluster_token))
 
     def prepare(self, req: pb.PrepareRequest, timeout: float) -> pb.PrepareResponse:
         try:
@@ -149,7 +155,7 @@ class GrpcKVSender(KVSender):
     def _send_layers(self, layers: Iterator[Layer]) -> None:
         n_streams = self.config.grpc_streams
         queues: list[queue.Queue[tuple[int, int, object] | None]] = [queue.Queue() for _ in range(n_streams)]
-        calls = [pb_grpc.KVTransferStub(channel(self.control.address, i)).Push.future(
+        calls = [pb_grpc.KVTransferStub(channel(self.control.address, i, self.control.cluster_token)).Push.future(
             self._chunks(q), timeout=self.remaining()) for i, q in enumerate(queues)]
         self._calls = tuple(calls)
         slots = itertools.cycle(range(n_streams))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import CapacityError, EngineError
 
@@ -48,6 +48,8 @@ class TransferConfig:
     grpc_streams: int = 2  # grpc: parallel Push streams, each its own TCP connection
     torch_backend: str = "gloo"  # torch: "gloo" (CPU) or "nccl" (GPU)
     torch_device: str = "cpu"  # torch: where the tensors sent live ("cuda" for nccl: staged from the CPU pool)
+    # the shared secret KV endpoints require of every caller ("" = no check); never printed
+    cluster_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -33,6 +33,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection (with --addr)")
+    g.add_argument("--api-key", default=None, help="API key, if the cluster wants one (default: $PDCLUSTER_API_KEY)")
+    g.add_argument("--tls-ca", default=None, metavar="PEM", help="speak TLS, trusting this CA/self-signed certificate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdcluster", description="Disaggregated prefill/decode LLM serving.",
@@ -67,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (with token ids)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     _add_sampling_args(gen)
+    _add_client_args(gen)
 
     chat = sub.add_parser("chat", help="chat with a running cluster (interactive, or one turn per MESSAGE)",
                           formatter_class=fmt)
@@ -74,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--addr", required=True, metavar="HOST:PORT")
     chat.add_argument("--system", default="", help="system prompt")
     _add_sampling_args(chat)
+    _add_client_args(chat)
     status = sub.add_parser("status", help="workers, load, free KV blocks and prefix hits of a running cluster")
     status.add_argument("--addr", required=True, metavar="HOST:PORT")
+    _add_client_args(status)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its figures")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -130,6 +139,7 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
 
     from pdcluster import client
     from pdcluster.config import ClusterConfig, ConfigError
+    from pdcluster.security import SetupError
     from pdcluster.serve import run
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -143,22 +153,25 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    body = None
     if demo:
-        config.router.port = 0
+        config.router.port = config.http.port = config.metrics.port = 0
 
         async def body(addr: str) -> None:
             import asyncio
 
             await asyncio.to_thread(client.demo, addr)
-        return run(config, body)
-    if args.port is not None:
+    if getattr(args, "port", None) is not None:
         config.router.port = args.port
     if args.command == "router":
         config.redis.url = args.redis if "://" in args.redis else f"redis://{args.redis}/0"
         if args.ray:
             config.ray.address = args.ray
-        return run(config, attach=True)
-    return run(config)
+    try:
+        return run(config, body, attach=args.command == "router")
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

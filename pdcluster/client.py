@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -13,8 +14,33 @@ from pdcluster.v1 import inference_pb2 as pb
 from pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
 
-def stub(addr: str) -> pb_grpc.InferenceStub:
-    return pb_grpc.InferenceStub(grpc.insecure_channel(addr))
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Puts `authorization: Bearer <key>` on every call."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = (("authorization", f"Bearer {key}"),)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(details._replace(metadata=tuple(details.metadata or ()) + self._metadata), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(details._replace(metadata=tuple(details.metadata or ()) + self._metadata), request)
+
+
+def stub(addr: str, api_key: str | None = None, tls_ca: str | None = None) -> pb_grpc.InferenceStub:
+    """A client of the router at `addr`; TLS when `tls_ca` (the CA or self-signed certificate) is given."""
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            channel = grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    else:
+        channel = grpc.insecure_channel(addr)
+    if api_key:
+        channel = grpc.intercept_channel(channel, _Bearer(api_key))
+    return pb_grpc.InferenceStub(channel)
+
+
+def stub_from_args(args: Any) -> pb_grpc.InferenceStub:
+    return stub(args.addr, args.api_key or os.environ.get("PDCLUSTER_API_KEY"), args.tls_ca)
 
 
 def sampling_from_args(args: Any) -> pb.SamplingParams:
@@ -48,7 +74,7 @@ def print_stream(chunks: Iterator[pb.GenerateChunk], out: TextIO = sys.stdout) -
 
 def generate(args: Any) -> int:
     """`pdcluster generate --addr`: one request per prompt, streamed (--stream) or not."""
-    s = stub(args.addr)
+    s = stub_from_args(args)
     sampling = sampling_from_args(args)
     try:
         for prompt in args.prompts:
@@ -81,7 +107,7 @@ def generate(args: Any) -> int:
 
 def chat(args: Any) -> int:
     """`pdcluster chat --addr`: a conversation on the terminal (or one turn per MESSAGE argument)."""
-    s = stub(args.addr)
+    s = stub_from_args(args)
     history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     turns = iter(args.messages) if args.messages else _read_turns()
     for text in turns:
@@ -111,7 +137,7 @@ def _read_turns() -> Iterator[str]:
 def status(args: Any) -> int:
     """`pdcluster status --addr`: the workers, their load and KV blocks, prefix hits."""
     try:
-        st = stub(args.addr).GetClusterStatus(pb.ClusterStatusRequest())
+        st = stub_from_args(args).GetClusterStatus(pb.ClusterStatusRequest())
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2

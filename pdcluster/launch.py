@@ -10,11 +10,13 @@ Life of a cluster started by `pdcluster serve`:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
 from typing import Any
 
+from pdcluster import security
 from pdcluster.config import ClusterConfig
 from pdcluster.messages import WorkerInfo
 from pdcluster.redis_server import EmbeddedRedis, connect
@@ -52,6 +54,8 @@ class Cluster:
         self.config = config
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis.url
+        self.redis_auth = security.redis_auth(config)
+        self.cluster_token = security.cluster_token(config)
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, WorkerInfo] = {}
         self._started_ray = False
@@ -62,7 +66,7 @@ class Cluster:
 
         cfg = self.config
         if self.redis_url is None:
-            self.redis = EmbeddedRedis().start()
+            self.redis = EmbeddedRedis(password=self.redis_auth.password).start()
             self.redis_url = self.redis.url
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": False,
@@ -109,8 +113,9 @@ class Cluster:
         from prefill_workers.actor import PrefillActor
 
         cfg = self.config
-        spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), cfg.transfer.transfer_config(pool.device),
-                          self.redis_url, cfg.redis.key_prefix, cfg.transfer.host)
+        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token)
+        spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, self.redis_url, self.redis_auth,
+                          cfg.redis.key_prefix, cfg.transfer.host)
         cls = PrefillActor if role == "prefill" else DecodeActor
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
@@ -128,9 +133,10 @@ class Cluster:
                     parts.setdefault(key, []).append(f"{role}: {pool.replicas} x {per:g}")
         for key, total in need.items():
             if total > available.get(key, 0.0) + 1e-9:
-                raise ValueError(f"the pools need {total:g} {key} ({', '.join(parts[key])}) but the Ray cluster "
-                                 f"has {available.get(key, 0.0):g}: lower the replicas or the per-actor {key} of a "
-                                 "pool, or give Ray more (ray.num_cpus)")
+                raise security.SetupError(
+                    f"the pools need {total:g} {key} ({', '.join(parts[key])}) but the Ray cluster has "
+                    f"{available.get(key, 0.0):g}: lower the replicas or the per-actor {key} of a pool, or give Ray "
+                    "more (ray.num_cpus)")
 
     @property
     def started_ray(self) -> bool:
@@ -145,7 +151,7 @@ class Cluster:
 
     def index(self) -> PrefixIndex:
         assert self.redis_url is not None
-        return PrefixIndex(connect(self.redis_url), self.config.redis.key_prefix)
+        return PrefixIndex(connect(self.redis_url, self.redis_auth), self.config.redis.key_prefix)
 
     def handles(self) -> list[WorkerHandle]:
         """One WorkerHandle per worker (fresh load views) for a Router."""

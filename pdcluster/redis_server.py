@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import TracebackType
 from urllib.parse import quote
 
@@ -40,11 +41,25 @@ def redis_server_binary() -> str:
     return path
 
 
-def connect(url: str) -> redis.Redis:
+@dataclass(frozen=True)
+class RedisAuth:
+    """How to authenticate to Redis: an ACL user and password, and a CA bundle for rediss:// (TLS)."""
+
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_file: str | None = None
+
+
+def connect(url: str, auth: RedisAuth | None = None) -> redis.Redis:
     """A bytes-returning client for `url` (hiredis parser when installed), with 2 s socket timeouts."""
     # NOTE: redis-py picks the hiredis parser by itself when hiredis is importable.
+    extra: dict[str, object] = {}
+    if auth is not None:
+        extra = {k: v for k, v in (("username", auth.username), ("password", auth.password)) if v}
+        if auth.ca_file:
+            extra["ssl_ca_certs"] = auth.ca_file
     return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, health_check_interval=0,
-                                decode_responses=False)
+                                decode_responses=False, **extra)
 
 
 def _free_port() -> int:

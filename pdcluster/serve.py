@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
+from pdcluster import security
 from pdcluster.config import ClusterConfig
 from pdcluster.launch import Cluster
 from router.core import Router
@@ -28,6 +29,7 @@ def make_router(cluster: Cluster) -> Router:
     """A router over the cluster's workers, sharing state with any other router through Redis."""
     cfg = cluster.config
     return Router(cluster.handles(), cluster.index(), model=cfg.model, mode=cfg.mode, routing=cfg.router.routing,
+                  transport=cfg.transfer.transport,
                   max_inflight=cfg.router.max_inflight,
                   skip_prefill_max_uncached_tokens=cfg.router.skip_prefill_max_uncached_tokens,
                   request_timeout_s=cfg.router.request_timeout_s)
@@ -60,24 +62,44 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
 
 
 async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None) -> None:
-    cfg = cluster.config.router
+    cfg = cluster.config
     router = make_router(cluster)
-    server, port = await start_server(router, cfg.host, cfg.port)
-    address = f"{cfg.host}:{port}"
+    keys, tls = security.api_keys(cfg), security.ssl_context(cfg)
+    server, port = await start_server(router, cfg.router.host, cfg.router.port, api_keys=keys,
+                                      credentials=security.grpc_credentials(cfg))
+    endpoints = {"grpc": f"{cfg.router.host}:{port}"}
+    runners = []
     try:
+        if cfg.http.enabled:
+            from router.openai_api import start_http
+
+            runner, http_port = await start_http(router, host=cfg.http.host, port=cfg.http.port, api_keys=keys,
+                                                 model_name=cfg.http.served_model_name or cfg.model, ssl_context=tls)
+            runners.append(runner)
+            endpoints["http"] = f"{cfg.http.host}:{http_port}"
+        if cfg.metrics.enabled:
+            from router.metrics import start_metrics_server
+
+            runner, metrics_port = await start_metrics_server(router.metrics, cfg.metrics.host, cfg.metrics.port, tls)
+            runners.append(runner)
+            endpoints["metrics"] = f"{cfg.metrics.host}:{metrics_port}"
         if body is not None:
-            await body(address)
+            await body(endpoints["grpc"])
             return
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for s in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(s, stop.set)
         # NOTE: what an extra router (`pdcluster router`) needs to join: the private Ray and the embedded Redis
-        extra = f" ray={cluster.ray_address}" if cluster.started_ray else ""
-        extra += f" redis=127.0.0.1:{cluster.redis.port}" if cluster.redis else ""
-        print(f"pdcluster ready: grpc={address}{extra}", flush=True)
+        if cluster.started_ray:
+            endpoints["ray"] = cluster.ray_address
+        if cluster.redis:
+            endpoints["redis"] = f"127.0.0.1:{cluster.redis.port}"
+        print("pdcluster ready: " + " ".join(f"{k}={v}" for k, v in endpoints.items()), flush=True)
         await stop.wait()
         print("pdcluster stopping ...", file=sys.stderr, flush=True)
     finally:
         await server.stop(grace=SHUTDOWN_GRACE_S)
+        for runner in runners:
+            await runner.cleanup()
         await router.close()

@@ -24,6 +24,7 @@ from engine.loop import EngineLoop
 from engine.sequence import Sequence
 from kv_transfer.state import TransferConfig
 from pdcluster.messages import WorkerInfo
+from pdcluster.redis_server import RedisAuth
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class WorkerSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     redis_url: str | None = None  # None: no prefix index (unit tests)
+    redis_auth: RedisAuth | None = None
     key_prefix: str = "pdc"
     kv_host: str = "127.0.0.1"  # decode/colocated: where the KV endpoint listens
 
@@ -72,7 +74,7 @@ class Worker:
             from pdcluster.redis_server import connect
             from router.prefix_index import PrefixIndex
 
-            self.index = PrefixIndex(connect(spec.redis_url), spec.key_prefix)
+            self.index = PrefixIndex(connect(spec.redis_url, spec.redis_auth), spec.key_prefix)
             self.epoch = self.index.register_worker(spec.name)
         self._resync = False
         self._publisher = threading.Thread(target=self._publish_loop, daemon=True, name=f"{spec.name}-publisher")

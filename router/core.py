@@ -23,6 +23,7 @@ from engine.block_hash import hash_prompt_blocks
 from pdcluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult, WorkerInfo
 from pdcluster.v1 import inference_pb2 as pb
 from router.errors import Overloaded, WorkerFailed
+from router.metrics import RouterMetrics
 from router.policy import Policy, Route, WorkerView
 from router.validate import Checked
 
@@ -46,7 +47,8 @@ class Router:
 
     def __init__(self, workers: list[WorkerHandle], index: Any | None, *, model: str, mode: str,
                  routing: str = "prefix_aware", max_inflight: int = 256,
-                 skip_prefill_max_uncached_tokens: int = 64, request_timeout_s: float = 600.0) -> None:
+                 skip_prefill_max_uncached_tokens: int = 64, request_timeout_s: float = 600.0,
+                 transport: str = "grpc", metrics: RouterMetrics | None = None) -> None:
         if not workers:
             raise ValueError("a router needs workers")
         self.workers = {w.name: w for w in workers}
@@ -57,6 +59,8 @@ class Router:
         self.model, self.mode = model, mode
         self.max_inflight = max_inflight
         self.request_timeout_s = request_timeout_s
+        self.transport = transport
+        self.metrics = metrics or RouterMetrics()
         self.policy = Policy(routing, self.info.block_size,
                              skip_prefill_max_uncached_tokens if mode == "disaggregated" else 0)
         self.inflight = 0
@@ -71,15 +75,34 @@ class Router:
             raise Overloaded(f"the router has {self.inflight} requests in flight (router.max_inflight)",
                              req.request_id)
         self.inflight += 1
+        self.metrics.set_inflight(self.inflight)
         self._ensure_refresher()
+        last_at, first_at, gaps = arrived, 0.0, []
         try:
             matched = await self._lookup(req.token_ids)
             route = self.policy.route(len(req.token_ids), req.params.max_tokens, matched,
                                       [w.view for w in self.prefill], [w.view for w in self.decode])
             async for chunk in self._run(req, route, arrived):
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if first_at:  # NOTE: tokens that arrive together share the gap since the last chunk
+                        gaps += [(now - last_at) / len(chunk.token_ids)] * len(chunk.token_ids)
+                    else:
+                        first_at = now
+                    last_at = now
+                if chunk.finish_reason:
+                    self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived)
                 yield chunk
         finally:
             self.inflight -= 1
+            self.metrics.set_inflight(self.inflight)
+
+    def _observe(self, last: pb.GenerateChunk, ttft: float | None, gaps: list[float], e2e: float) -> None:
+        tl, u = last.timeline, last.usage
+        self.metrics.observe_latency(ttft, gaps, e2e)
+        self.metrics.observe_request(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, self.transport,
+                                     tl.kv_bytes_sent, None if tl.prefill_skipped else tl.transfer_ms / 1e3,
+                                     tl.prefill_worker, tl.decode_worker)
 
     async def _run(self, req: Checked, route: Route, arrived: float) -> AsyncIterator[pb.GenerateChunk]:
         rid, n = req.request_id, len(req.token_ids)
@@ -166,9 +189,13 @@ class Router:
         if self.index is None:
             return {}
         hashes = hash_prompt_blocks(token_ids, self.info.block_size, self.info.scope)
+        started = time.perf_counter()
         try:
-            return dict(await asyncio.to_thread(self.index.lookup, hashes))
+            matched = dict(await asyncio.to_thread(self.index.lookup, hashes))
+            self.metrics.observe_redis_lookup(time.perf_counter() - started, True)
+            return matched
         except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
+            self.metrics.observe_redis_lookup(time.perf_counter() - started, False)
             self.redis_failures += 1
             if self.redis_failures == 1 or self.redis_failures % 100 == 0:
                 log.warning("prefix index lookup failed (%d so far), routing on load: %s", self.redis_failures, e)
@@ -183,10 +210,12 @@ class Router:
         """Keep the heartbeat loads (written by every worker, read by every router) a quarter second fresh."""
         while True:
             try:
-                for status in await asyncio.to_thread(self.index.workers):  # type: ignore[union-attr]
-                    w = self.workers.get(status.name)
-                    if w is not None:
+                live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}  # type: ignore[union-attr]
+                for name, w in self.workers.items():
+                    status = live.get(name)
+                    if status is not None:
                         w.view.load = status.load
+                    self.metrics.set_worker_load(name, w.role, w.view.load, status is not None)
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)
             await asyncio.sleep(LOAD_REFRESH_S)

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdcluster.v1 import inference_pb2 as pb
 from pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.errors import status_of
 from router.validate import Checked, RequestValidator
@@ -83,22 +84,34 @@ class InferenceService(pb_grpc.InferenceServicer):
                     yield chunk
             finally:
                 await chunks.aclose()
+        except asyncio.CancelledError:  # the client went away (or its deadline passed)
+            self.router.metrics.request_done("grpc", grpc.StatusCode.CANCELLED.name)
+            raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status for this request only
             code, message = status_of(e)
+            self.router.metrics.request_done("grpc", code.name)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("request failed")
             await context.abort(code, message)
+        self.router.metrics.request_done("grpc", "OK")
 
 
-async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
+                       api_keys: frozenset[str] = frozenset(),
+                       credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port.
+
+    With `api_keys`, Inference calls need `authorization: Bearer <key>`; with `credentials`, the port speaks TLS.
+    """
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)],
+                             interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None)
     pb_grpc.add_InferenceServicer_to_server(InferenceService(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (router.host / router.port)")
     await server.start()

@@ -115,7 +115,7 @@ def free_blocks(engine: LLMEngine) -> int:
 class RouterServer:
     """A Router's gRPC server on its own event loop thread in the test process (the way `serve` runs it)."""
 
-    def __init__(self, router: Any, port: int = 0) -> None:
+    def __init__(self, router: Any, port: int = 0, **server_kwargs: Any) -> None:
         import asyncio
         import threading
 
@@ -125,16 +125,19 @@ class RouterServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="router-loop")
         self._thread.start()
-        self.server, port = asyncio.run_coroutine_threadsafe(start_server(router, "127.0.0.1", port),
-                                                             self.loop).result(30)
+        self.server, port = self.run(start_server(router, "127.0.0.1", port, **server_kwargs))
         self.address = f"127.0.0.1:{port}"
 
-    def stub(self) -> Any:
-        import grpc
+    def run(self, coro: Any) -> Any:
+        """Run a coroutine on the router's event loop (e.g. start another front next to gRPC) and wait for it."""
+        import asyncio
 
-        from pdcluster.v1 import inference_pb2_grpc
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
 
-        return inference_pb2_grpc.InferenceStub(grpc.insecure_channel(self.address))
+    def stub(self, api_key: str | None = None, tls_ca: str | None = None) -> Any:
+        from pdcluster.client import stub
+
+        return stub(self.address, api_key, tls_ca)
 
     def close(self) -> None:
         import asyncio
@@ -145,8 +148,12 @@ class RouterServer:
         self._thread.join(5)
 
 
-def start_test_cluster(yaml_path: str, namespace: str, **router_overrides: Any) -> tuple[Any, RouterServer]:
-    """A cluster from a deploy YAML inside the session's Ray (its own namespace and embedded Redis) and a router."""
+def start_test_cluster(yaml_path: str, namespace: str, *, edit: Any = None, server_kwargs: dict | None = None,
+                       **router_overrides: Any) -> tuple[Any, RouterServer]:
+    """A cluster from a deploy YAML inside the session's Ray (its own namespace and embedded Redis) and a router.
+
+    `edit(config)` may change the loaded config first; `server_kwargs` go to the gRPC server (api_keys, credentials).
+    """
     from pdcluster.config import ClusterConfig
     from pdcluster.launch import Cluster
     from pdcluster.serve import make_router
@@ -155,5 +162,37 @@ def start_test_cluster(yaml_path: str, namespace: str, **router_overrides: Any) 
     config.ray.namespace = namespace
     for key, value in router_overrides.items():
         setattr(config.router, key, value)
+    if edit is not None:
+        edit(config)
     cluster = Cluster(config).start()
-    return cluster, RouterServer(make_router(cluster))
+    return cluster, RouterServer(make_router(cluster), **(server_kwargs or {}))
+
+
+def self_signed_cert(directory: Any) -> tuple[str, str]:
+    """A fresh self-signed certificate for localhost / 127.0.0.1 and its key, as PEM files in `directory`."""
+    import datetime
+    import ipaddress
+    import os
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path

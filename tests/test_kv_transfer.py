@@ -268,3 +268,27 @@ def test_transfer_config_names_the_bad_field():
                           ({"torch_backend": "nccl"}, "torch_device"), ({"grpc_streams": 0}, "grpc_streams")):
         with pytest.raises(ValueError, match=f"^{field}:"):
             TransferConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sent", ["", "wrong-token"], ids=["no-token", "wrong-token"])
+def test_a_kv_endpoint_accepts_only_cluster_members(tiny, sent):
+    """A receiver started with a cluster token refuses callers without it before reserving anything."""
+    decode = engine(tiny)
+    ep = ReceiverEndpoint(decode, TransferConfig(transport="grpc", cluster_token="s3cret-token"))
+    try:
+        prefill = engine(tiny)
+        prompt = PROMPT
+        prefill.add_request("auth", prompt, FIRST, hold_kv=True)
+        run_to_completion(prefill)
+        before = decode.stats()
+        outsider = open_kv_sender("grpc", ep.address, prefill, "auth", prompt, cluster_token=sent)
+        with pytest.raises(TransferError, match="UNAUTHENTICATED") as e:
+            outsider.prepare()
+        assert not e.value.retryable and "s3cret" not in str(e.value)
+        assert decode.stats() == before
+        member = open_kv_sender("grpc", ep.address, prefill, "auth", prompt, cluster_token="s3cret-token")
+        cached = member.prepare()
+        member.send_export(prefill.export_kv("auth", skip_blocks=cached))
+        assert member.wait(10) is TransferState.DONE
+    finally:
+        ep.close()

@@ -1,0 +1,80 @@
+"""Secrets and TLS from the config: API keys, the cluster token, Redis credentials, server certificates.
+
+NOTE: secrets never sit in YAML: the config names environment variables, read here once at start. Nothing in this
+module logs a secret; errors name the variable, not its value.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import ssl
+
+import grpc
+
+from pdcluster.config import ClusterConfig
+from pdcluster.redis_server import RedisAuth
+
+
+class SetupError(ValueError):
+    """A setting that cannot be used at start (a missing secret, an unreadable certificate); names the field."""
+
+
+def _env(name: str, field: str) -> str:
+    value = os.environ.get(name, "")
+    if not value:
+        raise SetupError(f"{field}: the environment variable {name} is not set (or empty)")
+    return value
+
+
+def api_keys(config: ClusterConfig) -> frozenset[str]:
+    """The keys clients must present (empty: no check), from `security.api_keys_env` (comma-separated)."""
+    name = config.security.api_keys_env
+    if name is None:
+        return frozenset()
+    keys = frozenset(k.strip() for k in _env(name, "security.api_keys_env").split(",") if k.strip())
+    if not keys:
+        raise SetupError(f"security.api_keys_env: {name} holds no key")
+    return keys
+
+
+def cluster_token(config: ClusterConfig) -> str:
+    """The token KV transfer peers present: `security.cluster_token_env`, or a fresh random one per start."""
+    name = config.security.cluster_token_env
+    return _env(name, "security.cluster_token_env") if name else secrets.token_urlsafe(32)
+
+
+def redis_auth(config: ClusterConfig) -> RedisAuth:
+    r = config.redis
+    password = _env(r.password_env, "redis.password_env") if r.password_env else None
+    return RedisAuth(r.username, password, r.tls_ca_file)
+
+
+def _read(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise SetupError(f"{field}: cannot read {path}: {e.strerror}") from None
+
+
+def grpc_credentials(config: ClusterConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials for the gRPC server, or None for plaintext."""
+    s = config.security
+    if s.tls_cert_file is None or s.tls_key_file is None:
+        return None
+    return grpc.ssl_server_credentials([(_read(s.tls_key_file, "security.tls_key_file"),
+                                         _read(s.tls_cert_file, "security.tls_cert_file"))])
+
+
+def ssl_context(config: ClusterConfig) -> ssl.SSLContext | None:
+    """A TLS context for the HTTP fronts (OpenAI API, metrics), or None for plaintext."""
+    s = config.security
+    if s.tls_cert_file is None or s.tls_key_file is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(s.tls_cert_file, s.tls_key_file)
+    except (OSError, ssl.SSLError) as e:
+        raise SetupError(f"security.tls_cert_file/tls_key_file: cannot load them: {e}") from None
+    return ctx

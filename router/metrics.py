@@ -1,0 +1,178 @@
+"""The Prometheus metrics of a router process, and the small HTTP server that exposes them at GET /metrics.
+
+| name                                      | type      | labels       | meaning                                  |
+|-------------------------------------------|-----------|--------------|------------------------------------------|
+| `pdcluster_requests_total`                | counter   | api, status  | finished requests by API and gRPC status |
+| `pdcluster_time_to_first_token_seconds`   | histogram |              | arrival → first generated token          |
+| `pdcluster_inter_token_latency_seconds`   | histogram |              | gap between tokens (one per gap)         |
+| `pdcluster_e2e_request_latency_seconds`   | histogram |              | arrival → last token                     |
+| `pdcluster_prompt_tokens_total`           | counter   |              | prompt tokens of finished requests       |
+| `pdcluster_prefix_cache_hit_tokens_total` | counter   |              | prompt tokens found in the prefix cache  |
+| `pdcluster_generation_tokens_total`       | counter   |              | generated (completion) tokens            |
+| `pdcluster_kv_transfer_bytes_total`       | counter   | transport    | KV bytes moved prefill → decode          |
+| `pdcluster_kv_transfer_seconds`           | histogram | transport    | one request's KV transfer                |
+| `pdcluster_worker_requests_total`         | counter   | worker, role | requests a worker took part in           |
+| `pdcluster_redis_lookup_seconds`          | histogram |              | a successful prefix-index lookup         |
+| `pdcluster_redis_lookup_failures_total`   | counter   |              | prefix-index lookups that failed         |
+| `pdcluster_failovers_total`               | counter   | kind         | requests moved to another worker         |
+| `pdcluster_retries_total`                 | counter   | kind         | retried steps of a request               |
+| `pdcluster_router_inflight_requests`      | gauge     |              | requests the router holds now            |
+| `pdcluster_worker_queue_depth`            | gauge     | worker, role | waiting requests (heartbeat)             |
+| `pdcluster_worker_running_requests`       | gauge     | worker, role | running requests (heartbeat)             |
+| `pdcluster_kv_blocks_used`                | gauge     | worker, role | num_blocks - free_blocks (heartbeat)     |
+| `pdcluster_kv_blocks_free`                | gauge     | worker, role | free KV blocks, cached ones included     |
+| `pdcluster_kv_blocks_cached`              | gauge     | worker, role | blocks in the prefix cache, used or free |
+| `pdcluster_worker_up`                     | gauge     | worker, role | 1 while the heartbeat is fresh, else 0   |
+
+NOTE: prometheus_client also exports `<name>_created` for each counter and histogram series (the Unix time the
+series was first touched; its text format shows it as a gauge family). That is the library's standard behaviour;
+turning it off (`disable_created_metrics`) is process-wide, so it is left on.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Mapping, Sequence
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# NOTE: TTFT and e2e span a cached short prompt (~1 ms) to a long generation (~1 min); ITL is one decode step.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+KV_TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REDIS_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+_WORKER = ("worker", "role")
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics (one registry per router)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # NOTE: a registry per instance (not the global REGISTRY) so several routers can live in one process.
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdcluster_requests_total", "Finished requests by API and gRPC status.",
+                                ("api", "status"), registry=r)
+        self.ttft = Histogram("pdcluster_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("pdcluster_inter_token_latency_seconds", "Gap between consecutive generated tokens.",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram("pdcluster_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("pdcluster_prompt_tokens_total", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.cache_hit_tokens = Counter("pdcluster_prefix_cache_hit_tokens_total",
+                                        "Prompt tokens served from the prefix cache.", registry=r)
+        self.generation_tokens = Counter("pdcluster_generation_tokens_total", "Generated tokens.", registry=r)
+        self.kv_bytes = Counter("pdcluster_kv_transfer_bytes_total", "KV cache bytes moved from prefill to decode.",
+                                ("transport",), registry=r)
+        self.kv_seconds = Histogram("pdcluster_kv_transfer_seconds", "Duration of one request's KV transfer.",
+                                    ("transport",), buckets=KV_TRANSFER_BUCKETS_S, registry=r)
+        self.worker_requests = Counter("pdcluster_worker_requests_total", "Requests each worker took part in.",
+                                       _WORKER, registry=r)
+        self.redis_seconds = Histogram("pdcluster_redis_lookup_seconds", "Duration of a successful prefix lookup.",
+                                       buckets=REDIS_BUCKETS_S, registry=r)
+        self.redis_failures = Counter("pdcluster_redis_lookup_failures_total", "Prefix-index lookups that failed.",
+                                      registry=r)
+        self.failovers = Counter("pdcluster_failovers_total", "Requests moved to another worker.", ("kind",),
+                                 registry=r)
+        self.retries = Counter("pdcluster_retries_total", "Retried steps of a request.", ("kind",), registry=r)
+        self.inflight = Gauge("pdcluster_router_inflight_requests", "Requests the router holds now.", registry=r)
+        self.queue_depth = Gauge("pdcluster_worker_queue_depth", "Waiting requests of a worker (heartbeat).",
+                                 _WORKER, registry=r)
+        self.running = Gauge("pdcluster_worker_running_requests", "Running requests of a worker (heartbeat).",
+                             _WORKER, registry=r)
+        self.blocks_used = Gauge("pdcluster_kv_blocks_used", "KV blocks in use on a worker.", _WORKER, registry=r)
+        self.blocks_free = Gauge("pdcluster_kv_blocks_free", "Free KV blocks on a worker.", _WORKER, registry=r)
+        self.blocks_cached = Gauge("pdcluster_kv_blocks_cached", "KV blocks in the prefix cache (used or free).",
+                                   _WORKER, registry=r)
+        self.worker_up = Gauge("pdcluster_worker_up", "1 while the worker's heartbeat is fresh, else 0.", _WORKER,
+                               registry=r)
+
+    def request_done(self, api: str, status: str) -> None:
+        """Count one finished request by its API ("grpc" | "http") and gRPC status name ("OK", ...)."""
+        self.requests.labels(api=api, status=status).inc()
+
+    def observe_latency(self, ttft_s: float | None, itl_s: Sequence[float], e2e_s: float) -> None:
+        """Record one request's latencies; `ttft_s` is None when no token came out."""
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        for gap in itl_s:
+            self.itl.observe(gap)
+        self.e2e.observe(e2e_s)
+
+    def observe_request(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
+                        transport: str, kv_bytes: int, kv_seconds: float | None, prefill_worker: str,
+                        decode_worker: str) -> None:
+        """Record one finished request's tokens, KV transfer and workers (`prefill_worker` "" when none ran)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cache_hit_tokens.inc(cached_prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.kv_bytes.labels(transport=transport).inc(kv_bytes)
+        if kv_seconds is not None:
+            self.kv_seconds.labels(transport=transport).observe(kv_seconds)
+        if prefill_worker:
+            self.worker_requests.labels(worker=prefill_worker, role="prefill").inc()
+        self.worker_requests.labels(worker=decode_worker, role="decode").inc()
+
+    def observe_redis_lookup(self, seconds: float, ok: bool) -> None:
+        """Record one prefix-index lookup: its duration when it succeeded, else a failure."""
+        if ok:
+            self.redis_seconds.observe(seconds)
+        else:
+            self.redis_failures.inc()
+
+    def failover(self, kind: str) -> None:
+        """Count one request moved to another worker of `kind` ("prefill" | "decode")."""
+        self.failovers.labels(kind=kind).inc()
+
+    def retry(self, kind: str) -> None:
+        """Count one retried step of `kind`."""
+        self.retries.labels(kind=kind).inc()
+
+    def set_inflight(self, n: int) -> None:
+        """Set the number of requests the router holds now."""
+        self.inflight.set(n)
+
+    def set_worker_load(self, worker: str, role: str, load: Mapping[str, float], alive: bool) -> None:
+        """Set a worker's gauges from its heartbeat load; a missing key leaves its gauge as it was."""
+        labels = {"worker": worker, "role": role}
+        if "waiting" in load:
+            self.queue_depth.labels(**labels).set(load["waiting"])
+        if "running" in load:
+            self.running.labels(**labels).set(load["running"])
+        if "num_blocks" in load and "free_blocks" in load:
+            self.blocks_used.labels(**labels).set(load["num_blocks"] - load["free_blocks"])
+        if "free_blocks" in load:
+            self.blocks_free.labels(**labels).set(load["free_blocks"])
+        if "cached_blocks" in load:
+            self.blocks_cached.labels(**labels).set(load["cached_blocks"])
+        self.worker_up.labels(**labels).set(1 if alive else 0)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+async def start_metrics_server(metrics: RouterMetrics, host: str, port: int,
+                               ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+    """Serve GET /metrics on host:port (0 = a free port); returns the runner (call `cleanup()`) and the bound port."""
+
+    async def handle(_: web.Request) -> web.Response:
+        # NOTE: set the header whole: aiohttp's `content_type=` argument refuses a value with parameters.
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1]
+    return runner, int(bound)

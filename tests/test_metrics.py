@@ -1,0 +1,190 @@
+"""The router's Prometheus metrics: values after known calls, isolation, names, and the /metrics HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.metrics import RouterMetrics, start_metrics_server
+
+Labels = tuple[tuple[str, str], ...]
+
+# The known workload: 20 requests, each (status, prompt, cached, completion, prefill worker, decode worker).
+STATUSES = ["OK"] * 17 + ["INVALID_ARGUMENT"] * 2 + ["RESOURCE_EXHAUSTED"]
+PROMPT, CACHED, COMPLETION = 100, 32, 16  # per OK request
+KV_BYTES, KV_S = 4096, 0.002  # per OK request over "grpc"
+TTFT_S, ITL_S, E2E_S = 0.05, (0.01, 0.02, 0.03), 0.5
+
+
+def samples(metrics: RouterMetrics) -> dict[tuple[str, Labels], float]:
+    """Every sample of render() by (sample name, sorted labels)."""
+    text = metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def lbl(**kw: str) -> Labels:
+    return tuple(sorted(kw.items()))
+
+
+def feed(m: RouterMetrics) -> None:
+    """The known sequence of calls."""
+    for i, status in enumerate(STATUSES):
+        m.request_done("grpc" if i % 4 else "http", status)
+        if status != "OK":
+            continue
+        m.observe_latency(TTFT_S, ITL_S, E2E_S)
+        # NOTE: every 5th OK request ran prefill on the decode worker (no prefill worker, no transfer).
+        disagg = i % 5 != 0
+        m.observe_request(PROMPT, CACHED, COMPLETION, "grpc", KV_BYTES if disagg else 0,
+                          KV_S if disagg else None, "p0" if disagg else "", "d0" if i % 2 else "d1")
+    m.observe_latency(None, [], 1.5)  # a request that failed before its first token
+    for s, ok in [(0.001, True), (0.002, True), (0.5, False)]:
+        m.observe_redis_lookup(s, ok)
+    for kind in ["prefill", "prefill", "decode"]:
+        m.failover(kind)
+    m.retry("decode")
+    m.set_inflight(7)
+    m.set_worker_load("p0", "prefill", {"waiting": 3, "running": 2, "num_blocks": 100, "free_blocks": 60,
+                                        "cached_blocks": 25}, alive=True)
+    m.set_worker_load("d0", "decode", {"running": 5}, alive=False)
+
+
+OK_IDX = [i for i, s in enumerate(STATUSES) if s == "OK"]
+N_OK = len(OK_IDX)
+N_DISAGG = sum(1 for i in OK_IDX if i % 5 != 0)
+N_API = {api: sum(1 for i in OK_IDX if ("grpc" if i % 4 else "http") == api) for api in ("grpc", "http")}
+
+
+@pytest.fixture(scope="module")
+def fed() -> dict[tuple[str, Labels], float]:
+    m = RouterMetrics()
+    feed(m)
+    return samples(m)
+
+
+@pytest.mark.parametrize("name, labels, want", [
+    ("pdcluster_requests_total", lbl(api="grpc", status="OK"), N_API["grpc"]),
+    ("pdcluster_requests_total", lbl(api="http", status="OK"), N_API["http"]),
+    ("pdcluster_requests_total", lbl(api="grpc", status="INVALID_ARGUMENT"), 2),  # indices 17, 18
+    ("pdcluster_requests_total", lbl(api="grpc", status="RESOURCE_EXHAUSTED"), 1),  # index 19
+    ("pdcluster_prompt_tokens_total", (), N_OK * PROMPT),
+    ("pdcluster_prefix_cache_hit_tokens_total", (), N_OK * CACHED),
+    ("pdcluster_generation_tokens_total", (), N_OK * COMPLETION),
+    ("pdcluster_kv_transfer_bytes_total", lbl(transport="grpc"), N_DISAGG * KV_BYTES),
+    ("pdcluster_worker_requests_total", lbl(worker="p0", role="prefill"), N_DISAGG),
+    ("pdcluster_worker_requests_total", lbl(worker="d0", role="decode"), sum(1 for i in OK_IDX if i % 2)),
+    ("pdcluster_worker_requests_total", lbl(worker="d1", role="decode"), sum(1 for i in OK_IDX if i % 2 == 0)),
+    ("pdcluster_redis_lookup_failures_total", (), 1),
+    ("pdcluster_failovers_total", lbl(kind="prefill"), 2),
+    ("pdcluster_failovers_total", lbl(kind="decode"), 1),
+    ("pdcluster_retries_total", lbl(kind="decode"), 1),
+])
+def test_counters(fed: dict[tuple[str, Labels], float], name: str, labels: Labels, want: float) -> None:
+    assert fed[(name, labels)] == want
+
+
+def test_no_stray_series(fed: dict[tuple[str, Labels], float]) -> None:
+    # The two statuses sum to all 20; no prefill-role series for "" and no prefill counter for the decode workers.
+    assert sum(v for (n, _), v in fed.items() if n == "pdcluster_requests_total") == len(STATUSES)
+    workers = {lb for (n, lb) in fed if n == "pdcluster_worker_requests_total"}
+    assert workers == {lbl(worker="p0", role="prefill"), lbl(worker="d0", role="decode"),
+                       lbl(worker="d1", role="decode")}
+
+
+@pytest.mark.parametrize("name, labels, count, total", [
+    ("pdcluster_time_to_first_token_seconds", (), N_OK, N_OK * TTFT_S),
+    ("pdcluster_inter_token_latency_seconds", (), N_OK * len(ITL_S), N_OK * sum(ITL_S)),
+    ("pdcluster_e2e_request_latency_seconds", (), N_OK + 1, N_OK * E2E_S + 1.5),
+    ("pdcluster_kv_transfer_seconds", lbl(transport="grpc"), N_DISAGG, N_DISAGG * KV_S),
+    ("pdcluster_redis_lookup_seconds", (), 2, 0.003),
+])
+def test_histograms(fed: dict[tuple[str, Labels], float], name: str, labels: Labels, count: int,
+                    total: float) -> None:
+    assert fed[(name + "_count", labels)] == count
+    assert fed[(name + "_sum", labels)] == pytest.approx(total)
+    assert fed[(name + "_bucket", lbl(**dict(labels), le="+Inf"))] == count
+
+
+@pytest.mark.parametrize("name, labels, want", [
+    ("pdcluster_router_inflight_requests", (), 7),
+    ("pdcluster_worker_queue_depth", lbl(worker="p0", role="prefill"), 3),
+    ("pdcluster_worker_running_requests", lbl(worker="p0", role="prefill"), 2),
+    ("pdcluster_kv_blocks_used", lbl(worker="p0", role="prefill"), 40),
+    ("pdcluster_kv_blocks_free", lbl(worker="p0", role="prefill"), 60),
+    ("pdcluster_kv_blocks_cached", lbl(worker="p0", role="prefill"), 25),
+    ("pdcluster_worker_up", lbl(worker="p0", role="prefill"), 1),
+    ("pdcluster_worker_running_requests", lbl(worker="d0", role="decode"), 5),
+    ("pdcluster_worker_up", lbl(worker="d0", role="decode"), 0),
+])
+def test_gauges(fed: dict[tuple[str, Labels], float], name: str, labels: Labels, want: float) -> None:
+    assert fed[(name, labels)] == want
+
+
+def test_missing_load_keys_leave_gauges_untouched() -> None:
+    m = RouterMetrics()
+    m.set_worker_load("d0", "decode", {"waiting": 4, "num_blocks": 10, "free_blocks": 3, "cached_blocks": 1}, True)
+    m.set_worker_load("d0", "decode", {"free_blocks": 8}, alive=False)  # no num_blocks: used stays 7
+    got = samples(m)
+    d0 = lbl(worker="d0", role="decode")
+    assert got[("pdcluster_worker_queue_depth", d0)] == 4
+    assert got[("pdcluster_kv_blocks_used", d0)] == 7
+    assert got[("pdcluster_kv_blocks_free", d0)] == 8
+    assert got[("pdcluster_kv_blocks_cached", d0)] == 1
+    assert got[("pdcluster_worker_up", d0)] == 0
+    assert ("pdcluster_worker_running_requests", d0) not in got
+
+
+def test_two_routers_do_not_collide() -> None:
+    a, b = RouterMetrics(), RouterMetrics()  # the same names twice in one process: no "Duplicated timeseries"
+    a.request_done("grpc", "OK")
+    a.request_done("grpc", "OK")
+    b.request_done("grpc", "OK")
+    b.set_inflight(3)
+    ok = ("pdcluster_requests_total", lbl(api="grpc", status="OK"))
+    assert samples(a)[ok] == 2 and samples(b)[ok] == 1
+    assert samples(a)[("pdcluster_router_inflight_requests", ())] == 0
+
+
+def test_names_follow_conventions() -> None:
+    m = RouterMetrics()
+    feed(m)
+    names = [fam.name for fam in m.registry.collect()]
+    assert len(names) == 21 and all(n.startswith("pdcluster_") for n in names)
+    text = m.render().decode()
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    counters = [n for n, t in types.items() if t == "counter"]
+    assert len(counters) == 9 and all(n.endswith("_total") for n in counters)
+    for n, t in types.items():
+        assert n.startswith("pdcluster_")
+        # NOTE: the only other names are prometheus_client's standard `_created` series of counters/histograms.
+        assert t in ("gauge", "histogram") or n in counters
+    for fam in text_string_to_metric_families(text):
+        if fam.type == "counter":
+            assert all(s.name.endswith("_total") for s in fam.samples)
+
+
+def test_metrics_server() -> None:
+    async def main() -> None:
+        m = RouterMetrics()
+        feed(m)
+        runner, port = await start_metrics_server(m, "127.0.0.1", 0)
+        try:
+            assert port > 0
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    assert resp.status == 200
+                    assert resp.headers["Content-Type"] == CONTENT_TYPE_LATEST
+                    body = await resp.read()
+                async with http.get(f"http://127.0.0.1:{port}/other") as resp:
+                    assert resp.status == 404
+            assert body == m.render()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
