@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import ray
 
 from decode_workers.worker import DecodeWorker
+from pdcluster import logs
 from pdcluster.messages import DecodeRequest, Delta, WorkerInfo
 from pdcluster.worker import WorkerSpec
 
@@ -16,6 +17,7 @@ class DecodeActor:
     """Ray face of one DecodeWorker; `generate` is a streaming generator (call it with num_returns="streaming")."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        logs.configure(spec.name, spec.log_level, spec.log_format)
         self.worker = DecodeWorker(spec)
 
     async def info(self) -> WorkerInfo:

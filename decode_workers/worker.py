@@ -13,6 +13,7 @@ Life of a request on a decode worker:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -21,8 +22,11 @@ from engine.output import RequestOutput
 from kv_transfer.endpoint import ReceiverEndpoint
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferError, TransferState
+from pdcluster.logs import REQUEST_ID
 from pdcluster.messages import DecodeRequest, Delta
 from pdcluster.worker import Worker, WorkerSpec
+
+log = logging.getLogger(__name__)
 
 
 class DecodeWorker(Worker):
@@ -41,6 +45,7 @@ class DecodeWorker(Worker):
     async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
         """Stream the request's new tokens; the last Delta has `finished` set and the totals."""
         arrived, rid = time.monotonic(), req.request_id
+        REQUEST_ID.set(rid)
         aio = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -77,6 +82,8 @@ class DecodeWorker(Worker):
                     delta.queue_ms, delta.prefill_ms = timing[0]
                 first = False
                 finished = delta.finished
+                if finished:
+                    log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
                 yield delta
         finally:
             if not finished:

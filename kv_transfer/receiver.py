@@ -268,7 +268,8 @@ class KVReceiver:
         with self._lock:
             if t.state is TransferState.FAILED or t.transfer_id not in self._by_id:
                 return  # NOTE: a taken transfer left _by_id: it belongs to the engine now
-            log.warning("KV transfer %s of request %s failed: %s", t.transfer_id, t.request_id, reason)
+            log.warning("KV transfer %s of request %s failed: %s", t.transfer_id, t.request_id, reason,
+                        extra={"request_id": t.request_id})
             t.state, t.error = TransferState.FAILED, TransferError(reason, t.request_id, retryable=retryable)
             t.done.set()
             self._progress.notify_all()

@@ -25,6 +25,7 @@ import torch
 from engine.kv_export import KVExport, KVLayout
 from kv_transfer import wire
 from kv_transfer.state import TransferConfig, TransferError, TransferState
+from pdcluster.logs import REQUEST_ID
 from pdcluster.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class KVSender(ABC):
             yield item
 
     def _run(self) -> None:
+        REQUEST_ID.set(self.request_id)  # NOTE: threads start with an empty context; logs carry the request
         try:
             self._send_layers(self._layers())
             if self.state.finished:

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=fmt)
     serve.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
     serve.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
+    serve.add_argument("--http-port", type=int, default=None, help="override http.port (0: any free port)")
+    serve.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0: any free port)")
     rtr = sub.add_parser("router", help="an extra router for a running cluster (shares its state through Redis)",
                          formatter_class=fmt)
     rtr.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML")
@@ -135,15 +137,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, demo: bool = False) -> int:
-    import logging
+
+    import pathlib
 
     from pdcluster import client
     from pdcluster.config import ClusterConfig, ConfigError
     from pdcluster.security import SetupError
     from pdcluster.serve import run
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import pathlib
 
     path = pathlib.Path(args.config)
     if not path.exists() and not path.is_absolute():  # the default works from any directory
@@ -154,6 +154,10 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     body = None
+    from pdcluster import logs
+
+    # NOTE: the demo prints its own story; only warnings of the cluster would distract from it
+    logs.configure("router", "WARNING" if demo else config.logging.level, config.logging.format)
     if demo:
         config.router.port = config.http.port = config.metrics.port = 0
 
@@ -161,8 +165,9 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
             import asyncio
 
             await asyncio.to_thread(client.demo, addr)
-    if getattr(args, "port", None) is not None:
-        config.router.port = args.port
+    for attr, section in (("port", config.router), ("http_port", config.http), ("metrics_port", config.metrics)):
+        if getattr(args, attr, None) is not None:
+            section.port = getattr(args, attr)
     if args.command == "router":
         config.redis.url = args.redis if "://" in args.redis else f"redis://{args.redis}/0"
         if args.ray:

@@ -156,6 +156,15 @@ class MetricsConfig(BaseModel):
     port: int = Field(default=9400, ge=0, le=65535, description="port to bind; 0 picks a free one")
 
 
+class LoggingConfig(BaseModel):
+    """Logs of the router and every worker (each record carries its component and request id)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="lowest level logged")
+    format: Literal["text", "json"] = Field(default="text", description="'json': one object per line, for pipelines")
+
+
 class SecurityConfig(BaseModel):
     """TLS for the gRPC and HTTP fronts, API keys for clients, a token between cluster members."""
 
@@ -228,6 +237,7 @@ class ClusterConfig(BaseModel):
     http: HttpConfig = HttpConfig()
     metrics: MetricsConfig = MetricsConfig()
     security: SecurityConfig = SecurityConfig()
+    logging: LoggingConfig = LoggingConfig()
     prefill: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the prompt workers")
     decode: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the token workers")
     colocated: PoolConfig = Field(default=PoolConfig(replicas=0), description="colocated mode: the only workers")

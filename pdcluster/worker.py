@@ -42,9 +42,11 @@ class WorkerSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     redis_url: str | None = None  # None: no prefix index (unit tests)
-    redis_auth: RedisAuth | None = None
     key_prefix: str = "pdc"
     kv_host: str = "127.0.0.1"  # decode/colocated: where the KV endpoint listens
+    log_level: str = "INFO"
+    log_format: str = "text"  # or "json"
+    redis_auth: RedisAuth | None = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ray
 
+from pdcluster import logs
 from pdcluster.messages import PrefillRequest, PrefillResult, WorkerInfo
 from pdcluster.worker import WorkerSpec
 from prefill_workers.worker import PrefillWorker
@@ -14,6 +15,7 @@ class PrefillActor:
     """Ray face of one PrefillWorker; every method is async so calls run concurrently on the actor's event loop."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        logs.configure(spec.name, spec.log_level, spec.log_format)
         self.worker = PrefillWorker(spec)
 
     async def info(self) -> WorkerInfo:

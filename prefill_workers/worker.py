@@ -15,6 +15,7 @@ Life of a request on a prefill worker:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from engine.block_hash import hash_prompt_blocks
@@ -23,8 +24,11 @@ from engine.output import RequestOutput
 from kv_transfer.endpoint import open_sender
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferError, TransferState
+from pdcluster.logs import REQUEST_ID
 from pdcluster.messages import PrefillRequest, PrefillResult
 from pdcluster.worker import Worker, WorkerSpec
+
+log = logging.getLogger(__name__)
 
 
 class PrefillWorker(Worker):
@@ -38,6 +42,7 @@ class PrefillWorker(Worker):
         """Prefill one prompt, ship its KV to `req.decode_address`; raises TransferError if the KV did not arrive."""
         arrived = time.monotonic()
         e, rid = self.engine, req.request_id
+        REQUEST_ID.set(rid)
         tokens = e.tokenize(req.token_ids, rid)
         n = len(tokens)
         sender = open_sender(self.spec.transfer, req.decode_address, rid, e.kv_layout, tokens, n,
@@ -83,6 +88,9 @@ class PrefillWorker(Worker):
         finally:
             self._senders.pop(rid, None)
         transfer_ms = (sender.finished_at - t_first) * 1e3 if not out.finished else 0.0
+        log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
+                  "%.1f ms after the first token", n, out.num_cached_tokens, prefill_ms, queue_ms, sender.num_blocks,
+                  sender.bytes_sent, req.decode_address, transfer_ms)
         return PrefillResult(rid, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.text, n,
                              out.num_cached_tokens, queue_ms, prefill_ms, max(0.0, transfer_ms),
                              sender.num_blocks if not out.finished else 0, sender.bytes_sent)

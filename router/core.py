@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.block_hash import hash_prompt_blocks
+from pdcluster.logs import REQUEST_ID
 from pdcluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult, WorkerInfo
 from pdcluster.v1 import inference_pb2 as pb
 from router.errors import Overloaded, WorkerFailed
@@ -71,6 +72,7 @@ class Router:
     async def stream(self, req: Checked, arrived: float | None = None) -> AsyncGenerator[pb.GenerateChunk, None]:
         """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError."""
         arrived = arrived or time.monotonic()
+        REQUEST_ID.set(req.request_id)
         if self.inflight >= self.max_inflight:
             raise Overloaded(f"the router has {self.inflight} requests in flight (router.max_inflight)",
                              req.request_id)
@@ -99,6 +101,9 @@ class Router:
 
     def _observe(self, last: pb.GenerateChunk, ttft: float | None, gaps: list[float], e2e: float) -> None:
         tl, u = last.timeline, last.usage
+        log.info("done: %s%s, %d prompt tokens (%d cached) + %d generated, first token %.0f ms, total %.0f ms, %s",
+                 f"{tl.prefill_worker} -> " if tl.prefill_worker else "", tl.decode_worker, u.prompt_tokens,
+                 u.cached_prompt_tokens, u.completion_tokens, tl.first_token_ms, tl.total_ms, last.finish_reason)
         self.metrics.observe_latency(ttft, gaps, e2e)
         self.metrics.observe_request(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, self.transport,
                                      tl.kv_bytes_sent, None if tl.prefill_skipped else tl.transfer_ms / 1e3,

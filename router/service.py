@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdcluster.logs import REQUEST_ID
 from pdcluster.v1 import inference_pb2 as pb
 from pdcluster.v1 import inference_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
@@ -69,6 +70,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         arrived = time.monotonic()
         try:
             req: Checked = check()  # type: ignore[operator]
+            REQUEST_ID.set(req.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
             # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
             budget = min(self.router.request_timeout_s, context.time_remaining() or float("inf"))
             chunks = self.router.stream(req, arrived)

@@ -12,7 +12,10 @@ from kv_transfer.state import TransferConfig
 from pdcluster.config import ClusterConfig, ConfigError, PoolConfig, TransferSection
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEPLOY_FILES = sorted(glob.glob(os.path.join(REPO, "deploy", "*.yaml")))
+# NOTE: deploy/ also holds manifests for other tools (KubeRay, `ray up`); those are checked in test_deploy_manifests.
+OTHER_TOOLS = ("kuberay-", "ray-cluster-")
+DEPLOY_FILES = sorted(f for f in glob.glob(os.path.join(REPO, "deploy", "*.yaml"))
+                      if not os.path.basename(f).startswith(OTHER_TOOLS))
 
 
 def lines(*rows: str) -> str:

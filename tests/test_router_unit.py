@@ -269,3 +269,23 @@ def test_the_index_follows_evictions_and_restarts(tiny, redis_url):
         assert again.epoch > w.epoch
     finally:
         again.close()
+
+
+def test_logs_carry_the_request_id_across_prefill_transfer_and_decode(tiny, workers, capsys):
+    import json
+    import logging
+
+    from pdcluster import logs
+
+    p, d = workers
+    logs.configure("test-worker", "DEBUG", "json")
+    try:
+        prompt = random_prompts(1, [40], seed=21, vocab=tiny.config.vocab_size)[0]
+        asyncio.run(_run(p, d, "traced-1", prompt, dataclasses.replace(GREEDY, max_tokens=3)))
+    finally:
+        logs.configure("test-worker", "WARNING", "text")
+        logging.getLogger().setLevel(logging.WARNING)
+    records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    by_logger = {r["logger"]: r for r in records if r["request_id"] == "traced-1"}
+    assert {"prefill_workers.worker", "kv_transfer.sender", "decode_workers.worker"} <= set(by_logger), records
+    assert all(r["component"] == "test-worker" for r in by_logger.values())

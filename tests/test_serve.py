@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import psutil
@@ -43,7 +44,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
-    proc, endpoints = start_serve("--config", "deploy/local.yaml", "--port", "0")
+    proc, endpoints = start_serve("--config", "deploy/local.yaml", "--port", "0", "--http-port", "0",
+                                  "--metrics-port", "0")
     addr = endpoints["grpc"]
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
@@ -54,6 +56,10 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
         r = stub.Generate(pb.GenerateRequest(prompt="The capital of France is",
                                              sampling=pb.SamplingParams(max_tokens=8, temperature=0)), timeout=120)
         assert r.usage.completion_tokens == len(r.token_ids) > 0 and r.timeline.decode_worker == "decode-0"
+        health = urllib.request.urlopen(f"http://{endpoints['http']}/health", timeout=10).read()
+        assert json.loads(health) == {"status": "ok"}
+        scrape = urllib.request.urlopen(f"http://{endpoints['metrics']}/metrics", timeout=10).read().decode()
+        assert 'pdcluster_requests_total{api="grpc",status="OK"} 1.0' in scrape
         status = cli("status", "--addr", addr)
         assert status.returncode == 0 and "prefill-0" in status.stdout and "decode-0" in status.stdout
         gen = cli("generate", "--addr", addr, "--json", "--max-tokens", "8", "The capital of France is")
