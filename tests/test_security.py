@@ -83,6 +83,39 @@ def test_calls_without_a_valid_api_key_are_unauthenticated_and_the_key_is_never_
         assert key not in caplog.text
 
 
+def test_http_front_over_tls_needs_the_key(secured):
+    import json
+    import ssl
+    import urllib.error
+
+    from router.openai_api import start_http
+
+    c, server, cert = secured
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, cert.replace("cert.pem", "key.pem"))
+    runner, port = server.run(start_http(server.router, host="127.0.0.1", port=0, model_name="tiny",
+                                         api_keys=frozenset(ENV["PDC_TEST_API_KEYS"].split(",")), ssl_context=tls))
+    client_tls = ssl.create_default_context(cafile=cert)
+    try:
+        def get(path: str, key: str | None) -> tuple[int, dict]:
+            req = urllib.request.Request(f"https://127.0.0.1:{port}{path}",
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
+            try:
+                with urllib.request.urlopen(req, timeout=30, context=client_tls) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+        assert get("/v1/models", KEY)[0] == 200
+        status, body = get("/v1/models", None)
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        assert get("/v1/models", "sk-nope")[0] == 401
+        assert get("/health", None) == (200, {"status": "ok"})
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):  # plain HTTP to the TLS port fails
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+    finally:
+        server.run(runner.cleanup())
+
+
 def test_health_stays_open_without_a_key(secured):
     _, server, cert = secured
     from grpc_health.v1 import health_pb2, health_pb2_grpc

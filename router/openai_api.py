@@ -1,0 +1,302 @@
+"""The OpenAI-compatible HTTP face of the router (aiohttp), served next to gRPC over the same `Router`.
+
+Life of a request:
+1. `/v1/*` needs `Authorization: Bearer <key>` when API keys are set (401 otherwise; a key is never logged);
+2. the JSON body becomes a `pb.GenerateRequest` / `pb.ChatRequest`, checked by the same `RequestValidator` as
+   gRPC (a 400 names the OpenAI parameter: `top_p`, `prompt`, `messages[1].role`, or an unknown key);
+3. `Router.stream` runs it within `router.request_timeout_s`; the answer is one JSON object or, with
+   `stream: true`, server-sent events ending in `data: [DONE]`;
+4. failures map to HTTP through `router.errors.status_of` and OpenAI's `{"error": {...}}` body; once a stream has
+   started (status 200 sent) a failure is an SSE `error` event; a client that goes away aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from engine.errors import InvalidRequestError
+from pdcluster.logs import REQUEST_ID
+from pdcluster.v1 import inference_pb2 as pb
+from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
+from router.core import Router
+from router.errors import status_of, unwrap
+from router.openai_params import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    chat_messages,
+    finish_body,
+    openai_param,
+    sampling,
+    set_field,
+    take,
+)
+from router.validate import Checked, RequestValidator
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 16 << 20  # as the gRPC server's max message; a prompt may be 1 Mi characters of JSON-escaped text
+HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+           grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+           grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+           grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+           grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+           grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error")}
+INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")  # counted in pdcluster_requests_total{api="http"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """A refusal of the HTTP layer itself (a bad API key, an unknown model) with OpenAI's `param` and `code`."""
+
+    def __init__(self, status: grpc.StatusCode, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def error_body(exc: BaseException) -> tuple[int, grpc.StatusCode, dict[str, Any]]:
+    """The HTTP status, gRPC code and OpenAI error object for `exc` (codes from `status_of`, the one mapping)."""
+    e = unwrap(exc)
+    param = code = None
+    if isinstance(e, ApiError):
+        grpc_code, message, param, code = e.status, str(e), e.param, e.code
+    else:
+        grpc_code, message = status_of(e)
+        if isinstance(e, InvalidRequestError):
+            param = openai_param(e.field)
+            message = f"{param}: {e.reason.removeprefix(f'{e.field}: ')}"
+        elif grpc_code is grpc.StatusCode.INTERNAL:
+            log.error("request failed", exc_info=e)
+    status, kind = HTTP_OF.get(grpc_code, (500, "server_error"))
+    return status, grpc_code, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class OpenAIFront:
+    """The handlers of the HTTP API over one Router."""
+
+    def __init__(self, router: Router, model_name: str, api_keys: frozenset[str]) -> None:
+        self.router, self.model_name = router, model_name
+        self.validator = RequestValidator(router.info)
+        self._keys = api_keys
+
+    @web.middleware
+    async def guard(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """API keys on /v1/*, and every failure before a stream started as OpenAI's error JSON."""
+        counted = request.path in INFERENCE_PATHS
+        try:
+            # NOTE: router.auth.bearer_ok compares in constant time; the header is never logged, not even a wrong one
+            if request.path.startswith("/v1/") and not bearer_ok(request.headers.get("Authorization"), self._keys):
+                log.debug("refused %s %s from %s: missing or invalid API key", request.method, request.path,
+                         request.remote)
+                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
+            return await handler(request)
+        except asyncio.CancelledError:  # the client went away
+            if counted:
+                self.router.metrics.request_done("http", grpc.StatusCode.CANCELLED.name)
+            raise
+        except web.HTTPException as e:  # no route, wrong method, body too large
+            status, body = e.status, {"error": {"message": e.reason, "type": "invalid_request_error",
+                                                "param": None, "code": None}}
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status for this request only
+            status, code, body = error_body(e)
+            if counted:
+                self.router.metrics.request_done("http", code.name)
+        return web.json_response(body, status=status)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "pdcluster",
+                "max_model_len": self.router.info.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, rid, stream, usage = await self._open(request)
+        req = pb.GenerateRequest(request_id=rid)
+        prompt = body.pop("prompt", None)
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            set_field(req, "prompt_token_ids", prompt, "prompt")
+        else:
+            raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
+        req.sampling.CopyFrom(sampling(body, take(body, "max_tokens", int, "an integer")))
+        finish_body(body, UNSUPPORTED_COMPLETION)
+        return await self._answer(request, self.validator.generate(req), f"cmpl-{rid}", stream, usage, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body, rid, stream, usage = await self._open(request)
+        limit = take(body, "max_completion_tokens", int, "an integer")  # NOTE: OpenAI's successor of max_tokens
+        legacy = take(body, "max_tokens", int, "an integer")
+        key = "max_tokens" if limit is None else "max_completion_tokens"
+        limit = legacy if limit is None else limit
+        req = pb.ChatRequest(request_id=rid, messages=chat_messages(body.pop("messages", None)))
+        req.sampling.CopyFrom(sampling(body, limit, key))
+        finish_body(body, UNSUPPORTED_CHAT)
+        try:
+            checked = self.validator.chat(req)
+        except InvalidRequestError as e:  # name the limit as the client spelled it
+            if e.field != "sampling.max_tokens":
+                raise
+            raise InvalidRequestError(key, e.reason.removeprefix(f"{e.field}: "), e.request_id) from None
+        if limit is None:  # NOTE: as OpenAI and vLLM: a chat without a limit may fill the context
+            checked.params.max_tokens = self.router.info.max_model_len - len(checked.token_ids)
+        return await self._answer(request, checked, f"chatcmpl-{rid}", stream, usage, chat=True)
+
+    async def _open(self, request: web.Request) -> tuple[dict[str, Any], str, bool, bool]:
+        """The body as a dict, a fresh request id, and the stream options; a wrong model is a 404."""
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            raise InvalidRequestError("body", f"is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("body", "must be a JSON object")
+        model = take(body, "model", str, "a string")
+        if model is not None and model != self.model_name:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist (this server serves "
+                           f"`{self.model_name}`).", "model", "model_not_found")
+        stream = bool(take(body, "stream", bool, "true or false"))
+        options = take(body, "stream_options", dict, "an object") or {}
+        if set(options) - {"include_usage"}:
+            raise InvalidRequestError("stream_options", "only include_usage is supported")
+        rid = uuid.uuid4().hex
+        REQUEST_ID.set(rid)  # NOTE: set in the handler's task: the tasks it starts inherit it
+        return body, rid, stream, bool(options.get("include_usage"))
+
+    async def _chunks(self, checked: Checked, arrived: float) -> AsyncGenerator[pb.GenerateChunk, None]:
+        """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
+        chunks = self.router.stream(checked, arrived)
+        try:
+            while True:
+                remaining = self.router.request_timeout_s - (time.monotonic() - arrived)
+                if remaining <= 0:
+                    raise TimeoutError
+                try:
+                    yield await asyncio.wait_for(anext(chunks), remaining)
+                except StopAsyncIteration:
+                    return
+        finally:
+            await chunks.aclose()
+
+    async def _answer(self, request: web.Request, checked: Checked, oid: str, stream: bool, include_usage: bool,
+                      *, chat: bool) -> web.StreamResponse:
+        arrived, created = time.monotonic(), int(time.time())
+        head = {"id": oid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": self.model_name}
+        # NOTE: aclosing: a client that goes away (a failed write, or the handler cancelled) closes the router's
+        # generator, which tells the workers to abort the request and free its KV blocks.
+        async with contextlib.aclosing(self._chunks(checked, arrived)) as chunks:
+            first = await anext(chunks)  # NOTE: before any byte is sent, so overload or a failed prefill is a status
+            if not stream:
+                text, last = first.text, first
+                async for last in chunks:
+                    text += last.text
+                choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+                self.router.metrics.request_done("http", grpc.StatusCode.OK.name)
+                return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
+                                          "choices": [choice], "usage": usage_of(last.usage),
+                                          "pdcluster": extra_of(last)})
+            resp = web.StreamResponse(headers=SSE_HEADERS)
+            await resp.prepare(request)
+            status = grpc.StatusCode.OK
+            try:
+                if chat:
+                    await send(resp, head, {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None, "logprobs": None}, include_usage)
+                chunk: pb.GenerateChunk | None = first
+                while chunk is not None:
+                    if chunk.text or chunk.finish_reason:
+                        delta = ({"delta": {"content": chunk.text} if chunk.text else {}} if chat
+                                 else {"text": chunk.text})
+                        await send(resp, head, {"index": 0, **delta, "finish_reason": chunk.finish_reason or None,
+                                                "logprobs": None}, include_usage,
+                                   extra_of(chunk) if chunk.finish_reason else None)
+                    if chunk.finish_reason and include_usage:
+                        await sse(resp, {**head, "choices": [], "usage": usage_of(chunk.usage)})
+                    chunk = await anext(chunks, None)
+            except (ConnectionResetError, asyncio.CancelledError) as e:
+                log.info("%s: the client went away; aborting the request", oid)
+                if isinstance(e, asyncio.CancelledError):
+                    raise  # counted by the guard
+                self.router.metrics.request_done("http", grpc.StatusCode.CANCELLED.name)
+                return resp
+            except Exception as e:  # noqa: BLE001 - the status (200) is sent: the error goes in the stream
+                _, status, body = error_body(e)
+                with contextlib.suppress(ConnectionResetError):
+                    await sse(resp, body)
+            self.router.metrics.request_done("http", status.name)
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(DONE)
+                await resp.write_eof()
+            return resp
+
+
+def usage_of(u: pb.Usage) -> dict[str, Any]:
+    """OpenAI's usage object (cached prompt tokens under prompt_tokens_details)."""
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def extra_of(last: pb.GenerateChunk) -> dict[str, Any]:
+    """pdcluster's own fields (ignored by OpenAI clients): the request id and its timeline."""
+    tl = last.timeline
+    return {"request_id": last.request_id, "timeline": {f.name: getattr(tl, f.name) for f in tl.DESCRIPTOR.fields}}
+
+
+async def sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    """One server-sent event."""
+    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def send(resp: web.StreamResponse, head: dict[str, Any], choice: dict[str, Any], include_usage: bool,
+               extra: dict[str, Any] | None = None) -> None:
+    """One streamed chunk (`usage: null` on each when usage was asked for, as OpenAI does)."""
+    obj: dict[str, Any] = {**head, "choices": [choice]}
+    if include_usage:
+        obj["usage"] = None
+    if extra is not None:
+        obj["pdcluster"] = extra
+    await sse(resp, obj)
+
+
+def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset()) -> web.Application:
+    """The HTTP API: /health, /v1/models, /v1/completions, /v1/chat/completions."""
+    front = OpenAIFront(router, model_name, api_keys)
+    app = web.Application(middlewares=[front.guard], client_max_size=MAX_BODY_BYTES)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/v1/models", front.models)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_post("/v1/chat/completions", front.chat)
+    return app
+
+
+async def start_http(router: Router, *, host: str, port: int, model_name: str, api_keys: frozenset[str] = frozenset(),
+                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+    """A started HTTP server (HTTPS with `ssl_context`); returns its runner (`await runner.cleanup()`) and port."""
+    # NOTE: handler_cancellation: a client that disconnects cancels its handler even while no token is being
+    # written (a long prefill), so the request is aborted at once.
+    runner = web.AppRunner(make_app(router, model_name=model_name, api_keys=api_keys), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port} for HTTP: {e}") from e
+    return runner, int(runner.addresses[0][1])
