@@ -7,18 +7,32 @@ import json
 import sys
 import time
 
+DESCRIPTION = """Disaggregated prefill/decode LLM serving on Ray.
+
+A cluster is a router (gRPC, OpenAI HTTP, Prometheus metrics) in front of a pool of prefill workers (they compute
+prompts) and a pool of decode workers (they generate tokens); KV caches move between them over the KV transfer
+layer, and Redis indexes which worker caches which prompt prefix. A YAML file in deploy/ sizes each pool
+(deploy/local.yaml: everything on this machine; deploy/README.md explains every key).
+
+Start here: `pdcluster demo` (start, chat, stop), then `pdcluster serve` and the client commands below."""
+
 EPILOG = """examples:
   pdcluster demo                                      # start the embedded default, chat through the gRPC API, stop
-  pdcluster serve --config deploy/local.yaml          # prints `pdcluster ready: grpc=HOST:PORT redis=HOST:PORT`
+  pdcluster serve --config deploy/local.yaml          # prints `pdcluster ready: grpc=HOST:PORT http=... metrics=...`
   pdcluster router --ray 127.0.0.1:6379 --redis 127.0.0.1:6390 --port 50052   # another router, same cluster
   pdcluster generate --addr 127.0.0.1:50051 --stream "The capital of France is"
   pdcluster chat --addr 127.0.0.1:50051
   pdcluster status --addr 127.0.0.1:50051
+  curl -s http://127.0.0.1:8000/v1/models                # the OpenAI-compatible API of `serve`
+  curl -s http://127.0.0.1:9400/metrics                  # Prometheus metrics of `serve`
   pdcluster generate --local "The capital of France is"
   pdcluster generate --local --chat --max-tokens 64 "Why is the sky blue?"
   pdcluster generate --local --json --temperature 0.7 --seed 1 "Once upon a time"
   pdcluster bench engine --json
   pdcluster bench transfer --tokens 256 --repeat 1 --json
+
+`pdcluster COMMAND --help` lists each command's options. Exit codes: 0 ok, 2 bad input or setup (the message names
+the field to fix).
 """
 
 
@@ -41,7 +55,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pdcluster", description="Disaggregated prefill/decode LLM serving.",
+        prog="pdcluster", description=DESCRIPTION,
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
