@@ -58,6 +58,7 @@ class DecodeWorker(Worker):
 
         if req.token_ids:
             def start(engine: object) -> None:
+                self._check_not_aborted(rid)
                 self._track(self.engine.add_request(rid, req.token_ids, req.params), arrived)
                 self.loop.attach(rid, on_output)
         else:
@@ -67,6 +68,7 @@ class DecodeWorker(Worker):
                 raise receiver.error(rid) or TransferError(f"KV transfer {state.value}", rid)
 
             def start(engine: object) -> None:
+                self._check_not_aborted(rid)
                 receiver.take(rid, req.params)
                 self.loop.attach(rid, on_output)
         self.loop.call(start)
@@ -91,7 +93,7 @@ class DecodeWorker(Worker):
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here: running, or still arriving as KV (its reservation is freed)."""
-        self.loop.call(lambda engine: self._forget(request_id))
+        self.loop.call(lambda engine: self._remember_abort(request_id))
         self.loop.abort(request_id)
         self.receiver.abort_request(request_id, reason)
 

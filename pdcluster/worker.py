@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.config import EngineConfig
+from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.loop import EngineLoop
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 0.5
+ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
+
+
+class RequestAborted(EngineError):
+    """The request was aborted (its client went away) before this worker started it."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Worker:
         self._starting: dict[str, _Started] = {}
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step)
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
+        self._aborted: dict[str, float] = {}  # request id → when an abort for it came (under the loop lock)
         self._closed = threading.Event()
         self.index = None
         self.epoch = 0
@@ -124,6 +131,22 @@ class Worker:
 
     def _forget(self, request_id: str) -> None:
         self._starting.pop(request_id, None)
+
+    def _remember_abort(self, request_id: str) -> None:
+        """Note an abort, so the request is refused if it arrives only now (called under the loop lock).
+
+        NOTE: Ray runs the calls of an async actor concurrently, in no guaranteed order: the router's abort may
+        overtake the call it aborts.
+        """
+        now = time.monotonic()
+        self._forget(request_id)
+        self._aborted[request_id] = now
+        for rid in [r for r, t in self._aborted.items() if now - t > ABORT_MEMORY_S]:
+            del self._aborted[rid]
+
+    def _check_not_aborted(self, request_id: str) -> None:
+        if self._aborted.pop(request_id, None) is not None:
+            raise RequestAborted("the request was aborted before it reached this worker", request_id)
 
     # ---- publishing ---------------------------------------------------------------------------------------
     def _publish_loop(self) -> None:

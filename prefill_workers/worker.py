@@ -66,6 +66,7 @@ class PrefillWorker(Worker):
             aio.call_soon_threadsafe(_set, first, (out, now, queue_ms, prefill_ms))
 
         def start(engine: object) -> None:
+            self._check_not_aborted(rid)
             seq = e.add_request(rid, tokens, req.params)
             self._track(seq, arrived)
             e.watch_layers(rid, on_layer)
@@ -97,7 +98,7 @@ class PrefillWorker(Worker):
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here and its transfer (the decode side frees its reservation)."""
-        self.loop.call(lambda engine: self._forget(request_id))
+        self.loop.call(lambda engine: self._remember_abort(request_id))
         self.loop.abort(request_id)
         sender = self._senders.pop(request_id, None)
         if sender is not None:

@@ -13,9 +13,10 @@ Life of a request in the router:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,20 +85,39 @@ class Router:
             matched = await self._lookup(req.token_ids)
             route = self.policy.route(len(req.token_ids), req.params.max_tokens, matched,
                                       [w.view for w in self.prefill], [w.view for w in self.decode])
-            async for chunk in self._run(req, route, arrived):
-                now = time.monotonic()
-                if chunk.token_ids:
-                    if first_at:  # NOTE: tokens that arrive together share the gap since the last chunk
-                        gaps += [(now - last_at) / len(chunk.token_ids)] * len(chunk.token_ids)
-                    else:
-                        first_at = now
-                    last_at = now
-                if chunk.finish_reason:
-                    self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived)
-                yield chunk
+            run = self._run(req, route, arrived)
+            async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
+                async for chunk in run:
+                    now = time.monotonic()
+                    if chunk.token_ids:
+                        if first_at:  # NOTE: tokens that arrive together share the gap since the last chunk
+                            gaps += [(now - last_at) / len(chunk.token_ids)] * len(chunk.token_ids)
+                        else:
+                            first_at = now
+                        last_at = now
+                    if chunk.finish_reason:
+                        self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived)
+                    yield chunk
         finally:
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
+
+    async def stream_within(self, req: Checked, arrived: float,
+                            budget_s: float) -> AsyncGenerator[pb.GenerateChunk, None]:
+        """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request."""
+        chunks = self.stream(req, arrived)
+        try:
+            while True:
+                remaining = budget_s - (time.monotonic() - arrived)
+                if remaining <= 0:
+                    raise TimeoutError
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), remaining)
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     def _observe(self, last: pb.GenerateChunk, ttft: float | None, gaps: list[float], e2e: float) -> None:
         tl, u = last.timeline, last.usage
@@ -109,7 +129,7 @@ class Router:
                                      tl.kv_bytes_sent, None if tl.prefill_skipped else tl.transfer_ms / 1e3,
                                      tl.prefill_worker, tl.decode_worker)
 
-    async def _run(self, req: Checked, route: Route, arrived: float) -> AsyncIterator[pb.GenerateChunk]:
+    async def _run(self, req: Checked, route: Route, arrived: float) -> AsyncGenerator[pb.GenerateChunk, None]:
         rid, n = req.request_id, len(req.token_ids)
         d = self.workers[route.decode]
         tl = pb.Timeline(decode_worker=d.name, prefill_skipped=route.prefill is None)

@@ -179,18 +179,9 @@ class OpenAIFront:
 
     async def _chunks(self, checked: Checked, arrived: float) -> AsyncGenerator[pb.GenerateChunk, None]:
         """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
-        chunks = self.router.stream(checked, arrived)
-        try:
-            while True:
-                remaining = self.router.request_timeout_s - (time.monotonic() - arrived)
-                if remaining <= 0:
-                    raise TimeoutError
-                try:
-                    yield await asyncio.wait_for(anext(chunks), remaining)
-                except StopAsyncIteration:
-                    return
-        finally:
-            await chunks.aclose()
+        async with contextlib.aclosing(self.router.stream_within(checked, arrived, self.router.request_timeout_s)) as c:
+            async for chunk in c:
+                yield chunk
 
     async def _answer(self, request: web.Request, checked: Checked, oid: str, stream: bool, include_usage: bool,
                       *, chat: bool) -> web.StreamResponse:

@@ -7,6 +7,7 @@ failure to a status code through `router.errors.status_of`; one failing request 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -73,19 +74,10 @@ class InferenceService(pb_grpc.InferenceServicer):
             REQUEST_ID.set(req.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
             # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
             budget = min(self.router.request_timeout_s, context.time_remaining() or float("inf"))
-            chunks = self.router.stream(req, arrived)
-            try:
-                while True:
-                    remaining = budget - (time.monotonic() - arrived)
-                    if remaining <= 0:
-                        raise TimeoutError
-                    try:
-                        chunk = await asyncio.wait_for(anext(chunks), remaining)
-                    except StopAsyncIteration:
-                        break
+            # NOTE: aclosing: a generator left early is closed now (its finally aborts the request), not at GC
+            async with contextlib.aclosing(self.router.stream_within(req, arrived, budget)) as chunks:
+                async for chunk in chunks:
                     yield chunk
-            finally:
-                await chunks.aclose()
         except asyncio.CancelledError:  # the client went away (or its deadline passed)
             self.router.metrics.request_done("grpc", grpc.StatusCode.CANCELLED.name)
             raise

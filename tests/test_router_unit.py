@@ -289,3 +289,25 @@ def test_logs_carry_the_request_id_across_prefill_transfer_and_decode(tiny, work
     by_logger = {r["logger"]: r for r in records if r["request_id"] == "traced-1"}
     assert {"prefill_workers.worker", "kv_transfer.sender", "decode_workers.worker"} <= set(by_logger), records
     assert all(r["component"] == "test-worker" for r in by_logger.values())
+
+
+def test_an_abort_that_overtakes_its_request_still_stops_it(tiny, workers):
+    """Ray runs an async actor's calls in no fixed order: an abort may arrive before the call it aborts."""
+    from pdcluster.worker import RequestAborted
+
+    p, d = workers
+    prompt = random_prompts(1, [40], seed=8, vocab=tiny.config.vocab_size)[0]
+    d.abort("early")
+
+    async def run():
+        async for _ in d.generate(DecodeRequest("early", dataclasses.replace(GREEDY, max_tokens=50), prompt)):
+            pass
+    with pytest.raises(RequestAborted):
+        asyncio.run(run())
+    p.abort("early-p")
+    with pytest.raises(RequestAborted):
+        asyncio.run(p.prefill(PrefillRequest("early-p", prompt, dataclasses.replace(GREEDY), d.kv_address)))
+    for w in workers:
+        s = w.engine.stats()
+        assert (s.num_running, s.num_reserved, s.num_free_blocks) == (0, 0, s.num_blocks)
+    asyncio.run(run())  # the abort is spent: the same id may be used again

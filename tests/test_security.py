@@ -138,6 +138,28 @@ def test_redis_needs_the_password(secured):
     assert st.redis_ok and all(w.alive for w in st.workers)  # the workers write to it with the password
 
 
+def test_redis_acl_user_and_password_from_the_config(monkeypatch):
+    from pdcluster.config import ClusterConfig
+    from pdcluster.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis(password="admin-pw") as server:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        admin = connect(url, security.RedisAuth(password="admin-pw"))
+        admin.execute_command("ACL", "SETUSER", "pdc-router", "on", ">router-pw", "~pdc:*", "+@all")
+        config = ClusterConfig.from_yaml_text(f"redis:\n  url: {url}\n  username: pdc-router\n"
+                                              "  password_env: PDC_TEST_ACL_PW\n")
+        with pytest.raises(security.SetupError, match="PDC_TEST_ACL_PW"):  # names the variable to set
+            security.redis_auth(config)
+        monkeypatch.setenv("PDC_TEST_ACL_PW", "router-pw")
+        user = connect(url, security.redis_auth(config))
+        assert user.set("pdc:probe", b"1") and user.get("pdc:probe") == b"1"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            user.set("other:key", b"1")  # the ACL confines this user to the cluster's key prefix
+        monkeypatch.setenv("PDC_TEST_ACL_PW", "wrong")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            connect(url, security.redis_auth(config)).ping()
+
+
 def test_a_kv_port_refuses_callers_without_the_cluster_token(secured):
     from engine.block_hash import hash_prompt_blocks
     from engine.kv_export import KVLayout

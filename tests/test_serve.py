@@ -59,7 +59,16 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
         health = urllib.request.urlopen(f"http://{endpoints['http']}/health", timeout=10).read()
         assert json.loads(health) == {"status": "ok"}
         scrape = urllib.request.urlopen(f"http://{endpoints['metrics']}/metrics", timeout=10).read().decode()
-        assert 'pdcluster_requests_total{api="grpc",status="OK"} 1.0' in scrape
+        assert 'pdcluster_requests_total{api="grpc",status="OK"} 1.0' in scrape  # the Generate above
+        from openai import OpenAI  # the official client, streaming a chat completion from `serve`
+
+        oa = OpenAI(base_url=f"http://{endpoints['http']}/v1", api_key="unused")
+        stream = oa.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hi."}],
+                                            max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+        pieces = list(stream)
+        assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+        assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens > 0
         status = cli("status", "--addr", addr)
         assert status.returncode == 0 and "prefill-0" in status.stdout and "decode-0" in status.stdout
         gen = cli("generate", "--addr", addr, "--json", "--max-tokens", "8", "The capital of France is")
