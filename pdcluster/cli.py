@@ -194,6 +194,10 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # NOTE: before gRPC loads: its core would log every connection GOAWAY at INFO
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "demo", "router"):
         return _serve(args, demo=args.command == "demo")

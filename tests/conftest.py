@@ -10,6 +10,7 @@ import torch
 from engine.loader import LoadedModel, load_model
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # NOTE: gRPC core logs every GOAWAY at INFO otherwise
 torch.set_num_threads(2)
 
 
