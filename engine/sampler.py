@@ -42,7 +42,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], output_index:
             continue
         row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
-        gen = torch.Generator().manual_seed(step_seed(p.seed or 0, output_index[i]))
+        gen = torch.Generator().manual_seed(step_seed(p.seed or 0, output_index[i] + p.output_offset))
         # Exponential-race sampling: argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
         noise = torch.empty_like(probs).exponential_(generator=gen)
         tokens[i] = int((probs / noise).argmax())

@@ -26,6 +26,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # NOTE: a request continued elsewhere after a failure (prompt + the tokens it already produced) keeps drawing
+    # from its own random stream: its first new token is output number `output_offset` of the original request.
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

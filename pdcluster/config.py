@@ -132,6 +132,8 @@ class RouterConfig(BaseModel):
     skip_prefill_max_uncached_tokens: int = Field(
         default=64, ge=0, description="a decode worker caching all but this many prompt tokens prefills them (0: off)")
     request_timeout_s: float = Field(default=600.0, gt=0, description="a request not finished by then fails")
+    prefill_timeout_s: float = Field(default=120.0, gt=0, description="a prefill not back by then is retried "
+                                     "on another prefill worker")
 
 
 class HttpConfig(BaseModel):

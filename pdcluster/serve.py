@@ -32,7 +32,7 @@ def make_router(cluster: Cluster) -> Router:
                   transport=cfg.transfer.transport,
                   max_inflight=cfg.router.max_inflight,
                   skip_prefill_max_uncached_tokens=cfg.router.skip_prefill_max_uncached_tokens,
-                  request_timeout_s=cfg.router.request_timeout_s)
+                  request_timeout_s=cfg.router.request_timeout_s, prefill_timeout_s=cfg.router.prefill_timeout_s)
 
 
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:

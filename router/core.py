@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -21,12 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.block_hash import hash_prompt_blocks
+from engine.tokenizer import Tokenizer
 from pdcluster.logs import REQUEST_ID
-from pdcluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult, WorkerInfo
+from pdcluster.messages import WorkerInfo
 from pdcluster.v1 import inference_pb2 as pb
-from router.errors import Overloaded, WorkerFailed
+from router.errors import Overloaded
+from router.flow import RequestRun
 from router.metrics import RouterMetrics
-from router.policy import Policy, Route, WorkerView
+from router.policy import Policy, WorkerView
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
@@ -50,7 +53,8 @@ class Router:
     def __init__(self, workers: list[WorkerHandle], index: Any | None, *, model: str, mode: str,
                  routing: str = "prefix_aware", max_inflight: int = 256,
                  skip_prefill_max_uncached_tokens: int = 64, request_timeout_s: float = 600.0,
-                 transport: str = "grpc", metrics: RouterMetrics | None = None) -> None:
+                 transport: str = "grpc", metrics: RouterMetrics | None = None,
+                 prefill_timeout_s: float = 120.0) -> None:
         if not workers:
             raise ValueError("a router needs workers")
         self.workers = {w.name: w for w in workers}
@@ -62,6 +66,8 @@ class Router:
         self.max_inflight = max_inflight
         self.request_timeout_s = request_timeout_s
         self.transport = transport
+        self.prefill_timeout_s = prefill_timeout_s
+        self.tokenizer = Tokenizer.from_json(self.info.tokenizer_json)
         self.metrics = metrics or RouterMetrics()
         self.policy = Policy(routing, self.info.block_size,
                              skip_prefill_max_uncached_tokens if mode == "disaggregated" else 0)
@@ -85,7 +91,7 @@ class Router:
             matched = await self._lookup(req.token_ids)
             route = self.policy.route(len(req.token_ids), req.params.max_tokens, matched,
                                       [w.view for w in self.prefill], [w.view for w in self.decode])
-            run = self._run(req, route, arrived)
+            run = RequestRun(self, req, route, arrived).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()
@@ -129,86 +135,20 @@ class Router:
                                      tl.kv_bytes_sent, None if tl.prefill_skipped else tl.transfer_ms / 1e3,
                                      tl.prefill_worker, tl.decode_worker)
 
-    async def _run(self, req: Checked, route: Route, arrived: float) -> AsyncGenerator[pb.GenerateChunk, None]:
-        rid, n = req.request_id, len(req.token_ids)
-        d = self.workers[route.decode]
-        tl = pb.Timeline(decode_worker=d.name, prefill_skipped=route.prefill is None)
-        sent_text, sent_tokens, done = "", 0, False
-        t_first = 0.0
-        p = self.workers[route.prefill] if route.prefill else None
-        d.view.inflight += 1
-        try:
-            if p is not None:
-                tl.prefill_worker = p.name
-                res = await self._prefill(p, req, d, n)
-                t_first = time.monotonic()
-                tl.prefill_ms, tl.transfer_ms = res.prefill_ms, res.transfer_ms
-                tl.queue_ms = max(0.0, (t_first - arrived) * 1e3 - res.prefill_ms - res.transfer_ms)
-                tl.kv_blocks_sent, tl.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
-                tl.first_token_ms = (t_first - arrived) * 1e3
-                sent_text, sent_tokens = res.text, len(res.token_ids)
-                if res.finished:
-                    done = True
-                    yield self._last(rid, res.token_ids, res.text, res.finish_reason, res.final_text, "",
-                                     n, len(res.token_ids), res.num_cached_tokens, tl, arrived, t_first)
-                    return
-                yield pb.GenerateChunk(request_id=rid, token_ids=res.token_ids, text=res.text)
-                dreq = DecodeRequest(rid, req.params)
-            else:
-                dreq = DecodeRequest(rid, req.params, req.token_ids)
-            gen = d.actor.generate.options(num_returns="streaming").remote(dreq)
-            async for ref in gen:
-                delta: Delta = await ref
-                if not t_first:
-                    t_first = time.monotonic()
-                    tl.first_token_ms = (t_first - arrived) * 1e3
-                    tl.queue_ms, tl.prefill_ms = delta.queue_ms, delta.prefill_ms
-                if delta.finished:
-                    done = True
-                    yield self._last(rid, delta.token_ids, delta.text, delta.finish_reason, delta.final_text,
-                                     sent_text, n, len(delta.all_token_ids), delta.num_cached_tokens, tl, arrived,
-                                     t_first)
-                    return
-                sent_text += delta.text
-                sent_tokens += len(delta.token_ids)
-                yield pb.GenerateChunk(request_id=rid, token_ids=delta.token_ids, text=delta.text)
-            raise WorkerFailed(f"decode worker {d.name} ended the stream without finishing", rid)
-        finally:
-            d.view.inflight -= 1
-            if not done:  # the client went away or a worker failed: free the request's blocks everywhere
-                for w in (p, d):
-                    if w is not None:
-                        w.actor.abort.remote(rid)
+    def pick_prefill(self, req: Checked, exclude: set[str]) -> WorkerHandle | None:
+        """Another prefill worker for a failed attempt (load-based; None when every one was tried)."""
+        views = [w.view for w in self.prefill if w.name not in exclude]
+        if not views:
+            return None
+        route = self.policy.route(len(req.token_ids), req.params.max_tokens, {}, views, [self.decode[0].view])
+        return self.workers[route.prefill] if route.prefill else None
 
-    async def _prefill(self, p: WorkerHandle, req: Checked, d: WorkerHandle, n: int) -> PrefillResult:
-        p.view.inflight += 1
-        p.view.pending_tokens += n
-        try:
-            res: PrefillResult = await p.actor.prefill.remote(
-                PrefillRequest(req.request_id, req.token_ids, req.params, d.info.kv_address))
-        finally:
-            p.view.inflight -= 1
-            p.view.pending_tokens -= n
-        p.view.observe_prefill(n - res.num_cached_tokens, res.prefill_ms)
-        if res.finish_reason == "abort":
-            raise WorkerFailed(f"prefill worker {p.name} aborted the request", req.request_id)
-        return res
-
-    def _last(self, rid: str, token_ids: list[int], text: str, reason: str | None, final_text: str, sent_text: str,
-              n_prompt: int, n_out: int, n_cached: int, tl: pb.Timeline, arrived: float,
-              t_first: float) -> pb.GenerateChunk:
-        """The final chunk: remaining text (a stop string's hold-back resolved), finish reason, usage, timeline."""
-        if reason == "abort":
-            raise WorkerFailed("a worker aborted the request", rid)
-        sent = sent_text + text
-        if final_text.startswith(sent):
-            text += final_text[len(sent):]
-        now = time.monotonic()
-        tl.decode_ms = (now - t_first) * 1e3 if t_first else 0.0
-        tl.total_ms = (now - arrived) * 1e3
-        return pb.GenerateChunk(request_id=rid, token_ids=token_ids, text=text, finish_reason=reason or "",
-                                usage=pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                               cached_prompt_tokens=n_cached), timeline=tl)
+    def pick_decode(self, req: Checked, exclude: set[str]) -> WorkerHandle | None:
+        """Another decode worker after a failure (None when there is no other)."""
+        views = [w.view for w in self.decode if w.name not in exclude]
+        if not views:
+            return None
+        return self.workers[self.policy.pick_decode(len(req.token_ids), req.params.max_tokens, {}, views).name]
 
     async def _lookup(self, token_ids: list[int]) -> dict[str, int]:
         if self.index is None:
@@ -240,6 +180,8 @@ class Router:
                     status = live.get(name)
                     if status is not None:
                         w.view.load = status.load
+                        if status.address and status.address != w.info.kv_address:  # NOTE: a restarted worker
+                            w.info = dataclasses.replace(w.info, kv_address=status.address, epoch=status.epoch)
                     self.metrics.set_worker_load(name, w.role, w.view.load, status is not None)
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)

@@ -66,7 +66,7 @@ class Policy:
         """Pick the workers; `matched` is how many leading prompt blocks each worker caches (prefix index)."""
         if not decode:
             raise ValueError("no decode workers")
-        d = self._pick_decode(prompt_len, max_tokens, matched, decode)
+        d = self.pick_decode(prompt_len, max_tokens, matched, decode)
         d_cached = min(prompt_len, matched.get(d.name, 0) * self.block_size)
         uncached_on_decode = prompt_len - d_cached
         # NOTE: only a prompt the decode worker already caches in part skips the prefill pool; a short uncached
@@ -86,8 +86,9 @@ class Policy:
         uncached = max(1, prompt_len - matched.get(w.name, 0) * self.block_size)
         return (w.queued_tokens() + uncached) / w.prefill_tok_s * 1e3
 
-    def _pick_decode(self, prompt_len: int, max_tokens: int, matched: dict[str, int],
-                     decode: list[WorkerView]) -> WorkerView:
+    def pick_decode(self, prompt_len: int, max_tokens: int, matched: dict[str, int],
+                    decode: list[WorkerView]) -> WorkerView:
+        """The decode worker for a request: least busy among those with room, a cached prefix counting."""
         if self.routing == "round_robin":
             return decode[next(self._rr_decode) % len(decode)]
         need = -(-(prompt_len + max_tokens) // self.block_size)

@@ -1,0 +1,119 @@
+"""Failover with requests in flight: kill a prefill actor while it prefills and a decode actor while it streams.
+
+A 2-prefill + 2-decode cluster (restarts allowed) serves 8 greedy streams; `ray.kill` takes a named actor down
+mid-way. Every stream must complete with exactly the tokens of an undisturbed run: none lost, none repeated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine import SamplingParams
+from pdcluster.v1 import inference_pb2 as pb
+from tests.helpers import make_engine, run_to_completion, start_test_cluster
+
+pytestmark = pytest.mark.slow
+NS = "test-failover"
+STORY = ("The lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, and watched the ships "
+         "pass the rocks until dawn. ")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    def edit(config):
+        config.decode.replicas = 2
+        for pool in (config.prefill, config.decode):
+            pool.max_restarts = 1
+
+    c, server = start_test_cluster("deploy/local-2p1d.yaml", NS, edit=edit, port=0)
+    yield c, server
+    server.close()
+    c.stop()
+
+
+def prompts(tag: str, repeat: int) -> list[str]:
+    return [f"{tag} {i}: " + STORY * repeat + f"Question {i}: what did the keeper do?" for i in range(8)]
+
+
+def reference(smollm2, texts: list[str], max_tokens: int) -> list[list[int]]:
+    engine = make_engine(smollm2, num_blocks=2048)
+    for i, t in enumerate(texts):
+        engine.add_request(f"r{i}", t, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    out = run_to_completion(engine)
+    return [out[f"r{i}"].token_ids for i in range(len(texts))]
+
+
+def stream_all(server, texts: list[str], max_tokens: int, started: threading.Event) -> list[tuple[list[int], str]]:
+    stub = server.stub()
+
+    def one(i: int) -> tuple[list[int], str, pb.GenerateChunk]:
+        ids, last = [], None
+        req = pb.GenerateRequest(request_id=f"fo-{time.monotonic_ns()}-{i}", prompt=texts[i], sampling=pb.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        for chunk in stub.GenerateStream(req, timeout=300):
+            ids += chunk.token_ids
+            last = chunk
+            if len(ids) >= 4:
+                started.set()
+        return ids, last
+    with ThreadPoolExecutor(len(texts)) as pool:
+        return list(pool.map(one, range(len(texts))))
+
+
+def wait_restarted(c, name: str, old_epoch: int, timeout: float = 120.0) -> int:
+    index = c.index()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = {w.name: w for w in index.workers()}
+        if name in live and live[name].epoch > old_epoch:
+            return live[name].epoch
+        time.sleep(0.5)
+    raise AssertionError(f"{name} did not come back with a new epoch")
+
+
+def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, smollm2, ray_session):
+    c, server = cluster
+    texts = prompts("decode", 1)
+    want = reference(smollm2, texts, 48)
+    old = {w.name: w.epoch for w in c.index().workers()}
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as bg:
+        fut = bg.submit(stream_all, server, texts, 48, started)
+        assert started.wait(120)
+        victims = {}
+        for name in ("decode-0", "decode-1"):  # kill whichever decode worker holds streams now
+            load = ray_session.get(c.actors[name].load.remote(), timeout=30)
+            victims[name] = load["running"]
+        victim = max(victims, key=victims.get)
+        ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
+        results = fut.result(timeout=600)
+    for (ids, last), ref in zip(results, want):
+        assert ids == ref  # every token once, in order, equal to an undisturbed run
+        assert last.usage.completion_tokens == 48 and last.finish_reason == "length"
+    assert any(last.timeline.decode_worker != victim for _, last in results)
+    wait_restarted(c, victim, old[victim])
+
+
+def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, smollm2, ray_session):
+    c, server = cluster
+    texts = prompts("prefill", 6)  # long prompts: the prefill pool is busy for a while
+    want = reference(smollm2, texts, 8)
+    old = {w.name: w.epoch for w in c.index().workers()}
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as bg:
+        fut = bg.submit(stream_all, server, texts, 8, started)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until prefill-0 is computing prompts
+            if ray_session.get(c.actors["prefill-0"].load.remote(), timeout=30)["pending_prefill_tokens"] > 0:
+                break
+            time.sleep(0.05)
+        ray_session.kill(ray_session.get_actor("prefill-0", namespace=NS), no_restart=False)
+        results = fut.result(timeout=600)
+    for (ids, last), ref in zip(results, want):
+        assert ids == ref and last.usage.completion_tokens == 8
+    new_epoch = wait_restarted(c, "prefill-0", old["prefill-0"])
+    assert new_epoch > old["prefill-0"]
