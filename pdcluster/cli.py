@@ -109,8 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_bench_args(bsub.add_parser(
         "engine", help="our engine vs transformers: prefill/decode tok/s and the memory-bandwidth bound",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from pdcluster.bench.soak import add_arguments as add_soak_bench_args
     from pdcluster.bench.transfer import add_arguments as add_transfer_bench_args
 
+    add_soak_bench_args(bsub.add_parser(
+        "soak", help="N streams for T minutes: requests failed, tokens lost/duplicated, KV blocks leaked, RSS growth",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     add_transfer_bench_args(bsub.add_parser(
         "transfer", help="KV transports (grpc, torch, local) vs memcpy and raw TCP: GB/s and layer-wise overlap",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
@@ -211,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdcluster.bench.engine import run
 
         return run(args)
+    if args.command == "bench" and args.bench == "soak":
+        from pdcluster.bench.soak import run as run_soak
+
+        return run_soak(args)
     if args.command == "bench" and args.bench == "transfer":
         from pdcluster.bench.transfer import run as run_transfer
 

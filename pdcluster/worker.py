@@ -11,6 +11,7 @@ Life of a worker:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence as Seq
@@ -53,6 +54,15 @@ class WorkerSpec:
     log_level: str = "INFO"
     log_format: str = "text"  # or "json"
     redis_auth: RedisAuth | None = None
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass
@@ -104,7 +114,8 @@ class Worker:
         with self.loop.lock:
             s = self.engine.stats()
             pending = sum(len(st.seq) - st.seq.num_computed_tokens for st in self._starting.values())
-        return {"running": s.num_running, "waiting": s.num_waiting, "num_blocks": s.num_blocks,
+        return {"rss_bytes": rss_bytes(), "running": s.num_running, "waiting": s.num_waiting,
+                "num_blocks": s.num_blocks,
                 "free_blocks": s.num_free_blocks, "cached_blocks": s.num_cached_blocks,
                 "pending_prefill_tokens": pending, "prompt_tokens": s.prompt_tokens,
                 "cached_prompt_tokens": s.cached_prompt_tokens, "reserved": s.num_reserved}

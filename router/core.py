@@ -211,7 +211,8 @@ class Router:
                 alive=s is not None, running=int(load.get("running", 0)), waiting=int(load.get("waiting", 0)),
                 num_blocks=int(load.get("num_blocks", w.info.num_blocks)), free_blocks=int(load.get("free_blocks", 0)),
                 cached_blocks=int(load.get("cached_blocks", 0)), requested_prompt_tokens=req,
-                cached_prompt_tokens=cached, heartbeat_age_s=max(0.0, now - s.updated) if s else 0.0))
+                cached_prompt_tokens=cached, heartbeat_age_s=max(0.0, now - s.updated) if s else 0.0,
+                rss_bytes=int(load.get("rss_bytes", 0))))
         return out
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -47,13 +48,13 @@ def reference(smollm2, texts: list[str], max_tokens: int) -> list[list[int]]:
     return [out[f"r{i}"].token_ids for i in range(len(texts))]
 
 
-def stream_all(server, texts: list[str], max_tokens: int, started: threading.Event) -> list[tuple[list[int], str]]:
+def stream_all(server, texts: list[str], max_tokens: int, started: threading.Event) -> list[tuple[list[int], Any]]:
     stub = server.stub()
 
-    def one(i: int) -> tuple[list[int], str, pb.GenerateChunk]:
+    def one(i: int) -> tuple[list[int], pb.GenerateChunk]:
         ids, last = [], None
-        req = pb.GenerateRequest(request_id=f"fo-{time.monotonic_ns()}-{i}", prompt=texts[i], sampling=pb.SamplingParams(
-            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        req = pb.GenerateRequest(request_id=f"fo-{time.monotonic_ns()}-{i}", prompt=texts[i],
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         for chunk in stub.GenerateStream(req, timeout=300):
             ids += chunk.token_ids
             last = chunk

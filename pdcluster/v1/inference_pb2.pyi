@@ -129,7 +129,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "epoch", "address", "alive", "running", "waiting", "num_blocks", "free_blocks", "cached_blocks", "requested_prompt_tokens", "cached_prompt_tokens", "heartbeat_age_s")
+    __slots__ = ("name", "role", "epoch", "address", "alive", "running", "waiting", "num_blocks", "free_blocks", "cached_blocks", "requested_prompt_tokens", "cached_prompt_tokens", "heartbeat_age_s", "rss_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class WorkerStatus(_message.Message):
     REQUESTED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     epoch: int
@@ -156,7 +157,8 @@ class WorkerStatus(_message.Message):
     requested_prompt_tokens: int
     cached_prompt_tokens: int
     heartbeat_age_s: float
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., requested_prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    rss_bytes: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., requested_prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("model", "mode", "workers", "requested_prompt_tokens", "cached_prompt_tokens", "prefix_hit_rate", "redis_ok", "router_inflight")
