@@ -22,7 +22,7 @@ from pdcluster.v1 import inference_pb2_grpc as pb_grpc
 from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.errors import status_of
-from router.validate import Checked, RequestValidator
+from router.validate import Checked, RequestValidator, tolerant_parser
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -90,6 +90,17 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.router.metrics.request_done("grpc", "OK")
 
 
+def add_inference_service(service: InferenceService, server: grpc.aio.Server) -> None:
+    """Register the Inference RPCs like the generated code does, but with deserializers that never raise."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["Inference"].methods:
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(getattr(service, m.name), request_deserializer=tolerant_parser(
+            getattr(pb, m.input_type.name)), response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
                        api_keys: frozenset[str] = frozenset(),
                        credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
@@ -99,7 +110,7 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)],
                              interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None)
-    pb_grpc.add_InferenceServicer_to_server(InferenceService(router), server)
+    add_inference_service(InferenceService(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

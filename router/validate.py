@@ -7,10 +7,11 @@ Every check raises InvalidRequestError naming the field as the client spells it 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf import unknown_fields
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -23,6 +24,32 @@ MAX_PROMPT_CHARS = 1 << 20
 MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 16  # as in vLLM and the OpenAI completions API
+
+
+class Undecodable:
+    """What a request's bytes became when they are not a valid message (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, message_name: str, reason: str) -> None:
+        self.message_name, self.reason = message_name, reason
+
+
+def tolerant_parser(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    """A request deserializer that never raises: bad bytes become an Undecodable, rejected as INVALID_ARGUMENT.
+
+    NOTE: gRPC answers a deserializer's exception with INTERNAL; a malformed request is the client's error.
+    """
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(cls.DESCRIPTOR.full_name, str(e) or "cannot be parsed")
+    return parse
+
+
+def _decoded(req: Message | Undecodable) -> None:
+    if isinstance(req, Undecodable):
+        raise InvalidRequestError("request", f"is not a valid {req.message_name} ({req.reason}; strings must be "
+                                  "UTF-8)")
 
 
 @dataclass
@@ -42,6 +69,7 @@ class RequestValidator:
         self.tokenizer = Tokenizer.from_json(info.tokenizer_json)
 
     def generate(self, req: pb.GenerateRequest) -> Checked:
+        _decoded(req)
         reject_unknown_fields(req)
         rid = self._request_id(req.request_id)
         if req.prompt and req.prompt_token_ids:
@@ -61,6 +89,7 @@ class RequestValidator:
         return Checked(rid, self._check_length(tokens, field, rid), self.sampling(req.sampling, rid))
 
     def chat(self, req: pb.ChatRequest) -> Checked:
+        _decoded(req)
         reject_unknown_fields(req)
         rid = self._request_id(req.request_id)
         if not req.messages:

@@ -1,0 +1,138 @@
+"""Reliability under load: cancelled streams free their blocks everywhere; a Redis outage fails no request.
+
+A tiny-model cluster (2 prefill + 1 decode, embedded Redis) serves both tests; the traffic is real gRPC.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdcluster.redis_server import EmbeddedRedis
+from pdcluster.v1 import inference_pb2 as pb
+from tests.helpers import start_test_cluster
+
+pytestmark = pytest.mark.slow
+NS = "test-reliability"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    def edit(config):
+        config.model = "tiny"
+        for pool in (config.prefill, config.decode):
+            pool.num_cpus, pool.num_kv_blocks = 0.5, 1024
+
+    c, server = start_test_cluster("deploy/local-2p1d.yaml", NS, edit=edit, port=0)
+    yield c, server
+    server.close()
+    c.stop()
+
+
+def status(server) -> pb.ClusterStatus:
+    return server.stub().GetClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+
+
+def wait_idle(server, timeout: float = 20.0) -> pb.ClusterStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status(server)
+        if all(w.running == 0 and w.free_blocks == w.num_blocks for w in st.workers) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.2)
+
+
+def test_cancelling_half_of_32_streams_at_random_points_frees_every_block(cluster):
+    _, server = cluster
+    baseline = {w.name: w.num_blocks for w in wait_idle(server).workers}
+    rng = random.Random(7)
+    stub = server.stub()
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        cancel_after = rng.randint(0, 40) if i % 2 == 0 else None  # chunks to read before hanging up
+        req = pb.GenerateRequest(prompt=f"stream {i}: " + "once upon a time " * rng.randint(1, 60),
+                                 sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        call = stub.GenerateStream(req, timeout=120)
+        got = 0
+        try:
+            for chunk in call:
+                got += len(chunk.token_ids)
+                if cancel_after is not None and got >= cancel_after:
+                    call.cancel()
+                    break
+            outcome = "cancelled" if cancel_after is not None else f"done:{got}"
+        except grpc.RpcError as e:
+            outcome = "cancelled" if e.code() == grpc.StatusCode.CANCELLED else e.code().name
+        with lock:
+            outcomes.append(outcome)
+
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(one, range(32)))
+    assert outcomes.count("cancelled") == 16
+    assert sorted(o for o in outcomes if o != "cancelled") == ["done:400"] * 16
+    st = wait_idle(server)
+    assert {w.name: w.free_blocks for w in st.workers} == baseline  # every block back, on every worker
+    assert all(w.running == 0 for w in st.workers)
+
+
+def test_a_redis_outage_fails_no_request_and_the_index_comes_back_empty_and_current(cluster):
+    c, server = cluster
+    stub = server.stub()
+    failures: list[str] = []
+    done = threading.Event()
+    served = [0]
+
+    def traffic() -> None:
+        i = 0
+        while not done.is_set():
+            i += 1
+            prompt = "The shared system prompt of this test, long enough to fill blocks. " * 4 + f"q{i % 5}"
+            try:
+                r = stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+                    max_tokens=8, temperature=0, ignore_eos=True)), timeout=60)
+                assert r.usage.completion_tokens == 8
+                served[0] += 1
+            except grpc.RpcError as e:
+                failures.append(f"{e.code().name}: {e.details()}")
+
+    threads = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    assert status(server).redis_ok
+    port = c.redis.port
+    lookups_failed_before = server.router.redis_failures
+    c.redis.stop()  # Redis goes away mid-load ...
+    time.sleep(3)
+    during = served[0]
+    assert not status(server).redis_ok
+    c.redis = EmbeddedRedis(port=port).start()  # ... and comes back empty on the same port
+    time.sleep(4)
+    done.set()
+    for t in threads:
+        t.join(60)
+    assert failures == []  # zero failed requests, before, during and after the outage
+    assert served[0] > during > 0  # requests went on while Redis was down, and after
+    assert server.router.redis_failures > lookups_failed_before  # routing fell back to load, counted
+    index = c.index()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (index.hit_counts().requested_tokens > 0
+                                                and len(index.workers()) == 3):
+        time.sleep(0.2)
+    assert index.hit_counts().requested_tokens > 0  # hit counting resumed on the new Redis
+    live = {w.name: w.epoch for w in index.workers()}
+    assert set(live) == {"prefill-0", "prefill-1", "decode-0"}  # every worker registered again
+    entries = 0  # every block entry is under its worker's current epoch: nothing stale
+    for key in index.client.scan_iter(match=f"{c.config.redis.key_prefix}:blk:*"):
+        for worker, epoch in index.client.hgetall(key).items():
+            assert int(epoch) == live[worker.decode()], (key, worker)
+            entries += 1
+    assert entries > 0  # the workers republished what they cache
+    assert status(server).redis_ok
