@@ -76,8 +76,13 @@ class Router:
         self._refresher: asyncio.Task[None] | None = None
 
     # ---- one request -----------------------------------------------------------------------------------------
-    async def stream(self, req: Checked, arrived: float | None = None) -> AsyncGenerator[pb.GenerateChunk, None]:
-        """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError."""
+    async def stream(self, req: Checked, arrived: float | None = None,
+                     budget_s: float | None = None) -> AsyncGenerator[pb.GenerateChunk, None]:
+        """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError.
+
+        With `budget_s` (the request's deadline, from `arrived`), a request whose predicted first token comes
+        later than that is refused at once (Overloaded) instead of timing out after using the workers.
+        """
         arrived = arrived or time.monotonic()
         REQUEST_ID.set(req.request_id)
         if self.inflight >= self.max_inflight:
@@ -91,6 +96,12 @@ class Router:
             matched = await self._lookup(req.token_ids)
             route = self.policy.route(len(req.token_ids), req.params.max_tokens, matched,
                                       [w.view for w in self.prefill], [w.view for w in self.decode])
+            if budget_s is not None:
+                left = budget_s - (time.monotonic() - arrived)
+                if route.predicted_ttft_ms / 1e3 > left:
+                    raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past "
+                                     f"the request's deadline ({left:.1f} s left): the cluster is too busy",
+                                     req.request_id)
             run = RequestRun(self, req, route, arrived).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
@@ -111,7 +122,7 @@ class Router:
     async def stream_within(self, req: Checked, arrived: float,
                             budget_s: float) -> AsyncGenerator[pb.GenerateChunk, None]:
         """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request."""
-        chunks = self.stream(req, arrived)
+        chunks = self.stream(req, arrived, budget_s)
         try:
             while True:
                 remaining = budget_s - (time.monotonic() - arrived)

@@ -136,3 +136,23 @@ def test_a_redis_outage_fails_no_request_and_the_index_comes_back_empty_and_curr
             entries += 1
     assert entries > 0  # the workers republished what they cache
     assert status(server).redis_ok
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_at_once(cluster):
+    """With the prefill pool's queue far beyond the client's deadline, the request is shed before it runs."""
+    _, server = cluster
+    views = [w.view for w in server.router.prefill] + [w.view for w in server.router.decode]
+    for v in views:
+        v.pending_tokens += 10**9  # as if a billion prompt tokens were queued everywhere
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            server.stub().Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4)),
+                                   timeout=30)
+        # refused up front (a timeout would be DEADLINE_EXCEEDED after 30 s)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "deadline" in e.value.details()
+    finally:
+        for v in views:
+            v.pending_tokens -= 10**9
+    ok = server.stub().Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4)),
+                                timeout=30)
+    assert ok.usage.completion_tokens == 4
