@@ -3,7 +3,7 @@
 PYTHON ?= python3
 CONFIG ?= deploy/local.yaml
 
-.PHONY: install demo serve test test-fast lint proto bench-engine bench-transfer
+.PHONY: install demo serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak
 
 .install-stamp: pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -20,6 +20,10 @@ serve: .install-stamp
 test: .install-stamp
 	$(PYTHON) -m pytest -q
 
+# The failure-injection tests alone (killed actors, cancelled streams, Redis outage, fuzzing), all marked slow.
+test-reliability: .install-stamp
+	$(PYTHON) -m pytest -q tests/test_failover.py tests/test_reliability.py tests/test_fuzz.py
+
 test-fast: .install-stamp
 	$(PYTHON) -m pytest -q -m "not slow"
 
@@ -28,6 +32,9 @@ lint: .install-stamp
 
 bench-engine: .install-stamp
 	pdcluster bench engine
+
+bench-soak: .install-stamp
+	$(PYTHON) -m pdcluster bench soak --streams 32 --minutes 10
 
 bench-transfer: .install-stamp
 	pdcluster bench transfer

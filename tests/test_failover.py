@@ -96,7 +96,11 @@ def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, sm
         assert ids == ref  # every token once, in order, equal to an undisturbed run
         assert last.usage.completion_tokens == 48 and last.finish_reason == "length"
     assert any(last.timeline.decode_worker != victim for _, last in results)
-    wait_restarted(c, victim, old[victim])
+    epoch = wait_restarted(c, victim, old[victim])
+    index = c.index()  # the restarted worker's entries from its previous life are gone: none is stale
+    for key in index.client.scan_iter(match=f"{c.config.redis.key_prefix}:blk:*"):
+        stale = index.client.hget(key, victim)
+        assert stale is None or int(stale) == epoch, key
 
 
 def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, smollm2, ray_session):
