@@ -126,9 +126,14 @@ class EmbeddedRedis:
         if self.password is not None:
             args += ["--requirepass", self.password]
         log_path = os.path.join(self._dir, _LOG_NAME)
+        # NOTE: setpriv sets the death signal and execs the server: no Python runs in the child, so Popen can
+        # vfork. A preexec_fn forces a real fork, whose atfork handlers crash a process with live gRPC threads.
+        setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+        wrapper = [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
         with open(log_path, "wb") as log:
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          cwd=self._dir, preexec_fn=_death_signal_hook())
+            self._proc = subprocess.Popen(wrapper + args, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=self._dir,
+                                          preexec_fn=None if setpriv else _death_signal_hook())
         deadline = time.monotonic() + timeout
         client = connect(self.url)
         try:

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
+from kv_transfer.state import TransferError
 from pdcluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from pdcluster.v1 import inference_pb2 as pb
 from router.errors import WorkerFailed, unwrap
@@ -94,7 +95,7 @@ class RequestRun:
                 self.p.actor.abort.remote(self.wid)
                 self.d.actor.abort.remote(self.wid)  # NOTE: frees a reservation the transfer left behind
                 self._next_attempt()
-                if "transfer" in type(unwrap(e)).__name__.lower():
+                if isinstance(unwrap(e), TransferError):  # the decode side may be what failed: pick another too
                     self.d = self.router.pick_decode(self.req, exclude={self.d.name}) or self.d
                     self.tl.decode_worker = self.d.name
                 self.p = self.router.pick_prefill(self.req, exclude=tried)

@@ -40,27 +40,30 @@ def prompts(tag: str, repeat: int) -> list[str]:
     return [f"{tag} {i}: " + STORY * repeat + f"Question {i}: what did the keeper do?" for i in range(8)]
 
 
-def reference(smollm2, texts: list[str], max_tokens: int) -> list[list[int]]:
+def reference(smollm2, texts: list[str], max_tokens: int) -> list[tuple[list[int], str]]:
+    """Token ids and text of an undisturbed greedy run of each prompt (one in-process engine)."""
     engine = make_engine(smollm2, num_blocks=2048)
     for i, t in enumerate(texts):
         engine.add_request(f"r{i}", t, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     out = run_to_completion(engine)
-    return [out[f"r{i}"].token_ids for i in range(len(texts))]
+    return [(out[f"r{i}"].token_ids, out[f"r{i}"].text) for i in range(len(texts))]
 
 
-def stream_all(server, texts: list[str], max_tokens: int, started: threading.Event) -> list[tuple[list[int], Any]]:
+def stream_all(server, texts: list[str], max_tokens: int,
+               started: threading.Event) -> list[tuple[list[int], str, Any]]:
     stub = server.stub()
 
-    def one(i: int) -> tuple[list[int], pb.GenerateChunk]:
-        ids, last = [], None
+    def one(i: int) -> tuple[list[int], str, pb.GenerateChunk]:
+        ids, text, last = [], "", None
         req = pb.GenerateRequest(request_id=f"fo-{time.monotonic_ns()}-{i}", prompt=texts[i],
                                  sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         for chunk in stub.GenerateStream(req, timeout=300):
             ids += chunk.token_ids
+            text += chunk.text
             last = chunk
             if len(ids) >= 4:
                 started.set()
-        return ids, last
+        return ids, text, last
     with ThreadPoolExecutor(len(texts)) as pool:
         return list(pool.map(one, range(len(texts))))
 
@@ -92,10 +95,11 @@ def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, sm
         victim = max(victims, key=victims.get)
         ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
         results = fut.result(timeout=600)
-    for (ids, last), ref in zip(results, want):
-        assert ids == ref  # every token once, in order, equal to an undisturbed run
+    for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
+        assert ids == ref_ids  # every token once, in order, equal to an undisturbed run
+        assert text == ref_text  # and the streamed text adds up to the same final text
         assert last.usage.completion_tokens == 48 and last.finish_reason == "length"
-    assert any(last.timeline.decode_worker != victim for _, last in results)
+    assert any(last.timeline.decode_worker != victim for _, _, last in results)
     epoch = wait_restarted(c, victim, old[victim])
     index = c.index()  # the restarted worker's entries from its previous life are gone: none is stale
     for key in index.client.scan_iter(match=f"{c.config.redis.key_prefix}:blk:*"):
@@ -118,7 +122,7 @@ def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, 
             time.sleep(0.05)
         ray_session.kill(ray_session.get_actor("prefill-0", namespace=NS), no_restart=False)
         results = fut.result(timeout=600)
-    for (ids, last), ref in zip(results, want):
-        assert ids == ref and last.usage.completion_tokens == 8
+    for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
+        assert (ids, text) == (ref_ids, ref_text) and last.usage.completion_tokens == 8
     new_epoch = wait_restarted(c, "prefill-0", old["prefill-0"])
     assert new_epoch > old["prefill-0"]
