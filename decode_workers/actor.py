@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import ray
@@ -31,7 +32,7 @@ class DecodeActor:
             yield delta
 
     async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
+        await asyncio.to_thread(self.worker.abort, request_id)  # NOTE: off the event loop (waits for a step)
 
     async def close(self) -> None:
         self.worker.close()

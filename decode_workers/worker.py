@@ -21,7 +21,6 @@ from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import ReceiverEndpoint
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.state import TransferError, TransferState
 from pdcluster.logs import REQUEST_ID
 from pdcluster.messages import DecodeRequest, Delta
 from pdcluster.worker import Worker, WorkerSpec
@@ -63,18 +62,16 @@ class DecodeWorker(Worker):
                 self.loop.attach(rid, on_output)
         else:
             receiver = self.receiver
-            state = await asyncio.to_thread(receiver.wait, rid, self.spec.transfer.deadline_s)
-            if state is not TransferState.DONE:
-                raise receiver.error(rid) or TransferError(f"KV transfer {state.value}", rid)
 
-            def start(engine: object) -> None:
+            def start(engine: object) -> None:  # NOTE: the router calls only once the transfer is DONE
                 self._check_not_aborted(rid)
                 receiver.take(rid, req.params)
                 self.loop.attach(rid, on_output)
-        self.loop.call(start)
-        finished = False
+        finished = started = False
         try:
-            first = True
+            # NOTE: off the event loop: the engine lock is held for a whole step, other streams must not wait
+            await asyncio.to_thread(self.loop.call, start)
+            started = first = True
             while not finished:
                 batch = [await outputs.get()]
                 while not outputs.empty():
@@ -88,14 +85,18 @@ class DecodeWorker(Worker):
                     log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
                 yield delta
         finally:
-            if not finished:
-                self.abort(rid)
+            if not finished and started:
+                await asyncio.to_thread(self.abort, rid)
+            elif not finished:  # cancelled while starting: the request may have joined the batch all the same
+                await asyncio.to_thread(self.loop.abort, rid)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here: running, or still arriving as KV (its reservation is freed)."""
-        self.loop.call(lambda engine: self._remember_abort(request_id))
-        self.loop.abort(request_id)
-        self.receiver.abort_request(request_id, reason)
+        def stop(engine: object) -> None:
+            self._remember_abort(request_id)
+            self.loop.abort(request_id)
+            self.receiver.abort_request(request_id, reason)
+        self.loop.call(stop)  # NOTE: blocks until the current step ends: call it off the event loop
 
     @property
     def receiver(self) -> KVReceiver:

@@ -37,6 +37,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._on_step = on_step
         self._waiting_callers = 0  # callers blocked on the lock: the loop lets them in between steps
+        self._count_lock = threading.Lock()
         self._closed = False
         self.num_steps = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-loop")
@@ -44,9 +45,11 @@ class EngineLoop:
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` between two steps and wake the loop (new work may have arrived)."""
-        self._waiting_callers += 1  # NOTE: a hint only (racy under threads); it just makes the loop yield
+        with self._count_lock:
+            self._waiting_callers += 1
         with self._wake:
-            self._waiting_callers -= 1
+            with self._count_lock:
+                self._waiting_callers -= 1
             result = fn(self.engine)
             self._wake.notify()
             return result
@@ -101,8 +104,14 @@ class EngineLoop:
                     self._on_step(started)
                 for out in outputs:
                     sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-                    if sink is not None:
+                    if sink is None:
+                        continue
+                    try:
                         sink(out)
+                    except Exception:  # noqa: BLE001 - one broken consumer must not stop the loop for all
+                        log.exception("output of %s could not be delivered; aborting it", out.request_id)
+                        self._sinks.pop(out.request_id, None)
+                        self.engine.abort_request(out.request_id)
             if self._waiting_callers > 0:
                 time.sleep(0.0005)  # NOTE: Python locks are not fair; without this a caller could wait many steps
 

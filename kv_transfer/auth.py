@@ -1,8 +1,9 @@
 """Only cluster members may use a KV endpoint: every call carries the cluster's shared token, checked first.
 
 NOTE: the token travels as gRPC metadata on every KV call (control and Push streams); a receiver started with a
-token rejects calls without it as UNAUTHENTICATED before any block is reserved. The torch transport's pair
-groups are set up through the same (checked) Prepare call.
+token rejects calls without it as UNAUTHENTICATED before any block is reserved. The torch transport's pair groups
+are set up through the same checked Prepare call, but its TCPStore and gloo/NCCL ports themselves are not checked:
+keep them on a private network.
 """
 
 from __future__ import annotations

@@ -124,7 +124,12 @@ class EmbeddedRedis:
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
         if self.password is not None:
-            args += ["--requirepass", self.password]
+            # NOTE: in a 0600 file, not on the command line, where `ps` would show it to every user
+            conf = os.path.join(self._dir, "auth.conf")
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f'requirepass "{self.password}"\n')
+            args.insert(1, conf)  # redis-server [config file] [--options]
         log_path = os.path.join(self._dir, _LOG_NAME)
         # NOTE: setpriv sets the death signal and execs the server: no Python runs in the child, so Popen can
         # vfork. A preexec_fn forces a real fork, whose atfork handlers crash a process with live gRPC threads.

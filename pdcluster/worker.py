@@ -189,6 +189,10 @@ class Worker:
 
     def _publish(self, stored: Seq[BlockHash], removed: Seq[BlockHash], hits: list[int], *, beat: bool) -> None:
         assert self.index is not None
+        if self._resync:
+            # NOTE: events drained while Redis was away are lost; a new epoch drops every entry of the old one
+            # (evicted blocks included), and `stored` is then the whole cache
+            self.epoch = self.index.register_worker(self.name)
         if stored or removed:
             if not self.index.publish(self.name, self.epoch, stored, removed):
                 # NOTE: our epoch is no longer current (Redis was emptied): take a new one and republish all

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 from pdcluster import logs
@@ -28,7 +30,7 @@ class PrefillActor:
         return await self.worker.prefill(req)
 
     async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
+        await asyncio.to_thread(self.worker.abort, request_id)  # NOTE: off the event loop (waits for a step)
 
     async def close(self) -> None:
         self.worker.close()

@@ -47,20 +47,21 @@ class PrefillWorker(Worker):
         n = len(tokens)
         sender = open_sender(self.spec.transfer, req.decode_address, rid, e.kv_layout, tokens, n,
                              hash_prompt_blocks(tokens, e.config.block_size, e.scope), sender_id=self.name)
-        cached = await asyncio.to_thread(sender.prepare)
-        self._senders[rid] = sender
+        self._senders[rid] = sender  # NOTE: before the handshake, so an abort during it reaches the sender
         aio = asyncio.get_running_loop()
         first: asyncio.Future[tuple[RequestOutput, float, float, float]] = aio.create_future()
+
+        cached = 0
 
         def on_layer(layer: int) -> None:  # inside the forward pass: copy this layer's blocks out and hand them on
             sender.send_layer(layer, *e.read_kv_layer(rid, layer, cached, num_tokens=n))
 
         def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock, before the next step
+            # NOTE: nothing here may block (the engine waits): an abort of the transfer is a network call, so
+            # it happens in the coroutine below; committing only queues the token for the sender's thread
             now = time.monotonic()
             queue_ms, prefill_ms = self._first_token(rid, now)
-            if out.finished:
-                sender.abort("the request finished at its first token")
-            else:
+            if not out.finished:
                 sender.commit(out.new_token_ids, out.num_cached_tokens)
                 self.loop.release(rid)  # NOTE: decoding goes on elsewhere; the blocks stay in the prefix cache
             aio.call_soon_threadsafe(_set, first, (out, now, queue_ms, prefill_ms))
@@ -73,18 +74,21 @@ class PrefillWorker(Worker):
             self.loop.attach(rid, on_output)
 
         try:
+            cached = await asyncio.to_thread(sender.prepare)
             try:
-                self.loop.call(start)
+                await asyncio.to_thread(self.loop.call, start)
             except BaseException:
-                sender.abort("the prefill worker rejected the request")
+                await asyncio.to_thread(sender.abort, "the prefill worker rejected the request")
                 raise
             out, t_first, queue_ms, prefill_ms = await first
-            if not out.finished:
+            if out.finished:
+                await asyncio.to_thread(sender.abort, "the request finished at its first token")
+            else:
                 state = await asyncio.to_thread(sender.wait, self.spec.transfer.deadline_s)
                 if state is not TransferState.DONE:
                     raise sender.error or TransferError("KV transfer did not finish", rid, retryable=True)
         except asyncio.CancelledError:
-            self.abort(rid, "cancelled by the router")
+            await asyncio.to_thread(self.abort, rid, "cancelled by the router")
             raise
         finally:
             self._senders.pop(rid, None)
@@ -98,8 +102,10 @@ class PrefillWorker(Worker):
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here and its transfer (the decode side frees its reservation)."""
-        self.loop.call(lambda engine: self._remember_abort(request_id))
-        self.loop.abort(request_id)
+        def stop(engine: object) -> None:
+            self._remember_abort(request_id)
+            self.loop.abort(request_id)
+        self.loop.call(stop)  # NOTE: blocks until the current step ends: call it off the event loop
         sender = self._senders.pop(request_id, None)
         if sender is not None:
             sender.abort(reason)

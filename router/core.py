@@ -144,7 +144,7 @@ class Router:
         self.metrics.observe_latency(ttft, gaps, e2e)
         self.metrics.observe_request(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, self.transport,
                                      tl.kv_bytes_sent, None if tl.prefill_skipped else tl.transfer_ms / 1e3,
-                                     tl.prefill_worker, tl.decode_worker)
+                                     tl.prefill_worker, tl.decode_worker, self.workers[tl.decode_worker].role)
 
     def pick_prefill(self, req: Checked, exclude: set[str]) -> WorkerHandle | None:
         """Another prefill worker for a failed attempt (load-based; None when every one was tried)."""

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
@@ -59,7 +60,8 @@ class RequestRun:
         self.done = False
         # NOTE: each attempt has its own id on the workers: a late abort of a failed attempt (Ray delivers an
         # async actor's calls in no fixed order) can never hit the attempt that replaced it.
-        self.wid, self._attempts = self.rid, 0
+        # NOTE: ... and a client reusing a request id for two requests at once never mixes them up on a worker
+        self.wid = f"{self.rid}~{uuid.uuid4().hex[:8]}"
         self.touched: set[tuple[str, str]] = set()  # (worker, attempt id) pairs to abort if the run fails
 
     async def chunks(self) -> AsyncGenerator[pb.GenerateChunk, None]:
@@ -160,8 +162,7 @@ class RequestRun:
                 self.d.view.inflight -= 1
 
     def _next_attempt(self) -> None:
-        self._attempts += 1
-        self.wid = f"{self.rid}~{self._attempts}"
+        self.wid = f"{self.rid}~{uuid.uuid4().hex[:8]}"
 
     def _continuation(self) -> DecodeRequest:
         """The rest of the request as a new one: the prompt plus every token streamed so far."""

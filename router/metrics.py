@@ -105,7 +105,7 @@ class RouterMetrics:
 
     def observe_request(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
                         transport: str, kv_bytes: int, kv_seconds: float | None, prefill_worker: str,
-                        decode_worker: str) -> None:
+                        decode_worker: str, decode_role: str = "decode") -> None:
         """Record one finished request's tokens, KV transfer and workers (`prefill_worker` "" when none ran)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.cache_hit_tokens.inc(cached_prompt_tokens)
@@ -115,7 +115,7 @@ class RouterMetrics:
             self.kv_seconds.labels(transport=transport).observe(kv_seconds)
         if prefill_worker:
             self.worker_requests.labels(worker=prefill_worker, role="prefill").inc()
-        self.worker_requests.labels(worker=decode_worker, role="decode").inc()
+        self.worker_requests.labels(worker=decode_worker, role=decode_role).inc()
 
     def observe_redis_lookup(self, seconds: float, ok: bool) -> None:
         """Record one prefix-index lookup: its duration when it succeeded, else a failure."""

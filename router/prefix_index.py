@@ -11,6 +11,7 @@ two clusters can share one Redis.
 | `{p}:wblk:{worker}`  | set of hashhex      | BLOCK_TTL_S, on every store | blocks of the current epoch               |
 | `{p}:hb:{worker}`    | hash                | HEARTBEAT_TTL_S, every beat | role, epoch, address, updated, load       |
 | `{p}:hits`           | hash of counters    | none                        | requested/cached tokens, all + per worker |
+| `{p}:workers`        | set of names        | none                        | every worker that ever beat (read: `hb`)  |
 
 A block entry counts only while its epoch is the worker's current epoch and the worker's heartbeat key exists.
 NOTE: the block TTL is a safety net; the index follows the workers' store/evict events. A restart bumps the epoch,
@@ -205,6 +206,7 @@ class PrefixIndex:
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self._hb_key(worker), mapping=fields)  # type: ignore[arg-type]
         pipe.pexpire(self._hb_key(worker), ttl_ms)
+        pipe.sadd(f"{self.prefix}:workers", worker)
         pipe.execute()
 
     def count_hits(self, worker: str, requested_tokens: int, cached_tokens: int) -> None:
@@ -232,8 +234,11 @@ class PrefixIndex:
 
     def workers(self) -> list[WorkerStatus]:
         """Live workers (those with a heartbeat key), sorted by name."""
+        # NOTE: the names come from a small set, not a SCAN: routers ask 4 times a second, and a SCAN would walk
+        # every block key of the index
         head = f"{self.prefix}:hb:"
-        keys = sorted(k.decode() for k in self.client.scan_iter(match=_glob_escape(head) + "*", count=500))
+        names: set[bytes] = self.client.smembers(f"{self.prefix}:workers")  # type: ignore[assignment]
+        keys = sorted(head + n.decode() for n in names)
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
@@ -272,7 +277,3 @@ class PrefixIndex:
         except (redis.RedisError, OSError):
             return False
 
-
-def _glob_escape(text: str) -> str:
-    """`text` with the glob characters of a SCAN MATCH pattern escaped."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
