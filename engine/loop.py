@@ -39,7 +39,6 @@ class EngineLoop:
         self._waiting_callers = 0  # callers blocked on the lock: the loop lets them in between steps
         self._count_lock = threading.Lock()
         self._closed = False
-        self.num_steps = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-loop")
         self._thread.start()
 
@@ -81,10 +80,6 @@ class EngineLoop:
             self._wake.notify()
         self._thread.join(timeout=10)
 
-    @property
-    def num_attached(self) -> int:
-        return len(self._sinks)
-
     def _run(self) -> None:
         while True:
             with self._wake:
@@ -99,7 +94,6 @@ class EngineLoop:
                     log.exception("engine step failed; aborting the running requests")
                     self._abort_all()
                     continue
-                self.num_steps += 1
                 if self._on_step is not None:
                     self._on_step(started)
                 for out in outputs:

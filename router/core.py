@@ -149,10 +149,7 @@ class Router:
     def pick_prefill(self, req: Checked, exclude: set[str]) -> WorkerHandle | None:
         """Another prefill worker for a failed attempt (load-based; None when every one was tried)."""
         views = [w.view for w in self.prefill if w.name not in exclude]
-        if not views:
-            return None
-        route = self.policy.route(len(req.token_ids), req.params.max_tokens, {}, views, [self.decode[0].view])
-        return self.workers[route.prefill] if route.prefill else None
+        return self.workers[self.policy.pick_prefill(len(req.token_ids), views).name] if views else None
 
     def pick_decode(self, req: Checked, exclude: set[str]) -> WorkerHandle | None:
         """Another decode worker after a failure (None when there is no other)."""
@@ -203,7 +200,8 @@ class Router:
         out = pb.ClusterStatus(model=self.model, mode=self.mode, router_inflight=self.inflight)
         live: dict[str, Any] = {}
         try:
-            assert self.index is not None
+            if self.index is None:
+                raise ConnectionError("no prefix index configured")
             live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}
             hits = await asyncio.to_thread(self.index.hit_counts)
             out.redis_ok = True

@@ -39,8 +39,7 @@ MAX_FAILOVERS = 3  # per phase
 
 def can_fail_over(exc: BaseException) -> bool:
     """Whether another worker may succeed where this one failed (not for bad input or a cancelled client)."""
-    e = unwrap(exc)
-    return not isinstance(e, InvalidRequestError | asyncio.CancelledError)
+    return not isinstance(unwrap(exc), InvalidRequestError)
 
 
 class RequestRun:

@@ -136,7 +136,9 @@ class OpenAIFront:
             raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
         req.sampling.CopyFrom(sampling(body, take(body, "max_tokens", int, "an integer")))
         finish_body(body, UNSUPPORTED_COMPLETION)
-        return await self._answer(request, self.validator.generate(req), f"cmpl-{rid}", stream, usage, chat=False)
+        # NOTE: validation tokenizes: off the event loop, as in the gRPC service
+        checked = await asyncio.to_thread(self.validator.generate, req)
+        return await self._answer(request, checked, f"cmpl-{rid}", stream, usage, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body, rid, stream, usage = await self._open(request)
@@ -148,7 +150,7 @@ class OpenAIFront:
         req.sampling.CopyFrom(sampling(body, limit, key))
         finish_body(body, UNSUPPORTED_CHAT)
         try:
-            checked = self.validator.chat(req)
+            checked = await asyncio.to_thread(self.validator.chat, req)
         except InvalidRequestError as e:  # name the limit as the client spelled it
             if e.field != "sampling.max_tokens":
                 raise

@@ -48,7 +48,6 @@ class Route:
     prefill: str | None
     decode: str
     predicted_ttft_ms: float
-    decode_cached_tokens: int
 
 
 class Policy:
@@ -73,14 +72,18 @@ class Policy:
         # prompt still goes to prefill, so decode steps never wait behind prompt computation.
         if not prefill or (self.routing == "prefix_aware" and d_cached > 0 and uncached_on_decode <= self.skip_max):
             ttft = (d.queued_tokens() + uncached_on_decode) / d.prefill_tok_s * 1e3
-            return Route(None, d.name, ttft, d_cached)
+            return Route(None, d.name, ttft)
         if self.routing == "round_robin":
             p = prefill[next(self._rr_prefill) % len(prefill)]
-            return Route(p.name, d.name, self._ttft(p, prompt_len, matched), d_cached)
+            return Route(p.name, d.name, self._ttft(p, prompt_len, matched))
         start = next(self._rr_prefill)  # NOTE: rotating the tie order spreads equal-cost requests over workers
         order = prefill[start % len(prefill):] + prefill[: start % len(prefill)]
         p = min(order, key=lambda w: (self._ttft(w, prompt_len, matched), w.inflight))
-        return Route(p.name, d.name, self._ttft(p, prompt_len, matched), d_cached)
+        return Route(p.name, d.name, self._ttft(p, prompt_len, matched))
+
+    def pick_prefill(self, prompt_len: int, prefill: list[WorkerView]) -> WorkerView:
+        """A prefill worker on load alone (a retry after a failure): the soonest predicted first token."""
+        return min(prefill, key=lambda w: (self._ttft(w, prompt_len, {}), w.inflight))
 
     def _ttft(self, w: WorkerView, prompt_len: int, matched: dict[str, int]) -> float:
         uncached = max(1, prompt_len - matched.get(w.name, 0) * self.block_size)

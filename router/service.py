@@ -70,7 +70,8 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def _stream(self, check: object, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         arrived = time.monotonic()
         try:
-            req: Checked = check()  # type: ignore[operator]
+            # NOTE: off the event loop: tokenizing a long prompt (up to 1 Mi characters) would stall every stream
+            req: Checked = await asyncio.to_thread(check)  # type: ignore[arg-type]
             REQUEST_ID.set(req.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
             # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
             budget = min(self.router.request_timeout_s, context.time_remaining() or float("inf"))
