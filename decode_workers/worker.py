@@ -13,6 +13,7 @@ Life of a request on a decode worker:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -67,11 +68,20 @@ class DecodeWorker(Worker):
                 self._check_not_aborted(rid)
                 receiver.take(rid, req.params)
                 self.loop.attach(rid, on_output)
-        finished = started = False
+        finished = False
+        # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and
+        # shielded: if this call is cancelled meanwhile, the start still completes before the abort below runs,
+        # so a request can never join the batch after its abort
+        starting = asyncio.ensure_future(asyncio.to_thread(self.loop.call, start))
         try:
-            # NOTE: off the event loop: the engine lock is held for a whole step, other streams must not wait
-            await asyncio.to_thread(self.loop.call, start)
-            started = first = True
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await starting
+            await asyncio.to_thread(self.abort, rid)
+            raise
+        try:
+            first = True
             while not finished:
                 batch = [await outputs.get()]
                 while not outputs.empty():
@@ -85,10 +95,8 @@ class DecodeWorker(Worker):
                     log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
                 yield delta
         finally:
-            if not finished and started:
+            if not finished:
                 await asyncio.to_thread(self.abort, rid)
-            elif not finished:  # cancelled while starting: the request may have joined the batch all the same
-                await asyncio.to_thread(self.loop.abort, rid)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here: running, or still arriving as KV (its reservation is freed)."""
