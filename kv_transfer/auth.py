@@ -17,11 +17,12 @@ import grpc
 TOKEN_KEY = "x-pdcluster-cluster-token"
 
 
-class AddToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
-    """Client side: put the cluster token on every call of a channel."""
+class AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor):
+    """Client side: put fixed metadata (the cluster token, an API key) on every call of a channel."""
 
-    def __init__(self, token: str) -> None:
-        self._metadata = ((TOKEN_KEY, token),)
+    def __init__(self, *metadata: tuple[str, str]) -> None:
+        self._metadata = metadata
 
     def _details(self, details: Any) -> Any:
         return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
@@ -29,8 +30,15 @@ class AddToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientIntercept
     def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
         return continuation(self._details(details), request)
 
+    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
     def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, request_iterator: Any) -> Any:
         return continuation(self._details(details), request_iterator)
+
+
+def add_token(token: str) -> AddMetadata:
+    return AddMetadata((TOKEN_KEY, token))
 
 
 class CheckToken(grpc.ServerInterceptor):

@@ -17,7 +17,7 @@ import grpc
 
 from engine.errors import CapacityError, EngineError, InvalidRequestError, UnknownRequestError
 from kv_transfer import wire
-from kv_transfer.auth import AddToken, CheckToken
+from kv_transfer.auth import CheckToken, add_token
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
 from kv_transfer.state import TransferError
@@ -107,7 +107,7 @@ def channel(address: str, index: int = 0, cluster_token: str = "") -> grpc.Chann
             opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("pdcluster.connection", index)]
             ch = grpc.insecure_channel(address, options=opts)
             if cluster_token:
-                ch = grpc.intercept_channel(ch, AddToken(cluster_token))
+                ch = grpc.intercept_channel(ch, add_token(cluster_token))
             _channels[(address, index, cluster_token)] = ch
         return ch
 

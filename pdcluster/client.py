@@ -10,21 +10,9 @@ from typing import Any, TextIO
 
 import grpc
 
+from kv_transfer.auth import AddMetadata
 from pdcluster.v1 import inference_pb2 as pb
 from pdcluster.v1 import inference_pb2_grpc as pb_grpc
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Puts `authorization: Bearer <key>` on every call."""
-
-    def __init__(self, key: str) -> None:
-        self._metadata = (("authorization", f"Bearer {key}"),)
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(details._replace(metadata=tuple(details.metadata or ()) + self._metadata), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(details._replace(metadata=tuple(details.metadata or ()) + self._metadata), request)
 
 
 def stub(addr: str, api_key: str | None = None, tls_ca: str | None = None) -> pb_grpc.InferenceStub:
@@ -35,7 +23,7 @@ def stub(addr: str, api_key: str | None = None, tls_ca: str | None = None) -> pb
     else:
         channel = grpc.insecure_channel(addr)
     if api_key:
-        channel = grpc.intercept_channel(channel, _Bearer(api_key))
+        channel = grpc.intercept_channel(channel, AddMetadata(("authorization", f"Bearer {api_key}")))
     return pb_grpc.InferenceStub(channel)
 
 

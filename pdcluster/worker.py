@@ -10,6 +10,7 @@ Life of a worker:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -140,6 +141,10 @@ class Worker:
         started = st.started or now
         return (started - st.arrived) * 1e3, (now - started) * 1e3
 
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Stop a request here and free what it holds (each pool knows what that is)."""
+        raise NotImplementedError
+
     def _forget(self, request_id: str) -> None:
         self._starting.pop(request_id, None)
 
@@ -212,3 +217,30 @@ class Worker:
                 self.index.unregister_worker(self.name, self.epoch)
             except Exception as e:  # noqa: BLE001 - Redis may already be gone at shutdown
                 log.info("%s: could not unregister from the prefix index: %s", self.name, e)
+
+
+class WorkerActor:
+    """What both pools' Ray actors share (subclasses add their request method and are wrapped by `ray.remote`).
+
+    Every method is async, so calls run concurrently on the actor's event loop; anything that waits for the
+    engine lock (held for a whole step) runs in a thread.
+    """
+
+    worker: Worker
+
+    def _configure(self, spec: WorkerSpec) -> None:
+        from pdcluster import logs
+
+        logs.configure(spec.name, spec.log_level, spec.log_format)
+
+    async def info(self) -> WorkerInfo:
+        return self.worker.info()
+
+    async def load(self) -> dict[str, float]:
+        return self.worker.load()
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.to_thread(self.worker.abort, request_id)
+
+    async def close(self) -> None:
+        self.worker.close()
