@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -30,10 +31,27 @@ EPILOG = """examples:
   pdcluster generate --local --json --temperature 0.7 --seed 1 "Once upon a time"
   pdcluster bench engine --json
   pdcluster bench transfer --tokens 256 --repeat 1 --json
+  pdcluster bench serve --config deploy/bench-disagg.yaml --workload mixed --rates 0.2,0.4,0.6
+  pdcluster bench compare                             # disaggregated vs colocated, prefix-aware vs round-robin
 
 `pdcluster COMMAND --help` lists each command's options. Exit codes: 0 ok, 2 bad input or setup (the message names
 the field to fix).
 """
+
+
+# `pdcluster bench NAME`: the module that adds its options (`add_arguments`) and runs it (`run`), and its help.
+BENCHES = {
+    "engine": ("pdcluster.bench.engine", "our engine vs transformers: prefill/decode tok/s and the memory-bandwidth "
+                                         "bound"),
+    "transfer": ("pdcluster.bench.transfer", "KV transports (grpc, torch, local) vs memcpy and raw TCP: GB/s and "
+                                             "layer-wise overlap"),
+    "soak": ("pdcluster.bench.soak", "N streams for T minutes: requests failed, tokens lost/duplicated, KV blocks "
+                                     "leaked, RSS growth"),
+    "serve": ("pdcluster.bench.serve", "open-loop Poisson load at one or more rates: TTFT/ITL/e2e percentiles, "
+                                       "throughput, goodput, plots"),
+    "compare": ("pdcluster.bench.compare", "one workload on disaggregated vs colocated (same cores) and prefix-aware "
+                                           "vs round-robin routing"),
+}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -104,20 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark and save its figures")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from pdcluster.bench.engine import add_arguments as add_engine_bench_args
+    for name, (module, text) in BENCHES.items():
+        importlib.import_module(module).add_arguments(bsub.add_parser(
+            name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from pdcluster.plan.cli import add_arguments as add_plan_args
 
-    add_engine_bench_args(bsub.add_parser(
-        "engine", help="our engine vs transformers: prefill/decode tok/s and the memory-bandwidth bound",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    from pdcluster.bench.soak import add_arguments as add_soak_bench_args
-    from pdcluster.bench.transfer import add_arguments as add_transfer_bench_args
-
-    add_soak_bench_args(bsub.add_parser(
-        "soak", help="N streams for T minutes: requests failed, tokens lost/duplicated, KV blocks leaked, RSS growth",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    add_transfer_bench_args(bsub.add_parser(
-        "transfer", help="KV transports (grpc, torch, local) vs memcpy and raw TCP: GB/s and layer-wise overlap",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    add_plan_args(sub)
     return parser
 
 
@@ -211,16 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         return {"chat": client.chat, "status": client.status, "generate": client.generate}[args.command](args)
     if args.command == "generate":
         return _generate(args)
-    if args.command == "bench" and args.bench == "engine":
-        from pdcluster.bench.engine import run
+    if args.command == "bench":
+        return int(importlib.import_module(BENCHES[args.bench][0]).run(args))
+    if args.command == "plan":
+        from pdcluster.plan.cli import run as run_plan
 
-        return run(args)
-    if args.command == "bench" and args.bench == "soak":
-        from pdcluster.bench.soak import run as run_soak
-
-        return run_soak(args)
-    if args.command == "bench" and args.bench == "transfer":
-        from pdcluster.bench.transfer import run as run_transfer
-
-        return run_transfer(args)
+        return run_plan(args)
     return 2

@@ -43,6 +43,8 @@ class PoolConfig(BaseModel):
     resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="custom Ray resources per actor; {prefill_node: 1} pins it to such nodes")
     torch_threads: int = Field(default=1, gt=0, description="torch intra-op threads per actor")
+    cpu_affinity: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
+        default=None, description="cores per actor (actor i: entry i mod len), e.g. [[0], [1]]; null: not pinned")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the actor computes ('cuda': num_gpus > 0)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights and KV dtype")
     num_kv_blocks: int | None = Field(default=None, gt=0, description="KV blocks; null: sized from kv_cache_memory_gb")
@@ -57,11 +59,19 @@ class PoolConfig(BaseModel):
     def _check(self) -> PoolConfig:
         if self.device == "cuda" and self.num_gpus <= 0:
             raise _RuleError("num_gpus", "device 'cuda' needs num_gpus > 0 (Ray must reserve a GPU for the actor)")
+        if self.cpu_affinity is not None and not all(self.cpu_affinity):
+            raise _RuleError("cpu_affinity", "each entry lists at least one core, e.g. [[0], [1]]")
         reserved = sorted({"CPU", "GPU"} & set(self.resources))
         if reserved:
             # NOTE: Ray refuses CPU/GPU inside `resources`; they have their own fields here too.
             raise _RuleError("resources", f"{', '.join(reserved)}: use num_cpus / num_gpus instead")
         return self
+
+    def cpus(self, index: int) -> tuple[int, ...]:
+        """The cores actor `index` of this pool is pinned to (empty: not pinned)."""
+        if not self.cpu_affinity:
+            return ()
+        return tuple(self.cpu_affinity[index % len(self.cpu_affinity)])
 
     def engine_config(self) -> EngineConfig:
         """The settings of the engine each actor of this pool runs."""

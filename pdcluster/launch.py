@@ -117,7 +117,8 @@ class Cluster:
         transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token)
         spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
-                          log_format=cfg.logging.format, redis_auth=self.redis_auth)
+                          log_format=cfg.logging.format, redis_auth=self.redis_auth,
+                          cpus=pool.cpus(int(name.rsplit("-", 1)[1])))
         cls = PrefillActor if role == "prefill" else DecodeActor
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,

@@ -1,0 +1,92 @@
+"""A cluster for a benchmark: `pdcluster serve` in a child process, started from a deploy YAML, stopped after.
+
+The benchmark client runs in the parent and the router in the child, so the client's timing never waits on the
+router's GIL. Overrides (routing, ports) go into a copy of the YAML; the original is never changed.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import yaml
+
+from pdcluster.bench.report import log
+from pdcluster.config import ClusterConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+
+
+def resolve(path: str) -> pathlib.Path:
+    """A deploy YAML by its path, or relative to the repository root (`deploy/local.yaml` from anywhere)."""
+    p = pathlib.Path(path)
+    return p if p.exists() else ROOT / p
+
+
+def load(path: str, routing: str | None = None) -> ClusterConfig:
+    """The config of `path` with the benchmark's overrides: any free ports, no HTTP/metrics fronts, `routing`."""
+    config = ClusterConfig.from_yaml(resolve(path))
+    config.router.port = 0
+    config.http.enabled = False
+    config.metrics.enabled = False
+    if routing:
+        config.router.routing = routing  # type: ignore[assignment]
+    return config
+
+
+@contextmanager
+def serving(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -> Iterator[str]:
+    """Start `pdcluster serve` on `config` in a child process; yield its gRPC address; stop it (SIGTERM) after."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdc-bench-", delete=False) as f:
+        yaml.safe_dump(config.model_dump(mode="json"), f, sort_keys=False)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.Popen([sys.executable, "-m", "pdcluster", "serve", "--config", f.name], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tail: list[str] = []
+    threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
+    try:
+        addr = _wait_ready(proc, start_timeout_s, tail)
+        log("serve", f"{label}: cluster up at {addr} ({config.mode}, routing {config.router.routing})")
+        yield addr
+    finally:
+        _stop(proc)
+        os.unlink(f.name)
+
+
+def _drain(stream: object, tail: list[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        tail.append(line)
+        del tail[:-40]
+
+
+def _wait_ready(proc: subprocess.Popen[str], timeout_s: float, tail: list[str]) -> str:
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("pdcluster ready:"):
+            fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+            threading.Thread(target=_drain, args=(proc.stdout, []), daemon=True).start()
+            return fields["grpc"]
+        if time.monotonic() > deadline:
+            break
+    _stop(proc)
+    raise RuntimeError("the benchmark cluster did not start:\n" + "".join(tail[-20:]))
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,200 @@
+"""`pdcluster bench serve`: open-loop Poisson load on a cluster at one or more rates; latency, throughput, goodput.
+
+Against a running cluster (`--addr`) or one it starts from a deploy YAML (`--config`, in a child process). For
+each rate: a few warm-up requests, then the workload (same lengths at every rate, fresh token ids so no run
+reuses another's prefix cache), then a wait until the cluster is idle. Prints a table (or `--json`), saves the
+figures and every request's timings as JSON, and PNG plots next to it (latency CDFs, SLO attainment vs rate).
+Definitions: pdcluster/bench/stats.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from typing import Any
+
+from pdcluster.bench import plots, stats
+from pdcluster.bench.report import emit, log
+from pdcluster.bench.runner import RequestRecord, cluster_status, run_workload
+from pdcluster.bench.workloads import WORKLOADS, Session, Workload, build
+
+WARMUP_SALT = 10_000
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `bench serve` and `bench compare` share: workload, rates, SLOs, output."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    g.add_argument("--rates", default="0.5", help="request rates to sweep, req/s, comma separated (default 0.5)")
+    g.add_argument("--num-requests", type=int, default=60, help="requests per rate (default 60)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--input-scale", type=float, default=1.0, help="stretch prompt lengths")
+    g.add_argument("--output-scale", type=float, default=1.0, help="stretch answer lengths")
+    g.add_argument("--warmup-requests", type=int, default=4, help="sent one by one before each rate, not counted")
+    s = p.add_argument_group("SLOs (goodput = highest rate with >= 90%% of requests meeting both)")
+    s.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    s.add_argument("--slo-itl-ms", type=float, default=150.0, help="per-request mean inter-token latency (TPOT)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--addr", help="a running cluster (gRPC HOST:PORT)")
+    where.add_argument("--config", default="deploy/bench-disagg.yaml", help="start this cluster for the run")
+    p.add_argument("--routing", choices=["prefix_aware", "round_robin"], default=None,
+                   help="override router.routing of --config")
+    p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the config)")
+    add_workload_arguments(p)
+    p.add_argument("--out", default="results/bench_serve.json")
+
+
+def rates_of(args: argparse.Namespace) -> list[float]:
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"--rates: expected numbers like 0.5,1,2, got {args.rates!r}") from None
+    if not rates or min(rates) <= 0:
+        raise SystemExit("--rates: every rate must be > 0")
+    return rates
+
+
+def sweep(addr: str, args: argparse.Namespace, label: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run the workload at every rate of `args.rates` against `addr`; one run object per rate."""
+    slo = stats.Slo(args.slo_ttft_ms, args.slo_itl_ms)
+    runs = []
+    for i, rate in enumerate(rates_of(args)):
+        _warm_up(addr, args)
+        w = build(args.workload, rate, args.num_requests, args.seed, input_scale=args.input_scale,
+                  output_scale=args.output_scale, salt=i + 1)
+        log("serve", f"{label}: {w.describe()}")
+        records, elapsed = _with_progress(addr, w, f"{label} @ {rate:g} req/s", args.api_key)
+        _wait_idle(addr, args.api_key)
+        summary = stats.summarize(records, elapsed, slo)
+        runs.append({"label": label, **meta,
+                     "workload": {"name": w.name, "rate": rate, "num_requests": w.num_requests, **w.params},
+                     "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms}, "summary": summary,
+                     "requests": [r.as_dict() for r in records]})
+        log("serve", f"{label} @ {rate:g} req/s: " + one_line(summary))
+    return runs
+
+
+def _with_progress(addr: str, w: Workload, desc: str, api_key: str | None) -> tuple[list[RequestRecord], float]:
+    """Run `w` with a progress bar on stderr (requests done, failures so far)."""
+    from tqdm import tqdm
+
+    failed = 0
+    with tqdm(total=w.num_requests, desc=desc, unit="req", dynamic_ncols=True) as bar:
+        def done(r: RequestRecord) -> None:
+            nonlocal failed
+            failed += not r.ok
+            bar.update(1)
+            bar.set_postfix(failed=failed, refresh=False)
+        return asyncio.run(run_workload(addr, w, done, api_key))
+
+
+def _warm_up(addr: str, args: argparse.Namespace) -> None:
+    """A few requests one at a time, so the first measured ones do not pay for cold caches and connections."""
+    if args.warmup_requests <= 0:
+        return
+    w = build(args.workload, 1.0, args.warmup_requests, args.seed + 1, input_scale=args.input_scale,
+              output_scale=args.output_scale, salt=WARMUP_SALT)
+    for s in w.sessions:
+        alone = Workload(w.name, w.rate, (Session(s.id, 0.0, s.turns[:1]),), w.params)
+        asyncio.run(run_workload(addr, alone, api_key=args.api_key))
+    _wait_idle(addr, args.api_key)
+
+
+def _wait_idle(addr: str, api_key: str | None, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = asyncio.run(cluster_status(addr, api_key))
+        if st.router_inflight == 0 and all(w.running == 0 and w.waiting == 0 for w in st.workers):
+            return
+        time.sleep(0.5)
+    log("serve", f"the cluster at {addr} was still busy {timeout_s:.0f} s after the run")
+
+
+def one_line(s: dict[str, Any]) -> str:
+    return (f"{s['completed']} ok, {s['failed']} failed; TTFT p50 {s['ttft_ms']['p50']:.0f} / p99 "
+            f"{s['ttft_ms']['p99']:.0f} ms; ITL p50 {s['itl_ms']['p50']:.0f} / p99 {s['itl_ms']['p99']:.0f} ms; "
+            f"{s['output_tok_per_s']} tok/s; SLO attainment {100 * s['slo_attainment']:.0f}%")
+
+
+def goodputs(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Goodput per label, from its runs' (rate, attainment) points."""
+    by: dict[str, list[tuple[float, float]]] = {}
+    for r in runs:
+        by.setdefault(r["label"], []).append((r["workload"]["rate"], r["summary"]["slo_attainment"]))
+    return {label: stats.goodput(pts) for label, pts in by.items()}
+
+
+def format_table(f: dict[str, Any]) -> str:
+    head = (f"{'run':<28} {'rate':>5} {'ok':>4} {'fail':>4} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} "
+            f"{'p90':>6} {'p99':>7} {'E2E p50':>8} {'p99':>7} {'req/s':>6} {'tok/s':>6} {'hit':>5} {'xfer p50':>8} "
+            f"{'SLO%':>5}")
+    lines = [head]
+    for r in f["runs"]:
+        s = r["summary"]
+        lines.append(
+            f"{r['label']:<28} {r['workload']['rate']:>5g} {s['completed']:>4} {s['failed']:>4} "
+            f"{s['ttft_ms']['p50']:>9.0f} {s['ttft_ms']['p90']:>7.0f} {s['ttft_ms']['p99']:>7.0f} "
+            f"{s['itl_ms']['p50']:>8.0f} {s['itl_ms']['p90']:>6.0f} {s['itl_ms']['p99']:>7.0f} "
+            f"{s['e2e_ms']['p50']:>8.0f} {s['e2e_ms']['p99']:>7.0f} {s['req_per_s']:>6.2f} "
+            f"{s['output_tok_per_s']:>6.1f} {s['prefix_hit_rate']:>5.2f} {s['transfer_ms']['p50']:>8.1f} "
+            f"{100 * s['slo_attainment']:>5.0f}")
+    for label, g in f.get("goodput", {}).items():
+        lines.append(f"goodput {label}: {g['goodput_req_per_s']} req/s measured (estimate "
+                     f"{g['goodput_estimate_req_per_s']}) at >= 90% of requests within TTFT {f['slo']['ttft_ms']:g} ms "
+                     f"and ITL {f['slo']['itl_ms']:g} ms")
+    if f.get("summary"):
+        lines.append(f["summary"])
+    for p in f.get("plots", []):
+        lines.append(f"plot: {p}")
+    return "\n".join(lines)
+
+
+def finish(bench: str, runs: list[dict[str, Any]], args: argparse.Namespace, extra: dict[str, Any]) -> int:
+    """Goodput, plots and the saved JSON of a set of runs."""
+    figures: dict[str, Any] = {"bench": bench, "machine": machine(), **extra,
+                               "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+                               "goodput": goodputs(runs), "runs": runs}
+    if not args.no_plots:
+        stem = os.path.splitext(args.out)[0]
+        title = f"{args.workload} workload, {machine()['cpus']} cores"
+        figures["plots"] = [plots.latency_cdfs(runs, stem + "_cdf.png", title),
+                            plots.attainment_vs_rate(runs, stem + "_slo.png", title)]
+    return emit(bench, figures, args.out, args.json, format_table)
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.addr:
+        st = asyncio.run(cluster_status(args.addr, args.api_key))
+        meta = {"addr": args.addr, "mode": st.mode}
+        runs = sweep(args.addr, args, args.label or args.addr, meta)
+        return finish("serve", runs, args, {})
+    from pdcluster.bench.cluster_proc import load, serving
+
+    config = load(args.config, args.routing)
+    label = args.label or f"{os.path.basename(args.config)} ({config.router.routing})"
+    meta = {"config": args.config, "mode": config.mode, "routing": config.router.routing}
+    with serving(config, label) as addr:
+        runs = sweep(addr, args, label, meta)
+    return finish("serve", runs, args, {})

@@ -1,0 +1,92 @@
+"""The figures of a serving run, with the definitions vLLM's and DistServe's benchmarks use.
+
+- TTFT: request sent → first token received by the client.
+- ITL: gaps between successive tokens as the client receives them; percentiles over all gaps of all requests.
+- TPOT (per request): (e2e − TTFT) / (output tokens − 1), the mean inter-token latency of one request.
+- SLO attainment: share of requests with TTFT ≤ the TTFT SLO and TPOT ≤ the ITL SLO (DistServe); failed requests
+  count as missing it.
+- Goodput: the highest request rate whose attainment is ≥ 90% (DistServe); from a sweep over rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pdcluster.bench.runner import RequestRecord
+
+GOODPUT_ATTAINMENT = 0.9
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The latency objectives a request must meet (ms)."""
+
+    ttft_ms: float
+    itl_ms: float
+
+
+def dist(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 (linear interpolation, as numpy and vLLM's benchmark); zeros when empty."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values, dtype=float)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": round(float(a.mean()), 2), "p50": round(float(p50), 2), "p90": round(float(p90), 2),
+            "p99": round(float(p99), 2)}
+
+
+def tpot_ms(r: RequestRecord) -> float:
+    return (r.e2e_ms - r.ttft_ms) / (r.output_len - 1) if r.output_len > 1 else 0.0
+
+
+def meets(r: RequestRecord, slo: Slo) -> bool:
+    return r.ok and r.ttft_ms <= slo.ttft_ms and tpot_ms(r) <= slo.itl_ms
+
+
+def summarize(records: Sequence[RequestRecord], elapsed_s: float, slo: Slo) -> dict[str, Any]:
+    """The summary figures of one run."""
+    ok = [r for r in records if r.ok]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error:
+            code = r.error.split(":", 1)[0]
+            errors[code] = errors.get(code, 0) + 1
+    prompt = sum(r.prompt_len for r in ok)
+    transfers = [r.transfer_ms for r in ok if r.prefill_worker]
+    return {
+        "completed": len(ok), "failed": len(records) - len(ok), "errors": errors,
+        "duration_s": round(elapsed_s, 2),
+        "req_per_s": round(len(ok) / elapsed_s, 3) if elapsed_s else 0.0,
+        "output_tok_per_s": round(sum(r.output_len for r in ok) / elapsed_s, 1) if elapsed_s else 0.0,
+        "ttft_ms": dist([r.ttft_ms for r in ok]),
+        "itl_ms": dist([g for r in ok for g in r.itl_ms]),
+        "tpot_ms": dist([tpot_ms(r) for r in ok if r.output_len > 1]),
+        "e2e_ms": dist([r.e2e_ms for r in ok]),
+        "transfer_ms": dist(transfers),
+        "prefix_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else 0.0,
+        "prefill_skipped": sum(r.prefill_skipped for r in ok),
+        "slo_attainment": round(sum(meets(r, slo) for r in records) / len(records), 3) if records else 0.0,
+    }
+
+
+def goodput(points: Sequence[tuple[float, float]], target: float = GOODPUT_ATTAINMENT) -> dict[str, float | None]:
+    """From (rate, attainment) points: the highest measured rate meeting `target`, and a linear estimate of where
+    attainment crosses it between that rate and the next one (None when no rate meets it)."""
+    pts = sorted(points)
+    best = None
+    estimate = None
+    for i, (rate, att) in enumerate(pts):
+        if att >= target:
+            best = rate
+            estimate = rate
+            if i + 1 < len(pts) and pts[i + 1][1] < target:
+                r2, a2 = pts[i + 1]
+                estimate = rate + (att - target) / (att - a2) * (r2 - rate)
+        elif best is not None:
+            break
+    return {"goodput_req_per_s": best,
+            "goodput_estimate_req_per_s": round(estimate, 3) if estimate is not None else None}
