@@ -70,6 +70,8 @@ class EngineConfig:
     dtype: str = "float32"
     num_threads: int | None = None
     enable_prefix_caching: bool = True
+    # Order of prompt work in a step: "fcfs" or "shortest_first" (engine/scheduler.py).
+    prefill_order: str = "fcfs"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -81,6 +83,8 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         torch_dtype(self.dtype)  # validates
+        if self.prefill_order not in ("fcfs", "shortest_first"):
+            raise InvalidRequestError("prefill_order", f"use 'fcfs' or 'shortest_first', got {self.prefill_order!r}")
 
     @property
     def threads(self) -> int:

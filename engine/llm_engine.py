@@ -68,7 +68,8 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(1, min(usable, int(config.kv_cache_memory_gb * 2**30 // per_block)))
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_order)
         self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests

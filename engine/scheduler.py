@@ -1,11 +1,15 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
 Each step has a token budget (`max_num_batched_tokens`):
-1. running sequences first, in admission order: one token each when decoding, the next chunk when their
-   prompt is still being prefilled; if the pool runs dry, the most recently admitted sequence is preempted
-   (its blocks freed, it goes back to the head of the queue and is recomputed later, usually from cache);
-2. then waiting sequences, FCFS, while budget, `max_num_seqs` and free blocks allow, each starting after its
-   longest cached prefix.
+1. running sequences first: every decoding one (one token each, in admission order), then those whose prompt
+   is still being prefilled (the next chunk each); if the pool runs dry, the most recently admitted sequence
+   not yet in this step is preempted (its blocks freed, it goes back to the head of the queue and is
+   recomputed later, usually from cache);
+2. then waiting sequences while budget, `max_num_seqs` and free blocks allow, each starting after its longest
+   cached prefix.
+`prefill_order` orders the prompt work of steps 1 and 2: "fcfs" (arrival order, the default) or
+"shortest_first" (fewest prompt tokens left first; preempted sequences still go first), which lets a short
+prompt overtake a long one mid-prefill, as a prefill worker behind a TTFT objective wants.
 Requests join and leave the running batch at every step. The scheduler never touches tensors.
 """
 
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+
+PREFILL_ORDERS = ("fcfs", "shortest_first")
 
 
 @dataclass
@@ -36,7 +42,11 @@ class ScheduledBatch:
 class Scheduler:
     """Decides which sequences run in the next step and how many tokens each computes."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_order: str = "fcfs") -> None:
+        if prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order: {prefill_order!r}; use one of {PREFILL_ORDERS}")
+        self.shortest_first = prefill_order == "shortest_first"
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,41 +73,65 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
-        picked: list[tuple[Sequence, int]] = []
-        preempted = False
-        idx = 0
-        while idx < len(self.running) and budget > 0:
-            seq = self.running[idx]
-            n = min(seq.num_pending_tokens, budget)
-            while not self.bm.allocate(seq, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                picked.append((seq, n))
-                budget -= n
-                idx += 1
-                continue
-            break
-        # NOTE: after a preemption the pool is tight; admitting new work would only cause more of it.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq)
-            n = min(len(seq) - len(hits) * self.bm.block_size, budget)
-            if not self.bm.allocate(seq, n, hits):
+        self._budget = self.max_num_batched_tokens
+        self._picked: list[tuple[Sequence, int]] = []
+        self._in_step: set[int] = set()
+        self._preempted = False
+        decoding = [s for s in self.running if s.num_pending_tokens == 1]
+        prompts = [s for s in self.running if s.num_pending_tokens > 1]
+        for seq in decoding:
+            self._schedule_running(seq)
+        if self.shortest_first:
+            # NOTE: running chunks and waiting prompts compete on tokens left; preempted ones keep their turn.
+            queue = sorted(prompts + list(self.waiting), key=lambda s: (s.num_preemptions == 0 or
+                                                                       s.status is SequenceStatus.RUNNING,
+                                                                       s.num_pending_tokens))
+        else:
+            queue = prompts + list(self.waiting)
+        admitting = True
+        for seq in queue:
+            if self._budget <= 0:
                 break
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = len(hits) * self.bm.block_size
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            picked.append((seq, n))
-            budget -= n
+            if seq.status is SequenceStatus.RUNNING:
+                self._schedule_running(seq)
+            elif admitting and id(seq) not in self._in_step:
+                # NOTE: after a preemption the pool is tight; admitting new work would only cause more of it.
+                admitting = not self._preempted and len(self.running) < self.max_num_seqs and self._admit(seq)
+        picked = self._picked
         picked.sort(key=lambda p: p[1] != 1)  # stable: single-token (decode) entries first
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked])
+
+    def _schedule_running(self, seq: Sequence) -> None:
+        """Its next token or prompt chunk; preempt the latest-admitted others (or itself) when blocks run out."""
+        if self._budget <= 0 or seq.status is not SequenceStatus.RUNNING:
+            return  # out of budget, or preempted earlier in this step
+        n = min(seq.num_pending_tokens, self._budget)
+        while not self.bm.allocate(seq, n):
+            victim = next(s for s in reversed(self.running) if id(s) not in self._in_step)
+            self.running.remove(victim)
+            self._preempt(victim)
+            self._preempted = True
+            if victim is seq:
+                return
+        self._picked.append((seq, n))
+        self._in_step.add(id(seq))
+        self._budget -= n
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Start a waiting sequence after its longest cached prefix; False when its blocks do not fit."""
+        hits = self.bm.match_prefix(seq)
+        n = min(len(seq) - len(hits) * self.bm.block_size, self._budget)
+        if not self.bm.allocate(seq, n, hits):
+            return False
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = len(hits) * self.bm.block_size
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._picked.append((seq, n))
+        self._in_step.add(id(seq))
+        self._budget -= n
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

@@ -52,6 +52,8 @@ class PoolConfig(BaseModel):
     block_size: int = Field(default=16, gt=0, description="tokens per KV block (the prefix-cache granularity)")
     max_num_batched_tokens: int = Field(default=1024, gt=0, description="tokens computed per engine step at most")
     max_num_seqs: int = Field(default=64, gt=0, description="sequences in one batch at most")
+    prefill_order: Literal["fcfs", "shortest_first"] = Field(
+        default="fcfs", description="order of prompt work in a step; shortest_first lets short prompts overtake")
     max_model_len: int | None = Field(default=None, gt=0, description="prompt + output tokens; null: the model's")
     max_restarts: int = Field(default=0, ge=-1, description="times Ray restarts a dead actor (-1: forever)")
 
@@ -81,7 +83,8 @@ class PoolConfig(BaseModel):
         return EngineConfig(
             block_size=self.block_size, num_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads)
+            max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads,
+            prefill_order=self.prefill_order)
 
 
 class RayConfig(BaseModel):

@@ -182,3 +182,25 @@ def test_shared_prefixes_staggered_arrivals_and_tight_pools_keep_tokens(tiny, se
     s = engine.stats()
     assert (s.cached_prompt_tokens > 0) == settings.get("enable_prefix_caching", True)
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("order", ["fcfs", "shortest_first"])
+def test_a_short_prompt_overtakes_a_long_one_mid_prefill_only_when_shortest_first(tiny, order):
+    engine = make_engine(tiny, max_num_batched_tokens=32, prefill_order=order)
+    batches = record_batches(engine)
+    long_prompt, short_prompt = random_prompts(2, [150, 6])
+    engine.add_request("long", long_prompt, greedy(4))
+    engine.step()  # the long prompt's first 32-token chunk
+    engine.add_request("short", short_prompt, greedy(4))
+    final = run_to_completion(engine)
+    first_step_of_short = next(i for i, b in enumerate(batches) if "short" in b)
+    if order == "shortest_first":
+        assert batches[1][0] == "short"  # its 6 tokens first, the long prompt's chunk gets the other 26
+        assert first_step_of_short == 1
+    else:
+        assert batches[1] == ["long"]  # the long prompt keeps the whole budget until only 22 tokens are left
+        assert first_step_of_short == 4
+    # either way, the tokens are those of each request run alone
+    assert final["long"].token_ids == run_alone(tiny, long_prompt, greedy(4))
+    assert final["short"].token_ids == run_alone(tiny, short_prompt, greedy(4))
+    assert_idle(engine)
