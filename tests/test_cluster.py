@@ -273,6 +273,52 @@ def test_status_health_and_reflection(cluster):
     assert {"pdcluster.v1.Inference", "grpc.health.v1.Health"} <= services
 
 
+def test_bench_runner_times_every_token_of_a_multi_turn_workload(cluster):
+    import asyncio
+
+    from pdcluster.bench import stats
+    from pdcluster.bench.runner import run_workload
+    from pdcluster.bench.workloads import build
+
+    _, server = cluster
+    w = build("shared_prompt", 4.0, 8, seed=5, input_scale=0.1, output_scale=0.2)
+    records, elapsed = asyncio.run(run_workload(server.address, w))
+    assert len(records) == 8 and all(r.ok for r in records), [r.error for r in records]
+    for r in records:
+        assert r.output_len == r.max_tokens and len(r.itl_ms) == r.output_len - 1
+        assert 0 < r.ttft_ms <= r.e2e_ms and r.decode_worker
+    by_session: dict[int, list] = {}
+    for r in records:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.turn)
+        for a, b in zip(turns, turns[1:]):
+            assert b.sent_s >= a.sent_s + a.e2e_ms / 1e3  # a turn goes out only after the previous answer
+            assert b.prompt_len > a.prompt_len + a.output_len
+            assert b.cached_tokens > 0  # the conversation so far is served from a prefix cache
+    s = stats.summarize(records, elapsed, stats.Slo(60_000, 60_000))
+    assert s["completed"] == 8 and s["slo_attainment"] == 1.0 and s["prefix_hit_rate"] > 0.3
+
+
+def test_bench_serve_command_writes_json_and_plots(cluster, tmp_path):
+    import json
+
+    from pdcluster.cli import main
+
+    _, server = cluster
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--addr", server.address, "--workload", "mixed", "--rates", "2,4",
+                 "--num-requests", "3", "--input-scale", "0.05", "--output-scale", "0.1", "--warmup-requests", "1",
+                 "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert [r["workload"]["rate"] for r in figures["runs"]] == [2.0, 4.0]
+    assert all(r["summary"]["completed"] == 3 for r in figures["runs"])
+    assert figures["goodput"][server.address]["goodput_req_per_s"] == 4.0
+    for png in figures["plots"]:
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_kv_blocks_return_to_baseline_after_the_traffic(cluster):
     c, _ = cluster
     deadline = time.monotonic() + 10
