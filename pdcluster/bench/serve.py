@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from pdcluster.bench import plots, stats
+from pdcluster.bench import markdown, plots, stats
 from pdcluster.bench.report import emit, log
 from pdcluster.bench.runner import RequestRecord, cluster_status, run_workload
 from pdcluster.bench.workloads import WORKLOADS, Session, Workload, build
@@ -167,6 +167,11 @@ def finish(bench: str, runs: list[dict[str, Any]], args: argparse.Namespace, ext
         title = f"{args.workload} workload, {machine()['cpus']} cores"
         figures["plots"] = [plots.latency_cdfs(runs, stem + "_cdf.png", title),
                             plots.attainment_vs_rate(runs, stem + "_slo.png", title)]
+    md = os.path.splitext(args.out)[0] + ".md"
+    os.makedirs(os.path.dirname(os.path.abspath(md)), exist_ok=True)
+    with open(md, "w") as f:
+        f.write(markdown.render(figures))
+    log(bench, f"saved {md}")
     return emit(bench, figures, args.out, args.json, format_table)
 
 
