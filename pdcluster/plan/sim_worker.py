@@ -138,22 +138,26 @@ class Worker:
     def start_step(self) -> float | None:
         """Schedule the next step; its duration in seconds, or None when there is nothing to do."""
         s = self.steps
-        for req in self.joining:
-            base = req.prompt_len + 1 - s  # NOTE: the first decode step computes the first token's KV
-            self.dec_base_sum += base
-            self._dec_alive[req.id] = base
-            heapq.heappush(self._dec_max, (-base, req.id))
-            heapq.heappush(self._finish, (s + req.max_tokens - 2, req.id, req))
-            req.dec_step = s
-            self.n_dec += 1
-        self.joining.clear()
-        chunks = self._prompt_chunks(self.budget - self.n_dec)
+        if self.joining:
+            for req in self.joining:
+                base = req.prompt_len + 1 - s  # NOTE: the first decode step computes the first token's KV
+                self.dec_base_sum += base
+                self._dec_alive[req.id] = base
+                if self.padded:
+                    heapq.heappush(self._dec_max, (-base, req.id))
+                heapq.heappush(self._finish, (s + req.max_tokens - 2, req.id, req))
+                req.dec_step = s
+            self.n_dec += len(self.joining)
+            self.joining.clear()
         tokens = samples = self.n_dec
         pairs = 0.0
-        for job, n in chunks:
-            tokens += n
-            samples += job.computed + n == job.req.prompt_len
-            pairs += prefill_pairs(n, job.computed)
+        chunks: list[tuple[Job, int]] = []
+        if self.prefilling or self.waiting:  # NOTE: the common decode-only step skips this
+            chunks = self._prompt_chunks(self.budget - self.n_dec)
+            for job, n in chunks:
+                tokens += n
+                samples += job.computed + n == job.req.prompt_len
+                pairs += prefill_pairs(n, job.computed)
         if tokens == 0:
             return None
         if self.padded:
@@ -214,7 +218,7 @@ class Worker:
         self.step_ends.append(now)
         self.busy = False
         prompts: list[Job] = []
-        for job, n in self._chunks:
+        for job, n in self._chunks if self._chunks else ():
             job.computed += n
             self._register(job, job.computed)
             if job.computed == job.req.prompt_len:
