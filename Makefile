@@ -3,7 +3,8 @@
 PYTHON ?= python3
 CONFIG ?= deploy/local.yaml
 
-.PHONY: install demo serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak
+.PHONY: install demo serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak \
+        bench-serve bench-compare
 
 .install-stamp: pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -31,13 +32,22 @@ lint: .install-stamp
 	ruff check . && mypy engine kv_transfer pdcluster router prefill_workers decode_workers
 
 bench-engine: .install-stamp
-	pdcluster bench engine
+	$(PYTHON) -m pdcluster bench engine
 
 bench-soak: .install-stamp
 	$(PYTHON) -m pdcluster bench soak --streams 32 --minutes 10
 
+# Disaggregated vs colocated and prefix-aware vs round-robin, the figures of BENCHMARKS.md (about 25 minutes).
+bench-compare: .install-stamp
+	$(PYTHON) -m pdcluster bench compare --rates 0.4,0.7,1.0 --num-requests 40 --slo-ttft-ms 5000 --slo-itl-ms 100 \
+		--routing-rates 0.5,1.0 --routing-num-requests 48
+
+bench-serve: .install-stamp
+	$(PYTHON) -m pdcluster bench serve --config deploy/bench-disagg.yaml --workload sharegpt --output-scale 0.25 \
+		--rates 0.5,1.0,1.5 --num-requests 40 --slo-ttft-ms 2000 --slo-itl-ms 100
+
 bench-transfer: .install-stamp
-	pdcluster bench transfer
+	$(PYTHON) -m pdcluster bench transfer
 
 proto: .install-stamp
 	$(PYTHON) scripts/gen_proto.py
