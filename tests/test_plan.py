@@ -161,6 +161,30 @@ def test_prefill_order_lets_a_short_prompt_overtake_a_long_one(order):
     assert recs[0]["ttft_ms"] > 8 * STEP.prefill_time(200) * 1e3
 
 
+def test_workers_pinned_to_one_core_share_it():
+    both = Workload("two", 1.0, (Session(0, 0.0, (Turn(tuple(range(1000, 1200)), 2),)),
+                                 Session(1, 0.0, (Turn(tuple(range(2000, 2200)), 2),))))
+    sh = shape(prefill=2)
+    pinned = ClusterShape(sh.mode, sh.routing, sh.skip_max, {
+        "prefill": dataclasses.replace(sh.pools["prefill"], cpu_affinity=((0,),)), "decode": sh.pools["decode"]})
+    apart = simulate(sh, both).records()
+    shared = simulate(pinned, both).records()
+    assert {r["prefill_worker"] for r in shared} == {"prefill-0", "prefill-1"}  # both prefill at once
+    alone = STEP.prefill_time(200) * 1e3
+    for a, s in zip(apart, shared):
+        assert a["ttft_ms"] == pytest.approx(alone + a["transfer_ms"], abs=0.01)
+        assert s["ttft_ms"] == pytest.approx(2 * alone + s["transfer_ms"], abs=0.01)  # half a core each
+
+
+def test_the_kv_handshake_and_commit_wait_for_the_decode_step_in_progress():
+    busy = Session(0, 0.0, (Turn(tuple(range(1000, 1016)), 400),))  # keeps the decode worker stepping
+    late = Session(1, 1.0, (Turn(tuple(range(2000, 2200)), 2),))
+    recs = {r["session"]: r for r in simulate(shape(), Workload("x", 1.0, (busy, late))).records()}
+    alone = simulate(shape(), Workload("y", 1.0, (late,))).records()[0]["ttft_ms"]
+    step = STEP.decode_time(1, 500) * 1e3  # the longest decode step of the busy request
+    assert alone < recs[1]["ttft_ms"] <= alone + 2 * step
+
+
 def test_a_second_prefill_worker_lowers_ttft_under_load():
     wl = build("summarization", 2.0, 80, input_scale=0.5, output_scale=0.2)  # ~0.4 s of prefill each, 2 req/s
     one = simulate(shape(prefill=1, decode=1), wl).summary(2000, 150)

@@ -142,8 +142,10 @@ def measure(model: str = "smollm2", threads: int = 1, repeats: int = 2,
         for _ in range(repeats):
             p.add(base[:cached] + p.tokens(256), 1)
             rows.append(p.step("prefill_ctx"))
-    log(f"decode steps: batch {DECODE_BATCHES} x context {DECODE_CONTEXTS}")
-    for ctx in DECODE_CONTEXTS:
+    limit = p.engine.max_model_len - DECODE_STEPS - 4  # NOTE: room for the tokens each context generates
+    contexts = [c for c in DECODE_CONTEXTS if c <= limit]
+    log(f"decode steps: batch {DECODE_BATCHES} x context {contexts}")
+    for ctx in contexts:
         shared = p.tokens(ctx)
         p.add(shared, 1)
         rows.append(p.step("prefill"))
@@ -156,7 +158,7 @@ def measure(model: str = "smollm2", threads: int = 1, repeats: int = 2,
             rows += [p.step("decode") for _ in range(DECODE_STEPS)]
             p.clear()
     log("padded decode: one long context among short ones")
-    long_p, short_p = p.tokens(2048), p.tokens(64)
+    long_p, short_p = p.tokens(min(2048, limit)), p.tokens(64)
     for b in (4, 16):
         p.add(long_p, DECODE_STEPS + 2)
         for _ in range(b - 1):

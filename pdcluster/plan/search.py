@@ -5,8 +5,9 @@ DistServe's goodput definition) is at least the target. The search assumes more 
 1. lower bounds from capacity: prefill work and decode work per second over one worker's speed;
 2. the fewest prefill workers whose TTFTs meet the SLO with decode generously sized, and the fewest decode
    workers whose TPOTs meet it with prefill generously sized (doubling, then bisection);
-3. from that corner, splits in order of cost (GPUs) until one meets the joint SLO; among the feasible splits of that
-   cost, the best attainment wins.
+3. if that corner misses the joint SLO: the fewest extra prefill (or decode) workers that make it meet it, an upper
+   bound; then splits from the corner in order of cost (GPUs), at most MAX_WALK of them, until none is cheaper
+   than the best found; among feasible splits of one cost, the best attainment wins.
 Colocated workers with the same GPUs are simulated for comparison, and the fewest colocated workers that meet it.
 """
 
@@ -25,7 +26,7 @@ from pdcluster.plan.profile import Profile
 from pdcluster.plan.sim_report import Timings
 from pdcluster.plan.simulator import ClusterShape, Overheads, Simulator
 
-MAX_WALK = 60  # splits tried in step 3 at most
+MAX_WALK = 24  # splits tried in step 3's walk at most
 
 
 class Slo(BaseModel):
@@ -140,10 +141,16 @@ class Planner:
         d_min = self._smallest(d_lb, cap - p_gen, lambda d: self.run(p_gen, d).tpot_ok >= self.slo.attainment)
         if d_min is None:
             return None
+        best: Trial | None = None
+        if not self.ok(self.run(p_min, d_min)):
+            # NOTE: the corner meets each SLO alone but not both: grow one side, then the other, for an upper bound
+            more_p = self._smallest(p_min, cap - d_min, lambda p: self.ok(self.run(p, d_min)))
+            more_d = self._smallest(d_min, cap - p_min, lambda d: self.ok(self.run(p_min, d)))
+            grown = ([self.run(more_p, d_min)] if more_p else []) + ([self.run(p_min, more_d)] if more_d else [])
+            best = min(grown, key=lambda t: (t.gpus, -t.attainment), default=None)
         frontier = [(p_min + d_min, p_min, d_min)]
         seen = {(p_min, d_min)}
-        best: Trial | None = None
-        for _ in range(MAX_WALK):
+        for _ in range(MAX_WALK):  # NOTE: cheapest first from the corner: exact unless it runs out of steps
             if not frontier:
                 break
             total, p, d = heapq.heappop(frontier)
@@ -151,7 +158,7 @@ class Planner:
                 break
             t = self.run(p, d)
             if self.ok(t):
-                if best is None or t.attainment > best.attainment:
+                if best is None or (t.gpus, -t.attainment) < (best.gpus, -best.attainment):
                     best = t
                 continue
             for nxt in ((p + 1, d), (p, d + 1)):

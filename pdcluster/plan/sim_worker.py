@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdcluster.plan.profile import StepModel, prefill_pairs
 from pdcluster.plan.sim_cache import BlockCache, block_keys
+
+if TYPE_CHECKING:
+    from pdcluster.plan.sim_cores import SharedCore
 
 
 @dataclass(eq=False)
@@ -83,6 +88,9 @@ class Worker:
         self.prefilling: list[Job] = []
         self.joining: list[Req] = []
         self.steps = 0  # steps started
+        self.core: SharedCore | None = None  # set when other workers are pinned to the same cores
+        self.lock_waiters: list[Callable[[], None]] = []  # calls that need the engine lock between two steps
+        self._started = 0.0
         self.step_ends: list[float] = []
         self.busy = False
         self.overflow_blocks = 0  # blocks a decoding sequence lacked (the engine would have preempted)
@@ -135,8 +143,8 @@ class Worker:
         job.table = []
 
     # ---- steps ------------------------------------------------------------------------------------------------
-    def start_step(self) -> float | None:
-        """Schedule the next step; its duration in seconds, or None when there is nothing to do."""
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step at `now`; its duration alone in seconds, or None when there is nothing to do."""
         s = self.steps
         if self.joining:
             for req in self.joining:
@@ -170,6 +178,7 @@ class Worker:
         self._step_s = self.model.time(tokens, samples, keys_dec, pairs) * self.scale + self.extra
         self.steps += 1
         self.busy = True
+        self._started = now
         return self._step_s
 
     def _prompt_chunks(self, budget: int) -> list[tuple[Job, int]]:
@@ -242,7 +251,7 @@ class Worker:
             self._register_answer(job)
             self.release(job)
             answers.append(req)
-        return StepDone(self._step_s, prompts, answers)
+        return StepDone(now - self._started, prompts, answers)  # NOTE: longer than alone on a shared core
 
     # ---- blocks -----------------------------------------------------------------------------------------------
     def _grow(self, job: Job, tokens: int) -> bool:

@@ -27,6 +27,7 @@ from pdcluster.bench.workloads import Session, Workload
 from pdcluster.config import ClusterConfig
 from pdcluster.plan.profile import Profile
 from pdcluster.plan.sim_cache import BlockCache, block_keys
+from pdcluster.plan.sim_cores import core_groups
 from pdcluster.plan.sim_router import Pool, SimRouter
 from pdcluster.plan.sim_worker import Job, Req, Worker, answer_tokens
 
@@ -62,6 +63,7 @@ class PoolShape:
     max_num_seqs: int
     max_num_batched_tokens: int
     prefill_order: str = "fcfs"
+    cpu_affinity: tuple[tuple[int, ...], ...] = ()  # actor i: entry i mod len (empty: not pinned)
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,9 @@ class ClusterShape:
             blocks = p.num_kv_blocks or max(1, min(usable, by_mem))
             if p.max_num_seqs > p.max_num_batched_tokens:
                 raise ValueError(f"{role}: the simulator needs max_num_seqs <= max_num_batched_tokens")
+            affinity = tuple(tuple(c) for c in (getattr(p, "cpu_affinity", None) or ()))
             pools[role] = PoolShape(p.replicas, blocks, p.block_size, p.max_num_seqs, p.max_num_batched_tokens,
-                                    getattr(p, "prefill_order", "fcfs"))
+                                    getattr(p, "prefill_order", "fcfs"), affinity)
         skip = cfg.router.skip_prefill_max_uncached_tokens if cfg.mode == "disaggregated" else 0
         return cls(cfg.mode, cfg.router.routing, skip, pools)
 
@@ -116,6 +119,11 @@ class Simulator:
         decode = pools["colocated"] if shape.mode == "colocated" else pools["decode"]
         self.router = SimRouter(shape.routing, self.bs, shape.skip_max, pools.get("prefill"), decode)
         self.workers = [w for p in pools.values() for w in p.workers]
+        affinity = {w.name: ps.cpu_affinity[w.idx % len(ps.cpu_affinity)] if ps.cpu_affinity else ()
+                    for role, ps in shape.pools.items() for w in pools[role].workers}
+        cores = core_groups(affinity)
+        for w in self.workers:
+            w.core = cores.get(w.name)
         self.reqs: list[Req] = []
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -155,10 +163,16 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), kind, obj))
 
     def _kick(self, w: Worker) -> None:
-        if not w.busy:
-            dt = w.start_step()
-            if dt is not None:
-                self._push(self.now + dt, STEP_END, w)
+        if w.busy:
+            return
+        dt = w.start_step(self.now)
+        if dt is None:
+            return
+        if w.core is None:
+            self._push(self.now + dt, STEP_END, (w, 0))
+        else:
+            for x, version, t in w.core.start(w, dt, self.now):
+                self._push(t, STEP_END, (x, version))
 
     # ---- handlers -------------------------------------------------------------------------------------------
     def _next_turn(self, obj: tuple[Session, int]) -> None:
@@ -182,9 +196,25 @@ class Simulator:
             self.router.change(p, inflight=1, pending=req.prompt_len)
             self._push(self.now + self.ov.router_s, RECV_PREFILL, req)
 
+    def _under_lock(self, w: Worker, fn: Callable[[], None]) -> None:
+        """Run `fn` once `w`'s engine lock is free: at once when idle, else when its current step ends.
+
+        NOTE: the KV receiver reserves and commits under the decode worker's engine lock, which the loop holds for a
+        whole step; a fair lock is modelled (the real one is not fair and can make a caller wait longer).
+        """
+        if w.busy:
+            w.lock_waiters.append(fn)
+        else:
+            fn()
+
     def _recv_prefill(self, req: Req) -> None:
+        assert req.decode is not None
+        self._under_lock(req.decode, lambda: self._handshake(req))
+
+    def _handshake(self, req: Req) -> None:
+        """The decode worker reserved the blocks (linking what it caches): the prompt joins the prefill queue."""
         assert req.decode is not None and req.prefill is not None
-        self._reserved[req.id] = req.decode.reserve(req)  # NOTE: the KV handshake comes before the prompt queues
+        self._reserved[req.id] = req.decode.reserve(req)
         req.prefill.add_prompt(req, decodes=False)
         self._kick(req.prefill)
 
@@ -193,7 +223,13 @@ class Simulator:
         req.decode.add_prompt(req, decodes=True)
         self._kick(req.decode)
 
-    def _step_end(self, w: Worker) -> None:
+    def _step_end(self, obj: tuple[Worker, int]) -> None:
+        w, version = obj
+        if w.core is not None:
+            if not w.core.current(w, version):
+                return  # NOTE: re-timed when another step on its core started or ended
+            for x, v, t in w.core.end(w, self.now):
+                self._push(t, STEP_END, (x, v))
         done = w.end_step(self.now)
         for job in done.prompts:
             req = job.req
@@ -210,9 +246,18 @@ class Simulator:
         for req in done.answers:
             self.router.change(w, inflight=-1)
             self._finish(req, self.now + self.ov.token_s)
+        if w.lock_waiters:
+            waiters, w.lock_waiters = w.lock_waiters, []
+            for fn in waiters:
+                fn()
         self._kick(w)
 
     def _transfer_done(self, req: Req) -> None:
+        assert req.decode is not None
+        self._under_lock(req.decode, lambda: self._committed(req))
+
+    def _committed(self, req: Req) -> None:
+        """The decode worker committed the KV: the prefill result (the first token) goes back to the router."""
         assert req.prefill is not None and req.decode is not None
         self.router.change(req.prefill, inflight=-1, pending=-req.prompt_len)
         req.t_first = self.now + self.ov.result_s

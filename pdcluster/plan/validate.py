@@ -115,15 +115,18 @@ def format_table(f: dict[str, Any]) -> str:
              (f"calibrated on {f['calibration_run']} (not in the table): step x{ov['step_scale']:.3f}, router "
               f"{ov['router_s'] * 1e3:.1f} ms, decode call {ov['decode_call_s'] * 1e3:.1f} ms")
              if f["calibration_run"] else "not calibrated: engine profile and transfer model only",
+             "each cell: predicted/measured (error); SLO: share of requests meeting both SLOs, predicted/measured",
              f"{'run':38} {'workload':14} {'TTFT p50 ms':>20} {'TTFT p99 ms':>20} {'ITL p50 ms':>18} "
-             f"{'ITL p99 ms':>18}  ok"]
+             f"{'ITL p99 ms':>18} {'SLO':>10}  ok"]
     for r in f["rows"]:
         cells = []
         for key, width in (("ttft_p50", 20), ("ttft_p99", 20), ("itl_p50", 18), ("itl_p99", 18)):
             c = r[key]
             cells.append(f"{c['predicted']:.0f}/{c['measured']:.0f} ({c['error_pct']:+.0f}%)".rjust(width))
         ok = "yes" if r["within_tolerance"] else "no"
-        lines.append(f"{r['run'][:38]:38} {r['workload']:14} {' '.join(cells)}  {ok}")
+        att = r["slo_attainment"]
+        slo = f"{att['predicted']:.2f}/{att['measured']:.2f}" if att["measured"] is not None else ""
+        lines.append(f"{r['run'][:38]:38} {r['workload']:14} {' '.join(cells)} {slo:>10}  {ok}")
     lines.append(f"{f['runs_within_tolerance']} of {len(f['rows'])} runs within {f['tolerance_pct']:g}% on all four; "
                  f"configs with such a run: {', '.join(f['configs_within_tolerance']) or 'none'}")
     return "\n".join(lines)
