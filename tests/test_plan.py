@@ -257,6 +257,19 @@ def test_search_returns_the_cheapest_feasible_split_and_its_yaml_loads(tmp_path)
     assert text.startswith("# planned\n")
 
 
+@pytest.mark.parametrize("path", ["deploy/planned-h100.yaml", "deploy/planned-h100-70b.yaml"])
+def test_the_committed_plans_load_with_the_sizes_their_header_states(path):
+    import re
+
+    text = open(path).read()
+    m = re.search(r"^# Plan: (\d+) prefill \+ (\d+) decode workers = (\d+) GPUs \((\d+) per worker\)", text, re.M)
+    assert m and text.startswith("# Produced by `pdcluster plan search`")
+    p, d, gpus, per = map(int, m.groups())
+    cfg = ClusterConfig.from_yaml(path)
+    assert (cfg.mode, cfg.prefill.replicas, cfg.decode.replicas) == ("disaggregated", p, d)
+    assert cfg.decode.num_gpus == per and (p + d) * per == gpus
+
+
 def test_a_colocated_plan_copies_the_decode_pool():
     text = plan_yaml.render("deploy/gpu-cluster.yaml", "colocated", {"colocated": 5}, ["x"], 1)
     cfg = ClusterConfig.from_yaml_text(text)

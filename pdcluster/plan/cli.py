@@ -10,6 +10,16 @@ from typing import Any
 from pdcluster.bench.report import emit
 
 FMT = argparse.ArgumentDefaultsHelpFormatter
+PLAN_HELP = """Size a cluster before buying it: profile the engine, simulate the cluster, search prefill:decode counts.
+
+examples:
+  pdcluster plan profile                                  # time engine steps here -> results/profile_cpu.json
+  pdcluster plan describe --profile h100:llama-3.1-70b    # the ESTIMATED roofline step model of a GPU worker
+  pdcluster plan simulate --config deploy/bench-disagg.yaml --workload mixed --rate 0.5 --num-requests 60
+  pdcluster plan search --profile h100 --workload summarization --rate 100 --slo-ttft-ms 300 --slo-itl-ms 15
+  pdcluster plan validate --measured results/bench_compare.json --calibrate-on "disaggregated 1P+1D@0.4"
+  pdcluster plan scale                                    # 1,024 H100s, 50,000 requests: wall seconds
+"""
 CPU_PROFILE = "results/profile_cpu.json"
 
 
@@ -41,7 +51,8 @@ def _profile_arg(p: argparse.ArgumentParser, default: str) -> None:
 
 def add_arguments(sub: Any) -> None:
     """Register `plan` and its subcommands on the top-level subparsers."""
-    plan = sub.add_parser("plan", help="profile the engine, simulate a cluster, size P:D for SLOs, validate, scale")
+    plan = sub.add_parser("plan", help="profile the engine, simulate a cluster, size P:D for SLOs, validate, scale",
+                          description=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     psub = plan.add_subparsers(dest="plan", required=True)
     p = psub.add_parser("profile", help="time real engine steps here (1 thread, 1 core) and fit the step model",
                         formatter_class=FMT)
@@ -51,6 +62,11 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=CPU_PROFILE)
     p.add_argument("--json", action="store_true")
+
+    d = psub.add_parser("describe", help="print a profile's step model (measured, or ESTIMATED for a GPU)",
+                        formatter_class=FMT)
+    d.add_argument("--profile", default=CPU_PROFILE, help="a profile JSON, or h100 / h200[:model]")
+    d.add_argument("--json", action="store_true")
 
     s = psub.add_parser("simulate", help="predict TTFT/ITL of a workload on a cluster", formatter_class=FMT)
     _profile_arg(s, CPU_PROFILE)
@@ -173,6 +189,12 @@ def run(args: argparse.Namespace) -> int:
         with open(steps_out, "w") as f:
             json.dump(rows, f)
         log(f"saved {args.out} and the measured steps in {steps_out}")
+        print(prof.model_dump_json(indent=2) if args.json else describe(prof))
+        return 0
+    if args.plan == "describe":
+        from pdcluster.plan.profile import describe
+
+        prof = _profile(args)
         print(prof.model_dump_json(indent=2) if args.json else describe(prof))
         return 0
     if args.plan in ("simulate", "scale"):

@@ -177,8 +177,8 @@ def fit_stats(model: StepModel, rows: Sequence[dict[str, Any]]) -> FitStats:
 def describe(p: Profile) -> str:
     """A few lines a person can check: the coefficients and what they mean for prefill and decode."""
     s = p.step
-    lines = [f"profile {p.hardware} / {p.model} ({'ESTIMATED from published specs' if p.estimated else 'measured'}"
-             f"; {p.threads} thread(s), {p.gpus_per_worker} per worker)",
+    kind = "ESTIMATED from published specs" if p.estimated else f"measured, {p.threads} torch thread(s)"
+    lines = [f"profile {p.hardware} / {p.model} ({kind}; a worker costs {p.gpus_per_worker})",
              f"  step = {s.c0_s * 1e3:.2f} ms + {s.c_tok_s * 1e3:.4f} ms x max(tokens, {s.knee_tokens:g}) + "
              f"{s.c_seq_s * 1e3:.3f} ms x samples + {s.c_dec_key_s * 1e6:.4f} us x decode keys ({s.decode_attention})"
              f" + {s.c_pre_pair_s * 1e9:.4f} ns x prefill pairs",
