@@ -20,9 +20,9 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['label']} | {r['workload']['rate']:g} | {s['completed']} / {s['failed']} | "
             f"{_ms(t, 'p50')} / {_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(i, 'p50')} / {_ms(i, 'p90')} / "
-            f"{_ms(i, 'p99')} | {_ms(s['tpot_ms'], 'p50')} | {_ms(e, 'p50')} / {_ms(e, 'p99')} | {s['req_per_s']:.2f} | "
-            f"{s['output_tok_per_s']:.1f} | {s['prefix_hit_rate']:.2f} | {s['transfer_ms']['p50']:.1f} | "
-            f"{100 * s['slo_attainment']:.0f}% |")
+            f"{_ms(i, 'p99')} | {_ms(s['tpot_ms'], 'p50')} | {_ms(e, 'p50')} / {_ms(e, 'p99')} | "
+            f"{s['req_per_s']:.2f} | {s['output_tok_per_s']:.1f} | {s['prefix_hit_rate']:.2f} | "
+            f"{s['transfer_ms']['p50']:.1f} | {100 * s['slo_attainment']:.0f}% |")
     return "\n".join(lines)
 
 
