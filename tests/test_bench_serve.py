@@ -89,3 +89,15 @@ def test_goodput_is_the_highest_rate_meeting_90_percent():
     assert stats.goodput([(1.0, 0.5)]) == {"goodput_req_per_s": None, "goodput_estimate_req_per_s": None}
     # a dip below and back above does not count: goodput is the rate before the first miss
     assert stats.goodput([(1.0, 0.95), (2.0, 0.8), (3.0, 0.92)])["goodput_req_per_s"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_bench_cluster_that_cannot_start_fails_with_its_own_message():
+    from pdcluster.bench.cluster_proc import load, serving
+
+    config = load("deploy/bench-disagg.yaml", routing="round_robin")
+    assert config.router.routing == "round_robin" and config.router.port == 0 and not config.http.enabled
+    config.ray.num_cpus = 1  # the two pools reserve 2 CPUs: `serve` refuses to start, naming them
+    with pytest.raises(RuntimeError, match="did not start(.|\n)*the pools need 2 CPU"):
+        with serving(config, "too small", start_timeout_s=120):
+            pass

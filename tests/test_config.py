@@ -135,6 +135,10 @@ BAD = {
     "ray.num_cpus with address auto": (lines("ray:", "  address: auto", "  num_cpus: 4"), "ray.num_cpus", 3,
                                        ["address 'local'"]),
     "bad ray address": (lines("ray:", "  address: somewhere"), "ray.address", 2, ["'auto'"]),
+    "empty core list": (lines("decode:", "  cpu_affinity: [[0], []]"), "decode.cpu_affinity", 2, ["at least one core"]),
+    "negative core": (lines("prefill:", "  cpu_affinity: [[-1]]"), "prefill.cpu_affinity.0.0", 2,
+                      ["greater than or equal to 0"]),
+    "unknown prefill order": (lines("prefill:", "  prefill_order: lifo"), "prefill.prefill_order", 2, ["fcfs"]),
     "bad redis scheme": (lines("redis:", "  url: http://redis:6379"), "redis.url", 2, ["redis://"]),
     "key_prefix with a space": (lines("redis:", "  key_prefix: my prefix"), "redis.key_prefix", 2, ["pattern"]),
     "port out of range": (lines("router:", "  host: 0.0.0.0", "  port: 70000"), "router.port", 3, ["65535"]),
@@ -189,6 +193,24 @@ def test_engine_config_maps_the_pool_fields():
     assert (ec.num_blocks, ec.block_size, ec.max_num_batched_tokens, ec.max_num_seqs) == (300, 32, 512, 8)
     assert (ec.max_model_len, ec.dtype, ec.num_threads, ec.kv_cache_memory_gb) == (4096, "bfloat16", 3, 2.5)
     assert PoolConfig().engine_config().num_blocks is None  # sized from kv_cache_memory_gb
+
+
+def test_cpu_affinity_cycles_over_the_actors_and_prefill_order_reaches_the_engine():
+    pool = PoolConfig(replicas=3, cpu_affinity=[[0], [1, 2]], prefill_order="shortest_first")
+    assert [pool.cpus(i) for i in range(3)] == [(0,), (1, 2), (0,)]
+    assert PoolConfig().cpus(0) == ()
+    assert pool.engine_config().prefill_order == "shortest_first"
+
+
+def test_pinning_an_actor_process_to_a_core_it_lacks_names_the_field():
+    from pdcluster.worker import pin_cpus
+
+    mine = tuple(sorted(os.sched_getaffinity(0)))
+    pin_cpus(mine)  # every thread of this process: a no-op change
+    assert tuple(sorted(os.sched_getaffinity(0))) == mine
+    with pytest.raises(ValueError, match="cpu_affinity: cannot pin to cores \\[4096\\]"):
+        pin_cpus((4096,))
+    assert tuple(sorted(os.sched_getaffinity(0))) == mine
 
 
 def test_transfer_config_carries_the_section():

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -69,17 +68,21 @@ def _drain(stream: object, tail: list[str]) -> None:
 
 
 def _wait_ready(proc: subprocess.Popen[str], timeout_s: float, tail: list[str]) -> str:
-    deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("pdcluster ready:"):
-            fields = dict(kv.split("=", 1) for kv in line.split()[2:])
-            threading.Thread(target=_drain, args=(proc.stdout, []), daemon=True).start()
-            return fields["grpc"]
-        if time.monotonic() > deadline:
-            break
+    # NOTE: a child that hangs without printing would block the read below forever; stopping it ends the read.
+    timer = threading.Timer(timeout_s, _stop, args=(proc,))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("pdcluster ready:"):
+                fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+                threading.Thread(target=_drain, args=(proc.stdout, []), daemon=True).start()
+                return fields["grpc"]
+    finally:
+        timer.cancel()
     _stop(proc)
-    raise RuntimeError("the benchmark cluster did not start:\n" + "".join(tail[-20:]))
+    raise RuntimeError(f"the benchmark cluster did not start (or not within {timeout_s:.0f} s):\n"
+                       + "".join(tail[-20:]))
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
