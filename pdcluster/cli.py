@@ -221,10 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         return {"chat": client.chat, "status": client.status, "generate": client.generate}[args.command](args)
     if args.command == "generate":
         return _generate(args)
-    if args.command == "bench":
-        return int(importlib.import_module(BENCHES[args.bench][0]).run(args))
-    if args.command == "plan":
-        from pdcluster.plan.cli import run as run_plan
+    if args.command in ("bench", "plan"):
+        try:
+            if args.command == "bench":
+                return int(importlib.import_module(BENCHES[args.bench][0]).run(args))
+            from pdcluster.plan.cli import run as run_plan
 
-        return run_plan(args)
+            return run_plan(args)
+        except (FileNotFoundError, ValueError) as e:  # bad input (a missing file, a rate <= 0, a bad YAML)
+            print(f"pdcluster {args.command}: error: {e}", file=sys.stderr)
+            return 2
     return 2

@@ -319,3 +319,12 @@ def test_profile_of_the_tiny_model_fits_its_own_steps(tmp_path):
     assert prof.fit is not None and prof.fit.mean_abs_pct < 30
     prof.save(str(tmp_path / "p.json"))
     assert Profile.load(str(tmp_path / "p.json")) == prof
+
+
+def test_plan_commands_answer_bad_input_with_a_message_and_exit_2(capsys):
+    from pdcluster.cli import main
+
+    assert main(["plan", "simulate", "--profile", "nope", "--workload", "mixed", "--rate", "1"]) == 2
+    assert "--profile: 'nope'" in capsys.readouterr().err
+    assert main(["plan", "simulate", "--profile", "h100", "--workload", "mixed", "--rate", "0"]) == 2
+    assert "rate" in capsys.readouterr().err

@@ -109,7 +109,11 @@ def add_arguments(sub: Any) -> None:
 def _profile(args: argparse.Namespace) -> Any:
     from pdcluster.plan.hardware import resolve_profile
 
-    return resolve_profile(args.profile)
+    try:
+        return resolve_profile(args.profile)
+    except FileNotFoundError:
+        raise ValueError(f"--profile: {args.profile!r} is neither a profile JSON (`pdcluster plan profile` writes "
+                         f"one) nor h100 / h200") from None
 
 
 def _overheads(args: argparse.Namespace, profile: Any) -> Any:
