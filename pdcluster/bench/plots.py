@@ -34,8 +34,13 @@ def latency_cdfs(runs: Sequence[dict[str, Any]], path: str, title: str) -> str:
         _cdf(axes[0], [r["ttft_ms"] for r in ok], label)
         _cdf(axes[1], [g for r in ok for g in r["itl_ms"]], label)
         _cdf(axes[2], [r["e2e_ms"] for r in ok], label)
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     for ax, name in zip(axes, ("TTFT (ms)", "inter-token latency (ms)", "end-to-end latency (ms)")):
         ax.set_xscale("log")
+        # NOTE: plain numbers at the decades only; labelled minor ticks of a log axis run into each other
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of requests" if name.startswith(("TTFT", "end")) else "fraction of gaps")
         ax.grid(True, which="both", alpha=0.3)
