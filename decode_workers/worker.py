@@ -35,7 +35,7 @@ class DecodeWorker(Worker):
     def __init__(self, spec: WorkerSpec, loaded: LoadedModel | None = None) -> None:
         self.kv: ReceiverEndpoint | None = None  # NOTE: set first: the heartbeat thread may ask for kv_address
         super().__init__(spec, loaded)
-        self.kv = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.lock,
+        self.kv = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.between_steps,
                                    host=node_address(self.spec.kv_host))
 
     @property

@@ -26,6 +26,9 @@ T = TypeVar("T")
 Sink = Callable[[RequestOutput], None]
 
 
+HANDOVER_MAX_S = 0.02  # the longest the loop pauses between steps for callers waiting on the engine lock
+
+
 class EngineLoop:
     """One engine, one stepping thread, one lock; callers never step the engine themselves."""
 
@@ -38,17 +41,16 @@ class EngineLoop:
         self._on_step = on_step
         self._waiting_callers = 0  # callers blocked on the lock: the loop lets them in between steps
         self._count_lock = threading.Lock()
+        # NOTE: for code that holds the engine outside `call` (the KV receiver reserves and commits under it): a
+        # plain `with lock` can lose the race to the stepping thread for several steps; this waits like `call`.
+        self.between_steps = _BetweenSteps(self)
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-loop")
         self._thread.start()
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` between two steps and wake the loop (new work may have arrived)."""
-        with self._count_lock:
-            self._waiting_callers += 1
-        with self._wake:
-            with self._count_lock:
-                self._waiting_callers -= 1
+        with self.between_steps:
             result = fn(self.engine)
             self._wake.notify()
             return result
@@ -106,11 +108,33 @@ class EngineLoop:
                         log.exception("output of %s could not be delivered; aborting it", out.request_id)
                         self._sinks.pop(out.request_id, None)
                         self.engine.abort_request(out.request_id)
-            if self._waiting_callers > 0:
-                time.sleep(0.0005)  # NOTE: Python locks are not fair; without this a caller could wait many steps
+            # NOTE: Python locks are not fair: without a pause the loop could take the lock again before a waiting
+            # caller wakes, for many steps. Pause until those waiting now are in (bounded: new ones may keep coming).
+            deadline = time.monotonic() + HANDOVER_MAX_S
+            while self._waiting_callers > 0 and time.monotonic() < deadline:
+                time.sleep(0.0002)
 
     def _abort_all(self) -> None:
         for rid, sink in list(self._sinks.items()):
             self.engine.abort_request(rid)
             sink(RequestOutput(rid, [], "", True, "abort"))
         self._sinks.clear()
+
+
+class _BetweenSteps:
+    """The engine lock as a context manager that the loop hands over between two steps (reusable, reentrant)."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop = loop
+
+    def __enter__(self) -> _BetweenSteps:
+        loop = self._loop
+        with loop._count_lock:
+            loop._waiting_callers += 1
+        loop.lock.acquire()
+        with loop._count_lock:
+            loop._waiting_callers -= 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.lock.release()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 from engine.kv_export import KVLayout
 from engine.llm_engine import LLMEngine
@@ -40,8 +42,9 @@ def open_sender(config: TransferConfig, address: str, request_id: str, layout: K
 class ReceiverEndpoint:
     """Everything a decode worker serves to receive KV: the receiver, its gRPC service, and torch pair groups."""
 
-    def __init__(self, engine: LLMEngine, config: TransferConfig, *, engine_lock: threading.RLock | None = None,
-                 host: str = "127.0.0.1", port: int = 0, local_name: str | None = None) -> None:
+    def __init__(self, engine: LLMEngine, config: TransferConfig, *,
+                 engine_lock: AbstractContextManager[Any] | None = None, host: str = "127.0.0.1", port: int = 0,
+                 local_name: str | None = None) -> None:
         self.config = config
         self.receiver = KVReceiver(engine, engine_lock)
         self.local_name = local_name
@@ -72,7 +75,7 @@ class ReceiverEndpoint:
 
 
 def send_held_kv(engine: LLMEngine, config: TransferConfig, address: str, request_id: str, *, sender_id: str = "",
-                 retries: int = 0, engine_lock: threading.RLock | None = None,
+                 retries: int = 0, engine_lock: AbstractContextManager[Any] | None = None,
                  make_sender: Callable[..., KVSender] = open_sender) -> KVSender:
     """Send the KV a finished prefill holds (`hold_kv=True`) and wait; retry retryable failures `retries` times.
 

@@ -17,7 +17,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,7 +65,7 @@ class Inbound:
 class KVReceiver:
     """Holds the inbound transfers of one engine; transports hand it what arrives (plain class, thread-safe)."""
 
-    def __init__(self, engine: LLMEngine, engine_lock: threading.RLock | None = None, *,
+    def __init__(self, engine: LLMEngine, engine_lock: AbstractContextManager[Any] | None = None, *,
                  max_deadline_s: float = 120.0, reap_interval_s: float = 0.05) -> None:
         self.engine = engine
         self.engine_lock = engine_lock or threading.RLock()  # NOTE: the decode loop steps under this same lock
