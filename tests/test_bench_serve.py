@@ -101,3 +101,26 @@ def test_a_bench_cluster_that_cannot_start_fails_with_its_own_message():
     with pytest.raises(RuntimeError, match="did not start(.|\n)*the pools need 2 CPU"):
         with serving(config, "too small", start_timeout_s=120):
             pass
+
+
+@pytest.mark.slow
+def test_bench_compare_runs_both_routings_on_fresh_clusters_and_reports_the_ratio(tmp_path):
+    import json
+
+    from pdcluster.cli import main
+
+    out = tmp_path / "compare.json"
+    assert main(["bench", "compare", "--only", "routing", "--routing-rates", "4", "--routing-num-requests", "4",
+                 "--input-scale", "0.1", "--output-scale", "0.1", "--warmup-requests", "1", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    by = {r["routing"]: r["summary"] for r in figures["runs"]}
+    assert set(by) == {"prefix_aware", "round_robin"} and all(s["completed"] == 4 for s in by.values())
+    # follow-up turns go back to the decode worker holding the conversation, which prefills the rest itself
+    assert by["prefix_aware"]["prefill_skipped"] >= 1 and by["round_robin"]["prefill_skipped"] == 0
+    (row,) = figures["prefix_aware_vs_round_robin"]
+    assert row["ttft_p50_ratio"] == pytest.approx(row["ttft_p50_ms"][0] / row["ttft_p50_ms"][1], abs=1e-3)
+    assert "disaggregated_vs_colocated" not in figures
+    assert [p.rsplit("_", 2)[-2:] for p in figures["plots"]] == [["routing", "cdf.png"], ["routing", "slo.png"]]
+    md = (tmp_path / "compare.md").read_text()
+    assert md.count("| prefix-aware | 4 |") == 1 and md.count("| round-robin | 4 |") == 1
+    assert "| prefix-aware (A) vs round-robin (B) | shared_prompt | 4 | TTFT p50 (ms) |" in md

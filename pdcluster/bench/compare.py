@@ -97,26 +97,27 @@ def format_rows(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# name → (key of its rows in the output, the function that runs it, its plots' title)
+COMPARISONS = {
+    "mode": ("disaggregated_vs_colocated", mode_comparison,
+             lambda a: f"{a.workload}: disaggregated vs colocated (the same cores)"),
+    "routing": ("prefix_aware_vs_round_robin", routing_comparison,
+                lambda a: f"{a.routing_workload}: prefix-aware vs round-robin routing"),
+}
+
+
 def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"plots": []}
     stem = os.path.splitext(args.out)[0]
-    plot_files = []
-    if args.only in (None, "mode"):
-        mode_runs, extra["disaggregated_vs_colocated"] = mode_comparison(args)
-        runs += mode_runs
+    for name, (key, compare, title) in COMPARISONS.items():
+        if args.only not in (None, name):
+            continue
+        these, extra[key] = compare(args)
+        runs += these
         if not args.no_plots:
-            title = f"{args.workload}: disaggregated vs colocated (same 2 cores)"
-            plot_files += [plots.latency_cdfs(mode_runs, stem + "_mode_cdf.png", title),
-                           plots.attainment_vs_rate(mode_runs, stem + "_mode_slo.png", title)]
-    if args.only in (None, "routing"):
-        routing_runs, extra["prefix_aware_vs_round_robin"] = routing_comparison(args)
-        runs += routing_runs
-        if not args.no_plots:
-            title = f"{args.routing_workload}: prefix-aware vs round-robin routing"
-            plot_files += [plots.latency_cdfs(routing_runs, stem + "_routing_cdf.png", title),
-                           plots.attainment_vs_rate(routing_runs, stem + "_routing_slo.png", title)]
+            extra["plots"] += [plots.latency_cdfs(these, f"{stem}_{name}_cdf.png", title(args)),
+                               plots.attainment_vs_rate(these, f"{stem}_{name}_slo.png", title(args))]
     args.no_plots = True  # NOTE: drawn per comparison above; `finish` would mix both workloads in one plot
-    extra["plots"] = plot_files
     extra["summary"] = format_rows(extra)
     return finish("compare", runs, args, extra)
