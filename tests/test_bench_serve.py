@@ -124,3 +124,16 @@ def test_bench_compare_runs_both_routings_on_fresh_clusters_and_reports_the_rati
     md = (tmp_path / "compare.md").read_text()
     assert md.count("| prefix-aware | 4 |") == 1 and md.count("| round-robin | 4 |") == 1
     assert "| prefix-aware (A) vs round-robin (B) | shared_prompt | 4 | TTFT p50 (ms) |" in md
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["bench", "serve", "--rates", "0,1"], "--rates: every rate must be > 0"),
+    (["bench", "serve", "--rates", "fast"], "--rates: expected numbers"),
+    (["bench", "compare", "--routing-rates", "-1"], "--routing-rates: every rate must be > 0"),
+    (["bench", "serve", "--config", "deploy/nope.yaml"], "no such file"),
+])
+def test_bad_bench_options_fail_before_any_cluster_starts(argv, words, capsys):
+    from pdcluster.cli import main
+
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err

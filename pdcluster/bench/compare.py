@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from pdcluster.bench import plots
-from pdcluster.bench.serve import add_workload_arguments, finish, sweep
+from pdcluster.bench.serve import add_workload_arguments, finish, rates_of, sweep
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +107,8 @@ COMPARISONS = {
 
 
 def run(args: argparse.Namespace) -> int:
+    rates_of(args.rates)  # NOTE: bad input fails here, before a cluster is started for it
+    rates_of(args.routing_rates, "--routing-rates")
     runs: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"plots": []}
     stem = os.path.splitext(args.out)[0]

@@ -52,13 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/bench_serve.json")
 
 
-def rates_of(args: argparse.Namespace) -> list[float]:
+def rates_of(text: str, option: str = "--rates") -> list[float]:
+    """The rates of a comma-separated option, or a ValueError naming it."""
     try:
-        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+        rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
-        raise SystemExit(f"--rates: expected numbers like 0.5,1,2, got {args.rates!r}") from None
+        raise ValueError(f"{option}: expected numbers like 0.5,1,2, got {text!r}") from None
     if not rates or min(rates) <= 0:
-        raise SystemExit("--rates: every rate must be > 0")
+        raise ValueError(f"{option}: every rate must be > 0, got {text!r}")
     return rates
 
 
@@ -66,7 +67,7 @@ def sweep(addr: str, args: argparse.Namespace, label: str, meta: dict[str, Any])
     """Run the workload at every rate of `args.rates` against `addr`; one run object per rate."""
     slo = stats.Slo(args.slo_ttft_ms, args.slo_itl_ms)
     runs = []
-    for i, rate in enumerate(rates_of(args)):
+    for i, rate in enumerate(rates_of(args.rates)):
         _warm_up(addr, args)
         w = build(args.workload, rate, args.num_requests, args.seed, input_scale=args.input_scale,
                   output_scale=args.output_scale, salt=i + 1)
@@ -190,6 +191,7 @@ def machine() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    rates_of(args.rates)  # NOTE: bad input fails here, before a cluster is started for it
     if args.addr:
         st = asyncio.run(cluster_status(args.addr, args.api_key))
         meta = {"addr": args.addr, "mode": st.mode}
