@@ -9,7 +9,9 @@ Each step has a token budget (`max_num_batched_tokens`):
    cached prefix.
 `prefill_order` orders the prompt work of steps 1 and 2: "fcfs" (arrival order, the default) or
 "shortest_first" (fewest prompt tokens left first; preempted sequences still go first), which lets a short
-prompt overtake a long one mid-prefill, as a prefill worker behind a TTFT objective wants.
+prompt overtake a long one mid-prefill, as a prefill worker behind a TTFT objective wants. A long prompt still
+gets whatever budget the short ones leave in each step; it waits only while short prompts fill whole steps, i.e.
+when the worker is past its capacity anyway.
 Requests join and leave the running batch at every step. The scheduler never touches tensors.
 """
 
