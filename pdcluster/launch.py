@@ -37,7 +37,7 @@ def worker_env(torch_threads: int) -> dict[str, str]:
     # NOTE: every decode step gathers batch x context x KV bytes per layer into fresh tensors of several MB. Above
     # glibc's mmap threshold (128 KiB until a big chunk has been freed) each one is a fresh mmap, page-faulted in
     # and unmapped again; the largest fixed threshold (32 MiB) and a high trim threshold keep them on the heap
-    # (batch 16 at 1,000 tokens of context, one thread: 345 -> 275-307 ms per step in a fresh process).
+    # (see pdcluster/plan/README.md, "What the profiling found in the engine").
     return {"PYTHONPATH": path, "OMP_NUM_THREADS": str(torch_threads), "OMP_WAIT_POLICY": "PASSIVE",
             "RAY_USAGE_STATS_ENABLED": "0", "GRPC_VERBOSITY": "ERROR",
             "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -85,7 +85,7 @@ class Cluster:
         try:
             for role, pool in cfg.pools().items():
                 for i in range(pool.replicas):
-                    self._start_actor(f"{role}-{i}", role, pool)
+                    self._start_actor(role, i, pool)
             names = list(self.actors)
             infos = ray.get([self.actors[n].info.remote() for n in names], timeout=WORKER_START_TIMEOUT_S)
             self.infos = dict(zip(names, infos))
@@ -114,16 +114,17 @@ class Cluster:
         self._attached = True
         return self
 
-    def _start_actor(self, name: str, role: str, pool: Any) -> None:
+    def _start_actor(self, role: str, index: int, pool: Any) -> None:
         from decode_workers.actor import DecodeActor
         from prefill_workers.actor import PrefillActor
 
         cfg = self.config
+        name = f"{role}-{index}"
         transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token)
         spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
-                          cpus=pool.cpus(int(name.rsplit("-", 1)[1])))
+                          cpus=pool.cpus(index))
         cls = PrefillActor if role == "prefill" else DecodeActor
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,

@@ -45,22 +45,31 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
+def _rows(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], latencies: list[tuple[str, str]],
+          shares: list[str]) -> list[dict[str, Any]]:
+    """Per rate, A's figure and B's side by side: `{metric}_{pct}_ms` = [A, B] and its ratio A / B for each latency
+    (e.g. ("itl", "p99")), `[A, B]` for each share (e.g. "slo_attainment")."""
+    rows = []
+    for a in a_runs:
+        b = next(r for r in b_runs if r["workload"]["rate"] == a["workload"]["rate"])
+        sa, sb = a["summary"], b["summary"]
+        row: dict[str, Any] = {"rate": a["workload"]["rate"], "workload": a["workload"]["name"]}
+        for metric, pct in latencies:
+            va, vb = sa[f"{metric}_ms"][pct], sb[f"{metric}_ms"][pct]
+            row[f"{metric}_{pct}_ms"] = [va, vb]
+            row[f"{metric}_{pct}_ratio"] = _ratio(va, vb)
+        for key in shares:
+            row[key] = [sa[key], sb[key]]
+        rows.append(row)
+    return rows
+
+
 def mode_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Disaggregated vs colocated at every rate: the runs, and per rate the ratios."""
-    runs = (_cluster_runs(args.disagg_config, None, "disaggregated 1P+1D", args)
-            + _cluster_runs(args.colocated_config, None, "colocated 2x", args))
-    rows = []
-    for d in (r for r in runs if r["mode"] == "disaggregated"):
-        c = next(r for r in runs if r["mode"] == "colocated" and r["workload"]["rate"] == d["workload"]["rate"])
-        ds, cs = d["summary"], c["summary"]
-        rows.append({"rate": d["workload"]["rate"], "workload": d["workload"]["name"],
-                     "itl_p99_ms": [ds["itl_ms"]["p99"], cs["itl_ms"]["p99"]],
-                     "ttft_p50_ms": [ds["ttft_ms"]["p50"], cs["ttft_ms"]["p50"]],
-                     "itl_p99_ratio": _ratio(ds["itl_ms"]["p99"], cs["itl_ms"]["p99"]),
-                     "ttft_p50_ratio": _ratio(ds["ttft_ms"]["p50"], cs["ttft_ms"]["p50"]),
-                     "tpot_p99_ratio": _ratio(ds["tpot_ms"]["p99"], cs["tpot_ms"]["p99"]),
-                     "slo_attainment": [ds["slo_attainment"], cs["slo_attainment"]]})
-    return runs, rows
+    disagg = _cluster_runs(args.disagg_config, None, "disaggregated 1P+1D", args)
+    colocated = _cluster_runs(args.colocated_config, None, "colocated 2x", args)
+    rows = _rows(disagg, colocated, [("itl", "p99"), ("ttft", "p50"), ("tpot", "p99")], ["slo_attainment"])
+    return disagg + colocated, rows
 
 
 def routing_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -68,19 +77,10 @@ def routing_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
     rargs = copy.copy(args)
     rargs.workload, rargs.rates, rargs.num_requests = args.routing_workload, args.routing_rates, \
         args.routing_num_requests
-    runs = (_cluster_runs(args.routing_config, "prefix_aware", "prefix-aware", rargs)
-            + _cluster_runs(args.routing_config, "round_robin", "round-robin", rargs))
-    rows = []
-    for a in (r for r in runs if r["routing"] == "prefix_aware"):
-        b = next(r for r in runs if r["routing"] == "round_robin" and r["workload"]["rate"] == a["workload"]["rate"])
-        sa, sb = a["summary"], b["summary"]
-        rows.append({"rate": a["workload"]["rate"], "workload": a["workload"]["name"],
-                     "ttft_p50_ms": [sa["ttft_ms"]["p50"], sb["ttft_ms"]["p50"]],
-                     "ttft_p50_ratio": _ratio(sa["ttft_ms"]["p50"], sb["ttft_ms"]["p50"]),
-                     "ttft_p99_ratio": _ratio(sa["ttft_ms"]["p99"], sb["ttft_ms"]["p99"]),
-                     "prefix_hit_rate": [sa["prefix_hit_rate"], sb["prefix_hit_rate"]],
-                     "slo_attainment": [sa["slo_attainment"], sb["slo_attainment"]]})
-    return runs, rows
+    aware = _cluster_runs(args.routing_config, "prefix_aware", "prefix-aware", rargs)
+    rr = _cluster_runs(args.routing_config, "round_robin", "round-robin", rargs)
+    rows = _rows(aware, rr, [("ttft", "p50"), ("ttft", "p99")], ["prefix_hit_rate", "slo_attainment"])
+    return aware + rr, rows
 
 
 def format_rows(f: dict[str, Any]) -> str:

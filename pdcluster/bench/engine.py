@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pdcluster.bench.report import emit, log
+from pdcluster.bench.report import emit, log, machine
 
 DEFAULT_OUT = "results/bench_engine.json"
 
@@ -149,8 +148,7 @@ def measure(args: argparse.Namespace) -> dict:
     ours_b1 = results["decode"].get("1", {}).get("ours_tok_s")
     return {
         "model": cfg.name, "model_id": cfg.model_id, "dtype": "float32", "threads": args.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch": torch.__version__},
+        "machine": machine(),
         "workload": {"prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
                      "decode_tokens": args.decode_tokens, "repeats": args.repeats},
         **results,

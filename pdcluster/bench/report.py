@@ -9,6 +9,21 @@ from collections.abc import Callable
 from typing import Any
 
 
+def machine() -> dict[str, Any]:
+    """What every bench records about where it ran: CPU model, cores, torch and Python versions."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+
+
 def log(bench: str, msg: str) -> None:
     print(f"[bench {bench}] {msg}", file=sys.stderr, flush=True)
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from pdcluster.bench import markdown, plots, stats
-from pdcluster.bench.report import emit, log
+from pdcluster.bench.report import emit, log, machine
 from pdcluster.bench.runner import RequestRecord, cluster_status, run_workload
 from pdcluster.bench.workloads import WORKLOADS, Session, Workload, build
 
@@ -165,7 +165,7 @@ def finish(bench: str, runs: list[dict[str, Any]], args: argparse.Namespace, ext
                                "goodput": goodputs(runs), "runs": runs}
     if not args.no_plots:
         stem = os.path.splitext(args.out)[0]
-        title = f"{args.workload} workload, {machine()['cpus']} cores"
+        title = f"{args.workload} workload, {machine()['cores']} cores"
         figures["plots"] = [plots.latency_cdfs(runs, stem + "_cdf.png", title),
                             plots.attainment_vs_rate(runs, stem + "_slo.png", title)]
     md = os.path.splitext(args.out)[0] + ".md"
@@ -174,20 +174,6 @@ def finish(bench: str, runs: list[dict[str, Any]], args: argparse.Namespace, ext
         f.write(markdown.render(figures))
     log(bench, f"saved {md}")
     return emit(bench, figures, args.out, args.json, format_table)
-
-
-def machine() -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,11 +29,11 @@ class Slo:
     itl_ms: float
 
 
-def dist(values: Sequence[float]) -> dict[str, float]:
+def dist(values: Sequence[float] | np.ndarray) -> dict[str, float]:
     """mean, p50, p90, p99 (linear interpolation, as numpy and vLLM's benchmark); zeros when empty."""
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     a = np.asarray(values, dtype=float)
+    if a.size == 0:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
     return {"mean": round(float(a.mean()), 2), "p50": round(float(p50), 2), "p90": round(float(p90), 2),
             "p99": round(float(p99), 2)}

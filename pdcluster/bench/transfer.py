@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdcluster.bench.report import emit, log
+from pdcluster.bench.report import emit, log, machine
 from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, kv_crc, kv_receiver, tcp_sink
 from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender
 
@@ -142,8 +141,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             peer.close()
     return {
         "model": cfg.name, "model_id": cfg.model_id, "dtype": sender.engine.kv_layout.dtype,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch": torch.__version__},
+        "machine": machine(),
         "payload": {"tokens": args.tokens, "bytes": nbytes, "num_blocks": n_blocks, "num_layers": cfg.num_layers,
                     "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                     "block_size": sender.engine.config.block_size, "prefill_s": payload_prefill_s},

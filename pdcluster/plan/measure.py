@@ -13,13 +13,13 @@ The process pins itself to one core with one torch thread, as each benchmark wor
 from __future__ import annotations
 
 import os
-import platform
 import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+from pdcluster.bench.report import machine
 from pdcluster.plan.profile import FitStats, Profile, StepModel, TransferModel, fit_step_model, prefill_pairs
 
 # NOTE: defaults from BENCHMARKS.md "KV transfer": grpc moves ~0.85 GB/s here, and layer-wise sending leaves 3-5 ms
@@ -205,8 +205,8 @@ def profile_here(model: str = "smollm2", threads: int = 1, core: int | None = No
     secs = statistics.median(float(r["seconds"]) for r in numeric if r["kind"] == "decode")
     log(f"measured {len(numeric)} steps in {time.perf_counter() - started:.0f} s (median decode step "
         f"{secs * 1e3:.1f} ms)")
-    cpu = platform.processor() or platform.machine()
-    prof = Profile(hardware=f"cpu:{cpu} ({os.cpu_count()} cores), core {core}", model=model, threads=threads,
+    here = machine()
+    prof = Profile(hardware=f"cpu:{here['cpu']} ({here['cores']} cores), core {core}", model=model, threads=threads,
                    gpus_per_worker=1, estimated=False, source="measured by `pdcluster plan profile`",
                    step=step, transfer=TransferModel(bandwidth_gb_s=CPU_TRANSFER_GB_S, latency_s=CPU_TRANSFER_LATENCY_S,
                                                      num_layers=cfg.num_layers),

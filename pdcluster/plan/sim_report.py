@@ -7,23 +7,13 @@ TTFT ≤ the TTFT SLO and TPOT ≤ the ITL SLO (DistServe); a request that never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from pdcluster.bench.stats import dist
 from pdcluster.plan.sim_worker import Req
 from pdcluster.plan.simulator import Simulator
-
-
-def dist(values: Sequence[float] | np.ndarray) -> dict[str, float]:
-    """mean, p50, p90, p99 (linear interpolation, as the bench); zeros when empty."""
-    a = np.asarray(values, dtype=float)
-    if a.size == 0:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"mean": round(float(a.mean()), 2), "p50": round(float(p50), 2), "p90": round(float(p90), 2),
-            "p99": round(float(p99), 2)}
 
 
 class Timings:
