@@ -29,7 +29,7 @@ test-fast: .install-stamp
 	$(PYTHON) -m pytest -q -m "not slow"
 
 lint: .install-stamp
-	ruff check . && mypy engine kv_transfer pdcluster router prefill_workers decode_workers
+	ruff check . && mypy engine kv_transfer cluster pdcluster router prefill_workers decode_workers
 
 bench-engine: .install-stamp
 	$(PYTHON) -m pdcluster bench engine

@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from cluster.messages import DecodeRequest, Delta
+from cluster.worker import WorkerActor, WorkerSpec
 from decode_workers.worker import DecodeWorker
-from pdcluster.messages import DecodeRequest, Delta
-from pdcluster.worker import WorkerActor, WorkerSpec
 
 
 @ray.remote

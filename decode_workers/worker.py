@@ -18,13 +18,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from cluster.logs import REQUEST_ID
+from cluster.messages import DecodeRequest, Delta
+from cluster.worker import Worker, WorkerSpec
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import ReceiverEndpoint
 from kv_transfer.receiver import KVReceiver
-from pdcluster.logs import REQUEST_ID
-from pdcluster.messages import DecodeRequest, Delta
-from pdcluster.worker import Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from kv_transfer.auth import CheckToken, add_token
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
 from kv_transfer.state import TransferError
-from pdcluster.v1 import kv_transfer_pb2 as pb
-from pdcluster.v1 import kv_transfer_pb2_grpc as pb_grpc
+from kv_transfer.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 MAX_MESSAGE = 80 << 20
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),

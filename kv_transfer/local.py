@@ -14,7 +14,7 @@ from kv_transfer import wire
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
 from kv_transfer.state import TransferError, as_transfer_error
-from pdcluster.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 _receivers: dict[str, KVReceiver] = {}
 _lock = threading.Lock()

@@ -31,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer import wire
 from kv_transfer.state import TransferError, TransferState
-from pdcluster.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 

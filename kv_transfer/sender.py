@@ -12,6 +12,7 @@ Life of an outbound transfer:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -25,8 +26,7 @@ import torch
 from engine.kv_export import KVExport, KVLayout
 from kv_transfer import wire
 from kv_transfer.state import TransferConfig, TransferError, TransferState
-from pdcluster.logs import REQUEST_ID
-from pdcluster.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,9 @@ class KVSender(ABC):
         self.transfer_id, self.cached_blocks, self.num_blocks = resp.transfer_id, resp.cached_blocks, resp.num_blocks
         self.state = TransferState.TRANSFERRING
         self._on_prepared(resp)
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"kv-send-{self.request_id}")
+        # NOTE: the thread runs in a copy of the caller's context, so its logs carry the caller's request id
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), daemon=True,
+                                        name=f"kv-send-{self.request_id}")
         self._thread.start()
         return self.cached_blocks
 
@@ -172,7 +174,6 @@ class KVSender(ABC):
             yield item
 
     def _run(self) -> None:
-        REQUEST_ID.set(self.request_id)  # NOTE: threads start with an empty context; logs carry the request
         try:
             self._send_layers(self._layers())
             if self.state.finished:

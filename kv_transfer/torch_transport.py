@@ -29,7 +29,7 @@ from kv_transfer import wire
 from kv_transfer.receiver import Inbound, KVReceiver
 from kv_transfer.sender import KVSender, Layer
 from kv_transfer.state import TransferError, TransferState
-from pdcluster.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import zlib
 import torch
 
 from engine.kv_export import KVLayout
-from pdcluster.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:

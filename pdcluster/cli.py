@@ -182,7 +182,7 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     body = None
-    from pdcluster import logs
+    from cluster import logs
 
     # NOTE: the demo prints its own story; only warnings of the cluster would distract from it
     logs.configure("router", "WARNING" if demo else config.logging.level, config.logging.format)

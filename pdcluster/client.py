@@ -11,8 +11,8 @@ from typing import Any, TextIO
 import grpc
 
 from kv_transfer.auth import AddMetadata
-from pdcluster.v1 import inference_pb2 as pb
-from pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from router.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2_grpc as pb_grpc
 
 
 def stub(addr: str, api_key: str | None = None, tls_ca: str | None = None) -> pb_grpc.InferenceStub:

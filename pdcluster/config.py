@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.messages import Role
 from pdcluster.yaml_source import ConfigError, ConfigIssue, line_of, parse
 
 if TYPE_CHECKING:
@@ -283,11 +284,11 @@ class ClusterConfig(BaseModel):
                                                            "must be 'cuda' (or use torch_backend 'gloo')")
         return self
 
-    def pools(self) -> dict[str, PoolConfig]:
+    def pools(self) -> dict[Role, PoolConfig]:
         """The pools this mode runs, by role: prefill and decode, or colocated."""
         if self.mode == "colocated":
-            return {"colocated": self.colocated}
-        return {"prefill": self.prefill, "decode": self.decode}
+            return {Role.COLOCATED: self.colocated}
+        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode}
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> ClusterConfig:

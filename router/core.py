@@ -21,15 +21,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.logs import REQUEST_ID
+from cluster.messages import Role, WorkerInfo, WorkerLoad
 from engine.block_hash import hash_prompt_blocks
 from engine.tokenizer import Tokenizer
-from pdcluster.logs import REQUEST_ID
-from pdcluster.messages import WorkerInfo
-from pdcluster.v1 import inference_pb2 as pb
 from router.errors import Overloaded
 from router.flow import RequestRun
 from router.metrics import RouterMetrics
 from router.policy import Policy, WorkerView
+from router.v1 import inference_pb2 as pb
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class WorkerHandle:
     """One worker as the router sees it: its Ray actor, what it said at start, and its load."""
 
     name: str
-    role: str
+    role: Role
     actor: Any  # ray.actor.ActorHandle
     info: WorkerInfo
     view: WorkerView
@@ -58,10 +58,10 @@ class Router:
         if not workers:
             raise ValueError("a router needs workers")
         self.workers = {w.name: w for w in workers}
-        self.prefill = [w for w in workers if w.role == "prefill"]
-        self.decode = [w for w in workers if w.role in ("decode", "colocated")]
+        self.prefill = [w for w in workers if w.role is Role.PREFILL]
+        self.decode = [w for w in workers if w.role.decodes]
         self.info = workers[0].info
-        self.index = index  # router.prefix_index.PrefixIndex, or None without Redis
+        self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
         self.model, self.mode = model, mode
         self.max_inflight = max_inflight
         self.request_timeout_s = request_timeout_s
@@ -213,15 +213,14 @@ class Router:
         now = time.time()
         for name, w in self.workers.items():
             s = live.get(name)
-            load = s.load if s else {}
+            load = s.load if s else WorkerLoad(num_blocks=w.info.num_blocks)
             req, cached = per_worker.get(name, (0, 0))
             out.workers.append(pb.WorkerStatus(
-                name=name, role=w.role, epoch=s.epoch if s else w.info.epoch, address=w.info.kv_address,
-                alive=s is not None, running=int(load.get("running", 0)), waiting=int(load.get("waiting", 0)),
-                num_blocks=int(load.get("num_blocks", w.info.num_blocks)), free_blocks=int(load.get("free_blocks", 0)),
-                cached_blocks=int(load.get("cached_blocks", 0)), requested_prompt_tokens=req,
+                name=name, role=str(w.role), epoch=s.epoch if s else w.info.epoch, address=w.info.kv_address,
+                alive=s is not None, running=load.running, waiting=load.waiting, num_blocks=load.num_blocks,
+                free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, requested_prompt_tokens=req,
                 cached_prompt_tokens=cached, heartbeat_age_s=max(0.0, now - s.updated) if s else 0.0,
-                rss_bytes=int(load.get("rss_bytes", 0))))
+                rss_bytes=load.rss_bytes))
         return out
 
     async def close(self) -> None:

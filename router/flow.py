@@ -22,12 +22,12 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
+from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from engine.errors import InvalidRequestError
 from kv_transfer.state import TransferError
-from pdcluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
-from pdcluster.v1 import inference_pb2 as pb
 from router.errors import WorkerFailed, unwrap
 from router.policy import Route
+from router.v1 import inference_pb2 as pb
 from router.validate import Checked
 
 if TYPE_CHECKING:

@@ -32,10 +32,12 @@ turning it off (`disable_created_metrics`) is process-wide, so it is left on.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cluster.messages import WorkerLoad
 
 # NOTE: TTFT and e2e span a cached short prompt (~1 ms) to a long generation (~1 min); ITL is one decode step.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -136,19 +138,15 @@ class RouterMetrics:
         """Set the number of requests the router holds now."""
         self.inflight.set(n)
 
-    def set_worker_load(self, worker: str, role: str, load: Mapping[str, float], alive: bool) -> None:
-        """Set a worker's gauges from its heartbeat load; a missing key leaves its gauge as it was."""
-        labels = {"worker": worker, "role": role}
-        if "waiting" in load:
-            self.queue_depth.labels(**labels).set(load["waiting"])
-        if "running" in load:
-            self.running.labels(**labels).set(load["running"])
-        if "num_blocks" in load and "free_blocks" in load:
-            self.blocks_used.labels(**labels).set(load["num_blocks"] - load["free_blocks"])
-        if "free_blocks" in load:
-            self.blocks_free.labels(**labels).set(load["free_blocks"])
-        if "cached_blocks" in load:
-            self.blocks_cached.labels(**labels).set(load["cached_blocks"])
+    def set_worker_load(self, worker: str, role: str, load: WorkerLoad | None, alive: bool) -> None:
+        """Set a worker's gauges from its heartbeat load; without one (no heartbeat) they stay as they were."""
+        labels = {"worker": worker, "role": str(role)}
+        if load is not None:
+            self.queue_depth.labels(**labels).set(load.waiting)
+            self.running.labels(**labels).set(load.running)
+            self.blocks_used.labels(**labels).set(load.num_blocks - load.free_blocks)
+            self.blocks_free.labels(**labels).set(load.free_blocks)
+            self.blocks_cached.labels(**labels).set(load.cached_blocks)
         self.worker_up.labels(**labels).set(1 if alive else 0)
 
     def render(self) -> bytes:

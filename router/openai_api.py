@@ -25,9 +25,8 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from cluster.logs import REQUEST_ID
 from engine.errors import InvalidRequestError
-from pdcluster.logs import REQUEST_ID
-from pdcluster.v1 import inference_pb2 as pb
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from router.core import Router
 from router.errors import status_of, unwrap
@@ -41,6 +40,7 @@ from router.openai_params import (
     set_field,
     take,
 )
+from router.v1 import inference_pb2 as pb
 from router.validate import Checked, RequestValidator
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from pdcluster.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2 as pb
 
 # Parameters accepted only at their default value (None = absent); anything else is a 400 naming them.
 UNSUPPORTED_COMPLETION = {"logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0,

@@ -7,7 +7,9 @@ flight, so several routers make consistent choices without talking to each other
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from cluster.messages import WorkerLoad
 
 DEFAULT_PREFILL_TOK_S = 2000.0  # until a worker's own speed is measured
 PREFIX_WEIGHT = 0.5  # decode choice: a fully cached prompt is worth this fraction of a worker's batch of load
@@ -20,21 +22,21 @@ class WorkerView:
     name: str
     num_blocks: int
     max_num_seqs: int
-    load: dict[str, float] = field(default_factory=dict)  # last heartbeat (all routers see it)
+    load: WorkerLoad | None = None  # last heartbeat (all routers see it); None: none seen yet
     inflight: int = 0  # this router's requests on the worker now
     pending_tokens: int = 0  # this router's prompt tokens waiting for prefill there
     prefill_tok_s: float = DEFAULT_PREFILL_TOK_S  # measured prefill speed (exponential moving average)
 
     def queued_tokens(self) -> float:
-        return max(self.load.get("pending_prefill_tokens", 0.0), float(self.pending_tokens))
+        return float(max(self.load.pending_prefill_tokens if self.load else 0, self.pending_tokens))
 
     def busy(self) -> float:
         """Requests on the worker, as a fraction of its batch."""
-        shared = self.load.get("running", 0.0) + self.load.get("waiting", 0.0)
+        shared = self.load.running + self.load.waiting if self.load else 0
         return max(shared, float(self.inflight)) / max(1, self.max_num_seqs)
 
     def free_blocks(self) -> float:
-        return self.load.get("free_blocks", float(self.num_blocks))
+        return float(self.load.free_blocks if self.load else self.num_blocks)
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         if tokens > 0 and ms > 0:

@@ -16,12 +16,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdcluster.logs import REQUEST_ID
-from pdcluster.v1 import inference_pb2 as pb
-from pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from cluster.logs import REQUEST_ID
 from router.auth import ApiKeyInterceptor
 from router.core import Router
 from router.errors import status_of
+from router.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2_grpc as pb_grpc
 from router.validate import Checked, RequestValidator, tolerant_parser
 
 log = logging.getLogger(__name__)

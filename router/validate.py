@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 
+from cluster.messages import WorkerInfo
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from pdcluster.messages import WorkerInfo
-from pdcluster.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20

@@ -1,4 +1,8 @@
-"""Generate the Python gRPC code in pdcluster/v1/ from proto/ (`make proto`); `--out DIR` writes elsewhere."""
+"""Generate the Python gRPC code next to the layer that serves it (`make proto`): proto/L/v1/x.proto → L/v1/.
+
+Each proto keeps `package pdcluster.v1` (the wire names); its folder under proto/ names the Python package that
+owns the stubs (`kv_transfer/v1/`, `router/v1/`). `--out DIR` writes elsewhere.
+"""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ import pytest
 
 from engine import SamplingParams
 from engine.block_hash import hash_prompt_blocks
-from pdcluster.v1 import inference_pb2 as pb
 from router.core import Router
+from router.v1 import inference_pb2 as pb
 from tests.helpers import RouterServer, make_engine, run_to_completion, start_test_cluster
 
 pytestmark = pytest.mark.slow
@@ -324,10 +324,10 @@ def test_kv_blocks_return_to_baseline_after_the_traffic(cluster):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         loads = [ray_get(a.load.remote()) for a in c.actors.values()]
-        if all(x["free_blocks"] == x["num_blocks"] and x["running"] == x["reserved"] == 0 for x in loads):
+        if all(x.free_blocks == x.num_blocks and x.running == x.reserved == 0 for x in loads):
             break
         time.sleep(0.1)
-    assert all(x["free_blocks"] == x["num_blocks"] and x["running"] == x["reserved"] == 0 for x in loads), loads
+    assert all(x.free_blocks == x.num_blocks and x.running == x.reserved == 0 for x in loads), loads
 
 
 def ray_get(ref):

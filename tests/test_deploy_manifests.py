@@ -189,7 +189,7 @@ def _assert_pools_fit(config: ClusterConfig, node_types: dict[str, NodeType]) ->
         for key in sorted({k for p in pools.values() for k in _need(p)}):
             need = sum(_need(p).get(key, 0.0) for p in pools.values())
             have = node.count * node.resources.get(key, 0.0)
-            assert need <= have + 1e-9, (f"node type {name}: pools {sorted(pools)} need {need:g} {key}, "
+            assert need <= have + 1e-9, (f"node type {name}: pools {sorted(map(str, pools))} need {need:g} {key}, "
                                          f"{node.count} nodes x {node.resources.get(key, 0.0):g} give {have:g}")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine import SamplingParams
-from pdcluster.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2 as pb
 from tests.helpers import make_engine, run_to_completion, start_test_cluster
 
 pytestmark = pytest.mark.slow
@@ -91,7 +91,7 @@ def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, sm
         victims = {}
         for name in ("decode-0", "decode-1"):  # kill whichever decode worker holds streams now
             load = ray_session.get(c.actors[name].load.remote(), timeout=30)
-            victims[name] = load["running"]
+            victims[name] = load.running
         victim = max(victims, key=victims.get)
         ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
         results = fut.result(timeout=600)
@@ -117,7 +117,7 @@ def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, 
         fut = bg.submit(stream_all, server, texts, 8, started)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # wait until prefill-0 is computing prompts
-            if ray_session.get(c.actors["prefill-0"].load.remote(), timeout=30)["pending_prefill_tokens"] > 0:
+            if ray_session.get(c.actors["prefill-0"].load.remote(), timeout=30).pending_prefill_tokens > 0:
                 break
             time.sleep(0.05)
         ray_session.kill(ray_session.get_actor("prefill-0", namespace=NS), no_restart=False)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcluster.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2 as pb
 from tests.helpers import start_test_cluster
 
 pytestmark = pytest.mark.slow

@@ -22,6 +22,7 @@ from typing import Any
 import openai
 import pytest
 
+from cluster.messages import WorkerLoad
 from engine import SamplingParams
 from router.openai_api import start_http
 from tests.helpers import RouterServer, make_engine, run_to_completion, start_test_cluster
@@ -287,8 +288,8 @@ def wait_idle(front: Front, within_s: float) -> list[dict[str, float]]:
         time.sleep(0.1)
 
 
-def is_idle(loads: list[dict[str, float]]) -> bool:
-    return all(x["free_blocks"] == x["num_blocks"] and x["running"] == x["reserved"] == 0 for x in loads)
+def is_idle(loads: list[WorkerLoad]) -> bool:
+    return all(x.free_blocks == x.num_blocks and x.running == x.reserved == 0 for x in loads)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_the_kv_blocks(front):

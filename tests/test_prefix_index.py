@@ -15,9 +15,10 @@ import psutil
 import pytest
 import redis
 
+from cluster import prefix_index
+from cluster.messages import WorkerLoad
+from cluster.prefix_index import PrefixIndex
 from pdcluster.redis_server import EmbeddedRedis, connect
-from router import prefix_index
-from router.prefix_index import PrefixIndex
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def h(i: int) -> bytes:
 def start_worker(index: PrefixIndex, name: str, held: list[bytes], role: str = "prefill") -> int:
     """Register `name`, heartbeat it and publish `held`; its epoch."""
     epoch = index.register_worker(name)
-    index.heartbeat(name, epoch, role, f"{name}:50051", {"queued": 0})
+    index.heartbeat(name, epoch, role, f"{name}:50051", WorkerLoad())
     assert index.publish(name, epoch, held, [])
     return epoch
 
@@ -217,21 +218,23 @@ def test_workers_round_trip_heartbeat_fields(index: PrefixIndex) -> None:
     before = time.time()
     e2 = index.register_worker("decode-1")
     e1 = index.register_worker("prefill-0")
-    index.heartbeat("prefill-0", e1, "prefill", "10.0.0.1:50051", {"queued_tokens": 1200, "running": 3})
-    index.heartbeat("decode-1", e2, "decode", "10.0.0.2:50052", {"free_blocks": 17.5})
+    index.heartbeat("prefill-0", e1, "prefill", "10.0.0.1:50051", WorkerLoad(pending_prefill_tokens=1200, running=3))
+    index.heartbeat("decode-1", e2, "decode", "10.0.0.2:50052", WorkerLoad(free_blocks=17))
     workers = index.workers()
     assert [w.name for w in workers] == ["decode-1", "prefill-0"]
     decode, prefill = workers
     assert (prefill.role, prefill.epoch, prefill.address) == ("prefill", e1, "10.0.0.1:50051")
-    assert prefill.load == {"queued_tokens": 1200.0, "running": 3.0}
-    assert all(isinstance(v, float) for v in prefill.load.values())
-    assert decode.load == {"free_blocks": 17.5} and decode.role == "decode"
+    assert prefill.load == WorkerLoad(pending_prefill_tokens=1200, running=3)
+    assert decode.load == WorkerLoad(free_blocks=17) and decode.role == "decode"
     assert before <= prefill.updated <= time.time()
 
 
-def test_heartbeat_rejects_load_fields_that_clash(index: PrefixIndex) -> None:
-    with pytest.raises(ValueError, match="epoch"):
-        index.heartbeat("w1", 1, "prefill", "a:1", {"epoch": 3})
+def test_heartbeat_load_fields_stay_apart_and_unknown_ones_are_ignored(index: PrefixIndex) -> None:
+    index.heartbeat("w1", 1, "prefill", "a:1", WorkerLoad(running=2))
+    assert {"role", "epoch", "address", "updated"}.isdisjoint(WorkerLoad().as_fields())
+    index.client.hset(f"{index.prefix}:hb:w1", "a_field_of_a_newer_worker", 7)  # a neighbouring version wrote it
+    (w1,) = index.workers()
+    assert (w1.role, w1.epoch, w1.load) == ("prefill", 1, WorkerLoad(running=2))
 
 
 @pytest.mark.parametrize("how", ["ttl_s", "module constant"])
@@ -239,10 +242,10 @@ def test_expired_heartbeat_disappears(index: PrefixIndex, monkeypatch: pytest.Mo
     epoch = index.register_worker("w1")
     assert index.publish("w1", epoch, [h(0)], [])
     if how == "ttl_s":
-        index.heartbeat("w1", epoch, "prefill", "a:1", {}, ttl_s=0.2)
+        index.heartbeat("w1", epoch, "prefill", "a:1", WorkerLoad(), ttl_s=0.2)
     else:
         monkeypatch.setattr(prefix_index, "HEARTBEAT_TTL_S", 0.2)
-        index.heartbeat("w1", epoch, "prefill", "a:1", {})
+        index.heartbeat("w1", epoch, "prefill", "a:1", WorkerLoad())
     assert [w.name for w in index.workers()] == ["w1"]
     assert index.lookup([h(0)]) == {"w1": 1}
     time.sleep(0.4)

@@ -1,4 +1,4 @@
-"""The generated gRPC code in pdcluster/v1/ matches proto/ (regenerate with `make proto`)."""
+"""The generated gRPC code in kv_transfer/v1/ and router/v1/ matches proto/ (regenerate with `make proto`)."""
 
 from __future__ import annotations
 

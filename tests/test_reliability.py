@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from pdcluster.redis_server import EmbeddedRedis
-from pdcluster.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2 as pb
 from tests.helpers import start_test_cluster
 
 pytestmark = pytest.mark.slow

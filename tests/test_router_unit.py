@@ -7,17 +7,17 @@ import dataclasses
 
 import pytest
 
+from cluster.messages import DecodeRequest, PrefillRequest, WorkerLoad
+from cluster.prefix_index import PrefixIndex
+from cluster.worker import WorkerSpec
 from decode_workers.worker import DecodeWorker
 from engine import EngineConfig, InvalidRequestError
 from engine.block_hash import hash_prompt_blocks
 from kv_transfer.state import TransferConfig
-from pdcluster.messages import DecodeRequest, PrefillRequest
 from pdcluster.redis_server import EmbeddedRedis, connect
-from pdcluster.v1 import inference_pb2 as pb
-from pdcluster.worker import WorkerSpec
 from prefill_workers.worker import PrefillWorker
 from router.policy import Policy, WorkerView
-from router.prefix_index import PrefixIndex
+from router.v1 import inference_pb2 as pb
 from router.validate import RequestValidator
 from tests.helpers import GREEDY, generate_ids, make_engine, random_prompts
 
@@ -113,7 +113,7 @@ def test_chat_applies_the_models_template(validator, tiny):
 
 
 def view(name, **load):
-    return WorkerView(name, num_blocks=1000, max_num_seqs=8, load={k: float(v) for k, v in load.items()})
+    return WorkerView(name, num_blocks=1000, max_num_seqs=8, load=WorkerLoad(**{"free_blocks": 1000, **load}))
 
 
 def test_prefill_choice_follows_predicted_ttft():
@@ -121,7 +121,7 @@ def test_prefill_choice_follows_predicted_ttft():
     prefill = [view("p0", pending_prefill_tokens=4000), view("p1")]
     # p0 caches 30 of 32 blocks but has 4,000 tokens queued: p1 computing all 512 tokens is sooner
     assert pol.route(512, 8, {"p0": 30}, prefill, [view("d0")]).prefill == "p1"
-    prefill[0].load["pending_prefill_tokens"] = 0
+    prefill[0].load = dataclasses.replace(prefill[0].load, pending_prefill_tokens=0)
     assert pol.route(512, 8, {"p0": 30}, prefill, [view("d0")]).prefill == "p0"
 
 
@@ -129,7 +129,7 @@ def test_decode_choice_weighs_load_free_blocks_and_prefix():
     pol = Policy("prefix_aware", 16, 0)
     d = [view("d0", running=6), view("d1", running=1)]
     assert pol.route(100, 10, {}, [view("p")], d).decode == "d1"
-    d[1].load["free_blocks"] = 3  # cannot hold 110 tokens
+    d[1].load = dataclasses.replace(d[1].load, free_blocks=3)  # cannot hold 110 tokens
     assert pol.route(100, 10, {}, [view("p")], d).decode == "d0"
     even = [view("d0", running=2), view("d1", running=2)]
     assert pol.route(320, 10, {"d1": 20}, [view("p")], even).decode == "d1"
@@ -275,7 +275,7 @@ def test_logs_carry_the_request_id_across_prefill_transfer_and_decode(tiny, work
     import json
     import logging
 
-    from pdcluster import logs
+    from cluster import logs
 
     p, d = workers
     logs.configure("test-worker", "DEBUG", "json")
@@ -293,7 +293,7 @@ def test_logs_carry_the_request_id_across_prefill_transfer_and_decode(tiny, work
 
 def test_an_abort_that_overtakes_its_request_still_stops_it(tiny, workers):
     """Ray runs an async actor's calls in no fixed order: an abort may arrive before the call it aborts."""
-    from pdcluster.worker import RequestAborted
+    from cluster.worker import RequestAborted
 
     p, d = workers
     prompt = random_prompts(1, [40], seed=8, vocab=tiny.config.vocab_size)[0]

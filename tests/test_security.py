@@ -17,7 +17,7 @@ import redis
 from pdcluster import security
 from pdcluster.redis_server import connect
 from pdcluster.serve import make_router
-from pdcluster.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2 as pb
 from tests.helpers import RouterServer, self_signed_cert, start_test_cluster
 
 pytestmark = pytest.mark.slow

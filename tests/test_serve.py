@@ -14,8 +14,8 @@ import grpc
 import psutil
 import pytest
 
-from pdcluster.v1 import inference_pb2 as pb
-from pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from router.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2_grpc as pb_grpc
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

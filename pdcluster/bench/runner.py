@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 
 from pdcluster.bench.workloads import Session, Workload
-from pdcluster.v1 import inference_pb2 as pb
-from pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from router.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2_grpc as pb_grpc
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from pdcluster.bench.report import emit, log
-from pdcluster.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2 as pb
 
 TOPICS = ["the history of bicycles", "how tides work", "a recipe for bread", "the rules of chess", "why leaves fall",
           "how a compiler works", "the life of bees", "a trip to the mountains"]
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         import asyncio
         import pathlib
 
-        from pdcluster import logs
+        from cluster import logs
         from pdcluster.config import ClusterConfig
         from pdcluster.serve import run as serve
 

@@ -7,10 +7,15 @@ re-times the others' ends. Workers with a core to themselves (or GPUs) never com
 
 from __future__ import annotations
 
-from pdcluster.plan.sim_worker import Worker
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+# NOTE: any hashable key stands for a worker (the simulator passes its Worker objects), so this module needs no
+# import of sim_worker, which holds SharedCore itself
+Worker = TypeVar("Worker", bound=Hashable)
 
 
-class SharedCore:
+class SharedCore(Generic[Worker]):
     """The steps in progress on one core (set of cores) and the work each has left, in seconds alone."""
 
     def __init__(self, name: str) -> None:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from cluster.messages import Role, WorkerInfo, WorkerLoad
+from cluster.redis_client import RedisAuth
 from engine.block_hash import BlockHash
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -26,8 +28,6 @@ from engine.loader import LoadedModel, load_model
 from engine.loop import EngineLoop
 from engine.sequence import Sequence
 from kv_transfer.state import TransferConfig
-from pdcluster.messages import WorkerInfo
-from pdcluster.redis_server import RedisAuth
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class WorkerSpec:
     """How to build one worker; the launcher sends it to the worker's Ray actor."""
 
     name: str  # also the Ray actor name, e.g. "prefill-0"
-    role: str  # "prefill", "decode" or "colocated"
+    role: Role
     model: str
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -105,8 +105,8 @@ class Worker:
         self.index = None
         self.epoch = 0
         if spec.redis_url:
-            from pdcluster.redis_server import connect
-            from router.prefix_index import PrefixIndex
+            from cluster.prefix_index import PrefixIndex
+            from cluster.redis_client import connect
 
             self.index = PrefixIndex(connect(spec.redis_url, spec.redis_auth), spec.key_prefix)
             self.epoch = self.index.register_worker(spec.name)
@@ -124,16 +124,15 @@ class Worker:
                           e.config.block_size, e.block_manager.pool.num_blocks, e.max_model_len,
                           e.model_config.vocab_size, e.config.max_num_seqs, e.tokenizer.to_json(), self.kv_address)
 
-    def load(self) -> dict[str, float]:
+    def load(self) -> WorkerLoad:
         """The heartbeat's numbers: what the router weighs when it picks a worker."""
         with self.loop.lock:
             s = self.engine.stats()
             pending = sum(len(st.seq) - st.seq.num_computed_tokens for st in self._starting.values())
-        return {"rss_bytes": rss_bytes(), "running": s.num_running, "waiting": s.num_waiting,
-                "num_blocks": s.num_blocks,
-                "free_blocks": s.num_free_blocks, "cached_blocks": s.num_cached_blocks,
-                "pending_prefill_tokens": pending, "prompt_tokens": s.prompt_tokens,
-                "cached_prompt_tokens": s.cached_prompt_tokens, "reserved": s.num_reserved}
+        return WorkerLoad(running=s.num_running, waiting=s.num_waiting, reserved=s.num_reserved,
+                          num_blocks=s.num_blocks, free_blocks=s.num_free_blocks, cached_blocks=s.num_cached_blocks,
+                          pending_prefill_tokens=pending, prompt_tokens=s.prompt_tokens,
+                          cached_prompt_tokens=s.cached_prompt_tokens, rss_bytes=rss_bytes())
 
     # ---- request timing and hit counting (called under the loop lock) --------------------------------------
     def _track(self, seq: Sequence, arrived: float) -> None:
@@ -243,7 +242,7 @@ class WorkerActor:
     worker: Worker
 
     def _configure(self, spec: WorkerSpec) -> None:
-        from pdcluster import logs
+        from cluster import logs
 
         logs.configure(spec.name, spec.log_level, spec.log_format)
         if spec.cpus:
@@ -252,7 +251,7 @@ class WorkerActor:
     async def info(self) -> WorkerInfo:
         return self.worker.info()
 
-    async def load(self) -> dict[str, float]:
+    async def load(self) -> WorkerLoad:
         return self.worker.load()
 
     async def abort(self, request_id: str) -> None:

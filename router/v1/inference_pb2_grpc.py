@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdcluster.v1 import inference_pb2 as pdcluster_dot_v1_dot_inference__pb2
+from router.v1 import inference_pb2 as router_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdcluster/v1/inference_pb2_grpc.py depends on'
+        + ' but the generated code in router/v1/inference_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class InferenceStub:
         """
         self.Generate = channel.unary_unary(
                 '/pdcluster.v1.Inference/Generate',
-                request_serializer=pdcluster_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=router_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/pdcluster.v1.Inference/GenerateStream',
-                request_serializer=pdcluster_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
+                request_serializer=router_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=router_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.Chat = channel.unary_unary(
                 '/pdcluster.v1.Inference/Chat',
-                request_serializer=pdcluster_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
+                response_deserializer=router_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ChatStream = channel.unary_stream(
                 '/pdcluster.v1.Inference/ChatStream',
-                request_serializer=pdcluster_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
+                request_serializer=router_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
+                response_deserializer=router_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.GetClusterStatus = channel.unary_unary(
                 '/pdcluster.v1.Inference/GetClusterStatus',
-                request_serializer=pdcluster_dot_v1_dot_inference__pb2.ClusterStatusRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_inference__pb2.ClusterStatus.FromString,
+                request_serializer=router_dot_v1_dot_inference__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=router_dot_v1_dot_inference__pb2.ClusterStatus.FromString,
                 _registered_method=True)
 
 
@@ -100,28 +100,28 @@ def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pdcluster_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=router_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=pdcluster_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_inference__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=router_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=router_dot_v1_dot_inference__pb2.GenerateChunk.SerializeToString,
             ),
             'Chat': grpc.unary_unary_rpc_method_handler(
                     servicer.Chat,
-                    request_deserializer=pdcluster_dot_v1_dot_inference__pb2.ChatRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_v1_dot_inference__pb2.ChatRequest.FromString,
+                    response_serializer=router_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
             'ChatStream': grpc.unary_stream_rpc_method_handler(
                     servicer.ChatStream,
-                    request_deserializer=pdcluster_dot_v1_dot_inference__pb2.ChatRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_inference__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=router_dot_v1_dot_inference__pb2.ChatRequest.FromString,
+                    response_serializer=router_dot_v1_dot_inference__pb2.GenerateChunk.SerializeToString,
             ),
             'GetClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetClusterStatus,
-                    request_deserializer=pdcluster_dot_v1_dot_inference__pb2.ClusterStatusRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_inference__pb2.ClusterStatus.SerializeToString,
+                    request_deserializer=router_dot_v1_dot_inference__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=router_dot_v1_dot_inference__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -149,8 +149,8 @@ class Inference:
             request,
             target,
             '/pdcluster.v1.Inference/Generate',
-            pdcluster_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
-            pdcluster_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            router_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+            router_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Inference:
             request,
             target,
             '/pdcluster.v1.Inference/GenerateStream',
-            pdcluster_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
-            pdcluster_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
+            router_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+            router_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -203,8 +203,8 @@ class Inference:
             request,
             target,
             '/pdcluster.v1.Inference/Chat',
-            pdcluster_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
-            pdcluster_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            router_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
+            router_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -230,8 +230,8 @@ class Inference:
             request,
             target,
             '/pdcluster.v1.Inference/ChatStream',
-            pdcluster_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
-            pdcluster_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
+            router_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
+            router_dot_v1_dot_inference__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -257,8 +257,8 @@ class Inference:
             request,
             target,
             '/pdcluster.v1.Inference/GetClusterStatus',
-            pdcluster_dot_v1_dot_inference__pb2.ClusterStatusRequest.SerializeToString,
-            pdcluster_dot_v1_dot_inference__pb2.ClusterStatus.FromString,
+            router_dot_v1_dot_inference__pb2.ClusterStatusRequest.SerializeToString,
+            router_dot_v1_dot_inference__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,9 +6,55 @@ KV transfer layer, never through Ray's object store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 
 from engine.sampling_params import SamplingParams
+
+
+class Role(str, enum.Enum):
+    """What a worker does: prefill only, decode only (KV arrives from a prefill worker), or both phases."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+    def __str__(self) -> str:  # NOTE: the plain value in f-strings, logs, metric labels and Redis fields
+        return self.value
+
+    @property
+    def decodes(self) -> bool:
+        """Whether requests can be decoded here (decode and colocated workers)."""
+        return self is not Role.PREFILL
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's heartbeat numbers: what the router weighs when it picks a worker, and what metrics export.
+
+    NOTE: written to Redis as one hash field per attribute (`as_fields`); fields a reader does not know are
+    ignored and missing ones read as 0, so workers and routers of neighbouring versions can share one index.
+    """
+
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # sequences queued for their first step
+    reserved: int = 0  # KV reservations waiting for a transfer to land
+    num_blocks: int = 0  # KV blocks in the pool
+    free_blocks: int = 0  # blocks free to allocate (cached ones count as free)
+    cached_blocks: int = 0  # blocks holding a prefix-cache entry
+    pending_prefill_tokens: int = 0  # prompt tokens accepted but not yet computed
+    prompt_tokens: int = 0  # prompt tokens seen since start
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache
+    rss_bytes: int = 0  # resident memory of the worker's process
+
+    def as_fields(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, float]) -> WorkerLoad:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: int(v) for k, v in raw.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -16,7 +62,7 @@ class WorkerInfo:
     """What a worker tells the router once, at start: its model, limits, tokenizer and KV endpoint."""
 
     name: str
-    role: str  # "prefill", "decode" or "colocated"
+    role: Role
     epoch: int
     model_id: str
     scope: str  # block-hash scope (model id + KV dtype): the router hashes prompts in it

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdcluster.v1 import kv_transfer_pb2 as pdcluster_dot_v1_dot_kv__transfer__pb2
+from kv_transfer.v1 import kv_transfer_pb2 as kv__transfer_dot_v1_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdcluster/v1/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in kv_transfer/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class KVTransferStub:
         """
         self.Prepare = channel.unary_unary(
                 '/pdcluster.v1.KVTransfer/Prepare',
-                request_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.PrepareRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.PrepareResponse.FromString,
+                request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareResponse.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
                 '/pdcluster.v1.KVTransfer/Push',
-                request_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.PushResponse.FromString,
+                request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+                response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/pdcluster.v1.KVTransfer/Commit',
-                request_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
+                request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdcluster.v1.KVTransfer/Abort',
-                request_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.AbortResponse.FromString,
+                request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortRequest.SerializeToString,
+                response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortResponse.FromString,
                 _registered_method=True)
 
 
@@ -88,23 +88,23 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prepare': grpc.unary_unary_rpc_method_handler(
                     servicer.Prepare,
-                    request_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.PrepareRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.PrepareResponse.SerializeToString,
+                    request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareRequest.FromString,
+                    response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareResponse.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.KVChunk.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.PushResponse.SerializeToString,
+                    request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.KVChunk.FromString,
+                    response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PushResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.CommitRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.CommitResponse.SerializeToString,
+                    request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.CommitRequest.FromString,
+                    response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.CommitResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pdcluster_dot_v1_dot_kv__transfer__pb2.AbortRequest.FromString,
-                    response_serializer=pdcluster_dot_v1_dot_kv__transfer__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortRequest.FromString,
+                    response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,8 +132,8 @@ class KVTransfer:
             request,
             target,
             '/pdcluster.v1.KVTransfer/Prepare',
-            pdcluster_dot_v1_dot_kv__transfer__pb2.PrepareRequest.SerializeToString,
-            pdcluster_dot_v1_dot_kv__transfer__pb2.PrepareResponse.FromString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareRequest.SerializeToString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -159,8 +159,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/pdcluster.v1.KVTransfer/Push',
-            pdcluster_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-            pdcluster_dot_v1_dot_kv__transfer__pb2.PushResponse.FromString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class KVTransfer:
             request,
             target,
             '/pdcluster.v1.KVTransfer/Commit',
-            pdcluster_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
-            pdcluster_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -213,8 +213,8 @@ class KVTransfer:
             request,
             target,
             '/pdcluster.v1.KVTransfer/Abort',
-            pdcluster_dot_v1_dot_kv__transfer__pb2.AbortRequest.SerializeToString,
-            pdcluster_dot_v1_dot_kv__transfer__pb2.AbortResponse.FromString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortRequest.SerializeToString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

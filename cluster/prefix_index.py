@@ -24,17 +24,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from cluster.messages import WorkerLoad
+
 log = logging.getLogger(__name__)
 
 BLOCK_TTL_S = 3600
 HEARTBEAT_TTL_S = 5.0
-_HB_FIELDS = ("role", "epoch", "address", "updated")
 
 # KEYS: epoch, wblk. ARGV: worker, blk key prefix. Returns the new epoch.
 _REGISTER = """
@@ -112,7 +113,7 @@ class WorkerStatus:
     epoch: int
     address: str
     updated: float  # unix time
-    load: dict[str, float]  # the numeric fields of the heartbeat (everything else)
+    load: WorkerLoad
 
 
 @dataclass
@@ -194,15 +195,13 @@ class PrefixIndex:
             log.debug("ignored publish of %s under stale epoch %d", worker, epoch)
         return written
 
-    def heartbeat(self, worker: str, epoch: int, role: str, address: str, load: Mapping[str, float],
+    def heartbeat(self, worker: str, epoch: int, role: str, address: str, load: WorkerLoad,
                   *, ttl_s: float | None = None) -> None:
         """Say `worker` is alive for HEARTBEAT_TTL_S (or `ttl_s`) more seconds, with its load numbers."""
-        clash = set(load) & set(_HB_FIELDS)
-        if clash:
-            raise ValueError(f"load fields {sorted(clash)} clash with the heartbeat's own fields")
         ttl_ms = int((HEARTBEAT_TTL_S if ttl_s is None else ttl_s) * 1000)
-        fields: dict[str, str | float] = {"role": role, "epoch": int(epoch), "address": address, "updated": time.time()}
-        fields.update({k: float(v) for k, v in load.items()})
+        fields: dict[str, str | float] = {"role": str(role), "epoch": int(epoch), "address": address,
+                                          "updated": time.time()}
+        fields.update(load.as_fields())
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self._hb_key(worker), mapping=fields)  # type: ignore[arg-type]
         pipe.pexpire(self._hb_key(worker), ttl_ms)
@@ -250,7 +249,7 @@ class PrefixIndex:
             out.append(WorkerStatus(name=key[len(head):], role=fields.pop("role", ""),
                                     epoch=int(fields.pop("epoch", 0)), address=fields.pop("address", ""),
                                     updated=float(fields.pop("updated", 0.0)),
-                                    load={k: float(v) for k, v in fields.items()}))
+                                    load=WorkerLoad.from_fields({k: float(v) for k, v in fields.items()})))
         return out
 
     def hit_counts(self) -> HitCounts:
