@@ -1,15 +1,15 @@
 """PrefillWorker: runs prompts, samples the first token, ships the KV layer by layer to a decode worker.
 
-Life of a request on a prefill worker:
-1. handshake with the decode worker's KV endpoint (`prepare`): it reserves blocks and says how many leading
-   blocks it already caches; only the rest will be sent;
-2. the prompt joins this engine's batch (chunked prefill under the token budget, prefix cache hits skipped);
-   during the step that completes it, each layer's KV is handed to the sender as soon as it is written, and
-   moves while the next layers compute;
-3. the first token is sampled: the sender commits it (the decode worker can take the request) and the request
-   leaves this engine (its blocks stay in the prefix cache); a request that ends at its first token aborts the
-   transfer instead;
-4. the result (first token, timings, bytes sent) goes back once the decode worker confirmed the KV.
+Life of a request on a prefill worker (each step is a method of `PrefillRun`, in this order):
+1. `handshake`: the decode worker's KV endpoint reserves blocks and says how many leading blocks it already
+   caches; only the rest will be sent;
+2. `join_batch`: the prompt joins this engine's batch (chunked prefill under the token budget, prefix cache hits
+   skipped); during the step that completes it, each layer's KV is handed to the sender as soon as it is written
+   (`on_layer`), and moves while the next layers compute;
+3. `first_token`: the first token is sampled (`on_output`): the sender commits it (the decode worker can take the
+   request) and the request leaves this engine (its blocks stay in the prefix cache);
+4. `hand_off`: once the decode worker confirmed the KV, the result (first token, timings, bytes sent) goes back;
+   a request that ended at its first token aborts the transfer instead.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from cluster.logs import REQUEST_ID
 from cluster.messages import PrefillRequest, PrefillResult
@@ -40,65 +41,20 @@ class PrefillWorker(Worker):
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Prefill one prompt, ship its KV to `req.decode_address`; raises TransferError if the KV did not arrive."""
-        arrived = time.monotonic()
-        e, rid = self.engine, req.request_id
-        REQUEST_ID.set(rid)
-        tokens = e.tokenize(req.token_ids, rid)
-        n = len(tokens)
-        sender = open_sender(self.spec.transfer, req.decode_address, rid, e.kv_layout, tokens, n,
-                             hash_prompt_blocks(tokens, e.config.block_size, e.scope), sender_id=self.name)
-        self._senders[rid] = sender  # NOTE: before the handshake, so an abort during it reaches the sender
-        aio = asyncio.get_running_loop()
-        first: asyncio.Future[tuple[RequestOutput, float, float, float]] = aio.create_future()
-
-        cached = 0
-
-        def on_layer(layer: int) -> None:  # inside the forward pass: copy this layer's blocks out and hand them on
-            sender.send_layer(layer, *e.read_kv_layer(rid, layer, cached, num_tokens=n))
-
-        def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock, before the next step
-            # NOTE: nothing here may block (the engine waits): an abort of the transfer is a network call, so
-            # it happens in the coroutine below; committing only queues the token for the sender's thread
-            now = time.monotonic()
-            queue_ms, prefill_ms = self._first_token(rid, now)
-            if not out.finished:
-                sender.commit(out.new_token_ids, out.num_cached_tokens)
-                self.loop.release(rid)  # NOTE: decoding goes on elsewhere; the blocks stay in the prefix cache
-            aio.call_soon_threadsafe(_set, first, (out, now, queue_ms, prefill_ms))
-
-        def start(engine: object) -> None:
-            self._check_not_aborted(rid)
-            seq = e.add_request(rid, tokens, req.params)
-            self._track(seq, arrived)
-            e.watch_layers(rid, on_layer)
-            self.loop.attach(rid, on_output)
-
+        REQUEST_ID.set(req.request_id)
+        run = PrefillRun(self, req)
+        self._senders[req.request_id] = run.sender  # NOTE: before the handshake, so an abort reaches the sender
         try:
-            cached = await asyncio.to_thread(sender.prepare)
-            try:
-                await asyncio.to_thread(self.loop.call, start)
-            except BaseException:
-                await asyncio.to_thread(sender.abort, "the prefill worker rejected the request")
-                raise
-            out, t_first, queue_ms, prefill_ms = await first
-            if out.finished:
-                await asyncio.to_thread(sender.abort, "the request finished at its first token")
-            else:
-                state = await asyncio.to_thread(sender.wait, self.spec.transfer.deadline_s)
-                if state is not TransferState.DONE:
-                    raise sender.error or TransferError("KV transfer did not finish", rid, retryable=True)
+            await run.handshake()
+            await run.join_batch()
+            first = await run.first_token()
+            await run.hand_off(first)
         except asyncio.CancelledError:
-            await asyncio.to_thread(self.abort, rid, "cancelled by the router")
+            await asyncio.to_thread(self.abort, req.request_id, "cancelled by the router")
             raise
         finally:
-            self._senders.pop(rid, None)
-        transfer_ms = (sender.finished_at - t_first) * 1e3 if not out.finished else 0.0
-        log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
-                  "%.1f ms after the first token", n, out.num_cached_tokens, prefill_ms, queue_ms, sender.num_blocks,
-                  sender.bytes_sent, req.decode_address, transfer_ms)
-        return PrefillResult(rid, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.text, n,
-                             out.num_cached_tokens, queue_ms, prefill_ms, max(0.0, transfer_ms),
-                             sender.num_blocks if not out.finished else 0, sender.bytes_sent)
+            self._senders.pop(req.request_id, None)
+        return run.result(first)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here and its transfer (the decode side frees its reservation)."""
@@ -111,7 +67,92 @@ class PrefillWorker(Worker):
             sender.abort(reason)
 
 
-def _set(fut: asyncio.Future[tuple[RequestOutput, float, float, float]],
-         value: tuple[RequestOutput, float, float, float]) -> None:
+@dataclass
+class FirstToken:
+    """What the step that completed the prompt produced, and when (monotonic; queue and prefill in ms)."""
+
+    output: RequestOutput
+    at: float
+    queue_ms: float
+    prefill_ms: float
+
+
+class PrefillRun:
+    """One request on a prefill worker, through the four steps of the module's life cycle."""
+
+    def __init__(self, worker: PrefillWorker, req: PrefillRequest) -> None:
+        self.worker, self.req = worker, req
+        self.arrived = time.monotonic()
+        self.request_id = req.request_id
+        engine = worker.engine
+        self.tokens = engine.tokenize(req.token_ids, self.request_id)
+        self.sender = open_sender(worker.spec.transfer, req.decode_address, self.request_id, engine.kv_layout,
+                                  self.tokens, len(self.tokens),
+                                  hash_prompt_blocks(self.tokens, engine.config.block_size, engine.scope),
+                                  sender_id=worker.name)
+        self.cached_blocks = 0  # leading blocks the decode worker caches: not sent
+        self._first: asyncio.Future[FirstToken] = asyncio.get_running_loop().create_future()
+
+    # ---- 1. handshake ------------------------------------------------------------------------------------
+    async def handshake(self) -> None:
+        self.cached_blocks = await asyncio.to_thread(self.sender.prepare)
+
+    # ---- 2. join the batch ---------------------------------------------------------------------------------
+    async def join_batch(self) -> None:
+        try:
+            await asyncio.to_thread(self.worker.loop.call, self._start)
+        except BaseException:
+            await asyncio.to_thread(self.sender.abort, "the prefill worker rejected the request")
+            raise
+
+    def _start(self, engine: object) -> None:  # the loop thread, between steps
+        w, rid = self.worker, self.request_id
+        w._check_not_aborted(rid)
+        w._track(w.engine.add_request(rid, self.tokens, self.req.params), self.arrived)
+        w.engine.watch_layers(rid, self.on_layer)
+        w.loop.attach(rid, self.on_output)
+
+    def on_layer(self, layer: int) -> None:
+        """Inside the forward pass: copy this layer's blocks out and hand them to the sender."""
+        kv = self.worker.engine.read_kv_layer(self.request_id, layer, self.cached_blocks, num_tokens=len(self.tokens))
+        self.sender.send_layer(layer, *kv)
+
+    # ---- 3. the first token --------------------------------------------------------------------------------
+    def on_output(self, out: RequestOutput) -> None:
+        """The loop thread, under the lock, before the next step: commit the token, leave the engine."""
+        # NOTE: nothing here may block (the engine waits): an abort of the transfer is a network call, so it
+        # happens in `hand_off`; committing only queues the token for the sender's thread
+        now = time.monotonic()
+        queue_ms, prefill_ms = self.worker._first_token(self.request_id, now)
+        if not out.finished:
+            self.sender.commit(out.new_token_ids, out.num_cached_tokens)
+            self.worker.loop.release(self.request_id)  # NOTE: decoding goes on elsewhere; blocks stay cached
+        self._first.get_loop().call_soon_threadsafe(_set, self._first, FirstToken(out, now, queue_ms, prefill_ms))
+
+    async def first_token(self) -> FirstToken:
+        return await self._first
+
+    # ---- 4. hand off ---------------------------------------------------------------------------------------
+    async def hand_off(self, first: FirstToken) -> None:
+        """Wait until the decode worker holds the KV (or abort the transfer of a request that already ended)."""
+        if first.output.finished:
+            await asyncio.to_thread(self.sender.abort, "the request finished at its first token")
+            return
+        state = await asyncio.to_thread(self.sender.wait, self.worker.spec.transfer.deadline_s)
+        if state is not TransferState.DONE:
+            raise self.sender.error or TransferError("KV transfer did not finish", self.request_id, retryable=True)
+
+    def result(self, first: FirstToken) -> PrefillResult:
+        out, sender = first.output, self.sender
+        transfer_ms = (sender.finished_at - first.at) * 1e3 if not out.finished else 0.0
+        log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
+                  "%.1f ms after the first token", len(self.tokens), out.num_cached_tokens, first.prefill_ms,
+                  first.queue_ms, sender.num_blocks, sender.bytes_sent, self.req.decode_address, transfer_ms)
+        return PrefillResult(self.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
+                             out.text, len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms,
+                             max(0.0, transfer_ms), sender.num_blocks if not out.finished else 0, sender.bytes_sent)
+
+
+def _set(fut: asyncio.Future[FirstToken], value: FirstToken) -> None:
     if not fut.done():
         fut.set_result(value)
