@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from pdcluster.bench import stats
-from pdcluster.bench.runner import RequestRecord
+from pdcluster.bench.stats import RequestRecord
 from pdcluster.bench.workloads import SHARED_PROMPT_LEN, SHARED_PROMPT_TURNS, WORKLOADS, build
 
 

@@ -11,44 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import grpc
 
+from pdcluster.bench.stats import RequestRecord
 from pdcluster.bench.workloads import Session, Workload
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
-
-
-@dataclass
-class RequestRecord:
-    """What the client saw of one request (times in ms; `sent_s` since the run started)."""
-
-    session: int
-    turn: int
-    sent_s: float
-    prompt_len: int
-    max_tokens: int
-    output_len: int = 0
-    ttft_ms: float = 0.0
-    itl_ms: list[float] = field(default_factory=list)
-    e2e_ms: float = 0.0
-    cached_tokens: int = 0
-    transfer_ms: float = 0.0
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    prefill_skipped: bool = False
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["itl_ms"] = [round(x, 2) for x in self.itl_ms]
-        return d
 
 
 async def _one(stub: pb_grpc.InferenceStub, rec: RequestRecord, prompt: list[int], t_run: float,

@@ -17,7 +17,8 @@ from typing import Any
 
 from pdcluster.bench import markdown, plots, stats
 from pdcluster.bench.report import emit, log, machine
-from pdcluster.bench.runner import RequestRecord, cluster_status, run_workload
+from pdcluster.bench.runner import cluster_status, run_workload
+from pdcluster.bench.stats import RequestRecord
 from pdcluster.bench.workloads import WORKLOADS, Session, Workload, build
 
 WARMUP_SALT = 10_000

@@ -11,12 +11,41 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pdcluster.bench.runner import RequestRecord
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times in ms; `sent_s` since the run started)."""
+
+    session: int
+    turn: int
+    sent_s: float
+    prompt_len: int
+    max_tokens: int
+    output_len: int = 0
+    ttft_ms: float = 0.0
+    itl_ms: list[float] = field(default_factory=list)
+    e2e_ms: float = 0.0
+    cached_tokens: int = 0
+    transfer_ms: float = 0.0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    prefill_skipped: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["itl_ms"] = [round(x, 2) for x in self.itl_ms]
+        return d
+
 
 GOODPUT_ATTAINMENT = 0.9
 
