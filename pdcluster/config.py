@@ -21,6 +21,7 @@ from pdcluster.yaml_source import ConfigError, ConfigIssue, line_of, parse
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from kv_transfer.state import TransferConfig
+    from router.settings import RouterSettings
 
 _RAY_ADDRESS = re.compile(r"^(ray://)?(\[[0-9a-fA-F:]+\]|[^\s:/\[\]]+):\d{1,5}$")
 
@@ -148,6 +149,15 @@ class RouterConfig(BaseModel):
     request_timeout_s: float = Field(default=600.0, gt=0, description="a request not finished by then fails")
     prefill_timeout_s: float = Field(default=120.0, gt=0, description="a prefill not back by then is retried "
                                      "on another prefill worker")
+
+    def router_settings(self, model: str, mode: str, transport: str) -> RouterSettings:
+        """The settings of a Router over a cluster of `model` in `mode` whose workers move KV over `transport`."""
+        from router.settings import RouterSettings
+
+        return RouterSettings(
+            model=model, mode=mode, transport=transport, routing=self.routing, max_inflight=self.max_inflight,
+            skip_prefill_max_uncached_tokens=self.skip_prefill_max_uncached_tokens,
+            request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s)
 
 
 class HttpConfig(BaseModel):

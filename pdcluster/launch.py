@@ -22,8 +22,8 @@ from cluster.worker import WorkerSpec
 from pdcluster import security
 from pdcluster.config import ClusterConfig
 from pdcluster.redis_server import EmbeddedRedis, connect
-from router.core import WorkerHandle
 from router.policy import WorkerView
+from router.pools import WorkerHandle
 
 log = logging.getLogger(__name__)
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -28,11 +28,8 @@ SHUTDOWN_GRACE_S = 2.0
 def make_router(cluster: Cluster) -> Router:
     """A router over the cluster's workers, sharing state with any other router through Redis."""
     cfg = cluster.config
-    return Router(cluster.handles(), cluster.index(), model=cfg.model, mode=cfg.mode, routing=cfg.router.routing,
-                  transport=cfg.transfer.transport,
-                  max_inflight=cfg.router.max_inflight,
-                  skip_prefill_max_uncached_tokens=cfg.router.skip_prefill_max_uncached_tokens,
-                  request_timeout_s=cfg.router.request_timeout_s, prefill_timeout_s=cfg.router.prefill_timeout_s)
+    return Router(cluster.handles(), cluster.index(),
+                  cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport))
 
 
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:

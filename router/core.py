@@ -5,79 +5,78 @@ Life of a request in the router:
 2. the prompt's block hashes are looked up in the Redis prefix index (one round trip; if Redis is down the
    router routes on load alone and counts the miss);
 3. the policy picks a prefill and a decode worker (or only a decode worker that caches the prompt already);
-4. the prefill worker returns the first token once the KV reached the decode worker: it is streamed at once;
-5. the decode worker streams the rest; the last chunk carries the finish reason, usage and the timeline;
-6. if the client goes away, the workers are told to abort and free the request's blocks.
+4. a `RequestRun` (router/flow.py) runs it: the prefill worker returns the first token once the KV reached the
+   decode worker, streamed at once; the decode worker streams the rest; the last chunk carries the finish reason,
+   usage and the timeline;
+5. if the client goes away, the workers are told to abort and free the request's blocks.
+
+Chunks and statuses are plain dataclasses (router/results.py); only the gRPC service turns them into protobuf.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from cluster.logs import REQUEST_ID
-from cluster.messages import Role, WorkerInfo, WorkerLoad
+from cluster.messages import WorkerLoad
 from engine.block_hash import hash_prompt_blocks
 from engine.tokenizer import Tokenizer
 from router.errors import Overloaded
 from router.flow import RequestRun
 from router.metrics import RouterMetrics
-from router.policy import Policy, WorkerView
-from router.v1 import inference_pb2 as pb
+from router.pools import WorkerHandle, WorkerPools
+from router.results import Chunk, ClusterStatus, WorkerStatus
+from router.settings import RouterSettings
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.25
 
 
-@dataclass
-class WorkerHandle:
-    """One worker as the router sees it: its Ray actor, what it said at start, and its load."""
-
-    name: str
-    role: Role
-    actor: Any  # ray.actor.ActorHandle
-    info: WorkerInfo
-    view: WorkerView
-
-
 class Router:
     """Routes requests over the worker pools (plain class; `router.service` puts gRPC in front of it)."""
 
-    def __init__(self, workers: list[WorkerHandle], index: Any | None, *, model: str, mode: str,
-                 routing: str = "prefix_aware", max_inflight: int = 256,
-                 skip_prefill_max_uncached_tokens: int = 64, request_timeout_s: float = 600.0,
-                 transport: str = "grpc", metrics: RouterMetrics | None = None,
-                 prefill_timeout_s: float = 120.0) -> None:
+    def __init__(self, workers: Sequence[WorkerHandle], index: Any | None, settings: RouterSettings,
+                 metrics: RouterMetrics | None = None) -> None:
         if not workers:
             raise ValueError("a router needs workers")
-        self.workers = {w.name: w for w in workers}
-        self.prefill = [w for w in workers if w.role is Role.PREFILL]
-        self.decode = [w for w in workers if w.role.decodes]
-        self.info = workers[0].info
+        self.settings = settings
+        self.pools = WorkerPools(workers, settings.policy(workers[0].info.block_size))
+        self.info = self.pools.info
         self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
-        self.model, self.mode = model, mode
-        self.max_inflight = max_inflight
-        self.request_timeout_s = request_timeout_s
-        self.transport = transport
-        self.prefill_timeout_s = prefill_timeout_s
         self.tokenizer = Tokenizer.from_json(self.info.tokenizer_json)
         self.metrics = metrics or RouterMetrics()
-        self.policy = Policy(routing, self.info.block_size,
-                             skip_prefill_max_uncached_tokens if mode == "disaggregated" else 0)
         self.inflight = 0
         self.redis_failures = 0
         self._refresher: asyncio.Task[None] | None = None
 
+    @property
+    def prefill(self) -> list[WorkerHandle]:
+        """The prefill pool's workers."""
+        return self.pools.prefill
+
+    @property
+    def decode(self) -> list[WorkerHandle]:
+        """The decode (or colocated) pool's workers."""
+        return self.pools.decode
+
+    @property
+    def max_inflight(self) -> int:
+        """The admission limit (`settings.max_inflight`); may be changed while serving."""
+        return self.settings.max_inflight
+
+    @max_inflight.setter
+    def max_inflight(self, value: int) -> None:
+        self.settings.max_inflight = value
+
     # ---- one request -----------------------------------------------------------------------------------------
     async def stream(self, req: Checked, arrived: float | None = None,
-                     budget_s: float | None = None) -> AsyncGenerator[pb.GenerateChunk, None]:
+                     budget_s: float | None = None) -> AsyncGenerator[Chunk, None]:
         """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError.
 
         With `budget_s` (the request's deadline, from `arrived`), a request whose predicted first token comes
@@ -94,15 +93,15 @@ class Router:
         last_at, first_at, gaps = arrived, 0.0, []
         try:
             matched = await self._lookup(req.token_ids)
-            route = self.policy.route(len(req.token_ids), req.params.max_tokens, matched,
-                                      [w.view for w in self.prefill], [w.view for w in self.decode])
+            route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
             if budget_s is not None:
                 left = budget_s - (time.monotonic() - arrived)
                 if route.predicted_ttft_ms / 1e3 > left:
                     raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past "
                                      f"the request's deadline ({left:.1f} s left): the cluster is too busy",
                                      req.request_id)
-            run = RequestRun(self, req, route, arrived).chunks()
+            run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics, tokenizer=self.tokenizer,
+                             prefill_timeout_s=self.settings.prefill_timeout_s).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()
@@ -119,8 +118,7 @@ class Router:
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
 
-    async def stream_within(self, req: Checked, arrived: float,
-                            budget_s: float) -> AsyncGenerator[pb.GenerateChunk, None]:
+    async def stream_within(self, req: Checked, arrived: float, budget_s: float) -> AsyncGenerator[Chunk, None]:
         """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request."""
         chunks = self.stream(req, arrived, budget_s)
         try:
@@ -136,27 +134,18 @@ class Router:
         finally:
             await chunks.aclose()
 
-    def _observe(self, last: pb.GenerateChunk, ttft: float | None, gaps: list[float], e2e: float) -> None:
-        tl, u = last.timeline, last.usage
+    def _observe(self, last: Chunk, ttft: float | None, gaps: list[float], e2e: float) -> None:
+        assert last.timeline is not None and last.usage is not None  # NOTE: every last chunk carries both
+        timeline, usage = last.timeline, last.usage
         log.info("done: %s%s, %d prompt tokens (%d cached) + %d generated, first token %.0f ms, total %.0f ms, %s",
-                 f"{tl.prefill_worker} -> " if tl.prefill_worker else "", tl.decode_worker, u.prompt_tokens,
-                 u.cached_prompt_tokens, u.completion_tokens, tl.first_token_ms, tl.total_ms, last.finish_reason)
+                 f"{timeline.prefill_worker} -> " if timeline.prefill_worker else "", timeline.decode_worker,
+                 usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, timeline.first_token_ms,
+                 timeline.total_ms, last.finish_reason)
         self.metrics.observe_latency(ttft, gaps, e2e)
-        self.metrics.observe_request(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, self.transport,
-                                     tl.kv_bytes_sent, None if tl.prefill_skipped else tl.transfer_ms / 1e3,
-                                     tl.prefill_worker, tl.decode_worker, self.workers[tl.decode_worker].role)
-
-    def pick_prefill(self, req: Checked, exclude: set[str]) -> WorkerHandle | None:
-        """Another prefill worker for a failed attempt (load-based; None when every one was tried)."""
-        views = [w.view for w in self.prefill if w.name not in exclude]
-        return self.workers[self.policy.pick_prefill(len(req.token_ids), views).name] if views else None
-
-    def pick_decode(self, req: Checked, exclude: set[str]) -> WorkerHandle | None:
-        """Another decode worker after a failure (None when there is no other)."""
-        views = [w.view for w in self.decode if w.name not in exclude]
-        if not views:
-            return None
-        return self.workers[self.policy.pick_decode(len(req.token_ids), req.params.max_tokens, {}, views).name]
+        self.metrics.observe_request(
+            usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, self.settings.transport,
+            timeline.kv_bytes_sent, None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
+            timeline.prefill_worker, timeline.decode_worker, self.pools[timeline.decode_worker].role)
 
     async def _lookup(self, token_ids: list[int]) -> dict[str, int]:
         if self.index is None:
@@ -184,20 +173,14 @@ class Router:
         while True:
             try:
                 live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}  # type: ignore[union-attr]
-                for name, w in self.workers.items():
-                    status = live.get(name)
-                    if status is not None:
-                        w.view.load = status.load
-                        if status.address and status.address != w.info.kv_address:  # NOTE: a restarted worker
-                            w.info = dataclasses.replace(w.info, kv_address=status.address, epoch=status.epoch)
-                    self.metrics.set_worker_load(name, w.role, w.view.load, status is not None)
+                self.pools.refresh(live, self.metrics)
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)
             await asyncio.sleep(LOAD_REFRESH_S)
 
-    async def status(self) -> pb.ClusterStatus:
+    async def status(self) -> ClusterStatus:
         """Workers, their load and KV blocks, and prefix-hit counts, as Redis has them."""
-        out = pb.ClusterStatus(model=self.model, mode=self.mode, router_inflight=self.inflight)
+        out = ClusterStatus(model=self.settings.model, mode=self.settings.mode, router_inflight=self.inflight)
         live: dict[str, Any] = {}
         try:
             if self.index is None:
@@ -211,18 +194,19 @@ class Router:
         except Exception:  # noqa: BLE001 - report what is known without Redis
             per_worker = {}
         now = time.time()
-        for name, w in self.workers.items():
+        for name, w in self.pools.by_name.items():
             s = live.get(name)
             load = s.load if s else WorkerLoad(num_blocks=w.info.num_blocks)
-            req, cached = per_worker.get(name, (0, 0))
-            out.workers.append(pb.WorkerStatus(
+            requested, cached = per_worker.get(name, (0, 0))
+            out.workers.append(WorkerStatus(
                 name=name, role=str(w.role), epoch=s.epoch if s else w.info.epoch, address=w.info.kv_address,
                 alive=s is not None, running=load.running, waiting=load.waiting, num_blocks=load.num_blocks,
-                free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, requested_prompt_tokens=req,
+                free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, requested_prompt_tokens=requested,
                 cached_prompt_tokens=cached, heartbeat_age_s=max(0.0, now - s.updated) if s else 0.0,
                 rss_bytes=load.rss_bytes))
         return out
 
     async def close(self) -> None:
+        """Stop the load refresher."""
         if self._refresher is not None:
             self._refresher.cancel()

@@ -1,13 +1,30 @@
-"""Errors → gRPC status codes, in one place (and unwrapping what Ray wraps around a worker's exception)."""
+"""Errors → a transport-neutral Status, in one place (and unwrapping what Ray wraps around a worker's exception).
+
+`service.py` maps a Status to a gRPC status code and `openai_api.py` to an HTTP status; neither classifies
+exceptions itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
-
-import grpc
+import enum
 
 from engine.errors import CapacityError, EngineError, InvalidRequestError
 from kv_transfer.state import TransferError
+
+
+class Status(enum.Enum):
+    """How a request ended, for any front; the names are gRPC's status codes (metrics count by them)."""
+
+    OK = "OK"
+    CANCELLED = "CANCELLED"  # the client went away
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # bad input: retrying the same request fails again
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    NOT_FOUND = "NOT_FOUND"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # overloaded: retry later
+    UNAVAILABLE = "UNAVAILABLE"  # a worker failed: the client may retry
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    INTERNAL = "INTERNAL"  # a bug: logged with its traceback
 
 
 class Overloaded(CapacityError):
@@ -18,24 +35,30 @@ class WorkerFailed(EngineError):
     """A worker died or failed the request (UNAVAILABLE: the client may retry)."""
 
 
+# NOTE: the first matching class wins; Overloaded is a CapacityError.
+STATUS_OF_ERROR: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Status], ...] = (
+    (InvalidRequestError, Status.INVALID_ARGUMENT),
+    (CapacityError, Status.RESOURCE_EXHAUSTED),
+    ((TransferError, WorkerFailed), Status.UNAVAILABLE),
+)
+RAY_UNAVAILABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The worker's own exception inside Ray's RayTaskError (which also subclasses it), or `exc`."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a client gets for `exc`."""
+def status_of(exc: BaseException) -> tuple[Status, str]:
+    """The status and message a client gets for `exc`."""
     e = unwrap(exc)
-    if isinstance(e, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, CapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-    if isinstance(e, TransferError | WorkerFailed):
-        return grpc.StatusCode.UNAVAILABLE, str(e)
+    for kinds, status in STATUS_OF_ERROR:
+        if isinstance(e, kinds):
+            return status, str(e)
     if isinstance(e, asyncio.TimeoutError | TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "the request did not finish in time"
+        return Status.DEADLINE_EXCEEDED, "the request did not finish in time"
     name = type(e).__name__
-    if name in ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError"):
-        return grpc.StatusCode.UNAVAILABLE, f"a worker is unavailable: {e}"
-    return grpc.StatusCode.INTERNAL, f"{name}: {e}"
+    if name in RAY_UNAVAILABLE:  # NOTE: by name: the router does not import ray
+        return Status.UNAVAILABLE, f"a worker is unavailable: {e}"
+    return Status.INTERNAL, f"{name}: {e}"

@@ -1,14 +1,15 @@
 """One request's way through the pools, with failover: the part of the router that talks to the workers.
 
-Life of a request run:
-1. prefill: the chosen prefill worker computes the prompt and ships the KV to the chosen decode worker; the first
-   token is streamed at once. If the prefill worker dies, times out or the transfer fails, the run tries another
-   prefill worker (and, if the transfer failed, another decode worker); with none left, a decode worker runs the
-   whole request itself;
-2. decode: the decode worker streams the rest. If it dies mid-stream, the run continues on another decode worker
-   (or the same one once Ray restarted it) with the prompt plus every token already streamed: the client sees no
-   token lost or repeated, and a greedy request ends with the same text as an undisturbed run;
-3. the last chunk carries the finish reason, usage and timeline; a run that does not finish aborts the request on
+Life of a request run (`RequestRun.chunks`), stage by stage:
+1. `prefill_with_failover`: the chosen prefill worker computes the prompt and ships the KV to the chosen decode
+   worker; `first_token` streams its token at once. If the prefill worker dies, times out or the transfer fails,
+   the run tries another prefill worker (and, if the transfer failed, another decode worker); with none left, a
+   decode worker runs the whole request itself;
+2. `decode_with_failover`: the decode worker streams the rest. If it dies mid-stream, the run continues on another
+   decode worker (or the same one once Ray restarted it) with the prompt plus every token already streamed
+   (`continuation`): the client sees no token lost or repeated, and a greedy request ends with the same text as
+   an undisturbed run;
+3. `last_chunk` carries the finish reason, usage and timeline; a run that does not finish aborts the request on
    every worker it touched, freeing its KV blocks.
 """
 
@@ -20,18 +21,17 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
 
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from engine.errors import InvalidRequestError
+from engine.tokenizer import Tokenizer
 from kv_transfer.state import TransferError
 from router.errors import WorkerFailed, unwrap
+from router.metrics import RouterMetrics
 from router.policy import Route
-from router.v1 import inference_pb2 as pb
+from router.pools import WorkerHandle, WorkerPools
+from router.results import Chunk, Timeline, Usage
 from router.validate import Checked
-
-if TYPE_CHECKING:
-    from router.core import Router, WorkerHandle
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 3  # per phase
@@ -42,166 +42,200 @@ def can_fail_over(exc: BaseException) -> bool:
     return not isinstance(unwrap(exc), InvalidRequestError)
 
 
+class StreamedText:
+    """The text side of a run: what the client got so far, and where a continuation's text starts."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.sent_text = ""
+        self.text_base = ""  # text of the tokens generated before the current decode worker took over
+
+    def sent(self, text: str) -> None:
+        self.sent_text += text
+
+    def rebase(self, generated: list[int]) -> None:
+        """A new decode worker takes over after `generated`: its final text is relative to theirs."""
+        self.text_base = self.tokenizer.decode(generated, skip_special_tokens=self.skip_special_tokens)
+
+    def decode_final(self, final_text: str) -> str:
+        """A decode worker's whole output text, as the whole request's."""
+        return self.text_base + final_text
+
+    def last(self, text: str, final_text: str) -> str:
+        """The last chunk's text: `text` plus what a stop string's hold-back kept back, from the final text."""
+        sent = self.sent_text + text
+        if final_text.startswith(sent):
+            text += final_text[len(sent):]
+        return text
+
+
 class RequestRun:
     """The state of one request across workers: what was streamed, where, and when."""
 
-    def __init__(self, router: Router, req: Checked, route: Route, arrived: float) -> None:
-        self.router, self.req, self.arrived = router, req, arrived
-        self.rid, self.n = req.request_id, len(req.token_ids)
-        self.d = router.workers[route.decode]
-        self.p = router.workers[route.prefill] if route.prefill else None
-        self.tl = pb.Timeline(decode_worker=self.d.name, prefill_skipped=self.p is None)
+    def __init__(self, request: Checked, route: Route, arrived: float, pools: WorkerPools, *,
+                 metrics: RouterMetrics, tokenizer: Tokenizer, prefill_timeout_s: float) -> None:
+        self.request, self.arrived, self.pools, self.metrics = request, arrived, pools, metrics
+        self.prefill_timeout_s = prefill_timeout_s
+        self.request_id, self.prompt_len = request.request_id, len(request.token_ids)
+        self.decode_worker = pools[route.decode]
+        self.prefill_worker = pools[route.prefill] if route.prefill else None
+        self.timeline = Timeline(decode_worker=self.decode_worker.name, prefill_skipped=self.prefill_worker is None)
+        self.text = StreamedText(tokenizer, request.params.skip_special_tokens)
         self.generated: list[int] = []  # every token streamed to the client so far
-        self.sent_text = ""
-        self.text_base = ""  # text of the tokens generated before the current decode worker took over
-        self.n_cached = 0
-        self.t_first = 0.0
+        self.num_cached = 0
+        self.first_token_at = 0.0
         self.done = False
         # NOTE: each attempt has its own id on the workers: a late abort of a failed attempt (Ray delivers an
         # async actor's calls in no fixed order) can never hit the attempt that replaced it.
         # NOTE: ... and a client reusing a request id for two requests at once never mixes them up on a worker
-        self.wid = f"{self.rid}~{uuid.uuid4().hex[:8]}"
+        self.attempt_id = self._new_attempt_id()
         self.touched: set[tuple[str, str]] = set()  # (worker, attempt id) pairs to abort if the run fails
 
-    async def chunks(self) -> AsyncGenerator[pb.GenerateChunk, None]:
+    async def chunks(self) -> AsyncGenerator[Chunk, None]:
         try:
-            res = await self._prefill_with_failover() if self.p is not None else None
-            dreq = DecodeRequest(self.wid, self.req.params, self.req.token_ids)
+            res = await self.prefill_with_failover() if self.prefill_worker is not None else None
+            decode = DecodeRequest(self.attempt_id, self.request.params, self.request.token_ids)
             if res is not None:
-                yield self._first_token(res)
+                yield self.first_token(res)
                 if self.done:
                     return
-                dreq = DecodeRequest(self.wid, self.req.params)
-            async for chunk in self._decode_with_failover(dreq):
+                decode = DecodeRequest(self.attempt_id, self.request.params)
+            async for chunk in self.decode_with_failover(decode):
                 yield chunk
         finally:
             if not self.done:  # the client went away or every worker failed: free the request's blocks everywhere
-                for name, wid in self.touched:
-                    self.router.workers[name].actor.abort.remote(wid)
+                for name, attempt_id in self.touched:
+                    self.pools[name].actor.abort.remote(attempt_id)
 
-    # ---- prefill ---------------------------------------------------------------------------------------------
-    async def _prefill_with_failover(self) -> PrefillResult | None:
+    # ---- 1. prefill ------------------------------------------------------------------------------------------
+    async def prefill_with_failover(self) -> PrefillResult | None:
         """The first token; None when no prefill worker could serve and the decode worker will run it whole."""
         tried: set[str] = set()
         for attempt in range(MAX_FAILOVERS + 1):
-            assert self.p is not None
+            worker = self.prefill_worker
+            assert worker is not None
             try:
-                return await self._prefill(self.p)
+                return await self._prefill(worker)
             except Exception as e:  # noqa: BLE001 - classified below
                 if not can_fail_over(e) or attempt == MAX_FAILOVERS:
                     raise
-                log.warning("prefill on %s failed (%s); trying elsewhere", self.p.name, unwrap(e))
-                self.router.metrics.retry("prefill")
-                tried.add(self.p.name)
-                self.p.actor.abort.remote(self.wid)
-                self.d.actor.abort.remote(self.wid)  # NOTE: frees a reservation the transfer left behind
-                self._next_attempt()
+                log.warning("prefill on %s failed (%s); trying elsewhere", worker.name, unwrap(e))
+                self.metrics.retry("prefill")
+                tried.add(worker.name)
+                worker.actor.abort.remote(self.attempt_id)
+                self.decode_worker.actor.abort.remote(self.attempt_id)  # NOTE: frees a reservation left behind
+                self.attempt_id = self._new_attempt_id()
                 if isinstance(unwrap(e), TransferError):  # the decode side may be what failed: pick another too
-                    self.d = self.router.pick_decode(self.req, exclude={self.d.name}) or self.d
-                    self.tl.decode_worker = self.d.name
-                self.p = self.router.pick_prefill(self.req, exclude=tried)
-                if self.p is None:
-                    self.tl.prefill_skipped, self.tl.prefill_worker = True, ""
+                    self._move_decode(exclude={self.decode_worker.name})
+                self.prefill_worker = self.pools.pick_prefill(self.prompt_len, exclude=tried)
+                if self.prefill_worker is None:
+                    self.timeline.prefill_skipped, self.timeline.prefill_worker = True, ""
                     return None
         return None
 
-    async def _prefill(self, p: WorkerHandle) -> PrefillResult:
-        self.tl.prefill_worker = p.name
-        self.touched.update(((p.name, self.wid), (self.d.name, self.wid)))
-        p.view.inflight += 1
-        p.view.pending_tokens += self.n
+    async def _prefill(self, worker: WorkerHandle) -> PrefillResult:
+        self.timeline.prefill_worker = worker.name
+        self.touched.update(((worker.name, self.attempt_id), (self.decode_worker.name, self.attempt_id)))
+        worker.view.inflight += 1
+        worker.view.pending_tokens += self.prompt_len
         try:
-            res: PrefillResult = await asyncio.wait_for(p.actor.prefill.remote(
-                PrefillRequest(self.wid, self.req.token_ids, self.req.params, self.d.info.kv_address)),
-                self.router.prefill_timeout_s)
+            request = PrefillRequest(self.attempt_id, self.request.token_ids, self.request.params,
+                                     self.decode_worker.info.kv_address)
+            res: PrefillResult = await asyncio.wait_for(worker.actor.prefill.remote(request), self.prefill_timeout_s)
         finally:
-            p.view.inflight -= 1
-            p.view.pending_tokens -= self.n
-        p.view.observe_prefill(self.n - res.num_cached_tokens, res.prefill_ms)
+            worker.view.inflight -= 1
+            worker.view.pending_tokens -= self.prompt_len
+        worker.view.observe_prefill(self.prompt_len - res.num_cached_tokens, res.prefill_ms)
         if res.finish_reason == "abort":
-            raise WorkerFailed(f"prefill worker {p.name} aborted the request", self.rid)
+            raise WorkerFailed(f"prefill worker {worker.name} aborted the request", self.request_id)
         return res
 
-    def _first_token(self, res: PrefillResult) -> pb.GenerateChunk:
-        self.t_first = time.monotonic()
-        tl = self.tl
+    def first_token(self, res: PrefillResult) -> Chunk:
+        """The prefill worker's token as the first chunk (the last one when the request ended there)."""
+        self.first_token_at = time.monotonic()
+        tl = self.timeline
         tl.prefill_ms, tl.transfer_ms = res.prefill_ms, res.transfer_ms
-        tl.queue_ms = max(0.0, (self.t_first - self.arrived) * 1e3 - res.prefill_ms - res.transfer_ms)
+        tl.queue_ms = max(0.0, (self.first_token_at - self.arrived) * 1e3 - res.prefill_ms - res.transfer_ms)
         tl.kv_blocks_sent, tl.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
-        tl.first_token_ms = (self.t_first - self.arrived) * 1e3
-        self.n_cached = res.num_cached_tokens
+        tl.first_token_ms = (self.first_token_at - self.arrived) * 1e3
+        self.num_cached = res.num_cached_tokens
         self.generated += res.token_ids
         if res.finished:
             self.done = True
-            return self._last(res.token_ids, res.text, res.finish_reason, res.final_text)
-        self.sent_text = res.text
-        return pb.GenerateChunk(request_id=self.rid, token_ids=res.token_ids, text=res.text)
+            return self.last_chunk(res.token_ids, res.text, res.finish_reason, res.final_text)
+        self.text.sent(res.text)
+        return Chunk(self.request_id, res.token_ids, res.text)
 
-    # ---- decode ----------------------------------------------------------------------------------------------
-    async def _decode_with_failover(self, dreq: DecodeRequest) -> AsyncGenerator[pb.GenerateChunk, None]:
+    # ---- 2. decode -------------------------------------------------------------------------------------------
+    async def decode_with_failover(self, request: DecodeRequest) -> AsyncGenerator[Chunk, None]:
+        """The decode worker's chunks; on a failure, the rest of the request from another decode worker."""
         for attempt in range(MAX_FAILOVERS + 1):
-            self.touched.add((self.d.name, self.wid))
-            self.d.view.inflight += 1
+            worker = self.decode_worker
+            self.touched.add((worker.name, self.attempt_id))
+            worker.view.inflight += 1
             try:
-                async for chunk in self._decode(self.d, dreq):
+                async for chunk in self._decode(worker, request):
                     yield chunk
                 return
             except Exception as e:  # noqa: BLE001 - classified below
                 if not can_fail_over(e) or attempt == MAX_FAILOVERS:
                     raise
-                log.warning("decode on %s failed after %d tokens (%s); continuing elsewhere", self.d.name,
+                log.warning("decode on %s failed after %d tokens (%s); continuing elsewhere", worker.name,
                             len(self.generated), unwrap(e))
-                self.router.metrics.failover("decode")
-                self.d.actor.abort.remote(self.wid)
-                self._next_attempt()
-                self.d = self.router.pick_decode(self.req, exclude={self.d.name}) or self.d
-                self.tl.decode_worker = self.d.name
-                dreq = self._continuation()
+                self.metrics.failover("decode")
+                worker.actor.abort.remote(self.attempt_id)
+                self.attempt_id = self._new_attempt_id()
+                self._move_decode(exclude={worker.name})
+                request = self.continuation()
             finally:
-                self.d.view.inflight -= 1
+                worker.view.inflight -= 1  # NOTE: this attempt's worker, not the one the run moved on to
 
-    def _next_attempt(self) -> None:
-        self.wid = f"{self.rid}~{uuid.uuid4().hex[:8]}"
-
-    def _continuation(self) -> DecodeRequest:
+    def continuation(self) -> DecodeRequest:
         """The rest of the request as a new one: the prompt plus every token streamed so far."""
-        params, n_out = self.req.params, len(self.generated)
-        self.text_base = self.router.tokenizer.decode(self.generated,
-                                                                skip_special_tokens=params.skip_special_tokens)
+        params, n_out = self.request.params, len(self.generated)
+        self.text.rebase(self.generated)
         rest = dataclasses.replace(params, max_tokens=params.max_tokens - n_out,
                                    output_offset=params.output_offset + n_out)
-        return DecodeRequest(self.wid, rest, self.req.token_ids + self.generated)
+        return DecodeRequest(self.attempt_id, rest, self.request.token_ids + self.generated)
 
-    async def _decode(self, d: WorkerHandle, dreq: DecodeRequest) -> AsyncGenerator[pb.GenerateChunk, None]:
-        gen = d.actor.generate.options(num_returns="streaming").remote(dreq)
-        async for ref in gen:
+    async def _decode(self, worker: WorkerHandle, request: DecodeRequest) -> AsyncGenerator[Chunk, None]:
+        stream = worker.actor.generate.options(num_returns="streaming").remote(request)
+        async for ref in stream:
             delta: Delta = await ref
-            if not self.t_first:
-                self.t_first = time.monotonic()
-                self.tl.first_token_ms = (self.t_first - self.arrived) * 1e3
-                self.tl.queue_ms, self.tl.prefill_ms = delta.queue_ms, delta.prefill_ms
-                self.n_cached = delta.num_cached_tokens
+            if not self.first_token_at:
+                self.first_token_at = time.monotonic()
+                self.timeline.first_token_ms = (self.first_token_at - self.arrived) * 1e3
+                self.timeline.queue_ms, self.timeline.prefill_ms = delta.queue_ms, delta.prefill_ms
+                self.num_cached = delta.num_cached_tokens
             self.generated += delta.token_ids
             if delta.finished:
                 self.done = True
-                yield self._last(delta.token_ids, delta.text, delta.finish_reason, self.text_base + delta.final_text)
+                yield self.last_chunk(delta.token_ids, delta.text, delta.finish_reason,
+                                      self.text.decode_final(delta.final_text))
                 return
-            self.sent_text += delta.text
-            yield pb.GenerateChunk(request_id=self.rid, token_ids=delta.token_ids, text=delta.text)
-        raise WorkerFailed(f"decode worker {d.name} ended the stream without finishing", self.rid)
+            self.text.sent(delta.text)
+            yield Chunk(self.request_id, delta.token_ids, delta.text)
+        raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing", self.request_id)
 
-    def _last(self, token_ids: list[int], text: str, reason: str | None, final_text: str) -> pb.GenerateChunk:
+    def _move_decode(self, exclude: set[str]) -> None:
+        """Another decode worker for the run (the same one when there is no other)."""
+        params = self.request.params
+        self.decode_worker = self.pools.pick_decode(self.prompt_len, params.max_tokens, exclude) or self.decode_worker
+        self.timeline.decode_worker = self.decode_worker.name
+
+    def _new_attempt_id(self) -> str:
+        return f"{self.request_id}~{uuid.uuid4().hex[:8]}"
+
+    # ---- 3. the last chunk -----------------------------------------------------------------------------------
+    def last_chunk(self, token_ids: list[int], text: str, reason: str | None, final_text: str) -> Chunk:
         """The final chunk: remaining text (a stop string's hold-back resolved), finish reason, usage, timeline."""
         if reason == "abort":
             self.done = False
-            raise WorkerFailed("a worker aborted the request", self.rid)
-        sent = self.sent_text + text
-        if final_text.startswith(sent):
-            text += final_text[len(sent):]
+            raise WorkerFailed("a worker aborted the request", self.request_id)
         now = time.monotonic()
-        self.tl.decode_ms = (now - self.t_first) * 1e3 if self.t_first else 0.0
-        self.tl.total_ms = (now - self.arrived) * 1e3
-        usage = pb.Usage(prompt_tokens=self.n, completion_tokens=len(self.generated),
-                         cached_prompt_tokens=self.n_cached)
-        return pb.GenerateChunk(request_id=self.rid, token_ids=token_ids, text=text, finish_reason=reason or "",
-                                usage=usage, timeline=self.tl)
+        self.timeline.decode_ms = (now - self.first_token_at) * 1e3 if self.first_token_at else 0.0
+        self.timeline.total_ms = (now - self.arrived) * 1e3
+        usage = Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.generated),
+                      cached_prompt_tokens=self.num_cached)
+        return Chunk(self.request_id, token_ids, self.text.last(text, final_text), reason or "", usage,
+                     dataclasses.replace(self.timeline))

@@ -2,18 +2,20 @@
 
 Life of a request:
 1. `/v1/*` needs `Authorization: Bearer <key>` when API keys are set (401 otherwise; a key is never logged);
-2. the JSON body becomes a `pb.GenerateRequest` / `pb.ChatRequest`, checked by the same `RequestValidator` as
-   gRPC (a 400 names the OpenAI parameter: `top_p`, `prompt`, `messages[1].role`, or an unknown key);
+2. the JSON body becomes a `PromptRequest` / `MessagesRequest`, checked by the same `RequestValidator` as gRPC
+   (a 400 names the OpenAI parameter: `top_p`, `prompt`, `messages[1].role`, or an unknown key);
 3. `Router.stream` runs it within `router.request_timeout_s`; the answer is one JSON object or, with
    `stream: true`, server-sent events ending in `data: [DONE]`;
-4. failures map to HTTP through `router.errors.status_of` and OpenAI's `{"error": {...}}` body; once a stream has
-   started (status 200 sent) a failure is an SSE `error` event; a client that goes away aborts the request.
+4. failures map to a Status through `router.errors.status_of`, to HTTP through `HTTP_OF`, with OpenAI's
+   `{"error": {...}}` body; once a stream has started (status 200 sent) a failure is an SSE `error` event; a
+   client that goes away aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import ssl
@@ -22,35 +24,36 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-import grpc
 from aiohttp import web
 
 from cluster.logs import REQUEST_ID
 from engine.errors import InvalidRequestError
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from router.core import Router
-from router.errors import status_of, unwrap
+from router.errors import Status, status_of, unwrap
 from router.openai_params import (
+    UINT32,
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     chat_messages,
     finish_body,
     openai_param,
     sampling,
-    set_field,
     take,
+    unsigned_list,
+    utf8,
 )
-from router.v1 import inference_pb2 as pb
-from router.validate import Checked, RequestValidator
+from router.results import Chunk, Timeline, Usage
+from router.validate import Checked, MessagesRequest, PromptRequest, RequestValidator
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # as the gRPC server's max message; a prompt may be 1 Mi characters of JSON-escaped text
-HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-           grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-           grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-           grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-           grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-           grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error")}
+HTTP_OF = {Status.INVALID_ARGUMENT: (400, "invalid_request_error"),  # status → HTTP status and OpenAI error type
+           Status.UNAUTHENTICATED: (401, "authentication_error"),
+           Status.NOT_FOUND: (404, "invalid_request_error"),
+           Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+           Status.UNAVAILABLE: (503, "service_unavailable"),
+           Status.DEADLINE_EXCEEDED: (504, "server_error")}  # anything else: 500 server_error
 INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")  # counted in pdcluster_requests_total{api="http"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
@@ -59,26 +62,26 @@ DONE = b"data: [DONE]\n\n"
 class ApiError(Exception):
     """A refusal of the HTTP layer itself (a bad API key, an unknown model) with OpenAI's `param` and `code`."""
 
-    def __init__(self, status: grpc.StatusCode, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: Status, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
 
-def error_body(exc: BaseException) -> tuple[int, grpc.StatusCode, dict[str, Any]]:
-    """The HTTP status, gRPC code and OpenAI error object for `exc` (codes from `status_of`, the one mapping)."""
+def error_body(exc: BaseException) -> tuple[int, Status, dict[str, Any]]:
+    """The HTTP status, Status and OpenAI error object for `exc` (statuses from `status_of`, the one mapping)."""
     e = unwrap(exc)
     param = code = None
     if isinstance(e, ApiError):
-        grpc_code, message, param, code = e.status, str(e), e.param, e.code
+        status, message, param, code = e.status, str(e), e.param, e.code
     else:
-        grpc_code, message = status_of(e)
+        status, message = status_of(e)
         if isinstance(e, InvalidRequestError):
             param = openai_param(e.field)
             message = f"{param}: {e.reason.removeprefix(f'{e.field}: ')}"
-        elif grpc_code is grpc.StatusCode.INTERNAL:
+        elif status is Status.INTERNAL:
             log.error("request failed", exc_info=e)
-    status, kind = HTTP_OF.get(grpc_code, (500, "server_error"))
-    return status, grpc_code, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    http_status, kind = HTTP_OF.get(status, (500, "server_error"))
+    return http_status, status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class OpenAIFront:
@@ -99,19 +102,19 @@ class OpenAIFront:
             if request.path.startswith("/v1/") and not bearer_ok(request.headers.get("Authorization"), self._keys):
                 log.debug("refused %s %s from %s: missing or invalid API key", request.method, request.path,
                          request.remote)
-                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
+                raise ApiError(Status.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
             return await handler(request)
         except asyncio.CancelledError:  # the client went away
             if counted:
-                self.router.metrics.request_done("http", grpc.StatusCode.CANCELLED.name)
+                self.router.metrics.request_done("http", Status.CANCELLED.name)
             raise
         except web.HTTPException as e:  # no route, wrong method, body too large
             status, body = e.status, {"error": {"message": e.reason, "type": "invalid_request_error",
                                                 "param": None, "code": None}}
         except Exception as e:  # noqa: BLE001 - every failure becomes a status for this request only
-            status, code, body = error_body(e)
+            status, outcome, body = error_body(e)
             if counted:
-                self.router.metrics.request_done("http", code.name)
+                self.router.metrics.request_done("http", outcome.name)
         return web.json_response(body, status=status)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -124,20 +127,20 @@ class OpenAIFront:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body, rid, stream, usage = await self._open(request)
-        req = pb.GenerateRequest(request_id=rid)
+        req = PromptRequest(request_id=rid)
         prompt = body.pop("prompt", None)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            req.prompt = prompt
+            req.prompt = utf8(prompt, "prompt")
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            set_field(req, "prompt_token_ids", prompt, "prompt")
+            req.prompt_token_ids = unsigned_list(prompt, UINT32, "prompt")
         else:
             raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
-        req.sampling.CopyFrom(sampling(body, take(body, "max_tokens", int, "an integer")))
+        req.sampling = sampling(body, take(body, "max_tokens", int, "an integer"))
         finish_body(body, UNSUPPORTED_COMPLETION)
         # NOTE: validation tokenizes: off the event loop, as in the gRPC service
-        checked = await asyncio.to_thread(self.validator.generate, req)
+        checked = await asyncio.to_thread(self.validator.prompt, req)
         return await self._answer(request, checked, f"cmpl-{rid}", stream, usage, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -146,8 +149,8 @@ class OpenAIFront:
         legacy = take(body, "max_tokens", int, "an integer")
         key = "max_tokens" if limit is None else "max_completion_tokens"
         limit = legacy if limit is None else limit
-        req = pb.ChatRequest(request_id=rid, messages=chat_messages(body.pop("messages", None)))
-        req.sampling.CopyFrom(sampling(body, limit, key))
+        req = MessagesRequest(request_id=rid, messages=chat_messages(body.pop("messages", None)))
+        req.sampling = sampling(body, limit, key)
         finish_body(body, UNSUPPORTED_CHAT)
         try:
             checked = await asyncio.to_thread(self.validator.chat, req)
@@ -169,7 +172,7 @@ class OpenAIFront:
             raise InvalidRequestError("body", "must be a JSON object")
         model = take(body, "model", str, "a string")
         if model is not None and model != self.model_name:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist (this server serves "
+            raise ApiError(Status.NOT_FOUND, f"The model `{model}` does not exist (this server serves "
                            f"`{self.model_name}`).", "model", "model_not_found")
         stream = bool(take(body, "stream", bool, "true or false"))
         options = take(body, "stream_options", dict, "an object") or {}
@@ -179,10 +182,11 @@ class OpenAIFront:
         REQUEST_ID.set(rid)  # NOTE: set in the handler's task: the tasks it starts inherit it
         return body, rid, stream, bool(options.get("include_usage"))
 
-    async def _chunks(self, checked: Checked, arrived: float) -> AsyncGenerator[pb.GenerateChunk, None]:
+    async def _chunks(self, checked: Checked, arrived: float) -> AsyncGenerator[Chunk, None]:
         """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
-        async with contextlib.aclosing(self.router.stream_within(checked, arrived, self.router.request_timeout_s)) as c:
-            async for chunk in c:
+        budget = self.router.settings.request_timeout_s
+        async with contextlib.aclosing(self.router.stream_within(checked, arrived, budget)) as chunks:
+            async for chunk in chunks:
                 yield chunk
 
     async def _answer(self, request: web.Request, checked: Checked, oid: str, stream: bool, include_usage: bool,
@@ -200,18 +204,18 @@ class OpenAIFront:
                     text += last.text
                 choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
                 choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-                self.router.metrics.request_done("http", grpc.StatusCode.OK.name)
+                self.router.metrics.request_done("http", Status.OK.name)
                 return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
                                           "choices": [choice], "usage": usage_of(last.usage),
                                           "pdcluster": extra_of(last)})
             resp = web.StreamResponse(headers=SSE_HEADERS)
             await resp.prepare(request)
-            status = grpc.StatusCode.OK
+            status = Status.OK
             try:
                 if chat:
                     await send(resp, head, {"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None, "logprobs": None}, include_usage)
-                chunk: pb.GenerateChunk | None = first
+                chunk: Chunk | None = first
                 while chunk is not None:
                     if chunk.text or chunk.finish_reason:
                         delta = ({"delta": {"content": chunk.text} if chunk.text else {}} if chat
@@ -226,7 +230,7 @@ class OpenAIFront:
                 log.info("%s: the client went away; aborting the request", oid)
                 if isinstance(e, asyncio.CancelledError):
                     raise  # counted by the guard
-                self.router.metrics.request_done("http", grpc.StatusCode.CANCELLED.name)
+                self.router.metrics.request_done("http", Status.CANCELLED.name)
                 return resp
             except Exception as e:  # noqa: BLE001 - the status (200) is sent: the error goes in the stream
                 _, status, body = error_body(e)
@@ -239,17 +243,17 @@ class OpenAIFront:
             return resp
 
 
-def usage_of(u: pb.Usage) -> dict[str, Any]:
+def usage_of(u: Usage | None) -> dict[str, Any]:
     """OpenAI's usage object (cached prompt tokens under prompt_tokens_details)."""
+    u = u or Usage()
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-def extra_of(last: pb.GenerateChunk) -> dict[str, Any]:
+def extra_of(last: Chunk) -> dict[str, Any]:
     """pdcluster's own fields (ignored by OpenAI clients): the request id and its timeline."""
-    tl = last.timeline
-    return {"request_id": last.request_id, "timeline": {f.name: getattr(tl, f.name) for f in tl.DESCRIPTOR.fields}}
+    return {"request_id": last.request_id, "timeline": dataclasses.asdict(last.timeline or Timeline())}
 
 
 async def sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -67,21 +67,22 @@ class Policy:
         """Pick the workers; `matched` is how many leading prompt blocks each worker caches (prefix index)."""
         if not decode:
             raise ValueError("no decode workers")
-        d = self.pick_decode(prompt_len, max_tokens, matched, decode)
-        d_cached = min(prompt_len, matched.get(d.name, 0) * self.block_size)
-        uncached_on_decode = prompt_len - d_cached
+        decode_pick = self.pick_decode(prompt_len, max_tokens, matched, decode)
+        cached_on_decode = min(prompt_len, matched.get(decode_pick.name, 0) * self.block_size)
+        uncached_on_decode = prompt_len - cached_on_decode
         # NOTE: only a prompt the decode worker already caches in part skips the prefill pool; a short uncached
         # prompt still goes to prefill, so decode steps never wait behind prompt computation.
-        if not prefill or (self.routing == "prefix_aware" and d_cached > 0 and uncached_on_decode <= self.skip_max):
-            ttft = (d.queued_tokens() + uncached_on_decode) / d.prefill_tok_s * 1e3
-            return Route(None, d.name, ttft)
+        skip = self.routing == "prefix_aware" and cached_on_decode > 0 and uncached_on_decode <= self.skip_max
+        if not prefill or skip:
+            ttft = (decode_pick.queued_tokens() + uncached_on_decode) / decode_pick.prefill_tok_s * 1e3
+            return Route(None, decode_pick.name, ttft)
         if self.routing == "round_robin":
-            p = prefill[next(self._rr_prefill) % len(prefill)]
-            return Route(p.name, d.name, self._ttft(p, prompt_len, matched))
+            prefill_pick = prefill[next(self._rr_prefill) % len(prefill)]
+            return Route(prefill_pick.name, decode_pick.name, self._ttft(prefill_pick, prompt_len, matched))
         start = next(self._rr_prefill)  # NOTE: rotating the tie order spreads equal-cost requests over workers
         order = prefill[start % len(prefill):] + prefill[: start % len(prefill)]
-        p = min(order, key=lambda w: (self._ttft(w, prompt_len, matched), w.inflight))
-        return Route(p.name, d.name, self._ttft(p, prompt_len, matched))
+        prefill_pick = min(order, key=lambda w: (self._ttft(w, prompt_len, matched), w.inflight))
+        return Route(prefill_pick.name, decode_pick.name, self._ttft(prefill_pick, prompt_len, matched))
 
     def pick_prefill(self, prompt_len: int, prefill: list[WorkerView]) -> WorkerView:
         """A prefill worker on load alone (a retry after a failure): the soonest predicted first token."""

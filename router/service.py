@@ -2,15 +2,17 @@
 
 Each RPC validates (INVALID_ARGUMENT names the field), hands the request to `Router.stream`, and maps any
 failure to a status code through `router.errors.status_of`; one failing request never affects another.
+Protobuf stays here: the router's chunks and statuses are plain dataclasses, converted on the way out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,13 +21,33 @@ from grpc_reflection.v1alpha import reflection
 from cluster.logs import REQUEST_ID
 from router.auth import ApiKeyInterceptor
 from router.core import Router
-from router.errors import status_of
+from router.errors import Status, status_of
+from router.grpc_requests import ProtoValidator, tolerant_parser
+from router.results import Chunk, ClusterStatus
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
-from router.validate import Checked, RequestValidator, tolerant_parser
+from router.validate import Checked, RequestValidator
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+GRPC_CODE = {s: grpc.StatusCode[s.name] for s in Status}  # NOTE: a Status is named after its gRPC code
+
+
+def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
+    """A chunk on the wire (usage and timeline only on the last one)."""
+    out = pb.GenerateChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
+                           finish_reason=chunk.finish_reason)
+    if chunk.usage is not None:
+        out.usage.CopyFrom(pb.Usage(**dataclasses.asdict(chunk.usage)))
+    if chunk.timeline is not None:
+        out.timeline.CopyFrom(pb.Timeline(**dataclasses.asdict(chunk.timeline)))
+    return out
+
+
+def status_pb(status: ClusterStatus) -> pb.ClusterStatus:
+    """A cluster status on the wire."""
+    fields = {f.name: getattr(status, f.name) for f in dataclasses.fields(status) if f.name != "workers"}
+    return pb.ClusterStatus(**fields, workers=[pb.WorkerStatus(**dataclasses.asdict(w)) for w in status.workers])
 
 
 class InferenceService(pb_grpc.InferenceServicer):
@@ -33,7 +55,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        self.validator = RequestValidator(router.info)
+        self.validator = ProtoValidator(RequestValidator(router.info))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         return await self._unary(lambda: self.validator.generate(request), context)
@@ -41,7 +63,7 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         async for chunk in self._stream(lambda: self.validator.generate(request), context):
-            yield chunk
+            yield chunk_pb(chunk)
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         return await self._unary(lambda: self.validator.chat(request), context)
@@ -49,46 +71,49 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def ChatStream(self, request: pb.ChatRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         async for chunk in self._stream(lambda: self.validator.chat(request), context):
-            yield chunk
+            yield chunk_pb(chunk)
 
     async def GetClusterStatus(self, request: pb.ClusterStatusRequest,
                                context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
-        return await self.router.status()
+        return status_pb(await self.router.status())
 
-    async def _unary(self, check: object, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+    async def _unary(self, check: Callable[[], Checked],
+                     context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         resp = pb.GenerateResponse()
         async for chunk in self._stream(check, context):
             resp.request_id = chunk.request_id
             resp.token_ids.extend(chunk.token_ids)
             resp.text += chunk.text
             if chunk.finish_reason:
-                resp.finish_reason = chunk.finish_reason
-                resp.usage.CopyFrom(chunk.usage)
-                resp.timeline.CopyFrom(chunk.timeline)
+                last = chunk_pb(chunk)
+                resp.finish_reason = last.finish_reason
+                resp.usage.CopyFrom(last.usage)
+                resp.timeline.CopyFrom(last.timeline)
         return resp
 
-    async def _stream(self, check: object, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+    async def _stream(self, check: Callable[[], Checked],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
         arrived = time.monotonic()
         try:
             # NOTE: off the event loop: tokenizing a long prompt (up to 1 Mi characters) would stall every stream
-            req: Checked = await asyncio.to_thread(check)  # type: ignore[arg-type]
+            req = await asyncio.to_thread(check)
             REQUEST_ID.set(req.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
             # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
-            budget = min(self.router.request_timeout_s, context.time_remaining() or float("inf"))
+            budget = min(self.router.settings.request_timeout_s, context.time_remaining() or float("inf"))
             # NOTE: aclosing: a generator left early is closed now (its finally aborts the request), not at GC
             async with contextlib.aclosing(self.router.stream_within(req, arrived, budget)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except asyncio.CancelledError:  # the client went away (or its deadline passed)
-            self.router.metrics.request_done("grpc", grpc.StatusCode.CANCELLED.name)
+            self.router.metrics.request_done("grpc", Status.CANCELLED.name)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status for this request only
-            code, message = status_of(e)
-            self.router.metrics.request_done("grpc", code.name)
-            if code is grpc.StatusCode.INTERNAL:
+            status, message = status_of(e)
+            self.router.metrics.request_done("grpc", status.name)
+            if status is Status.INTERNAL:
                 log.exception("request failed")
-            await context.abort(code, message)
-        self.router.metrics.request_done("grpc", "OK")
+            await context.abort(GRPC_CODE[status], message)
+        self.router.metrics.request_done("grpc", Status.OK.name)
 
 
 def add_inference_service(service: InferenceService, server: grpc.aio.Server) -> None:

@@ -15,6 +15,7 @@ import pytest
 from engine import SamplingParams
 from engine.block_hash import hash_prompt_blocks
 from router.core import Router
+from router.settings import RouterSettings
 from router.v1 import inference_pb2 as pb
 from tests.helpers import RouterServer, make_engine, run_to_completion, start_test_cluster
 
@@ -229,7 +230,7 @@ def test_unknown_fields_on_the_wire_are_invalid_argument(cluster):
 
 def test_a_second_router_shares_the_redis_state_and_sheds_overload(cluster):
     c, server = cluster
-    second = Router(c.handles(), c.index(), model="smollm2", mode="disaggregated", max_inflight=1)
+    second = Router(c.handles(), c.index(), RouterSettings(model="smollm2", mode="disaggregated", max_inflight=1))
     other = RouterServer(second)
     try:
         stub = other.stub()

@@ -306,14 +306,14 @@ def test_a_client_that_disconnects_mid_stream_frees_the_kv_blocks(front):
 
 def test_a_failure_after_the_stream_started_is_an_error_event(front):
     router = front.server.router
-    saved, router.request_timeout_s = router.request_timeout_s, 3.0
+    saved, router.settings.request_timeout_s = router.settings.request_timeout_s, 3.0
     timed_out = served(front, "DEADLINE_EXCEEDED")
     try:
         conn, resp = open_stream(front.port, 1000)
         events = [line.removeprefix(b"data: ") for line in resp.read().split(b"\n\n") if line.strip()]
         conn.close()
     finally:
-        router.request_timeout_s = saved
+        router.settings.request_timeout_s = saved
     assert events[-1] == b"[DONE]"
     error = json.loads(events[-2])
     assert_openai_error(error, "server_error", None)

@@ -16,6 +16,7 @@ from engine.block_hash import hash_prompt_blocks
 from kv_transfer.state import TransferConfig
 from pdcluster.redis_server import EmbeddedRedis, connect
 from prefill_workers.worker import PrefillWorker
+from router.grpc_requests import ProtoValidator
 from router.policy import Policy, WorkerView
 from router.v1 import inference_pb2 as pb
 from router.validate import RequestValidator
@@ -41,7 +42,7 @@ def workers(tiny, redis_url):
 
 @pytest.fixture(scope="module")
 def validator(workers):
-    return RequestValidator(workers[1].info())
+    return ProtoValidator(RequestValidator(workers[1].info()))
 
 
 def sampling(**kw):

@@ -1,0 +1,97 @@
+"""gRPC requests → the router's plain requests (router/validate.py): bytes that never fail to parse, unknown fields
+refused, optional fields kept apart from their defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError, Message
+
+from engine.errors import InvalidRequestError
+from router.v1 import inference_pb2 as pb
+from router.validate import (
+    MAX_MESSAGES,
+    ChatTurn,
+    Checked,
+    MessagesRequest,
+    PromptRequest,
+    RequestValidator,
+    SamplingFields,
+)
+
+
+class Undecodable:
+    """What a request's bytes became when they are not a valid message (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, message_name: str, reason: str) -> None:
+        self.message_name, self.reason = message_name, reason
+
+
+def tolerant_parser(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    """A request deserializer that never raises: bad bytes become an Undecodable, rejected as INVALID_ARGUMENT.
+
+    NOTE: gRPC answers a deserializer's exception with INTERNAL; a malformed request is the client's error.
+    """
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(cls.DESCRIPTOR.full_name, str(e) or "cannot be parsed")
+    return parse
+
+
+def _decoded(req: Message | Undecodable) -> None:
+    if isinstance(req, Undecodable):
+        raise InvalidRequestError("request", f"is not a valid {req.message_name} ({req.reason}; strings must be "
+                                  "UTF-8)")
+
+
+def reject_unknown_fields(msg: Message, path: str = "") -> None:
+    """Fields this server does not know (a newer client, a typo'd schema) are an error, not silently dropped."""
+    unknown = list(unknown_fields.UnknownFieldSet(msg))
+    if unknown:
+        raise InvalidRequestError(f"{path or msg.DESCRIPTOR.name}", f"unknown field number {unknown[0].field_number} "
+                                  f"(this server speaks {msg.DESCRIPTOR.full_name} of pdcluster.v1)")
+    for fd, value in msg.ListFields():
+        name = f"{path}.{fd.name}" if path else fd.name
+        if fd.message_type is None:
+            continue
+        if fd.is_repeated:
+            for i, item in enumerate(value):
+                reject_unknown_fields(item, f"{name}[{i}]")
+        else:
+            reject_unknown_fields(value, name)
+
+
+def sampling_fields(s: pb.SamplingParams) -> SamplingFields:
+    """The proto's sampling fields; an unset optional field stays None."""
+    return SamplingFields(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos)
+
+
+class ProtoValidator:
+    """Checks the Inference service's requests: parse errors and unknown fields first, then RequestValidator."""
+
+    def __init__(self, validator: RequestValidator) -> None:
+        self.validator = validator
+
+    def generate(self, req: pb.GenerateRequest | Undecodable) -> Checked:
+        _decoded(req)
+        assert isinstance(req, pb.GenerateRequest)
+        reject_unknown_fields(req)
+        return self.validator.prompt(PromptRequest(req.request_id, req.prompt, list(req.prompt_token_ids),
+                                                   sampling_fields(req.sampling)))
+
+    def chat(self, req: pb.ChatRequest | Undecodable) -> Checked:
+        _decoded(req)
+        assert isinstance(req, pb.ChatRequest)
+        reject_unknown_fields(req)
+        # NOTE: one past the limit is enough for the validator to refuse; a 16 MiB request holds millions
+        turns = [ChatTurn(m.role, m.content) for m in req.messages[:MAX_MESSAGES + 1]]
+        return self.validator.chat(MessagesRequest(req.request_id, turns, sampling_fields(req.sampling)))

@@ -1,0 +1,80 @@
+"""What the router hands its fronts: plain dataclasses (the gRPC service converts them to protobuf at the edge).
+
+Field names and order follow proto/router/v1/inference.proto, so a front may copy them across field by field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of a finished request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from a prefix cache instead of computed
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Where one request spent its time, and which workers served it."""
+
+    queue_ms: float = 0.0  # arrival at the router → its prefill started on a worker
+    prefill_ms: float = 0.0  # prefill compute, up to the first token
+    transfer_ms: float = 0.0  # first token → KV handed to the decode worker
+    first_token_ms: float = 0.0  # arrival → first token sent (time to first token)
+    decode_ms: float = 0.0  # first token → last token
+    total_ms: float = 0.0  # arrival → last token
+    prefill_worker: str = ""  # empty when prefill was skipped
+    decode_worker: str = ""
+    prefill_skipped: bool = False  # the decode worker ran the whole prompt
+    kv_blocks_sent: int = 0
+    kv_bytes_sent: int = 0
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New tokens of one request; the last chunk has a finish reason, usage and the timeline."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens since the last chunk
+    text: str  # new text since the last chunk
+    finish_reason: str = ""  # "stop" | "length" on the last chunk only
+    usage: Usage | None = None  # last chunk only
+    timeline: Timeline | None = None  # last chunk only
+
+
+@dataclass(slots=True)
+class WorkerStatus:
+    """One worker in a cluster status: its heartbeat load and prefix hits."""
+
+    name: str
+    role: str  # "prefill", "decode" or "colocated"
+    epoch: int  # bumps on every (re)start
+    address: str  # KV transfer endpoint (decode) or empty
+    alive: bool
+    running: int
+    waiting: int
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    requested_prompt_tokens: int
+    cached_prompt_tokens: int
+    heartbeat_age_s: float
+    rss_bytes: int
+
+
+@dataclass(slots=True)
+class ClusterStatus:
+    """Workers, their load and KV blocks, and prefix-hit counts, as Redis has them."""
+
+    model: str
+    mode: str  # "disaggregated" or "colocated"
+    workers: list[WorkerStatus] = field(default_factory=list)
+    requested_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefix_hit_rate: float = 0.0  # cached / requested prompt tokens, all workers
+    redis_ok: bool = False
+    router_inflight: int = 0  # requests in flight on the router that answered

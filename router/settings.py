@@ -1,0 +1,27 @@
+"""The router's settings: one small dataclass (the app builds it from the validated `router:` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.policy import Policy
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    """What a Router needs to know; `pdcluster.config.RouterConfig.router_settings()` makes one from YAML."""
+
+    model: str  # reported by GetClusterStatus
+    mode: str  # "disaggregated" | "colocated"
+    transport: str = "grpc"  # KV transport of the workers (a metrics label)
+    routing: str = "prefix_aware"  # "prefix_aware" | "round_robin"
+    max_inflight: int = 256  # concurrent requests; more are refused (RESOURCE_EXHAUSTED)
+    skip_prefill_max_uncached_tokens: int = 64  # a decode worker caching all but this many prefills itself
+    request_timeout_s: float = 600.0  # a request not finished by then fails (DEADLINE_EXCEEDED)
+    prefill_timeout_s: float = 120.0  # a prefill not back by then is retried on another prefill worker
+
+    def policy(self, block_size: int) -> Policy:
+        """The routing policy these settings ask for."""
+        # NOTE: with one pool there is no prefill pool to skip
+        skip = self.skip_prefill_max_uncached_tokens if self.mode == "disaggregated" else 0
+        return Policy(self.routing, block_size, skip)
