@@ -1,9 +1,7 @@
-"""The KV seam between engines: export a prefilled sequence's blocks, import them elsewhere and decode on.
+"""What an engine's KV blocks look like from outside: the layout a transfer describes before it moves a byte.
 
-An export carries, per layer, K and V of the sequence's blocks plus everything the receiver needs to check
-before it writes a byte: cache scope (model id + dtype), block size, layer count, shapes, token ids and the
-chained block hashes. Leading blocks the receiver already caches can be left out (`start_block`): the
-receiver links its own copies instead.
+A sender announces its layout first; a receiver writes blocks into its pool only if every field equals its own
+(cache scope, dtype, layer count, block shape). Leading blocks the receiver already caches are not sent at all.
 """
 
 from __future__ import annotations
@@ -11,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from engine.block_hash import BlockHash
 
 
 @dataclass(frozen=True)
@@ -37,42 +33,3 @@ class KVLayout:
     def layer_nbytes(self, num_blocks: int) -> int:
         """Bytes of K and V of `num_blocks` blocks in one layer."""
         return 2 * num_blocks * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
-
-
-@dataclass
-class KVExport:
-    """KV blocks of one sequence, as tensors plus the metadata to validate and resume them."""
-
-    request_id: str
-    scope: str  # cache scope: model id and KV dtype; only an engine with the same scope may import
-    block_size: int
-    token_ids: list[int]  # prompt + tokens sampled so far
-    num_prompt_tokens: int
-    num_kv_tokens: int  # leading tokens whose K/V is included (or cached on the receiver)
-    block_hashes: list[BlockHash]  # hashes of the full blocks among the KV tokens
-    start_block: int  # blocks [0, start_block) are not included: the receiver holds them in its cache
-    k: list[torch.Tensor]  # per layer: [num_blocks - start_block, block_size, KVH, D]
-    v: list[torch.Tensor]
-    num_cached_tokens: int = 0  # prompt tokens the exporting engine served from its own prefix cache
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.num_kv_tokens // self.block_size)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.k)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
-
-    @property
-    def layout(self) -> KVLayout:
-        """The layout these tensors have (the receiver checks it against its own)."""
-        _, bs, kvh, d = self.k[0].shape
-        return KVLayout(self.scope, str(self.dtype).removeprefix("torch."), self.num_layers, self.block_size, kvh, d)

@@ -1,14 +1,13 @@
-"""LLMEngine: requests in, tokens out, one `step()` at a time; plus the KV export/import seam.
+"""LLMEngine: requests in, tokens out, one `step()` at a time; plus the KV seam between engines.
 
 Life of a request:
 1. `add_request` validates and tokenizes it and queues a Sequence;
 2. each `step()` lets the scheduler pick a batch (decode tokens + prefill chunks), the runner computes it,
    and sampled tokens are appended, detokenized and checked against the stop conditions;
-3. a finished request frees its blocks (they stay in the prefix cache) — unless it was added with
-   `hold_kv=True`, in which case the blocks stay pinned until `export_kv`/`release_kv`.
-`import_kv` adopts a sequence prefilled elsewhere: it joins the running batch and decodes on. A transfer
-spreads the import over time: `reserve_kv` → `write_kv_blocks` (as blocks arrive) → `commit_kv`;
-on the sending side `watch_layers` reports each layer of a prompt's KV as soon as the forward pass wrote it.
+3. a finished request frees its blocks (they stay in the prefix cache).
+The KV seam: on the sending side `watch_layers` reports each layer of a prompt's KV as soon as the forward pass
+wrote it (`read_kv_layer` copies it out); on the receiving side the engine's `KVImporter` adopts a sequence
+prefilled elsewhere: `reserve_kv` → `write_kv_blocks` (as blocks arrive) → `commit_kv`, and it decodes on.
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import kv_import
-from engine.block_hash import BlockHash, cache_scope
+from engine.block_hash import cache_scope
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, torch_dtype
 from engine.errors import InvalidRequestError, UnknownRequestError
-from engine.kv_export import KVExport, KVLayout
-from engine.kv_import import KVReservation
+from engine.kv_export import KVLayout
+from engine.kv_import import KVImporter, KVReservation
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.output import OutputProcessor, RequestOutput
@@ -43,7 +41,6 @@ class EngineStats:
     num_cached_blocks: int
     num_waiting: int
     num_running: int
-    num_held: int
     num_reserved: int  # requests whose incoming KV has blocks reserved, not yet committed
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -73,18 +70,18 @@ class LLMEngine:
         self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
-        self._held: dict[str, Sequence] = {}  # finished with hold_kv, blocks pinned until export/release
         self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort
         self._layer_watchers: dict[str, Callable[[int], None]] = {}
         self.kv_layout = KVLayout(self.scope, str(dtype).removeprefix("torch."), mcfg.num_layers, config.block_size,
                                   mcfg.num_kv_heads, mcfg.head_dim)
+        self.kv_importer = KVImporter(self.block_manager, self.runner.write_blocks, self.kv_layout, dtype,
+                                      mcfg.vocab_size, self.max_model_len)
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._computed_tokens = 0
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, hold_kv: bool = False) -> Sequence:
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None) -> Sequence:
         """Validate, tokenize and queue a request; raises InvalidRequestError naming the bad field."""
         params = params or SamplingParams()
         params.validate()
@@ -95,7 +92,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab})", request_id)
-        seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope, hold_kv=hold_kv)
+        seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope)
         self.outputs.start(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -127,14 +124,20 @@ class LLMEngine:
         return token_ids
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
+        """Stop a request wherever it is and free its blocks; unknown ids are ignored.
+
+        NOTE: a reservation is freed only once the writes into it in flight are done; later ones are dropped.
+        """
         self._layer_watchers.pop(request_id, None)
         res = self._reserved.pop(request_id, None)
-        seq = self._seqs.pop(request_id, None) or self._held.pop(request_id, None) or (res.seq if res else None)
+        seq = res.seq if res is not None else self._seqs.pop(request_id, None)
         if seq is None:
             return
-        self.scheduler.remove(seq)
-        self.block_manager.free(seq)
+        if res is not None:
+            self.kv_importer.free(res)
+        else:
+            self.scheduler.remove(seq)
+            self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.outputs.forget(seq)
 
@@ -182,40 +185,15 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         del self._seqs[seq.request_id]
-        if seq.hold_kv:
-            self._held[seq.request_id] = seq
-        else:
-            self.block_manager.free(seq)
+        self.block_manager.free(seq)
 
-    # ---- KV export / import -----------------------------------------------------------------------------
-    def _kv_seq(self, request_id: str) -> Sequence:
-        seq = self._held.get(request_id) or self._seqs.get(request_id)
-        if seq is None or not seq.block_table:
-            raise UnknownRequestError("no KV held for this request", request_id)
-        return seq
-
-    def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVExport:
-        """Copy out the KV of a held (or running) sequence; blocks before `skip_blocks` are left out."""
-        seq = self._kv_seq(request_id)
-        n_kv = seq.num_computed_tokens
-        if not 0 <= skip_blocks <= n_kv // self.config.block_size:
-            raise InvalidRequestError("skip_blocks", f"must be in [0, {n_kv // self.config.block_size}]", request_id)
-        ks, vs = zip(*(self.read_kv_layer(request_id, layer, skip_blocks)
-                       for layer in range(self.model_config.num_layers)))
-        return KVExport(request_id, self.scope, self.config.block_size, list(seq.token_ids), seq.num_prompt_tokens,
-                        n_kv, seq.block_hashes(n_kv // self.config.block_size), skip_blocks, list(ks), list(vs),
-                        seq.num_cached_tokens)
-
-    def kv_manifest(self, request_id: str) -> tuple[list[int], int, list[BlockHash]]:
-        """What a transfer announces first: the tokens whose K/V is held, the prompt length, full-block hashes."""
-        seq = self._kv_seq(request_id)
-        n_kv = seq.num_computed_tokens
-        return seq.token_ids[:n_kv], seq.num_prompt_tokens, seq.block_hashes(n_kv // self.config.block_size)
-
+    # ---- the KV seam ------------------------------------------------------------------------------------
     def read_kv_layer(self, request_id: str, layer: int, skip_blocks: int = 0,
                       num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one layer's K and V for the blocks of the first `num_tokens` (default: all computed)."""
-        seq = self._kv_seq(request_id)
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.block_table:
+            raise UnknownRequestError("no KV held for this request", request_id)
         n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
         return self.runner.read_blocks(layer, seq.block_table[skip_blocks:n_blocks])
 
@@ -229,36 +207,21 @@ class LLMEngine:
             raise UnknownRequestError("not a running request", request_id)
         self._layer_watchers[request_id] = fn
 
-    def release_kv(self, request_id: str) -> None:
-        """Unpin the blocks of a held sequence (they stay in the prefix cache)."""
-        seq = self._held.pop(request_id, None)
-        if seq is None:
-            raise UnknownRequestError("no KV held for this request", request_id)
-        self.block_manager.free(seq)
-
-    def cached_prefix_blocks(self, kv_hashes: Seq[bytes], token_ids: Seq[int]) -> int:
-        """How many leading blocks of this token sequence the prefix cache already holds."""
-        return len(self.block_manager.cached_prefix([BlockHash(h) for h in kv_hashes], token_ids))
-
-    def import_kv(self, kv: KVExport, params: SamplingParams) -> Sequence:
-        """Adopt a sequence prefilled elsewhere; it decodes from its last sampled token on."""
-        self._check_unused(kv.request_id)
-        return self._adopt(kv_import.import_export(self, kv, params))
-
     def reserve_kv(self, request_id: str, layout: KVLayout, token_ids: Seq[int], num_prompt_tokens: int,
                    block_hashes: Seq[bytes]) -> KVReservation:
         """Check an incoming KV payload's description and reserve blocks for it; cached leading blocks are linked."""
         self._check_unused(request_id)
-        res = kv_import.reserve(self, request_id, layout, token_ids, num_prompt_tokens, block_hashes)
+        res = self.kv_importer.reserve(request_id, layout, token_ids, num_prompt_tokens, block_hashes)
         self._reserved[request_id] = res
         return res
 
     def write_kv_blocks(self, res: KVReservation, layer: int, which: int, first_block: int, kv: torch.Tensor) -> None:
         """Write K (which=0) or V (1) of some of a reservation's fresh blocks in one layer; kv: [n, bs, KVH, D].
 
-        NOTE: safe while another thread steps the engine: reserved blocks belong to no scheduled sequence.
+        NOTE: safe while another thread steps the engine: reserved blocks belong to no scheduled sequence, and
+        freeing the reservation waits for this write (a write after the free is dropped with UnknownRequestError).
         """
-        kv_import.write_blocks(self, res, layer, which, first_block, kv)
+        self.kv_importer.write(res, layer, which, first_block, kv)
 
     def commit_kv(self, request_id: str, next_token_ids: Seq[int], params: SamplingParams,
                   num_cached_tokens: int = 0) -> Sequence:
@@ -267,9 +230,9 @@ class LLMEngine:
         if res is None:
             raise UnknownRequestError("no KV reserved for this request", request_id)
         try:
-            seq = kv_import.commit(self, res, next_token_ids, params, num_cached_tokens)
+            seq = self.kv_importer.commit(res, next_token_ids, params, num_cached_tokens)
         except BaseException:
-            self.block_manager.free(res.seq)
+            self.kv_importer.free(res)
             raise
         return self._adopt(seq)
 
@@ -280,15 +243,14 @@ class LLMEngine:
         return seq
 
     def _check_unused(self, request_id: str) -> None:
-        if request_id in self._seqs or request_id in self._held or request_id in self._reserved:
+        if request_id in self._seqs or request_id in self._reserved:
             raise InvalidRequestError("request_id", "is already in use", request_id)
 
     # ---- introspection ------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool = self.block_manager.pool
         return EngineStats(pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
-                           len(self.scheduler.waiting), len(self.scheduler.running), len(self._held),
-                           len(self._reserved),
+                           len(self.scheduler.waiting), len(self.scheduler.running), len(self._reserved),
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
                            self.scheduler.num_preemptions)
 

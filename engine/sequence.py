@@ -27,7 +27,6 @@ class Sequence:
         params: SamplingParams,
         block_size: int,
         scope: str,
-        hold_kv: bool = False,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -35,9 +34,6 @@ class Sequence:
         self.params = params
         self.block_size = block_size
         self.scope = scope
-        # NOTE: hold_kv keeps the blocks after the request finishes, until export_kv/release_kv: a prefill
-        # worker must not recycle KV that a decode worker has not received yet.
-        self.hold_kv = hold_kv
         self.arrival = next(_arrival)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
