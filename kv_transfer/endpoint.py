@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -12,10 +11,10 @@ from engine.kv_export import KVLayout
 from engine.llm_engine import LLMEngine
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
-from kv_transfer.state import TransferConfig, TransferError, TransferState
+from kv_transfer.state import TransferConfig, Transport
 
 # transport name → (module, sender class); imported on first use
-_SENDERS = {
+_SENDERS: dict[Transport, tuple[str, str]] = {
     "grpc": ("kv_transfer.grpc_transport", "GrpcKVSender"),
     "torch": ("kv_transfer.torch_transport", "TorchKVSender"),
     "local": ("kv_transfer.local", "LocalKVSender"),
@@ -73,31 +72,3 @@ class ReceiverEndpoint:
             local.unregister(self.address.removeprefix("local://"))
         self.receiver.close()
 
-
-def send_held_kv(engine: LLMEngine, config: TransferConfig, address: str, request_id: str, *, sender_id: str = "",
-                 retries: int = 0, engine_lock: AbstractContextManager[Any] | None = None,
-                 make_sender: Callable[..., KVSender] = open_sender) -> KVSender:
-    """Send the KV a finished prefill holds (`hold_kv=True`) and wait; retry retryable failures `retries` times.
-
-    Only the blocks the receiver lacks are exported. The caller unpins the KV (`release_kv`) afterwards either way.
-    """
-    lock = engine_lock or threading.RLock()
-    for attempt in range(retries + 1):
-        with lock:
-            token_ids, num_prompt_tokens, hashes = engine.kv_manifest(request_id)
-        sender = make_sender(config, address, request_id, engine.kv_layout, token_ids, num_prompt_tokens, hashes,
-                             sender_id=sender_id)
-        try:
-            cached = sender.prepare()
-        except TransferError as e:
-            if attempt < retries and e.retryable:
-                continue
-            return sender
-        with lock:
-            kv = engine.export_kv(request_id, skip_blocks=cached)
-        sender.send_export(kv)
-        if sender.wait(config.deadline_s) is TransferState.DONE:
-            return sender
-        if not (sender.error and sender.error.retryable):
-            break
-    return sender

@@ -16,8 +16,9 @@ from concurrent import futures
 import grpc
 
 from engine.errors import CapacityError, EngineError, InvalidRequestError, UnknownRequestError
-from kv_transfer import wire
+from kv_transfer import payload, wire
 from kv_transfer.auth import CheckToken, add_token
+from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
 from kv_transfer.state import TransferError
@@ -45,26 +46,27 @@ def status_of(err: Exception) -> grpc.StatusCode:
 
 
 class KVTransferService(pb_grpc.KVTransferServicer):
-    """gRPC face of a KVReceiver."""
+    """gRPC face of a KVReceiver: protobuf in, messages to the receiver, protobuf out."""
 
     def __init__(self, receiver: KVReceiver) -> None:
         self.receiver = receiver
 
-    def _call(self, context: grpc.ServicerContext, fn, *args):  # type: ignore[no-untyped-def]
+    def _call(self, context: grpc.ServicerContext, fn):  # type: ignore[no-untyped-def]
         try:
-            return fn(*args)
+            return fn()
         except EngineError as e:
             context.abort(status_of(e), str(e))
 
     def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.PrepareResponse:  # noqa: N802
-        return self._call(context, self.receiver.prepare, request)  # type: ignore[no-any-return]
+        return self._call(context, lambda: wire.prepared_to_proto(  # type: ignore[no-any-return]
+            self.receiver.prepare(wire.prepare_from_proto(request))))
 
     def Push(self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext) -> pb.PushResponse:  # noqa: N802
         transfer_id, nbytes = "", 0
         try:
             for chunk in request_iterator:
                 transfer_id = chunk.transfer_id
-                self.receiver.on_chunk(chunk)
+                self.receiver.on_chunk(wire.chunk_from_proto(chunk), chunk.data)
                 nbytes += len(chunk.data)
         except EngineError as e:
             context.abort(status_of(e), str(e))
@@ -75,10 +77,11 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         return pb.PushResponse(bytes_received=nbytes)
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:  # noqa: N802
-        return self._call(context, self.receiver.commit, request)  # type: ignore[no-any-return]
+        received = self._call(context, lambda: self.receiver.commit(wire.commit_from_proto(request)))
+        return pb.CommitResponse(bytes_received=received)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:  # noqa: N802
-        self.receiver.abort(request.transfer_id, request.reason)
+        self.receiver.abort(wire.abort_from_proto(request))
         return pb.AbortResponse()
 
 
@@ -126,21 +129,21 @@ class GrpcControl(Control):
         self.cluster_token = cluster_token
         self.stub = pb_grpc.KVTransferStub(channel(address, 0, cluster_token))
 
-    def prepare(self, req: pb.PrepareRequest, timeout: float) -> pb.PrepareResponse:
+    def prepare(self, req: PrepareRequest, timeout: float) -> Prepared:
         try:
-            return self.stub.Prepare(req, timeout=timeout)  # type: ignore[no-any-return]
+            return wire.prepared_from_proto(self.stub.Prepare(wire.prepare_to_proto(req), timeout=timeout))
         except grpc.RpcError as e:
             raise transfer_error(e, req.request_id, f"prepare at {self.address}") from None
 
-    def commit(self, req: pb.CommitRequest, timeout: float) -> pb.CommitResponse:
+    def commit(self, req: Commit, timeout: float) -> int:
         try:
-            return self.stub.Commit(req, timeout=timeout)  # type: ignore[no-any-return]
+            return int(self.stub.Commit(wire.commit_to_proto(req), timeout=timeout).bytes_received)
         except grpc.RpcError as e:
             raise transfer_error(e, "", f"commit at {self.address}") from None
 
-    def abort(self, req: pb.AbortRequest, timeout: float) -> None:
+    def abort(self, req: Abort, timeout: float) -> None:
         try:
-            self.stub.Abort(req, timeout=timeout)
+            self.stub.Abort(wire.abort_to_proto(req), timeout=timeout)
         except grpc.RpcError as e:
             raise transfer_error(e, "", f"abort at {self.address}") from None
 
@@ -182,7 +185,7 @@ class GrpcKVSender(KVSender):
 
     def _chunks(self, q: queue.Queue[tuple[int, int, object] | None]) -> Iterator[pb.KVChunk]:
         """Chunk messages of the tensors put on `q` (runs in gRPC's sending thread)."""
-        per_block = wire.block_nbytes(self.layout)
+        per_block = payload.block_nbytes(self.layout)
         step = max(1, self.config.chunk_bytes // per_block)
         while not self.state.finished:
             try:
@@ -192,14 +195,13 @@ class GrpcKVSender(KVSender):
             if item is None:
                 return
             layer, which, t = item
-            data = wire.as_bytes(t.contiguous())  # type: ignore[attr-defined]
+            data = payload.as_bytes(t.contiguous())  # type: ignore[attr-defined]
             n = t.shape[0]  # type: ignore[attr-defined]
             for a in range(0, n, step):
                 b = min(n, a + step)
                 piece = bytes(data[a * per_block : b * per_block])
                 self.bytes_sent += len(piece)
-                yield pb.KVChunk(transfer_id=self.transfer_id, layer=layer, kv=which, first_block=a,
-                                 num_blocks=b - a, crc32=wire.crc32(piece), data=piece)
+                yield wire.chunk_to_proto(Chunk(self.transfer_id, layer, which, a, b - a, payload.crc32(piece)), piece)
 
     def abort(self, reason: str) -> None:
         for call in self._calls:

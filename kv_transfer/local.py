@@ -7,17 +7,19 @@ the same checked path the other transports use (a real copy, with its checksum).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from engine.errors import EngineError
-from kv_transfer import wire
+from kv_transfer import payload
+from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
 from kv_transfer.state import TransferError, as_transfer_error
-from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 _receivers: dict[str, KVReceiver] = {}
 _lock = threading.Lock()
+T = TypeVar("T")
 
 
 def register(name: str, receiver: KVReceiver) -> None:
@@ -32,6 +34,8 @@ def unregister(name: str) -> None:
 
 
 class LocalControl(Control):
+    """Control calls as direct calls on a receiver of this process."""
+
     def __init__(self, name: str) -> None:
         with _lock:
             receiver = _receivers.get(name)
@@ -39,20 +43,21 @@ class LocalControl(Control):
             raise TransferError(f"no local KV receiver named {name!r}", retryable=True)
         self.receiver = receiver
 
-    def _call(self, fn, req, request_id: str = ""):  # type: ignore[no-untyped-def]
+    @staticmethod
+    def _call(fn: Callable[[], T], request_id: str = "") -> T:
         try:
-            return fn(req)
+            return fn()
         except EngineError as e:
             raise as_transfer_error(e, request_id) from None
 
-    def prepare(self, req: pb.PrepareRequest, timeout: float) -> pb.PrepareResponse:
-        return self._call(self.receiver.prepare, req, req.request_id)  # type: ignore[no-any-return]
+    def prepare(self, req: PrepareRequest, timeout: float) -> Prepared:
+        return self._call(lambda: self.receiver.prepare(req), req.request_id)
 
-    def commit(self, req: pb.CommitRequest, timeout: float) -> pb.CommitResponse:
-        return self._call(self.receiver.commit, req)  # type: ignore[no-any-return]
+    def commit(self, req: Commit, timeout: float) -> int:
+        return self._call(lambda: self.receiver.commit(req))
 
-    def abort(self, req: pb.AbortRequest, timeout: float) -> None:
-        self.receiver.abort(req.transfer_id, req.reason)
+    def abort(self, req: Abort, timeout: float) -> None:
+        self.receiver.abort(req)
 
 
 class LocalKVSender(KVSender):
@@ -66,7 +71,6 @@ class LocalKVSender(KVSender):
         for layer in layers:
             for which, t in ((0, layer.k), (1, layer.v)):
                 t = t.contiguous()
-                chunk = pb.KVChunk(transfer_id=self.transfer_id, layer=layer.index, kv=which, first_block=0,
-                                   num_blocks=t.shape[0], crc32=wire.crc32(t))
+                chunk = Chunk(self.transfer_id, layer.index, which, 0, t.shape[0], payload.crc32(t))
                 receiver.on_tensor(chunk, t)
                 self.bytes_sent += t.numel() * t.element_size()

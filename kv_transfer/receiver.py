@@ -2,8 +2,8 @@
 
 Life of an inbound transfer:
 1. `prepare` checks the sender's description against the engine and reserves blocks (cached ones linked);
-2. data arrives as chunks (`on_chunk`, grpc) or layers (`on_layer`, torch/local); each is checksummed before it
-   is written into the reserved blocks;
+2. data arrives as chunks: bytes (`on_chunk`, grpc) or tensors (`on_tensor`, torch/local); each is checksummed
+   before it is written into the reserved blocks;
 3. `commit` completes it once every block of every layer arrived (DONE); the decode worker then `take`s it into
    its running batch with the request's sampling params;
 4. a failure, an abort from either side, a broken stream, or a missed deadline frees the reservation (FAILED).
@@ -29,9 +29,9 @@ from engine.kv_import import KVReservation
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kv_transfer import wire
-from kv_transfer.state import TransferError, TransferState
-from kv_transfer.v1 import kv_transfer_pb2 as pb
+from kv_transfer import payload
+from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest, TorchRendezvous
+from kv_transfer.state import TRANSPORTS, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class KVReceiver:
         self._by_id: dict[str, Inbound] = {}
         self._by_request: dict[str, Inbound] = {}
         # transport hooks (torch): set up on handshake, tear down on failure
-        self.on_prepare: Callable[[pb.PrepareRequest, Inbound], pb.TorchRendezvous | None] | None = None
+        self.on_prepare: Callable[[PrepareRequest, Inbound], TorchRendezvous | None] | None = None
         self.on_fail: Callable[[Inbound], None] | None = None
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval_s,), daemon=True,
@@ -84,60 +84,49 @@ class KVReceiver:
         self._reaper.start()
 
     # ---- 1. handshake ---------------------------------------------------------------------------------------
-    def prepare(self, req: pb.PrepareRequest) -> pb.PrepareResponse:
+    def prepare(self, req: PrepareRequest) -> Prepared:
         """Check the description, reserve blocks; raises InvalidRequestError/CapacityError before any write."""
         rid = req.request_id
         if not rid:
             raise InvalidRequestError("request_id", "must be a non-empty string")
-        if not req.HasField("layout"):
-            raise InvalidRequestError("layout", "is required", rid)
-        if req.transport not in ("grpc", "torch", "local"):
-            raise InvalidRequestError("transport", f"must be grpc, torch or local, got {req.transport!r}", rid)
+        if req.transport not in TRANSPORTS:
+            raise InvalidRequestError("transport", f"must be one of {', '.join(TRANSPORTS)}, got {req.transport!r}",
+                                      rid)
         if not 0 < req.deadline_ms <= self.max_deadline_s * 1000:
             raise InvalidRequestError("deadline_ms", f"must be in (0, {int(self.max_deadline_s * 1000)}]", rid)
         with self.engine_lock:
-            res = self.engine.reserve_kv(rid, wire.layout_from_proto(req.layout), list(req.token_ids),
-                                         req.num_prompt_tokens, list(req.block_hashes))
+            res = self.engine.reserve_kv(rid, req.layout, req.token_ids, req.num_prompt_tokens, req.block_hashes)
         n = len(res.fresh_blocks)
         t = Inbound(uuid.uuid4().hex, res, time.monotonic() + req.deadline_ms / 1000,
                     np.zeros((self.layout.num_layers, 2, n), dtype=bool))
         with self._lock:
             self._by_id[t.transfer_id] = t
             self._by_request[rid] = t
-        resp = pb.PrepareResponse(transfer_id=t.transfer_id, cached_blocks=res.start_block, num_blocks=n)
+        rendezvous = None
         if req.transport == "torch":
             if self.on_prepare is None:
                 self._fail(t, "this receiver has no torch transport", retryable=False)
                 raise InvalidRequestError("transport", "torch is not enabled on this receiver", rid)
             rendezvous = self.on_prepare(req, t)
-            if rendezvous is not None:
-                resp.torch.CopyFrom(rendezvous)
-        return resp
+        return Prepared(t.transfer_id, res.start_block, n, rendezvous)
 
     # ---- 2. data --------------------------------------------------------------------------------------------
-    def on_chunk(self, chunk: pb.KVChunk) -> None:
-        """A grpc chunk: some blocks of K or V of one layer, as bytes, checksummed."""
-        expected = chunk.num_blocks * wire.block_nbytes(self.layout)
-        if len(chunk.data) != expected:
+    def on_chunk(self, chunk: Chunk, data: bytes) -> None:
+        """Some blocks of K or V of one layer as bytes (grpc), checksummed."""
+        expected = chunk.num_blocks * payload.block_nbytes(self.layout)
+        if len(data) != expected:
             t = self._get(chunk.transfer_id)
-            self._fail(t, f"chunk of {len(chunk.data)} bytes for {chunk.num_blocks} blocks (expected {expected})")
-            raise InvalidRequestError("data", f"{len(chunk.data)} bytes for {chunk.num_blocks} blocks", t.request_id)
-        self.on_tensor(chunk, wire.tensor_from_bytes(chunk.data, self.layout, chunk.num_blocks))
+            self._fail(t, f"chunk of {len(data)} bytes for {chunk.num_blocks} blocks (expected {expected})")
+            raise InvalidRequestError("data", f"{len(data)} bytes for {chunk.num_blocks} blocks", t.request_id)
+        self.on_tensor(chunk, payload.tensor_from_bytes(data, self.layout, chunk.num_blocks))
 
-    def on_tensor(self, chunk: pb.KVChunk, kv: torch.Tensor) -> None:
-        """Blocks of K or V of one layer ([n, block_size, KVH, D]) described by `chunk` (its data unused)."""
-        self._check_crc(chunk.transfer_id, kv, chunk.crc32, f"layer {chunk.layer} {'KV'[chunk.kv % 2]} blocks "
-                        f"[{chunk.first_block}, {chunk.first_block + chunk.num_blocks})")
+    def on_tensor(self, chunk: Chunk, kv: torch.Tensor) -> None:
+        """Blocks of K or V of one layer ([n, block_size, KVH, D]) described by `chunk` (torch, local)."""
+        self._check_crc(chunk.transfer_id, kv, chunk.crc32, chunk.where())
         self._write(chunk.transfer_id, chunk.layer, chunk.kv, chunk.first_block, kv)
 
-    def on_layer(self, transfer_id: str, layer: int, kv: torch.Tensor, crc: int) -> None:
-        """A whole layer ([2, num_blocks, block_size, KVH, D]: K then V) with the CRC32 of its bytes."""
-        self._check_crc(transfer_id, kv, crc, f"layer {layer}")
-        self._write(transfer_id, layer, 0, 0, kv[0])
-        self._write(transfer_id, layer, 1, 0, kv[1])
-
     def _check_crc(self, transfer_id: str, kv: torch.Tensor, crc: int, where: str) -> None:
-        if wire.crc32(kv) != crc:
+        if payload.crc32(kv) != crc:
             t = self._get(transfer_id)
             reason = f"checksum mismatch in {where}"
             self._fail(t, reason, retryable=True)
@@ -149,7 +138,8 @@ class KVReceiver:
             self.engine.write_kv_blocks(t.res, layer, which, first, kv)
         except EngineError as e:
             self._end_write(t)
-            self._fail(t, f"bad data: {e.reason}")
+            # NOTE: the engine drops writes into a reservation it freed (an abort there, issue 14 item 3)
+            self._fail(t, "aborted on the receiving engine" if t.res.closed else f"bad data: {e.reason}")
             raise
         self._end_write(t, layer, which, first, kv.shape[0], kv.numel() * kv.element_size())
 
@@ -175,8 +165,8 @@ class KVReceiver:
             self._free(t)
 
     # ---- 3. completion --------------------------------------------------------------------------------------
-    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
-        """The sender is done: complete if every block arrived, else fail naming what is missing."""
+    def commit(self, req: Commit) -> int:
+        """The sender is done: DONE if every block arrived (returns the bytes received), else fail naming the gap."""
         t = self._get(req.transfer_id)
         with self._lock:
             # NOTE: torch sends complete when the bytes left the sender; the receive thread may still be writing.
@@ -191,7 +181,7 @@ class KVReceiver:
                 t.num_cached_tokens = req.num_cached_tokens
                 t.state = TransferState.DONE
                 t.done.set()
-                return pb.CommitResponse(bytes_received=t.bytes_received)
+                return t.bytes_received
         where = f"layer {missing[0][0]} {'KV'[missing[0][1]]} block {missing[0][2]}" if len(missing) else "writes"
         reason = f"committed before all data arrived ({len(missing)} block(s) missing, first: {where})"
         self._fail(t, reason, retryable=True)
@@ -225,10 +215,11 @@ class KVReceiver:
         t.done.wait(timeout)
         return t.state
 
-    def abort(self, transfer_id: str, reason: str) -> None:
-        t = self._by_id.get(transfer_id)
+    def abort(self, req: Abort) -> None:
+        """The sender stopped the transfer."""
+        t = self._by_id.get(req.transfer_id)
         if t is not None:
-            self._fail(t, f"aborted by sender: {reason}")
+            self._fail(t, f"aborted by sender: {req.reason}")
 
     def abort_request(self, request_id: str, reason: str = "aborted") -> None:
         t = self._by_request.get(request_id)

@@ -3,8 +3,8 @@
 Life of an outbound transfer:
 1. `prepare()`: the handshake; the receiver reserves blocks and says how many leading ones it already caches
    (`cached_blocks`): only the rest are sent;
-2. `send_layer(layer, k, v)` as each layer's KV is ready (from `LLMEngine.watch_layers` during prefill, or from a
-   finished `KVExport`); a background thread moves the data while the prefill goes on;
+2. `send_layer(layer, k, v)` as each layer's KV is ready (from `LLMEngine.watch_layers` during the prefill step);
+   a background thread moves the data while the prefill goes on;
 3. `commit(next_token_ids)`: after the last layer, hands over the sampled token(s); the receiver then completes;
 4. `poll()` → WAITING | TRANSFERRING | DONE | FAILED (`error` says why). `on_finish` runs once it is DONE or
    FAILED: the prefill worker unpins its blocks there. Any failure aborts the receiver's side too.
@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_export import KVExport, KVLayout
-from kv_transfer import wire
-from kv_transfer.state import TransferConfig, TransferError, TransferState
-from kv_transfer.v1 import kv_transfer_pb2 as pb
+from engine.kv_export import KVLayout
+from kv_transfer.messages import Abort, Commit, Prepared, PrepareRequest
+from kv_transfer.state import TransferConfig, TransferError, TransferState, Transport
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +34,14 @@ class Control(ABC):
     """The control plane to one receiver: the handshake, commit and abort (gRPC, or a direct call in-process)."""
 
     @abstractmethod
-    def prepare(self, req: pb.PrepareRequest, timeout: float) -> pb.PrepareResponse: ...
+    def prepare(self, req: PrepareRequest, timeout: float) -> Prepared: ...
 
     @abstractmethod
-    def commit(self, req: pb.CommitRequest, timeout: float) -> pb.CommitResponse: ...
+    def commit(self, req: Commit, timeout: float) -> int:
+        """Returns the bytes the receiver got."""
 
     @abstractmethod
-    def abort(self, req: pb.AbortRequest, timeout: float) -> None: ...
+    def abort(self, req: Abort, timeout: float) -> None: ...
 
 
 @dataclass
@@ -59,7 +59,7 @@ _COMMIT = object()
 class KVSender(ABC):
     """Sends one request's KV to one receiver; subclasses move the data (`_send_layers`)."""
 
-    transport = ""
+    transport: Transport
 
     def __init__(self, control: Control, config: TransferConfig, request_id: str, layout: KVLayout,
                  token_ids: Sequence[int], num_prompt_tokens: int, block_hashes: Sequence[bytes], *,
@@ -87,10 +87,9 @@ class KVSender(ABC):
         """Handshake; returns how many leading blocks the receiver caches (they are not sent)."""
         self.started = time.monotonic()
         self._deadline = self.started + self.config.deadline_s
-        req = pb.PrepareRequest(request_id=self.request_id, layout=wire.layout_to_proto(self.layout),
-                                token_ids=self.token_ids, num_prompt_tokens=self.num_prompt_tokens,
-                                block_hashes=[bytes(h) for h in self.block_hashes], transport=self.transport,
-                                deadline_ms=int(self.config.deadline_s * 1000), sender_id=self.sender_id)
+        req = PrepareRequest(self.request_id, self.layout, self.token_ids, self.num_prompt_tokens,
+                             [bytes(h) for h in self.block_hashes], self.transport,
+                             int(self.config.deadline_s * 1000), self.sender_id)
         try:
             resp = self.control.prepare(req, self.remaining())
         except TransferError as e:
@@ -98,7 +97,11 @@ class KVSender(ABC):
             raise
         self.transfer_id, self.cached_blocks, self.num_blocks = resp.transfer_id, resp.cached_blocks, resp.num_blocks
         self.state = TransferState.TRANSFERRING
-        self._on_prepared(resp)
+        try:
+            self._on_prepared(resp)
+        except TransferError as e:
+            self.abort_after(e)
+            raise
         # NOTE: the thread runs in a copy of the caller's context, so its logs carry the caller's request id
         self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), daemon=True,
                                         name=f"kv-send-{self.request_id}")
@@ -110,14 +113,6 @@ class KVSender(ABC):
         if self.state is TransferState.TRANSFERRING:
             self._queue.put(Layer(layer, k, v))
 
-    def send_export(self, kv: KVExport) -> None:
-        """Queue every layer of a finished export (taken with skip_blocks=cached_blocks) and commit."""
-        if kv.start_block != self.cached_blocks:
-            raise ValueError(f"export starts at block {kv.start_block}, the receiver wants {self.cached_blocks}")
-        for layer in range(kv.num_layers):
-            self.send_layer(layer, kv.k[layer], kv.v[layer])
-        self.commit(kv.token_ids[kv.num_kv_tokens :], kv.num_cached_tokens)
-
     def commit(self, next_token_ids: Sequence[int], num_cached_tokens: int = 0) -> None:
         """After the last layer: the token(s) sampled after the KV; the receiver completes on it."""
         self._next_token_ids, self._num_cached_tokens = list(next_token_ids), num_cached_tokens
@@ -127,7 +122,7 @@ class KVSender(ABC):
         """Stop now and tell the receiver to free its reservation."""
         if self._finish(TransferError(f"aborted: {reason}", self.request_id)) and self.transfer_id:
             try:
-                self.control.abort(pb.AbortRequest(transfer_id=self.transfer_id, reason=reason), 2.0)
+                self.control.abort(Abort(self.transfer_id, reason), 2.0)
             except TransferError:
                 pass  # the receiver is gone: its own deadline frees its side
 
@@ -148,7 +143,7 @@ class KVSender(ABC):
         return (self.finished_at or time.monotonic()) - self.started
 
     # ---- the transport's side -------------------------------------------------------------------------------
-    def _on_prepared(self, resp: pb.PrepareResponse) -> None:
+    def _on_prepared(self, resp: Prepared) -> None:
         """Hook for transports that set something up after the handshake (torch: the pair group)."""
         return None
 
@@ -178,10 +173,9 @@ class KVSender(ABC):
             self._send_layers(self._layers())
             if self.state.finished:
                 return
-            resp = self.control.commit(pb.CommitRequest(transfer_id=self.transfer_id,
-                                                        next_token_ids=self._next_token_ids,
-                                                        num_cached_tokens=self._num_cached_tokens), self.remaining())
-            log.debug("KV of %s sent: %d bytes in %.3f s", self.request_id, resp.bytes_received, self.seconds)
+            received = self.control.commit(Commit(self.transfer_id, self._next_token_ids, self._num_cached_tokens),
+                                           self.remaining())
+            log.debug("KV of %s sent: %d bytes in %.3f s", self.request_id, received, self.seconds)
             self._finish(None)
         except TransferError as e:
             self.abort_after(e)
@@ -191,7 +185,7 @@ class KVSender(ABC):
     def abort_after(self, err: TransferError) -> None:
         if self._finish(err) and self.transfer_id:
             try:
-                self.control.abort(pb.AbortRequest(transfer_id=self.transfer_id, reason=err.reason), 1.0)
+                self.control.abort(Abort(self.transfer_id, err.reason), 1.0)
             except TransferError:
                 pass
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from engine.errors import CapacityError, EngineError
 
-TRANSPORTS = ("grpc", "torch", "local")
+# NOTE: "local" is sender and receiver in one process (the colocated engine, tests); a cluster's YAML offers only
+# the remote two
+Transport = Literal["grpc", "torch", "local"]
+TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
 
 
 class TransferState(enum.Enum):
@@ -42,7 +46,7 @@ def as_transfer_error(err: EngineError, request_id: str | None = None) -> Transf
 class TransferConfig:
     """How KV moves from prefill to decode workers (one per cluster; sizes in bytes, times in seconds)."""
 
-    transport: str = "grpc"  # "grpc" | "torch" | "local"
+    transport: Transport = "grpc"
     deadline_s: float = 30.0  # a transfer not committed by then fails and frees its blocks on both sides
     chunk_bytes: int = 1 << 20  # grpc: data per chunk message (1 MiB measured best for Python gRPC)
     grpc_streams: int = 2  # grpc: parallel Push streams, each its own TCP connection

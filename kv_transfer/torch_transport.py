@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_transfer import wire
+from kv_transfer import payload
+from kv_transfer.messages import Chunk, Prepared, PrepareRequest, TorchRendezvous
 from kv_transfer.receiver import Inbound, KVReceiver
 from kv_transfer.sender import KVSender, Layer
 from kv_transfer.state import TransferError, TransferState
-from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class TorchEndpoint:
         receiver.on_prepare = self.prepare
         receiver.on_fail = self._failed
 
-    def prepare(self, req: pb.PrepareRequest, t: Inbound) -> pb.TorchRendezvous:
+    def prepare(self, req: PrepareRequest, t: Inbound) -> TorchRendezvous:
         with self._lock:
             pair = self._pairs.get(req.sender_id)
             if pair is None or pair.broken:
@@ -108,8 +108,7 @@ class TorchEndpoint:
             self._pair_of[t.transfer_id] = pair
         threading.Thread(target=self._receive, args=(pair, tag, t), daemon=True,
                          name=f"kv-torch-recv-{t.request_id}").start()
-        return pb.TorchRendezvous(host=self.host, port=self.port, group_key=pair.key, backend=self.backend,
-                                  tag=tag, device=self.device)
+        return TorchRendezvous(self.host, self.port, pair.key, self.backend, tag, self.device)
 
     def _failed(self, t: Inbound) -> None:
         """A transfer failed (abort, checksum, deadline): its pair's stream is out of step, retire the pair."""
@@ -143,8 +142,8 @@ class TorchEndpoint:
                 if got != layer:
                     raise TransferError(f"expected layer {layer}, got {got}")
                 kv = buf.cpu() if buf.device.type != "cpu" else buf
-                self.receiver.on_tensor(_chunk(t.transfer_id, layer, 0, n, crc_k), kv[0])
-                self.receiver.on_tensor(_chunk(t.transfer_id, layer, 1, n, crc_v), kv[1])
+                self.receiver.on_tensor(Chunk(t.transfer_id, layer, 0, 0, n, crc_k), kv[0])
+                self.receiver.on_tensor(Chunk(t.transfer_id, layer, 1, 0, n, crc_v), kv[1])
             pair.end_turn(tag)
         except Exception as e:  # noqa: BLE001 - any failure frees the reservation and retires the pair
             if t.state is TransferState.TRANSFERRING:
@@ -156,10 +155,6 @@ class TorchEndpoint:
                 self._pair_of.pop(t.transfer_id, None)
 
 
-def _chunk(transfer_id: str, layer: int, which: int, n: int, crc: int) -> pb.KVChunk:
-    return pb.KVChunk(transfer_id=transfer_id, layer=layer, kv=which, first_block=0, num_blocks=n, crc32=crc)
-
-
 _pairs: dict[tuple[str, str], _Pair] = {}  # sender side: (receiver address, group key) → pair
 _pairs_lock = threading.Lock()
 
@@ -169,8 +164,10 @@ class TorchKVSender(KVSender):
 
     transport = "torch"
 
-    def _on_prepared(self, resp: pb.PrepareResponse) -> None:
+    def _on_prepared(self, resp: Prepared) -> None:
         rv = resp.torch
+        if rv is None:
+            raise TransferError("the receiver's answer names no torch rendezvous", self.request_id)
         self._tag, self._device = rv.tag, rv.device
         with _pairs_lock:
             pair = _pairs.get((rv.host, rv.group_key))
@@ -179,7 +176,7 @@ class TorchKVSender(KVSender):
                 threading.Thread(target=self._make, args=(pair, rv), daemon=True, name="kv-torch-group").start()
         self._pair = pair
 
-    def _make(self, pair: _Pair, rv: pb.TorchRendezvous) -> None:
+    def _make(self, pair: _Pair, rv: TorchRendezvous) -> None:
         try:
             store = dist.TCPStore(rv.host, rv.port, is_master=False, timeout=timedelta(seconds=self.remaining()))
             pair.group.set_result(make_group(rv.backend, store, rv.group_key, SENDER, self.remaining()))
@@ -194,7 +191,7 @@ class TorchKVSender(KVSender):
             group = pair.group.result(timeout=self.remaining())
             for layer in layers:
                 k, v = layer.k.contiguous(), layer.v.contiguous()
-                header = torch.tensor([layer.index, wire.crc32(k), wire.crc32(v)], dtype=torch.int64)
+                header = torch.tensor([layer.index, payload.crc32(k), payload.crc32(v)], dtype=torch.int64)
                 works = [group.send([x.to(self._device)], RECEIVER, tag) for x in (header, k, v)]
                 for w in works:
                     w.wait(timedelta(seconds=self.remaining()))

@@ -1,13 +1,11 @@
-"""Between engine objects and the wire: layouts to and from proto, checksums, tensors as bytes."""
+"""The one place messages cross to and from protobuf (`pdcluster.v1` KV messages); only transports call it."""
 
 from __future__ import annotations
 
-import warnings
-import zlib
-
-import torch
-
+from engine.errors import InvalidRequestError
 from engine.kv_export import KVLayout
+from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest, TorchRendezvous
+from kv_transfer.state import TRANSPORTS, Transport
 from kv_transfer.v1 import kv_transfer_pb2 as pb
 
 
@@ -20,24 +18,67 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
     return KVLayout(msg.scope, msg.dtype, msg.num_layers, msg.block_size, msg.num_kv_heads, msg.head_dim)
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's memory as bytes (no copy)."""
-    assert t.is_contiguous() and t.device.type == "cpu"
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]
+def prepare_to_proto(req: PrepareRequest) -> pb.PrepareRequest:
+    return pb.PrepareRequest(request_id=req.request_id, layout=layout_to_proto(req.layout), token_ids=req.token_ids,
+                             num_prompt_tokens=req.num_prompt_tokens, block_hashes=req.block_hashes,
+                             transport=req.transport, deadline_ms=req.deadline_ms, sender_id=req.sender_id)
 
 
-def crc32(t: torch.Tensor | bytes | memoryview) -> int:
-    """CRC32 of a tensor's bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(as_bytes(t) if isinstance(t, torch.Tensor) else t)
+def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
+    """A peer's handshake; a missing layout or an unknown transport is refused here, naming the field."""
+    rid = msg.request_id or None
+    if not msg.HasField("layout"):
+        raise InvalidRequestError("layout", "is required", rid)
+    return PrepareRequest(msg.request_id, layout_from_proto(msg.layout), list(msg.token_ids), msg.num_prompt_tokens,
+                          list(msg.block_hashes), transport_from_proto(msg.transport, rid), msg.deadline_ms,
+                          msg.sender_id)
 
 
-def tensor_from_bytes(data: bytes, layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """Blocks received as bytes, viewed (no copy) as [num_blocks, block_size, KVH, D]; only ever read from."""
-    with warnings.catch_warnings():  # NOTE: the view of immutable bytes is read-only by contract, torch warns anyway
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(data, dtype=torch.uint8)
-    return t.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
+def transport_from_proto(name: str, request_id: str | None) -> Transport:
+    for t in TRANSPORTS:
+        if name == t:
+            return t
+    raise InvalidRequestError("transport", f"must be one of {', '.join(TRANSPORTS)}, got {name!r}", request_id)
 
 
-def block_nbytes(layout: KVLayout) -> int:
-    return layout.layer_nbytes(1) // 2
+def prepared_to_proto(resp: Prepared) -> pb.PrepareResponse:
+    msg = pb.PrepareResponse(transfer_id=resp.transfer_id, cached_blocks=resp.cached_blocks,
+                             num_blocks=resp.num_blocks)
+    if (rv := resp.torch) is not None:
+        msg.torch.CopyFrom(pb.TorchRendezvous(host=rv.host, port=rv.port, group_key=rv.group_key,
+                                              backend=rv.backend, tag=rv.tag, device=rv.device))
+    return msg
+
+
+def prepared_from_proto(msg: pb.PrepareResponse) -> Prepared:
+    rv = msg.torch
+    torch = (TorchRendezvous(rv.host, rv.port, rv.group_key, rv.backend, rv.tag, rv.device)
+             if msg.HasField("torch") else None)
+    return Prepared(msg.transfer_id, msg.cached_blocks, msg.num_blocks, torch)
+
+
+def chunk_to_proto(chunk: Chunk, data: bytes) -> pb.KVChunk:
+    return pb.KVChunk(transfer_id=chunk.transfer_id, layer=chunk.layer, kv=chunk.kv, first_block=chunk.first_block,
+                      num_blocks=chunk.num_blocks, crc32=chunk.crc32, data=data)
+
+
+def chunk_from_proto(msg: pb.KVChunk) -> Chunk:
+    """The chunk's description (its data stays in `msg.data`)."""
+    return Chunk(msg.transfer_id, msg.layer, msg.kv, msg.first_block, msg.num_blocks, msg.crc32)
+
+
+def commit_to_proto(req: Commit) -> pb.CommitRequest:
+    return pb.CommitRequest(transfer_id=req.transfer_id, next_token_ids=req.next_token_ids,
+                            num_cached_tokens=req.num_cached_tokens)
+
+
+def commit_from_proto(msg: pb.CommitRequest) -> Commit:
+    return Commit(msg.transfer_id, list(msg.next_token_ids), msg.num_cached_tokens)
+
+
+def abort_to_proto(req: Abort) -> pb.AbortRequest:
+    return pb.AbortRequest(transfer_id=req.transfer_id, reason=req.reason)
+
+
+def abort_from_proto(msg: pb.AbortRequest) -> Abort:
+    return Abort(msg.transfer_id, msg.reason)

@@ -1,0 +1,84 @@
+"""What sender and receiver say to each other, as plain typed values (protobuf only on the wire: see wire.py).
+
+One message per step of a transfer (the proto's header comment has the whole life of one):
+1. `PrepareRequest` → `Prepared` (with a `TorchRendezvous` for transport "torch");
+2. `Chunk`s: K or V of some blocks of one layer, each with the CRC32 of its bytes;
+3. `Commit` → bytes received; or `Abort` from either side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.kv_export import KVLayout
+from kv_transfer.state import Transport
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareRequest:
+    """The sender describes the payload; the receiver checks every field before it reserves a block."""
+
+    request_id: str
+    layout: KVLayout
+    token_ids: list[int]  # tokens whose K/V is sent
+    num_prompt_tokens: int
+    block_hashes: list[bytes]  # chained hash of every full block among token_ids
+    transport: Transport
+    deadline_ms: int  # the receiver frees its reservation if the transfer has not committed by then
+    sender_id: str = ""  # identifies the sender's end of a torch.distributed pair group
+
+
+@dataclass(frozen=True, slots=True)
+class TorchRendezvous:
+    """Where a torch.distributed pair group meets: a TCPStore on the receiver, a key per pair."""
+
+    host: str
+    port: int
+    group_key: str  # a new key means a new group (the old one is discarded)
+    backend: str  # "gloo" | "nccl"
+    tag: int  # send/recv tag of this transfer within the pair
+    device: str  # device of the tensors sent ("cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """The receiver's answer: blocks reserved, how many leading ones it caches (not sent)."""
+
+    transfer_id: str
+    cached_blocks: int  # leading blocks the receiver linked from its prefix cache
+    num_blocks: int  # blocks to send per layer (K and V each)
+    torch: TorchRendezvous | None = None  # set for transport "torch"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """K or V of blocks [first_block, first_block + num_blocks) (among those sent) of one layer; data travels beside."""
+
+    transfer_id: str
+    layer: int
+    kv: int  # 0 = K, 1 = V
+    first_block: int
+    num_blocks: int
+    crc32: int  # of the data: [num_blocks, block_size, KVH, D] in the layout's dtype, native byte order
+
+    def where(self) -> str:
+        """The chunk's place, as errors name it."""
+        last = self.first_block + self.num_blocks
+        return f"layer {self.layer} {'KV'[self.kv % 2]} blocks [{self.first_block}, {last})"
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """The sender is done: the tokens sampled after the K/V sent."""
+
+    transfer_id: str
+    next_token_ids: list[int] = field(default_factory=list)  # at least the first sampled token
+    num_cached_tokens: int = 0  # prompt tokens the sender served from its own prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Either side stops the transfer; the receiver frees its reservation."""
+
+    transfer_id: str
+    reason: str
