@@ -3,14 +3,16 @@
 One run, one machine. The payload is the real KV of one prefilled prompt (SmolLM2-135M, 2048 tokens: ~94 MB fp32).
 1. References: numpy memcpy of a payload-sized array; raw TCP on loopback to another process (`sendall` of a
    memoryview, `recv_into` a preallocated buffer, timed until the receiver acks the last byte).
-2. Transports: each timed send is open_sender → prepare → send_export → wait until DONE, from this process to a
-   receiver engine in a spawned process (grpc, torch) or in this one (local). GB/s = payload bytes ÷ seconds;
-   best and median of --repeat after --warmup. Each receiver checks the CRC of the KV it ends up holding.
+2. Transports: each timed send is open_sender → prepare → send_layer of every layer (read during the payload's
+   prefill) → commit → wait until DONE, from this process to a receiver engine in a spawned process (grpc, torch)
+   or in this one (local). GB/s = payload bytes ÷ seconds; best and median of --repeat after --warmup. Each
+   receiver checks the CRC of the KV it ends up holding.
 3. Overlap (grpc, torch): a 1-thread prefill engine times a fresh prompt's prefill alone (T_p), prefill then
-   export + send (T_seq), and prefill with layers sent as they are computed (T_lw). T_x = T_seq − T_p,
-   overlap = (T_seq − T_lw) ÷ T_x: the fraction of the transfer hidden behind prefill. When T_x is smaller than
-   the run-to-run spread of the prefill itself, that difference of differences is noise; "hidden" compares what
-   is left after the prefill in the same runs (tail: end of prefill to DONE), 1 − tail_lw ÷ tail_seq.
+   read + send (T_seq), and prefill with layers sent as they are computed (T_lw, as a prefill worker does).
+   T_x = T_seq − T_p, overlap = (T_seq − T_lw) ÷ T_x: the fraction of the transfer hidden behind prefill. When
+   T_x is smaller than the run-to-run spread of the prefill itself, that difference of differences is noise;
+   "hidden" compares what is left after the prefill in the same runs (tail: end of prefill to DONE),
+   1 − tail_lw ÷ tail_seq.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_transfer.state import TRANSPORTS
 from pdcluster.bench.report import emit, log, machine
-from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, kv_crc, kv_receiver, tcp_sink
+from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, kv_receiver, tcp_sink
 from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender
 
 DEFAULT_OUT = "results/bench_transfer.json"
-TRANSPORTS = ("grpc", "torch", "local")
 TARGETS = {"grpc": 0.60, "torch": 0.80}  # fraction of raw TCP, from the KV transfer issue
 REFERENCE_OF = {"grpc": "tcp", "torch": "tcp", "local": "memcpy"}
 
@@ -97,9 +99,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     # NOTE: a receiver that goes away makes gRPC log GOAWAY at info level on the channels this process keeps
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if bad := [t for t in transports if t not in TRANSPORTS]:
+    names = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if bad := [t for t in names if t not in TRANSPORTS]:
         raise BenchError(f"--transports: unknown {', '.join(bad)}; choose from {', '.join(TRANSPORTS)}")
+    transports = [t for n in names for t in TRANSPORTS if t == n]
     if args.tokens < 1 or args.repeat < 1 or args.warmup < 0 or args.overlap_repeat < 0:
         raise BenchError("--tokens and --repeat must be >= 1, --warmup and --overlap-repeat >= 0")
     torch.set_num_threads(1)
@@ -111,11 +114,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sender = PrefillSender(loaded, args.tokens, num_blocks)
     _log(f"prefill of the {args.tokens}-token payload prompt")
     t0 = time.perf_counter()
-    sender.prefill("payload", sender.prompt())
+    payload = sender.payload()
     payload_prefill_s = time.perf_counter() - t0
-    payload = sender.engine.export_kv("payload")
-    sender.engine.release_kv("payload")
-    nbytes, crc = payload.nbytes, kv_crc(payload)
+    nbytes = payload.nbytes
     _log(f"payload {nbytes / 1e6:.1f} MB; memcpy and raw TCP references")
     refs = {"memcpy": memcpy_figures(nbytes, max(5, args.repeat)), "tcp": tcp_figures(nbytes, args.warmup, args.repeat)}
     results: dict[str, dict[str, Any]] = {}
@@ -127,7 +128,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         try:
             tc = TransferConfig(transport=name, deadline_s=DEADLINE_S)
             _log(f"{name}: {args.warmup} + {args.repeat} sends of the payload")
-            runs = [sender.send_export(tc, peer, payload, crc) for _ in range(args.warmup + args.repeat)]
+            runs = [sender.send(tc, peer, payload) for _ in range(args.warmup + args.repeat)]
             row = _figures(runs[args.warmup :], nbytes)
             ref = REFERENCE_OF[name]
             row |= {"reference": ref, "ratio": row["best_gb_s"] / refs[ref]["best_gb_s"],

@@ -17,17 +17,15 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.kv_export import KVExport
-
 if TYPE_CHECKING:
     from engine.loader import LoadedModel
-    from kv_transfer import ReceiverEndpoint
+    from kv_transfer import ReceiverEndpoint, Transport
 
 # NOTE: torch's OpenMP threads spin while waiting; on a 2-core machine a spinning peer steals the sender's core.
 PEER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
@@ -37,11 +35,14 @@ class BenchError(RuntimeError):
     """A measurement could not be taken (a failed transfer, a peer that died); the message says which and why."""
 
 
-def kv_crc(kv: KVExport) -> int:
+Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V of the blocks sent, each [n, bs, KVH, D]
+
+
+def kv_crc(layers: Layers) -> int:
     """CRC32 over K then V of every layer, in layer order (the same bytes on both ends of a transfer)."""
     crc = 0
-    for layer in range(kv.num_layers):
-        for t in (kv.k[layer], kv.v[layer]):
+    for k, v in layers:
+        for t in (k, v):
             crc = zlib.crc32(t.contiguous().numpy().data.cast("B"), crc)
     return crc
 
@@ -68,13 +69,13 @@ def free_transfer(endpoint: ReceiverEndpoint, request_id: str, timeout: float = 
     receiver.take(request_id, SamplingParams(max_tokens=2, temperature=0.0))
     engine = receiver.engine
     with receiver.engine_lock:
-        crc = kv_crc(engine.export_kv(request_id))
+        crc = kv_crc([engine.read_kv_layer(request_id, layer) for layer in range(engine.kv_layout.num_layers)])
         engine.abort_request(request_id)
         free = engine.stats().num_free_blocks
     return ("done", crc, free)
 
 
-def kv_receiver(conn: Connection, transport: str, model: str, num_blocks: int, max_batched: int) -> None:
+def kv_receiver(conn: Connection, transport: Transport, model: str, num_blocks: int, max_batched: int) -> None:
     """Process body: a decode-side engine with a ReceiverEndpoint of `transport`; frees each request it is sent."""
     from engine import EngineConfig, LLMEngine
     from engine.loader import load_model

@@ -1,7 +1,9 @@
 """The sending side of `bench transfer`: a 1-thread prefill engine, fresh prompts, and timed transfers.
 
-Every transfer it times ends DONE with the receiver holding exactly the KV sent (CRC over every layer), or the
-bench stops with a BenchError naming the transport, the request and the reason.
+It drives a sender the way a prefill worker does (open_sender → prepare → send_layer per layer → commit → wait),
+with layers read by `LLMEngine.read_kv_layer` during the prefill step (layer-wise) or right after it. Every
+transfer it times ends DONE with the receiver holding exactly the KV sent (CRC over every layer), or the bench
+stops with a BenchError naming the transport, the request and the reason.
 """
 
 from __future__ import annotations
@@ -11,18 +13,32 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdcluster.bench.transfer_peers import BenchError, ReceiverPeer, kv_crc
+from pdcluster.bench.transfer_peers import BenchError, Layers, ReceiverPeer, kv_crc
 
 if TYPE_CHECKING:
-    from engine.kv_export import KVExport
     from engine.loader import LoadedModel
     from kv_transfer import KVSender, TransferConfig
 
 DEADLINE_S = 60.0  # per transfer; the layer-wise one includes a whole prefill
+
+
+@dataclass
+class Payload:
+    """One prefilled prompt's KV as the sender hands it on, and what it commits after it."""
+
+    prompt: list[int]
+    first_token_ids: list[int]
+    layers: Layers
+    crc: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.layers for t in kv)
 
 
 class PrefillSender:
@@ -48,18 +64,37 @@ class PrefillSender:
         return torch.randint(100, self.engine.model_config.vocab_size, (self.tokens,), generator=self._gen).tolist()
 
     def prefill(self, rid: str, prompt: list[int], watch: Callable[[int], None] | None = None) -> list[int]:
-        """Run one prompt to its first token (one step: the batch budget covers it), KV held; the token ids."""
+        """Run one prompt to its first token (one step: the batch budget covers it); its token ids.
+
+        The request asked for two tokens, so it stays in the batch (its KV readable) until `release`.
+        """
         from engine import SamplingParams
 
-        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0))
         if watch is not None:
             self.engine.watch_layers(rid, watch)
-        token_ids: list[int] = []
-        while self.engine.has_unfinished_requests():
+        while True:
             for out in self.engine.step():
-                if out.request_id == rid and out.finished:
-                    token_ids = out.token_ids
-        return token_ids
+                if out.request_id == rid:
+                    return out.token_ids
+
+    def release(self, rid: str) -> None:
+        """The request leaves this engine after its first token, as on a prefill worker."""
+        self.engine.abort_request(rid)
+
+    def read_layers(self, rid: str, skip_blocks: int = 0) -> Layers:
+        """Copies of every layer's K and V of the prompt's blocks from `skip_blocks` on."""
+        return [self.engine.read_kv_layer(rid, layer, skip_blocks, num_tokens=self.tokens)
+                for layer in range(self.engine.kv_layout.num_layers)]
+
+    def payload(self) -> Payload:
+        """A fresh prompt prefilled, its layers read as they are computed (and released)."""
+        prompt, rid = self.prompt(), self.rid("payload")
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        first = self.prefill(rid, prompt, lambda layer: layers.append(
+            self.engine.read_kv_layer(rid, layer, 0, num_tokens=self.tokens)))
+        self.release(rid)
+        return Payload(prompt, first, layers, kv_crc(layers))
 
     def open(self, tc: TransferConfig, peer: ReceiverPeer, rid: str, prompt: list[int]) -> KVSender:
         from engine.block_hash import hash_prompt_blocks
@@ -96,16 +131,18 @@ class PrefillSender:
             raise BenchError(f"{sender.transport} transfer of {sender.request_id}: the receiver's KV differs from "
                              f"the sender's (crc {answer[1]:#x} != {want_crc:#x})")
 
-    def send_export(self, tc: TransferConfig, peer: ReceiverPeer, kv: KVExport, crc: int) -> float:
-        """Seconds for open_sender → prepare → send_export → DONE of a finished export."""
+    def send(self, tc: TransferConfig, peer: ReceiverPeer, payload: Payload) -> float:
+        """Seconds for open_sender → prepare → send_layer of every layer → commit → DONE of a prefilled payload."""
         rid = self.rid(tc.transport)
         t0 = time.perf_counter()
-        sender = self.open(tc, peer, rid, kv.token_ids[: kv.num_kv_tokens])
+        sender = self.open(tc, peer, rid, payload.prompt)
         self.prepare(sender)
-        sender.send_export(kv)
+        for layer, (k, v) in enumerate(payload.layers):
+            sender.send_layer(layer, k, v)
+        sender.commit(payload.first_token_ids)
         sender.wait(DEADLINE_S)
         seconds = time.perf_counter() - t0
-        self.finish(sender, peer, crc)
+        self.finish(sender, peer, payload.crc)
         return seconds
 
     def prefill_alone(self) -> float:
@@ -113,40 +150,46 @@ class PrefillSender:
         t0 = time.perf_counter()
         self.prefill(rid, prompt)
         seconds = time.perf_counter() - t0
-        self.engine.release_kv(rid)
+        self.release(rid)
         return seconds
 
     def sequential(self, tc: TransferConfig, peer: ReceiverPeer) -> dict[str, float]:
-        """Prefill, then handshake, export_kv and send_export; timed until DONE."""
+        """Prefill, then handshake, read every layer and send it, commit; timed until DONE."""
         prompt, rid = self.prompt(), self.rid(f"{tc.transport}-seq")
         t0 = time.perf_counter()
-        self.prefill(rid, prompt)
+        first = self.prefill(rid, prompt)
         t_prefill = time.perf_counter() - t0
         sender = self.open(tc, peer, rid, prompt)
-        kv = self.engine.export_kv(rid, skip_blocks=self.prepare(sender))
-        sender.send_export(kv)
+        layers = self.read_layers(rid, self.prepare(sender))
+        for layer, (k, v) in enumerate(layers):
+            sender.send_layer(layer, k, v)
+        sender.commit(first)
         sender.wait(DEADLINE_S)
         total = time.perf_counter() - t0
-        self.engine.release_kv(rid)
-        self.finish(sender, peer, kv_crc(kv))
+        self.release(rid)
+        self.finish(sender, peer, kv_crc(layers))
         return {"sequential_s": total, "sequential_prefill_s": t_prefill, "sequential_tail_s": total - t_prefill}
 
     def layerwise(self, tc: TransferConfig, peer: ReceiverPeer) -> dict[str, float]:
         """Handshake, then prefill sending each layer as soon as it is written, commit; timed until DONE."""
         prompt, rid, n = self.prompt(), self.rid(f"{tc.transport}-lw"), self.tokens
         engine = self.engine
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         t0 = time.perf_counter()
         sender = self.open(tc, peer, rid, prompt)
         cached = self.prepare(sender)
-        token_ids = self.prefill(rid, prompt, lambda layer: sender.send_layer(
-            layer, *engine.read_kv_layer(rid, layer, cached, num_tokens=n)))
+
+        def on_layer(layer: int) -> None:  # what the prefill worker's hook does (the copy is kept for the CRC)
+            layers.append(engine.read_kv_layer(rid, layer, cached, num_tokens=n))
+            sender.send_layer(layer, *layers[-1])
+
+        token_ids = self.prefill(rid, prompt, on_layer)
         t_prefill = time.perf_counter() - t0
         sender.commit(token_ids)
         sender.wait(DEADLINE_S)
         total = time.perf_counter() - t0
-        crc = kv_crc(engine.export_kv(rid))
-        engine.release_kv(rid)
-        self.finish(sender, peer, crc)
+        self.release(rid)
+        self.finish(sender, peer, kv_crc(layers))
         return {"layerwise_s": total, "layerwise_prefill_s": t_prefill, "layerwise_tail_s": total - t_prefill}
 
     def overlap(self, tc: TransferConfig, peer: ReceiverPeer, rounds: int) -> dict[str, Any]:
