@@ -55,10 +55,10 @@ def run_alone(loaded: LoadedModel, prompt: list[int], params: SamplingParams = G
 
 
 def assert_idle(engine: LLMEngine) -> None:
-    """Nothing queued, running or held, and every KV block back in the free pool (cached blocks count as free)."""
+    """Nothing queued, running or reserved, and every KV block back in the free pool (cached blocks count as free)."""
     s = engine.stats()
     assert not engine.has_unfinished_requests(), s
-    assert (s.num_waiting, s.num_running, s.num_held) == (0, 0, 0), s
+    assert (s.num_waiting, s.num_running, s.num_reserved) == (0, 0, 0), s
     assert s.num_free_blocks == s.num_blocks, s
 
 
@@ -80,31 +80,45 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 49152, seed: int = 0
 # ---- KV transfer ---------------------------------------------------------------------------------------------------
 def open_kv_sender(transport: str, address: str, engine: LLMEngine, request_id: str, prompt: list[int],
                    sender_cls: type | None = None, **config: Any) -> Any:
-    """A sender of `engine`'s KV of `prompt` (a request added with hold_kv=True) to `address`."""
+    """A sender of `engine`'s KV of `prompt` to `address` (not started: `prefill_layerwise` drives it)."""
     from engine.block_hash import hash_prompt_blocks
     from kv_transfer import TransferConfig, open_sender
 
     tc = TransferConfig(transport=transport, **config)
     hashes = hash_prompt_blocks(prompt, engine.config.block_size, engine.scope)
+    sender = open_sender(tc, address, request_id, engine.kv_layout, prompt, len(prompt), hashes,
+                         sender_id=f"test-{id(engine)}")
     if sender_cls is None:
-        return open_sender(tc, address, request_id, engine.kv_layout, prompt, len(prompt), hashes,
-                           sender_id=f"test-{id(engine)}")
-    sender = open_sender(tc, address, request_id, engine.kv_layout, prompt, len(prompt), hashes)
+        return sender
     return sender_cls(sender.control, tc, request_id, engine.kv_layout, prompt, len(prompt), hashes,
                       sender_id=f"test-{id(engine)}")
 
 
-def prefill_layerwise(engine: LLMEngine, sender: Any, prompt: list[int], first: SamplingParams) -> list[int]:
-    """Prefill `prompt` on `engine`, handing each layer to `sender` as soon as it is computed; commit; return
-    the sampled token(s). The KV stays held (pinned) until the caller releases it."""
+def prefill_layerwise(engine: LLMEngine, sender: Any, prompt: list[int], params: SamplingParams | None = None, *,
+                      layers: Any = None, prepare: bool = True) -> list[int]:
+    """What a prefill worker does: handshake, prefill `prompt` handing each layer to `sender` as soon as the forward
+    pass wrote it, commit the first token, and release the request (its blocks stay in the prefix cache).
+
+    `layers(layer)` may stand in for the hand-over (a test that sends only some layers, or stops between two);
+    `prepare=False` when the test made the handshake itself. Returns the token ids up to the first token.
+    """
     rid = sender.request_id
-    engine.add_request(rid, prompt, first, hold_kv=True)
-    cached = sender.prepare()
-    engine.watch_layers(rid, lambda layer: sender.send_layer(
-        layer, *engine.read_kv_layer(rid, layer, cached, num_tokens=len(prompt))))
-    out = run_to_completion(engine)[rid]
-    sender.commit(out.token_ids)
+    if prepare:
+        sender.prepare()
+    engine.add_request(rid, prompt, params or SamplingParams(max_tokens=1, temperature=0.0))
+    engine.watch_layers(rid, layers or layer_sender(engine, sender, prompt))
+    out = next(o for _ in range(10_000) for o in engine.step() if o.request_id == rid)
+    sender.commit(out.new_token_ids, out.num_cached_tokens)
+    engine.abort_request(rid)  # NOTE: the prefill worker's `loop.release`: decoding goes on elsewhere
     return out.token_ids
+
+
+def layer_sender(engine: LLMEngine, sender: Any, prompt: list[int]) -> Any:
+    """The hand-over `prefill_layerwise` makes by default, for a `layers` function that wraps it."""
+    def send(layer: int) -> None:
+        sender.send_layer(layer, *engine.read_kv_layer(sender.request_id, layer, sender.cached_blocks,
+                                                       num_tokens=len(prompt)))
+    return send
 
 
 def free_blocks(engine: LLMEngine) -> int:

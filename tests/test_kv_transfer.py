@@ -13,12 +13,13 @@ import time
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, send_held_kv
-from kv_transfer.grpc_transport import GrpcControl, GrpcKVSender
+from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState
+from kv_transfer.grpc_transport import GrpcKVSender
 from tests.helpers import (
     assert_idle,
     free_blocks,
     greedy,
+    layer_sender,
     open_kv_sender,
     prefill_layerwise,
     random_prompts,
@@ -78,8 +79,7 @@ def test_layerwise_round_trip_continues_like_one_engine(tiny, endpoints, transpo
     assert sender.wait(10) is TransferState.DONE, sender.error
     assert sender.cached_blocks == 0 and sender.num_blocks == 6
     assert sender.bytes_sent == a.kv_layout.num_layers * a.kv_layout.layer_nbytes(6)
-    a.release_kv("r")
-    assert free_blocks(a) == a_free
+    assert free_blocks(a) == a_free  # released after the first token, as the prefill worker does
     tokens = decode_on(ep, "r")
     assert first == want[:1] and tokens == want
     assert free_blocks(ep.receiver.engine) == b_free and ep.receiver.num_inflight == 0
@@ -88,7 +88,7 @@ def test_layerwise_round_trip_continues_like_one_engine(tiny, endpoints, transpo
 def test_layers_are_handed_over_in_order_during_the_prefill_step(tiny):
     a = engine(tiny)
     seen: list[tuple[int, bool]] = []
-    a.add_request("r", PROMPT, FIRST, hold_kv=True)
+    a.add_request("r", PROMPT, FIRST)
     a.watch_layers("r", lambda layer: seen.append((layer, a.has_unfinished_requests())))
     a.step()
     assert [layer for layer, _ in seen] == list(range(tiny.config.num_layers))
@@ -135,14 +135,11 @@ def test_a_corrupted_chunk_fails_the_transfer_and_is_retried_once_if_asked(tiny,
     a, ep = engine(tiny), endpoints("grpc")
     b = ep.receiver.engine
     baseline = free_blocks(b)
-    a.add_request("r", PROMPT, FIRST, hold_kv=True)
-    first = run_to_completion(a)["r"].token_ids
-
-    def make(config, address, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return CorruptOnce(GrpcControl(address), config, *args, **kwargs)
-
-    sender = send_held_kv(a, TransferConfig(transport="grpc"), ep.address, "r", retries=retries, make_sender=make)
-    a.release_kv("r")
+    for _ in range(retries + 1):  # a retry is a new prefill and transfer of the same request
+        sender = open_kv_sender("grpc", ep.address, a, "r", PROMPT, sender_cls=CorruptOnce)
+        first = prefill_layerwise(a, sender, PROMPT, FIRST)
+        if sender.wait(10) is TransferState.DONE or not sender.error.retryable:
+            break
     assert CorruptOnce.corrupted == 1
     if retries == 0:
         assert sender.state is TransferState.FAILED
@@ -200,52 +197,38 @@ def test_a_silent_sender_loses_its_reservation_at_the_deadline(tiny, endpoints, 
 
 
 @pytest.mark.parametrize("transport", ["grpc"])  # torch: a killed receiver process, test_kv_transfer_processes.py
-def test_receiver_gone_fails_the_sender_fast_and_it_unpins(tiny, endpoints, transport):
+def test_receiver_gone_fails_the_sender_fast_and_the_prefill_side_is_idle(tiny, endpoints, transport):
     a, ep = engine(tiny), endpoints(transport)
-    baseline = free_blocks(a)
-    unpinned = threading.Event()
-
-    def release(s):  # type: ignore[no-untyped-def]
-        a.release_kv(s.request_id) if "r" in a._held else a.abort_request(s.request_id)
-        unpinned.set()
-
+    finished = threading.Event()
     sender = open_kv_sender(transport, ep.address, a, "r", PROMPT)
-    sender.on_finish = release
-    a.add_request("r", PROMPT, FIRST, hold_kv=True)
-    run_to_completion(a)
+    sender.on_finish = lambda s: finished.set()
     sender.prepare()
     ep.close()  # the receiver goes away: server stopped, reservations dropped
     start = time.monotonic()
-    kv = a.export_kv("r", skip_blocks=sender.cached_blocks)
-    sender.send_export(kv)
+    prefill_layerwise(a, sender, PROMPT, FIRST, prepare=False)
     assert sender.wait(10) is TransferState.FAILED
     assert time.monotonic() - start < 5  # well inside the 30 s deadline
-    assert unpinned.wait(1) and free_blocks(a) == baseline
+    assert finished.wait(1)
+    assert_idle(a)
 
 
 def test_receiver_abort_fails_the_sender(tiny, endpoints):
     a, ep = engine(tiny), endpoints("grpc")
     sender = open_kv_sender("grpc", ep.address, a, "r", PROMPT)
-    a.add_request("r", PROMPT, FIRST, hold_kv=True)
-    run_to_completion(a)
     sender.prepare()
     ep.receiver.abort_request("r", "decode worker draining")
-    sender.send_export(a.export_kv("r"))
+    prefill_layerwise(a, sender, PROMPT, FIRST, prepare=False)
     assert sender.wait(10) is TransferState.FAILED
     assert "decode worker draining" in sender.error.reason
-    a.release_kv("r")
+    assert_idle(a)
     assert_idle(ep.receiver.engine)
 
 
 def test_commit_before_all_layers_arrived_fails(tiny, endpoints):
     a, ep = engine(tiny), endpoints("local")
     sender = open_kv_sender("local", ep.address, a, "r", PROMPT)
-    a.add_request("r", PROMPT, FIRST, hold_kv=True)
-    first = run_to_completion(a)["r"].token_ids
-    sender.prepare()
-    kv = a.export_kv("r")
-    sender.send_layer(0, kv.k[0], kv.v[0])
-    sender.commit(first)
+    send = layer_sender(a, sender, PROMPT)
+    prefill_layerwise(a, sender, PROMPT, FIRST, layers=lambda layer: layer == 0 and send(layer))  # layer 0 only
     assert sender.wait(10) is TransferState.FAILED
     assert "before all data arrived" in sender.error.reason and "first: layer 1 K block 0" in sender.error.reason
     assert_idle(ep.receiver.engine)
@@ -277,18 +260,14 @@ def test_a_kv_endpoint_accepts_only_cluster_members(tiny, sent):
     ep = ReceiverEndpoint(decode, TransferConfig(transport="grpc", cluster_token="s3cret-token"))
     try:
         prefill = engine(tiny)
-        prompt = PROMPT
-        prefill.add_request("auth", prompt, FIRST, hold_kv=True)
-        run_to_completion(prefill)
         before = decode.stats()
-        outsider = open_kv_sender("grpc", ep.address, prefill, "auth", prompt, cluster_token=sent)
+        outsider = open_kv_sender("grpc", ep.address, prefill, "auth", PROMPT, cluster_token=sent)
         with pytest.raises(TransferError, match="UNAUTHENTICATED") as e:
             outsider.prepare()
         assert not e.value.retryable and "s3cret" not in str(e.value)
         assert decode.stats() == before
-        member = open_kv_sender("grpc", ep.address, prefill, "auth", prompt, cluster_token="s3cret-token")
-        cached = member.prepare()
-        member.send_export(prefill.export_kv("auth", skip_blocks=cached))
+        member = open_kv_sender("grpc", ep.address, prefill, "auth", PROMPT, cluster_token="s3cret-token")
+        prefill_layerwise(prefill, member, PROMPT, FIRST)
         assert member.wait(10) is TransferState.DONE
     finally:
         ep.close()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState, wire
+from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState, payload
 from tests.helpers import (
     free_blocks,
     greedy,
@@ -33,7 +33,7 @@ def test_crc_and_layout_survive_a_trip_through_the_gpu(tiny):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=16, num_threads=1))
     layer = torch.randn(2, 5, *engine.kv_layout.block_shape)
     back = layer.to("cuda").cpu()
-    assert wire.crc32(back) == wire.crc32(layer)
+    assert payload.crc32(back) == payload.crc32(layer)
     assert back.shape == (2, 5, *engine.kv_layout.block_shape)
 
 
@@ -48,7 +48,6 @@ def test_torch_transport_stages_layers_through_cuda(tiny):
         sender = open_kv_sender("torch", ep.address, a, "r", PROMPT, torch_device="cuda")
         first = prefill_layerwise(a, sender, PROMPT, FIRST)
         assert sender.wait(30) is TransferState.DONE, sender.error
-        a.release_kv("r")
         assert ep.receiver.wait("r", 10) is TransferState.DONE
         ep.receiver.take("r", greedy(8))
         assert first + run_to_completion(b)["r"].token_ids[1:] == run_alone(tiny, PROMPT, greedy(8))

@@ -15,6 +15,7 @@ from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState
 from tests.helpers import (
     free_blocks,
     greedy,
+    layer_sender,
     open_kv_sender,
     prefill_layerwise,
     random_prompts,
@@ -97,7 +98,6 @@ def test_smollm2_round_trip_between_processes_continues_like_one_engine(smollm2,
     sender = open_kv_sender(transport, address, a, f"rt-{transport}", prompt)
     first = prefill_layerwise(a, sender, prompt, FIRST)
     assert sender.wait(30) is TransferState.DONE, sender.error
-    a.release_kv(sender.request_id)
     _, tokens = child.ask("decode", sender.request_id, N)
     assert first == want[:1] and tokens == want
     stats = child.ask("stats")[1]
@@ -114,7 +114,6 @@ def test_only_missing_blocks_move_with_a_256_token_prefix_cached_on_the_receiver
         sender = open_kv_sender("grpc", address, a, f"prefix-{i}", prompt)
         first = prefill_layerwise(a, sender, prompt, FIRST)
         assert sender.wait(30) is TransferState.DONE, sender.error
-        a.release_kv(sender.request_id)
         _, tokens = child.ask("decode", sender.request_id, 4)
         assert tokens == run_alone(smollm2, prompt, greedy(4)) and tokens[:1] == first
     # the second request: 328 tokens = 21 blocks, of which the receiver caches the 16 of the shared prefix
@@ -128,14 +127,16 @@ def _sender_child(conn, address: str, transport: str, prompt: list[int]) -> None
 
         a = LLMEngine(load_model("tiny"), _config("tiny"))
         sender = open_kv_sender(transport, address, a, "doomed", prompt, deadline_s=5)
-        a.add_request("doomed", prompt, FIRST, hold_kv=True)
-        run_to_completion(a)
-        sender.prepare()
-        kv = a.export_kv("doomed")
-        sender.send_layer(0, kv.k[0], kv.v[0])  # ... one layer, then it is killed before the next
-        time.sleep(0.5)
-        conn.send(("sent",))
-        time.sleep(600)
+        send = layer_sender(a, sender, prompt)
+
+        def first_layer_then_die(layer: int) -> None:  # ... one layer, then it is killed before the next
+            if layer == 0:
+                send(layer)
+                time.sleep(0.5)
+                conn.send(("sent",))
+                time.sleep(600)
+
+        prefill_layerwise(a, sender, prompt, FIRST, layers=first_layer_then_die)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
@@ -161,25 +162,24 @@ def test_a_sender_killed_mid_stream_leaves_no_reservation_behind(tiny, transport
 
 
 @pytest.mark.parametrize("transport", ["grpc", "torch"])
-def test_a_killed_receiver_fails_the_sender_fast_and_it_unpins(tiny, transport):
+def test_a_killed_receiver_fails_the_sender_fast_and_the_prefill_side_is_idle(tiny, transport):
     child = Child(_receiver_child, "tiny")
     _, address, _ = child.recv()
     a = LLMEngine(tiny, _config("tiny"))
     baseline = free_blocks(a)
     prompt = random_prompts(1, [90], vocab=1000, seed=5)[0]
     sender = open_kv_sender(transport, address, a, "orphan", prompt)
-    sender.on_finish = lambda s: a.release_kv(s.request_id)
-    a.add_request("orphan", prompt, FIRST, hold_kv=True)
-    run_to_completion(a)
-    sender.prepare()
-    kv = a.export_kv("orphan")
-    sender.send_layer(0, kv.k[0], kv.v[0])
-    time.sleep(0.5)  # the first layer is through (and a torch pair group exists)
-    child.kill()
-    killed = time.monotonic()
-    for layer in range(1, kv.num_layers):
-        sender.send_layer(layer, kv.k[layer], kv.v[layer])
-    sender.commit(kv.token_ids[kv.num_kv_tokens :])
+    send = layer_sender(a, sender, prompt)
+    killed: list[float] = []
+
+    def kill_after_the_first_layer(layer: int) -> None:
+        send(layer)
+        if layer == 0:
+            time.sleep(0.5)  # the first layer is through (and a torch pair group exists)
+            child.kill()
+            killed.append(time.monotonic())
+
+    prefill_layerwise(a, sender, prompt, FIRST, layers=kill_after_the_first_layer)
     assert sender.wait(10) is TransferState.FAILED
-    assert time.monotonic() - killed < 5, "the sender should not wait for its 30 s deadline"
+    assert time.monotonic() - killed[0] < 5, "the sender should not wait for its 30 s deadline"
     assert free_blocks(a) == baseline
