@@ -79,6 +79,18 @@ def wait_restarted(c, name: str, old_epoch: int, timeout: float = 120.0) -> int:
     raise AssertionError(f"{name} did not come back with a new epoch")
 
 
+def router_loads(server, within_s: float = 5.0) -> dict[str, tuple[int, int]]:
+    """The router's own load per worker (requests in flight, prompt tokens pending) once it is back at zero, or
+    the last seen at the deadline (the router's side of a stream may finish just after the client's)."""
+    router = server.router
+    deadline = time.monotonic() + within_s
+    while True:
+        loads = {w.name: (w.view.inflight, w.view.pending_tokens) for w in router.pools.by_name.values()}
+        if (router.inflight == 0 and not any(any(v) for v in loads.values())) or time.monotonic() > deadline:
+            return {"router": (router.inflight, 0), **loads}
+        time.sleep(0.05)
+
+
 def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, smollm2, ray_session):
     c, server = cluster
     texts = prompts("decode", 1)
@@ -100,6 +112,8 @@ def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, sm
         assert text == ref_text  # and the streamed text adds up to the same final text
         assert last.usage.completion_tokens == 48 and last.finish_reason == "length"
     assert any(last.timeline.decode_worker != victim for _, _, last in results)
+    loads = router_loads(server)  # NOTE: a failover moved each stream's count with it: none is left on any worker
+    assert loads == dict.fromkeys(loads, (0, 0)), loads
     epoch = wait_restarted(c, victim, old[victim])
     index = c.index()  # the restarted worker's entries from its previous life are gone: none is stale
     for key in index.client.scan_iter(match=f"{c.config.redis.key_prefix}:blk:*"):
@@ -124,5 +138,7 @@ def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, 
         results = fut.result(timeout=600)
     for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
         assert (ids, text) == (ref_ids, ref_text) and last.usage.completion_tokens == 8
+    loads = router_loads(server)
+    assert loads == dict.fromkeys(loads, (0, 0)), loads
     new_epoch = wait_restarted(c, "prefill-0", old["prefill-0"])
     assert new_epoch > old["prefill-0"]
