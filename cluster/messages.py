@@ -106,11 +106,17 @@ class PrefillResult:
 
 @dataclass
 class DecodeRequest:
-    """Continue a request on a decode worker: take its transferred KV, or (token_ids set) run it whole here."""
+    """Continue a request on a decode worker: take its transferred KV, or (token_ids set) run it whole here.
+
+    NOTE: the text contract: `sent_chars` is how much of the output text the client already has (the prefill
+    worker's first-token text, or what a failed decode worker streamed), so this worker emits exactly the rest.
+    """
 
     request_id: str
     params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)  # non-empty: no transfer, this worker prefills itself
+    token_ids: list[int] = field(default_factory=list)  # the prompt; non-empty: no transfer, this worker prefills
+    output_token_ids: list[int] = field(default_factory=list)  # with token_ids: tokens generated before (failover)
+    sent_chars: int = 0  # characters of the output text already streamed to the client
 
 
 @dataclass

@@ -59,14 +59,16 @@ class DecodeWorker(Worker):
         if req.token_ids:
             def start(engine: object) -> None:
                 self._check_not_aborted(rid)
-                self._track(self.engine.add_request(rid, req.token_ids, req.params), arrived)
+                seq = self.engine.add_request(rid, req.token_ids, req.params, output_token_ids=req.output_token_ids,
+                                              sent_chars=req.sent_chars)
+                self._track(seq, arrived)
                 self.loop.attach(rid, on_output)
         else:
             receiver = self.receiver
 
             def start(engine: object) -> None:  # NOTE: the router calls only once the transfer is DONE
                 self._check_not_aborted(rid)
-                receiver.take(rid, req.params)
+                receiver.take(rid, req.params, sent_chars=req.sent_chars)
                 self.loop.attach(rid, on_output)
         finished = False
         # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and

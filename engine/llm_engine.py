@@ -81,8 +81,14 @@ class LLMEngine:
         self._computed_tokens = 0
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None) -> Sequence:
-        """Validate, tokenize and queue a request; raises InvalidRequestError naming the bad field."""
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                    output_token_ids: Seq[int] = (), sent_chars: int = 0) -> Sequence:
+        """Validate, tokenize and queue a request; raises InvalidRequestError naming the bad field.
+
+        `output_token_ids` resumes a request another engine started (a decode failover): the tokens it generated
+        count as output (max_tokens, seeds, stop strings) and are recomputed like a preempted sequence's;
+        `sent_chars` of their text already reached the client.
+        """
         params = params or SamplingParams()
         params.validate()
         if not isinstance(request_id, str) or not request_id:
@@ -92,8 +98,14 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab})", request_id)
+        if output_token_ids:
+            self.tokenize([*token_ids, *output_token_ids], request_id)  # the same vocabulary and length checks
+            if len(output_token_ids) >= params.max_tokens:
+                raise InvalidRequestError("output_token_ids", f"holds {len(output_token_ids)} tokens: nothing is "
+                                          f"left of max_tokens={params.max_tokens}", request_id)
         seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope)
-        self.outputs.start(seq)
+        seq.token_ids.extend(output_token_ids)  # NOTE: like a preempted sequence: output kept, KV recomputed
+        self.outputs.start(seq, sent_chars)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -224,8 +236,11 @@ class LLMEngine:
         self.kv_importer.write(res, layer, which, first_block, kv)
 
     def commit_kv(self, request_id: str, next_token_ids: Seq[int], params: SamplingParams,
-                  num_cached_tokens: int = 0) -> Sequence:
-        """Turn a fully written reservation into a running request; a failed commit frees the reservation."""
+                  num_cached_tokens: int = 0, sent_chars: int = 0) -> Sequence:
+        """Turn a fully written reservation into a running request; a failed commit frees the reservation.
+
+        `sent_chars`: characters of the text of `next_token_ids` that the prefill side already streamed.
+        """
         res = self._reserved.pop(request_id, None)
         if res is None:
             raise UnknownRequestError("no KV reserved for this request", request_id)
@@ -234,10 +249,10 @@ class LLMEngine:
         except BaseException:
             self.kv_importer.free(res)
             raise
-        return self._adopt(seq)
+        return self._adopt(seq, sent_chars)
 
-    def _adopt(self, seq: Sequence) -> Sequence:
-        self.outputs.start(seq)
+    def _adopt(self, seq: Sequence, sent_chars: int) -> Sequence:
+        self.outputs.start(seq, sent_chars)
         self._seqs[seq.request_id] = seq
         self.scheduler.add_running(seq)
         return seq

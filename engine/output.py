@@ -42,18 +42,23 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._streams: dict[str, _Stream] = {}
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, sent_chars: int = 0) -> None:
+        """Track `seq`; `sent_chars`: characters of its output text (output tokens it arrived with) already sent.
+
+        NOTE: one text contract across engines: a request taken over mid-way (the first token came from a prefill
+        worker, or a failed decode worker streamed part of it) resumes the detokenizer from every output token so
+        far and the emitted-text offset. Characters the previous engine held back for a stop string, a stop string
+        straddling the take-over point and a character split across it then come out exactly as one engine's.
+        """
         p = seq.params
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
-        for tok in seq.output_token_ids:  # an imported sequence arrives with its first token(s)
+        for tok in seq.output_token_ids:
             detok.add(tok)
         # NOTE: hold back as many characters as a stop string could still need to complete, so streamed
         # text never contains (part of) a stop string that later matches.
         holdback = max((len(s) for s in p.stop), default=1) - 1
         stream = self._streams[seq.request_id] = _Stream(detok, holdback)
-        # NOTE: the engine that sampled the imported tokens already returned their text: `new_text` covers only
-        # tokens sampled here (like `new_token_ids`), while the final `text` covers every generated token.
-        stream.emitted = len(detok.text)
+        stream.emitted = min(sent_chars, len(detok.text))
 
     def forget(self, seq: Sequence) -> None:
         self._streams.pop(seq.request_id, None)

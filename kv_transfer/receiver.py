@@ -187,8 +187,12 @@ class KVReceiver:
         self._fail(t, reason, retryable=True)
         raise TransferError(reason, t.request_id, retryable=True)
 
-    def take(self, request_id: str, params: SamplingParams) -> Sequence:
-        """Hand a DONE transfer to the engine's running batch with the request's sampling params."""
+    def take(self, request_id: str, params: SamplingParams, sent_chars: int = 0) -> Sequence:
+        """Hand a DONE transfer to the engine's running batch with the request's sampling params.
+
+        `sent_chars`: how much of the first token's text the client already has (the prefill worker may hold some
+        back for a stop string); the engine emits the rest.
+        """
         with self._lock:
             t = self._by_request.get(request_id)
             if t is None or t.state is not TransferState.DONE:
@@ -196,7 +200,7 @@ class KVReceiver:
                 raise TransferError(f"no completed transfer to take (state: {state})", request_id)
             self._forget(t)
         with self.engine_lock:
-            return self.engine.commit_kv(request_id, t.next_token_ids, params, t.num_cached_tokens)
+            return self.engine.commit_kv(request_id, t.next_token_ids, params, t.num_cached_tokens, sent_chars)
 
     # ---- status, abort, expiry ------------------------------------------------------------------------------
     def poll(self, request_id: str) -> TransferState:

@@ -100,7 +100,7 @@ class Router:
                     raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past "
                                      f"the request's deadline ({left:.1f} s left): the cluster is too busy",
                                      req.request_id)
-            run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics, tokenizer=self.tokenizer,
+            run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
                              prefill_timeout_s=self.settings.prefill_timeout_s).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:

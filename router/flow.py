@@ -24,7 +24,6 @@ from collections.abc import AsyncGenerator
 
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from engine.errors import InvalidRequestError
-from engine.tokenizer import Tokenizer
 from kv_transfer.state import TransferError
 from router.errors import WorkerFailed, unwrap
 from router.metrics import RouterMetrics
@@ -43,29 +42,29 @@ def can_fail_over(exc: BaseException) -> bool:
 
 
 class StreamedText:
-    """The text side of a run: what the client got so far, and where a continuation's text starts."""
+    """The text side of a run: what the client got so far.
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+    NOTE: one text contract across workers: the worker that takes the request over next (the decode worker after
+    the handoff, another one after a failover) is told how many characters the client has (`sent_chars`) and
+    resumes its detokenizer there, so each chunk's text is exact and nothing is repaired afterwards.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
         self.sent_text = ""
-        self.text_base = ""  # text of the tokens generated before the current decode worker took over
 
     def sent(self, text: str) -> None:
         self.sent_text += text
 
-    def rebase(self, generated: list[int]) -> None:
-        """A new decode worker takes over after `generated`: its final text is relative to theirs."""
-        self.text_base = self.tokenizer.decode(generated, skip_special_tokens=self.skip_special_tokens)
-
-    def decode_final(self, final_text: str) -> str:
-        """A decode worker's whole output text, as the whole request's."""
-        return self.text_base + final_text
+    @property
+    def sent_chars(self) -> int:
+        return len(self.sent_text)
 
     def last(self, text: str, final_text: str) -> str:
-        """The last chunk's text: `text` plus what a stop string's hold-back kept back, from the final text."""
-        sent = self.sent_text + text
-        if final_text.startswith(sent):
-            text += final_text[len(sent):]
+        """The last chunk's text; the whole stream must equal the worker's final text (logged when it does not)."""
+        if self.sent_text + text != final_text:
+            log.error("%s: streamed text %r differs from the final text %r", self.request_id,
+                      self.sent_text + text, final_text)
         return text
 
 
@@ -73,14 +72,14 @@ class RequestRun:
     """The state of one request across workers: what was streamed, where, and when."""
 
     def __init__(self, request: Checked, route: Route, arrived: float, pools: WorkerPools, *,
-                 metrics: RouterMetrics, tokenizer: Tokenizer, prefill_timeout_s: float) -> None:
+                 metrics: RouterMetrics, prefill_timeout_s: float) -> None:
         self.request, self.arrived, self.pools, self.metrics = request, arrived, pools, metrics
         self.prefill_timeout_s = prefill_timeout_s
         self.request_id, self.prompt_len = request.request_id, len(request.token_ids)
         self.decode_worker = pools[route.decode]
         self.prefill_worker = pools[route.prefill] if route.prefill else None
         self.timeline = Timeline(decode_worker=self.decode_worker.name, prefill_skipped=self.prefill_worker is None)
-        self.text = StreamedText(tokenizer, request.params.skip_special_tokens)
+        self.text = StreamedText(request.request_id)
         self.generated: list[int] = []  # every token streamed to the client so far
         self.num_cached = 0
         self.first_token_at = 0.0
@@ -99,7 +98,7 @@ class RequestRun:
                 yield self.first_token(res)
                 if self.done:
                     return
-                decode = DecodeRequest(self.attempt_id, self.request.params)
+                decode = DecodeRequest(self.attempt_id, self.request.params, sent_chars=self.text.sent_chars)
             async for chunk in self.decode_with_failover(decode):
                 yield chunk
         finally:
@@ -191,12 +190,9 @@ class RequestRun:
                 worker.view.inflight -= 1  # NOTE: this attempt's worker, not the one the run moved on to
 
     def continuation(self) -> DecodeRequest:
-        """The rest of the request as a new one: the prompt plus every token streamed so far."""
-        params, n_out = self.request.params, len(self.generated)
-        self.text.rebase(self.generated)
-        rest = dataclasses.replace(params, max_tokens=params.max_tokens - n_out,
-                                   output_offset=params.output_offset + n_out)
-        return DecodeRequest(self.attempt_id, rest, self.request.token_ids + self.generated)
+        """The rest of the request: the prompt, every token streamed so far as output, and the text sent of them."""
+        return DecodeRequest(self.attempt_id, self.request.params, self.request.token_ids,
+                             output_token_ids=list(self.generated), sent_chars=self.text.sent_chars)
 
     async def _decode(self, worker: WorkerHandle, request: DecodeRequest) -> AsyncGenerator[Chunk, None]:
         stream = worker.actor.generate.options(num_returns="streaming").remote(request)
@@ -210,8 +206,7 @@ class RequestRun:
             self.generated += delta.token_ids
             if delta.finished:
                 self.done = True
-                yield self.last_chunk(delta.token_ids, delta.text, delta.finish_reason,
-                                      self.text.decode_final(delta.final_text))
+                yield self.last_chunk(delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
                 return
             self.text.sent(delta.text)
             yield Chunk(self.request_id, delta.token_ids, delta.text)
@@ -228,7 +223,7 @@ class RequestRun:
 
     # ---- 3. the last chunk -----------------------------------------------------------------------------------
     def last_chunk(self, token_ids: list[int], text: str, reason: str | None, final_text: str) -> Chunk:
-        """The final chunk: remaining text (a stop string's hold-back resolved), finish reason, usage, timeline."""
+        """The final chunk: the rest of the text, finish reason, usage, timeline."""
         if reason == "abort":
             self.done = False
             raise WorkerFailed("a worker aborted the request", self.request_id)

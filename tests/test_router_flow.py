@@ -57,6 +57,7 @@ class FakeActor:
     def __init__(self, fail_after: list[int | None] | None = None, error: type[Exception] = WorkerFailed) -> None:
         self.fail_after, self.error = list(fail_after or []), error
         self.aborted: list[str] = []
+        self.requests: list[DecodeRequest] = []
         self.calls = 0
         self.abort = Remote(self.aborted.append)
         self.generate = Remote(self._generate)
@@ -74,19 +75,18 @@ class FakeActor:
 
     def _generate(self, req: DecodeRequest) -> AsyncIterator[Awaitable[Delta]]:
         fail_after = self._failure()
-        # a whole request (token_ids set) starts at its offset; one after a prefill starts after the first token
-        start = req.params.output_offset + (0 if req.token_ids else 1)
-        remaining = req.params.max_tokens - (0 if req.token_ids else 1)
+        self.requests.append(req)
+        # a whole request (token_ids set) starts after the output it resumes; one after a prefill after the first
+        start = len(req.output_token_ids) if req.token_ids else 1
+        remaining = req.params.max_tokens - start
 
         async def stream() -> AsyncIterator[Awaitable[Delta]]:
-            own: list[int] = []
             for i in range(remaining):
                 if fail_after is not None and i == fail_after:
                     raise self.error("the decode worker died")
                 token = FIRST + start + i
-                own.append(token)
                 last = i == remaining - 1
-                final = FakeTokenizer().decode(own) if req.token_ids else FakeTokenizer().decode([FIRST, *own])
+                final = FakeTokenizer().decode(list(range(FIRST, token + 1)))  # every output token's text
                 yield asyncio.sleep(0, Delta([token], f"<{token}>", finished=last,
                                              finish_reason="length" if last else None,
                                              final_text=final if last else ""))
@@ -126,8 +126,7 @@ async def collect(run: RequestRun, check: Callable[[RequestRun], None] = lambda 
 
 
 def make_run(pools: WorkerPools, route: Route, max_tokens: int) -> RequestRun:
-    return RequestRun(request(max_tokens), route, 0.0, pools, metrics=RouterMetrics(), tokenizer=FakeTokenizer(),
-                      prefill_timeout_s=5.0)  # type: ignore[arg-type]
+    return RequestRun(request(max_tokens), route, 0.0, pools, metrics=RouterMetrics(), prefill_timeout_s=5.0)
 
 
 def only_the_current_decode_worker_is_loaded(run: RequestRun) -> None:
@@ -153,6 +152,10 @@ def test_decode_failovers_lose_nothing_and_leave_no_load_behind(fails):
     last = chunks[-1]
     assert last.finish_reason == "length" and last.usage is not None and last.usage.completion_tokens == 12
     assert_idle(pools)
+    # each decode attempt was told what the client already had: the tokens as output, the characters of their text
+    for req in (r for a in actors.values() for r in a.requests):
+        done = req.output_token_ids if req.token_ids else [FIRST]
+        assert req.params.max_tokens == 12 and req.sent_chars == len(FakeTokenizer().decode(done))
 
 
 def test_a_prefill_transfer_failure_moves_both_workers_and_leaves_no_load_behind():
