@@ -33,14 +33,14 @@ class DecodeWorker(Worker):
     """A decode-pool (or colocated) worker (plain class; `decode_workers.actor.DecodeActor` wraps it for Ray)."""
 
     def __init__(self, spec: WorkerSpec, loaded: LoadedModel | None = None) -> None:
-        self.kv: ReceiverEndpoint | None = None  # NOTE: set first: the heartbeat thread may ask for kv_address
+        self.kv_endpoint: ReceiverEndpoint | None = None  # NOTE: set first: the heartbeat thread may ask for kv_address
         super().__init__(spec, loaded)
-        self.kv = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.between_steps,
+        self.kv_endpoint = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.between_steps,
                                    host=node_address(self.spec.kv_host))
 
     @property
     def kv_address(self) -> str:
-        return self.kv.address if self.kv is not None else ""
+        return self.kv_endpoint.address if self.kv_endpoint is not None else ""
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
         """Stream the request's new tokens; the last Delta has `finished` set and the totals."""
@@ -110,12 +110,12 @@ class DecodeWorker(Worker):
 
     @property
     def receiver(self) -> KVReceiver:
-        assert self.kv is not None
-        return self.kv.receiver
+        assert self.kv_endpoint is not None
+        return self.kv_endpoint.receiver
 
     def close(self) -> None:
-        if self.kv is not None:
-            self.kv.close()
+        if self.kv_endpoint is not None:
+            self.kv_endpoint.close()
         super().close()
 
 
