@@ -14,6 +14,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
+from tokenizers.decoders import DecodeStream
 
 from engine.errors import ModelLoadError
 
@@ -233,36 +234,39 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns generated ids, fed one at a time, into text deltas that never split a UTF-8 character."""
 
-    # NOTE: decode a short window before the new token and diff it against the window without it (vLLM's
-    # prefix_offset/read_offset scheme): decoders that strip or merge at token boundaries then stay correct,
-    # and a token ending inside a multi-byte character ('\ufffd') waits until the next token completes it.
+    # NOTE: `tokenizers`' own DecodeStream (Rust, the prefix/read-offset scheme vLLM uses) does the work: it decodes
+    # a short window before each new token and diffs it, so decoders that strip or merge at token boundaries stay
+    # correct, and it returns None while the text would end inside a multi-byte character ('\ufffd').
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
         self.text = ""
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._emitted = 0  # ids whose text is in `text`; the rest are held back (an incomplete character)
 
     def add(self, token_id: int) -> str:
         """Append one id; return the text it completes ('' while a character is still incomplete)."""
         self.ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self.ids[self._prefix_offset:self._read_offset], self._skip)
-        new_text = decode(self.ids[self._prefix_offset:], self._skip)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        delta = self._stream.step(self._tokenizer._backend, token_id)
+        if not delta:
             return ""
-        delta = new_text[len(prefix_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self._emitted = len(self.ids)
         self.text += delta
         return delta
 
     def flush(self) -> str:
-        """Emit whatever is held back (as '\\ufffd' if incomplete) at the end of generation."""
-        prefix_text = self._tokenizer.decode(self.ids[self._prefix_offset:self._read_offset], self._skip)
-        new_text = self._tokenizer.decode(self.ids[self._prefix_offset:], self._skip)
-        delta = new_text[len(prefix_text):]
-        self._prefix_offset = self._read_offset = len(self.ids)
+        """Emit whatever is held back (as '\ufffd' if incomplete) at the end of generation."""
+        if self._emitted == len(self.ids):
+            return ""
+        # NOTE: decoded after the last emitted token, as the stream would, so a boundary space is kept
+        context = self.ids[max(0, self._emitted - 1):self._emitted]
+        full = self._tokenizer.decode(context + self.ids[self._emitted:], self._skip)
+        base = self._tokenizer.decode(context, self._skip)
+        delta = full[len(base):] if full.startswith(base) else self._tokenizer.decode(self.ids[self._emitted:],
+                                                                                       self._skip)
+        self._emitted = len(self.ids)
+        self._stream = DecodeStream(skip_special_tokens=self._skip)  # NOTE: held-back ids are spent
         self.text += delta
         return delta

@@ -190,3 +190,31 @@ def test_unsupported_gguf_tokenizer_raises(tmp_path, model, pre):
     with pytest.raises(ModelLoadError, match=model if model != "gpt2" else pre) as err:
         Tokenizer.from_gguf(reader)
     assert err.value.field == "model"
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_text_of_any_ids_is_the_decoded_text(tok, seed, skip_special_tokens):
+    # NOTE: random ids split characters anywhere (byte tokens, special tokens between them): the stream (tokenizers'
+    # DecodeStream) must still add up to one decode of every id, never emit half a character, and flush the rest
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.choice([0, 1, 2, rng.randrange(3, 300), rng.randrange(tok.vocab_size)]) for _ in range(80)]
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == detok.text == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_detokenizer_resumed_from_prior_tokens_continues_the_same_text(tok):
+    # NOTE: the way a decode worker takes a request over: every prior output id fed to a fresh detokenizer
+    ids = tok.encode("Grüße aus Köln 😀 and 中文 text")
+    whole = IncrementalDetokenizer(tok)
+    expected = [whole.add(i) for i in ids]
+    for cut in range(1, len(ids)):
+        resumed = IncrementalDetokenizer(tok)
+        for i in ids[:cut]:
+            resumed.add(i)
+        assert resumed.text == "".join(expected[:cut])
+        assert [resumed.add(i) for i in ids[cut:]] == expected[cut:]
