@@ -19,11 +19,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
+from cluster import tracing
 from cluster.logs import REQUEST_ID
-from cluster.messages import WorkerLoad
+from cluster.messages import Role, WorkerLoad
 from engine.block_hash import hash_prompt_blocks
 from engine.tokenizer import Tokenizer
 from router.errors import Overloaded
@@ -36,6 +37,11 @@ from router.validate import Checked
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.25
+# NOTE: a heartbeat older than this (workers beat every 0.5 s) is a dead worker for health, even while its Redis key
+# (HEARTBEAT_TTL_S) lives on: a killed actor that Ray restarts at once must not look alive in between.
+HEALTH_STALE_S = 2.0
+PREFILL_CAPABLE = frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED})  # NOTE: a decode worker prefills when
+DECODE_CAPABLE = frozenset({Role.DECODE, Role.COLOCATED})  # no prefill worker is left (router/flow.py, stage 1)
 
 
 class Router:
@@ -50,10 +56,12 @@ class Router:
         self.info = self.pools.info
         self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
         self.tokenizer = Tokenizer.from_json(self.info.tokenizer_json)
-        self.metrics = metrics or RouterMetrics()
+        self.metrics = metrics or RouterMetrics(model_name=settings.model)
         self.inflight = 0
         self.redis_failures = 0
         self._refresher: asyncio.Task[None] | None = None
+        self._live: set[str] | None = None  # workers with a fresh heartbeat; None: not known yet (or no Redis)
+        self.health_listeners: list[Callable[[bool], None]] = []  # called when `healthy()` changes
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -75,12 +83,13 @@ class Router:
         self.settings.max_inflight = value
 
     # ---- one request -----------------------------------------------------------------------------------------
-    async def stream(self, req: Checked, arrived: float | None = None,
-                     budget_s: float | None = None) -> AsyncGenerator[Chunk, None]:
+    async def stream(self, req: Checked, arrived: float | None = None, budget_s: float | None = None,
+                     traceparent: str = "") -> AsyncGenerator[Chunk, None]:
         """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError.
 
         With `budget_s` (the request's deadline, from `arrived`), a request whose predicted first token comes
         later than that is refused at once (Overloaded) instead of timing out after using the workers.
+        `traceparent`: the client's W3C trace context; the request's spans join its trace.
         """
         arrived = arrived or time.monotonic()
         REQUEST_ID.set(req.request_id)
@@ -91,9 +100,13 @@ class Router:
         self.metrics.set_inflight(self.inflight)
         self._ensure_refresher()
         last_at, first_at, gaps = arrived, 0.0, []
+        span = tracing.start("pdcluster.request", traceparent, **{"pdcluster.request_id": req.request_id,
+                                                                   "pdcluster.prompt_tokens": len(req.token_ids)})
         try:
+            queued = tracing.start("queue", tracing.traceparent_of(span))
             matched = await self._lookup(req.token_ids)
             route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
+            tracing.end(queued)
             if budget_s is not None:
                 left = budget_s - (time.monotonic() - arrived)
                 if route.predicted_ttft_ms / 1e3 > left:
@@ -101,7 +114,8 @@ class Router:
                                      f"the request's deadline ({left:.1f} s left): the cluster is too busy",
                                      req.request_id)
             run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
-                             prefill_timeout_s=self.settings.prefill_timeout_s).chunks()
+                             prefill_timeout_s=self.settings.prefill_timeout_s,
+                             traceparent=tracing.traceparent_of(span)).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()
@@ -112,15 +126,18 @@ class Router:
                             first_at = now
                         last_at = now
                     if chunk.finish_reason:
-                        self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived)
+                        self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived,
+                                      req.request_id)
                     yield chunk
         finally:
+            tracing.end(span)
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
 
-    async def stream_within(self, req: Checked, arrived: float, budget_s: float) -> AsyncGenerator[Chunk, None]:
+    async def stream_within(self, req: Checked, arrived: float, budget_s: float,
+                            traceparent: str = "") -> AsyncGenerator[Chunk, None]:
         """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request."""
-        chunks = self.stream(req, arrived, budget_s)
+        chunks = self.stream(req, arrived, budget_s, traceparent)
         try:
             while True:
                 remaining = budget_s - (time.monotonic() - arrived)
@@ -134,14 +151,18 @@ class Router:
         finally:
             await chunks.aclose()
 
-    def _observe(self, last: Chunk, ttft: float | None, gaps: list[float], e2e: float) -> None:
+    def _observe(self, last: Chunk, ttft: float | None, gaps: list[float], e2e: float, request_id: str) -> None:
         assert last.timeline is not None and last.usage is not None  # NOTE: every last chunk carries both
         timeline, usage = last.timeline, last.usage
         log.info("done: %s%s, %d prompt tokens (%d cached) + %d generated, first token %.0f ms, total %.0f ms, %s",
                  f"{timeline.prefill_worker} -> " if timeline.prefill_worker else "", timeline.decode_worker,
                  usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, timeline.first_token_ms,
                  timeline.total_ms, last.finish_reason)
-        self.metrics.observe_latency(ttft, gaps, e2e)
+        self.metrics.observe_latency(ttft, gaps, e2e, request_id)
+        self.metrics.finished(last.finish_reason)
+        self.metrics.observe_phases(timeline.queue_ms / 1e3, timeline.prefill_ms / 1e3,
+                                    None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
+                                    timeline.decode_ms / 1e3, request_id)
         self.metrics.observe_request(
             usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, self.settings.transport,
             timeline.kv_bytes_sent, None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
@@ -174,9 +195,32 @@ class Router:
             try:
                 live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}  # type: ignore[union-attr]
                 self.pools.refresh(live, self.metrics)
+                now = time.time()
+                self._set_live({n for n, s in live.items() if now - s.updated < HEALTH_STALE_S})
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)
             await asyncio.sleep(LOAD_REFRESH_S)
+
+    # ---- health ----------------------------------------------------------------------------------------------
+    def start_health(self) -> None:
+        """Follow the workers' heartbeats from now on, not only while requests run (call on the serving loop)."""
+        self._ensure_refresher()
+
+    def healthy(self) -> bool:
+        """Whether a live worker can prefill and a live one can decode (unknown or without Redis: True)."""
+        if self._live is None:
+            return True
+        roles = {w.role for name, w in self.pools.by_name.items() if name in self._live}
+        return bool(roles & PREFILL_CAPABLE) and bool(roles & DECODE_CAPABLE)
+
+    def _set_live(self, live: set[str]) -> None:
+        was = self.healthy()
+        self._live = live
+        if self.healthy() != was:
+            log.warning("cluster health: %s (live workers: %s)", "SERVING" if self.healthy() else "NOT_SERVING",
+                        ", ".join(sorted(live)) or "none")
+            for listener in self.health_listeners:
+                listener(self.healthy())
 
     async def status(self) -> ClusterStatus:
         """Workers, their load and KV blocks, and prefix-hit counts, as Redis has them."""

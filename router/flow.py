@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
+from cluster import tracing
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from engine.errors import InvalidRequestError
 from kv_transfer.state import TransferError
@@ -72,8 +73,9 @@ class RequestRun:
     """The state of one request across workers: what was streamed, where, and when."""
 
     def __init__(self, request: Checked, route: Route, arrived: float, pools: WorkerPools, *,
-                 metrics: RouterMetrics, prefill_timeout_s: float) -> None:
+                 metrics: RouterMetrics, prefill_timeout_s: float, traceparent: str = "") -> None:
         self.request, self.arrived, self.pools, self.metrics = request, arrived, pools, metrics
+        self.traceparent = traceparent  # the router's request span: each attempt's span is its child
         self.prefill_timeout_s = prefill_timeout_s
         self.request_id, self.prompt_len = request.request_id, len(request.token_ids)
         self.decode_worker = pools[route.decode]
@@ -137,11 +139,14 @@ class RequestRun:
         self.touched.update(((worker.name, self.attempt_id), (self.decode_worker.name, self.attempt_id)))
         worker.view.inflight += 1
         worker.view.pending_tokens += self.prompt_len
+        span = tracing.start("prefill", self.traceparent, **{"pdcluster.worker": worker.name,
+                                                              "pdcluster.decode_worker": self.decode_worker.name})
         try:
             request = PrefillRequest(self.attempt_id, self.request.token_ids, self.request.params,
-                                     self.decode_worker.info.kv_address)
+                                     self.decode_worker.info.kv_address, tracing.traceparent_of(span))
             res: PrefillResult = await asyncio.wait_for(worker.actor.prefill.remote(request), self.prefill_timeout_s)
         finally:
+            tracing.end(span)
             worker.view.inflight -= 1
             worker.view.pending_tokens -= self.prompt_len
         worker.view.observe_prefill(self.prompt_len - res.num_cached_tokens, res.prefill_ms)
@@ -195,22 +200,28 @@ class RequestRun:
                              output_token_ids=list(self.generated), sent_chars=self.text.sent_chars)
 
     async def _decode(self, worker: WorkerHandle, request: DecodeRequest) -> AsyncGenerator[Chunk, None]:
-        stream = worker.actor.generate.options(num_returns="streaming").remote(request)
-        async for ref in stream:
-            delta: Delta = await ref
-            if not self.first_token_at:
-                self.first_token_at = time.monotonic()
-                self.timeline.first_token_ms = (self.first_token_at - self.arrived) * 1e3
-                self.timeline.queue_ms, self.timeline.prefill_ms = delta.queue_ms, delta.prefill_ms
-                self.num_cached = delta.num_cached_tokens
-            self.generated += delta.token_ids
-            if delta.finished:
-                self.done = True
-                yield self.last_chunk(delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
-                return
-            self.text.sent(delta.text)
-            yield Chunk(self.request_id, delta.token_ids, delta.text)
-        raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing", self.request_id)
+        span = tracing.start("decode", self.traceparent, **{"pdcluster.worker": worker.name})
+        if span is not None:
+            request = dataclasses.replace(request, traceparent=tracing.traceparent_of(span))
+        try:
+            stream = worker.actor.generate.options(num_returns="streaming").remote(request)
+            async for ref in stream:
+                delta: Delta = await ref
+                if not self.first_token_at:
+                    self.first_token_at = time.monotonic()
+                    self.timeline.first_token_ms = (self.first_token_at - self.arrived) * 1e3
+                    self.timeline.queue_ms, self.timeline.prefill_ms = delta.queue_ms, delta.prefill_ms
+                    self.num_cached = delta.num_cached_tokens
+                self.generated += delta.token_ids
+                if delta.finished:
+                    self.done = True
+                    yield self.last_chunk(delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
+                    return
+                self.text.sent(delta.text)
+                yield Chunk(self.request_id, delta.token_ids, delta.text)
+            raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing", self.request_id)
+        finally:
+            tracing.end(span)
 
     def _move_decode(self, exclude: set[str]) -> None:
         """Another decode worker for the run (the same one when there is no other)."""

@@ -23,6 +23,18 @@
 | `pdcluster_kv_blocks_free`                | gauge     | worker, role | free KV blocks, cached ones included     |
 | `pdcluster_kv_blocks_cached`              | gauge     | worker, role | blocks in the prefix cache, used or free |
 | `pdcluster_worker_up`                     | gauge     | worker, role | 1 while the heartbeat is fresh, else 0   |
+| `pdcluster_request_phase_seconds`         | histogram | phase        | queue, prefill, transfer, decode (timeline) |
+| `pdcluster_openai_ignored_fields_total`   | counter   | field        | unknown request fields accepted and ignored |
+
+Next to these, the names of vLLM's model server (`vllm:*`, label `model_name`), so dashboards, autoscalers and
+endpoint pickers built for vLLM read the cluster: `vllm:num_requests_running` / `_waiting` and
+`vllm:kv_cache_usage_perc` (0..1) summed over the workers' heartbeats, the latency histograms
+(`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
+`vllm:request_queue_time_seconds`, `vllm:request_prefill_time_seconds`, `vllm:request_decode_time_seconds`), and the
+counters `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:prefix_cache_queries_total`,
+`vllm:prefix_cache_hits_total` (tokens) and `vllm:request_success_total` (label `finished_reason`). Each worker serves
+its own view of the same names (cluster/worker_metrics.py). Latency observations carry the request id as an exemplar
+(shown in the OpenMetrics format, `Accept: application/openmetrics-text`).
 
 NOTE: prometheus_client also exports `<name>_created` for each counter and histogram series (the Unix time the
 series was first touched; its text format shows it as a gauge family). That is the library's standard behaviour;
@@ -36,6 +48,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from cluster.messages import WorkerLoad
 
@@ -46,14 +59,24 @@ KV_TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 REDIS_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 _WORKER = ("worker", "role")
+_MODEL = ("model_name",)
+PHASES = ("queue", "prefill", "transfer", "decode")
+MAX_EXEMPLAR_ID = 100  # NOTE: an exemplar's labels may hold at most 128 characters in all
+
+
+def exemplar(request_id: str) -> dict[str, str] | None:
+    """The exemplar labels of one request's observation (None without an id)."""
+    return {"request_id": request_id[:MAX_EXEMPLAR_ID]} if request_id else None
 
 
 class RouterMetrics:
     """The router's Prometheus metrics (one registry per router)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         # NOTE: a registry per instance (not the global REGISTRY) so several routers can live in one process.
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self._loads: dict[str, WorkerLoad] = {}  # live workers' last heartbeat loads, for the cluster view
         r = self.registry
         self.requests = Counter("pdcluster_requests_total", "Finished requests by API and gRPC status.",
                                 ("api", "status"), registry=r)
@@ -92,18 +115,72 @@ class RouterMetrics:
                                    _WORKER, registry=r)
         self.worker_up = Gauge("pdcluster_worker_up", "1 while the worker's heartbeat is fresh, else 0.", _WORKER,
                                registry=r)
+        self.phase = Histogram("pdcluster_request_phase_seconds", "Where requests spent their time (timeline).",
+                               ("phase",), buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ignored = Counter("pdcluster_openai_ignored_fields_total", "Unknown request fields accepted and ignored.",
+                               ("field",), registry=r)
+        self._vllm(r)
+
+    def _vllm(self, r: CollectorRegistry) -> None:
+        """vLLM's model-server names, labelled with the served model's name."""
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> Histogram:
+            return Histogram(name, doc, _MODEL, buckets=buckets, registry=r)
+
+        self.v_running = Gauge("vllm:num_requests_running", "Requests running on the workers.", _MODEL, registry=r)
+        self.v_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting on the workers.", _MODEL, registry=r)
+        self.v_kv = Gauge("vllm:kv_cache_usage_perc", "KV cache usage of the workers (1 = full).", _MODEL, registry=r)
+        self.v_ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.v_itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS_S)
+        self.v_e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
+        self.v_queue = hist("vllm:request_queue_time_seconds", "Time requests spent waiting.")
+        self.v_prefill = hist("vllm:request_prefill_time_seconds", "Time requests spent in prefill.")
+        self.v_decode = hist("vllm:request_decode_time_seconds", "Time requests spent in decode.")
+        self.v_prompt = Counter("vllm:prompt_tokens", "Prompt tokens processed.", _MODEL, registry=r)
+        self.v_generation = Counter("vllm:generation_tokens", "Generated tokens.", _MODEL, registry=r)
+        self.v_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", _MODEL,
+                                 registry=r)
+        self.v_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", _MODEL, registry=r)
+        self.v_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                 ("model_name", "finished_reason"), registry=r)
+        for metric in (self.v_running, self.v_waiting, self.v_kv, self.v_ttft, self.v_itl, self.v_e2e, self.v_queue,
+                       self.v_prefill, self.v_decode, self.v_prompt, self.v_generation, self.v_queries, self.v_hits):
+            metric.labels(model_name=self.model_name)  # NOTE: every series exists from the start, at 0
 
     def request_done(self, api: str, status: str) -> None:
         """Count one finished request by its API ("grpc" | "http") and gRPC status name ("OK", ...)."""
         self.requests.labels(api=api, status=status).inc()
 
-    def observe_latency(self, ttft_s: float | None, itl_s: Sequence[float], e2e_s: float) -> None:
+    def observe_latency(self, ttft_s: float | None, itl_s: Sequence[float], e2e_s: float,
+                        request_id: str = "") -> None:
         """Record one request's latencies; `ttft_s` is None when no token came out."""
+        ex, m = exemplar(request_id), {"model_name": self.model_name}
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            self.ttft.observe(ttft_s, ex)
+            self.v_ttft.labels(**m).observe(ttft_s, ex)
         for gap in itl_s:
             self.itl.observe(gap)
-        self.e2e.observe(e2e_s)
+            self.v_itl.labels(**m).observe(gap)
+        self.e2e.observe(e2e_s, ex)
+        self.v_e2e.labels(**m).observe(e2e_s, ex)
+
+    def observe_phases(self, queue_s: float, prefill_s: float, transfer_s: float | None, decode_s: float,
+                       request_id: str = "") -> None:
+        """Record where one finished request spent its time (`transfer_s` None when no KV moved)."""
+        ex, m = exemplar(request_id), {"model_name": self.model_name}
+        for phase, seconds in zip(PHASES, (queue_s, prefill_s, transfer_s, decode_s), strict=True):
+            if seconds is not None:
+                self.phase.labels(phase=phase).observe(seconds, ex)
+        self.v_queue.labels(**m).observe(queue_s, ex)
+        self.v_prefill.labels(**m).observe(prefill_s, ex)
+        self.v_decode.labels(**m).observe(decode_s, ex)
+
+    def finished(self, reason: str) -> None:
+        """Count one request that finished with `reason` ("stop" | "length")."""
+        self.v_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def ignored_field(self, name: str) -> None:
+        """Count one unknown request field that was accepted and ignored."""
+        self.ignored.labels(field=name).inc()
 
     def observe_request(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
                         transport: str, kv_bytes: int, kv_seconds: float | None, prefill_worker: str,
@@ -112,6 +189,11 @@ class RouterMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.cache_hit_tokens.inc(cached_prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+        m = {"model_name": self.model_name}
+        self.v_prompt.labels(**m).inc(prompt_tokens)
+        self.v_generation.labels(**m).inc(completion_tokens)
+        self.v_queries.labels(**m).inc(prompt_tokens)
+        self.v_hits.labels(**m).inc(cached_prompt_tokens)
         self.kv_bytes.labels(transport=transport).inc(kv_bytes)
         if kv_seconds is not None:
             self.kv_seconds.labels(transport=transport).observe(kv_seconds)
@@ -148,9 +230,20 @@ class RouterMetrics:
             self.blocks_free.labels(**labels).set(load.free_blocks)
             self.blocks_cached.labels(**labels).set(load.cached_blocks)
         self.worker_up.labels(**labels).set(1 if alive else 0)
+        if alive and load is not None:
+            self._loads[worker] = load
+        else:
+            self._loads.pop(worker, None)
+        loads, m = list(self._loads.values()), {"model_name": self.model_name}
+        self.v_running.labels(**m).set(sum(x.running for x in loads))
+        self.v_waiting.labels(**m).set(sum(x.waiting + x.reserved for x in loads))
+        total = sum(x.num_blocks for x in loads)
+        self.v_kv.labels(**m).set(sum(x.num_blocks - x.free_blocks for x in loads) / total if total else 0.0)
 
-    def render(self) -> bytes:
-        """The registry in the Prometheus text format."""
+    def render(self, openmetrics_format: bool = False) -> bytes:
+        """The registry in the Prometheus text format (or OpenMetrics, which shows the exemplars)."""
+        if openmetrics_format:
+            return bytes(openmetrics.generate_latest(self.registry))
         return generate_latest(self.registry)
 
 
@@ -158,8 +251,10 @@ async def start_metrics_server(metrics: RouterMetrics, host: str, port: int,
                                ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
     """Serve GET /metrics on host:port (0 = a free port); returns the runner (call `cleanup()`) and the bound port."""
 
-    async def handle(_: web.Request) -> web.Response:
+    async def handle(request: web.Request) -> web.Response:
         # NOTE: set the header whole: aiohttp's `content_type=` argument refuses a value with parameters.
+        if "application/openmetrics-text" in request.headers.get("Accept", ""):
+            return web.Response(body=metrics.render(True), headers={"Content-Type": openmetrics.CONTENT_TYPE_LATEST})
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()

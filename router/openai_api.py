@@ -2,8 +2,10 @@
 
 Life of a request:
 1. `/v1/*` needs `Authorization: Bearer <key>` when API keys are set (401 otherwise; a key is never logged);
-2. the JSON body becomes a `PromptRequest` / `MessagesRequest`, checked by the same `RequestValidator` as gRPC
-   (a 400 names the OpenAI parameter: `top_p`, `prompt`, `messages[1].role`, or an unknown key);
+2. the JSON body is validated as a pydantic model (router/openai_models.py: unknown fields are ignored with one
+   warning per name, unimplemented ones accepted at their neutral value only) and becomes a `PromptRequest` /
+   `MessagesRequest`, checked by the same `RequestValidator` as gRPC (a 400 names the OpenAI parameter: `top_p`,
+   `prompt`, `messages[1].role`); a client's `X-Request-Id` is the request id and comes back as a header;
 3. `Router.stream` runs it within `router.request_timeout_s`; the answer is one JSON object or, with
    `stream: true`, server-sent events ending in `data: [DONE]`;
 4. failures map to a Status through `router.errors.status_of`, to HTTP through `HTTP_OF`, with OpenAI's
@@ -20,7 +22,6 @@ import json
 import logging
 import ssl
 import time
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -31,18 +32,8 @@ from engine.errors import InvalidRequestError
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from router.core import Router
 from router.errors import Status, status_of, unwrap
-from router.openai_params import (
-    UINT32,
-    UNSUPPORTED_CHAT,
-    UNSUPPORTED_COMPLETION,
-    chat_messages,
-    finish_body,
-    openai_param,
-    sampling,
-    take,
-    unsigned_list,
-    utf8,
-)
+from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
+from router.openai_params import chat_turns, openai_param, prompt_of, sampling_fields
 from router.results import Chunk, Timeline, Usage
 from router.validate import Checked, MessagesRequest, PromptRequest, RequestValidator
 
@@ -57,6 +48,7 @@ HTTP_OF = {Status.INVALID_ARGUMENT: (400, "invalid_request_error"),  # status â†
 INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")  # counted in pdcluster_requests_total{api="http"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class ApiError(Exception):
@@ -91,6 +83,7 @@ class OpenAIFront:
         self.router, self.model_name = router, model_name
         self.validator = RequestValidator(router.info)
         self._keys = api_keys
+        self._ignored = IgnoredFieldLog()
 
     @web.middleware
     async def guard(self, request: web.Request,
@@ -115,9 +108,18 @@ class OpenAIFront:
             status, outcome, body = error_body(e)
             if counted:
                 self.router.metrics.request_done("http", outcome.name)
-        return web.json_response(body, status=status)
+        rid = request.get(REQUEST_ID_HEADER)
+        return web.json_response(body, status=status, headers={REQUEST_ID_HEADER: rid} if rid else None)
 
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness: 200 while a live worker can prefill and one can decode, else 503 (heartbeats in Redis)."""
+        if self.router.healthy():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable", "reason": "no live prefill-capable and decode-capable "
+                                  "worker (heartbeats in Redis)"}, status=503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        """Liveness of this process only: 200 while its event loop answers."""
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -126,32 +128,25 @@ class OpenAIFront:
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, rid, stream, usage = await self._open(request)
+        body, rid = await self._open(request, CompletionRequest)
         req = PromptRequest(request_id=rid)
-        prompt = body.pop("prompt", None)
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
+        prompt = prompt_of(body)
         if isinstance(prompt, str):
-            req.prompt = utf8(prompt, "prompt")
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            req.prompt_token_ids = unsigned_list(prompt, UINT32, "prompt")
+            req.prompt = prompt
         else:
-            raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
-        req.sampling = sampling(body, take(body, "max_tokens", int, "an integer"))
-        finish_body(body, UNSUPPORTED_COMPLETION)
+            req.prompt_token_ids = prompt
+        req.sampling = sampling_fields(body, body.max_tokens)
         # NOTE: validation tokenizes: off the event loop, as in the gRPC service
         checked = await asyncio.to_thread(self.validator.prompt, req)
-        return await self._answer(request, checked, f"cmpl-{rid}", stream, usage, chat=False)
+        return await self._answer(request, body, checked, f"cmpl-{checked.request_id}", chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body, rid, stream, usage = await self._open(request)
-        limit = take(body, "max_completion_tokens", int, "an integer")  # NOTE: OpenAI's successor of max_tokens
-        legacy = take(body, "max_tokens", int, "an integer")
+        body, rid = await self._open(request, ChatCompletionRequest)
+        limit = body.max_completion_tokens  # NOTE: OpenAI's successor of max_tokens
         key = "max_tokens" if limit is None else "max_completion_tokens"
-        limit = legacy if limit is None else limit
-        req = MessagesRequest(request_id=rid, messages=chat_messages(body.pop("messages", None)))
-        req.sampling = sampling(body, limit, key)
-        finish_body(body, UNSUPPORTED_CHAT)
+        limit = body.max_tokens if limit is None else limit
+        req = MessagesRequest(request_id=rid, messages=chat_turns(body.messages))
+        req.sampling = sampling_fields(body, limit, key)
         try:
             checked = await asyncio.to_thread(self.validator.chat, req)
         except InvalidRequestError as e:  # name the limit as the client spelled it
@@ -160,43 +155,49 @@ class OpenAIFront:
             raise InvalidRequestError(key, e.reason.removeprefix(f"{e.field}: "), e.request_id) from None
         if limit is None:  # NOTE: as OpenAI and vLLM: a chat without a limit may fill the context
             checked.params.max_tokens = self.router.info.max_model_len - len(checked.token_ids)
-        return await self._answer(request, checked, f"chatcmpl-{rid}", stream, usage, chat=True)
+        return await self._answer(request, body, checked, f"chatcmpl-{checked.request_id}", chat=True)
 
-    async def _open(self, request: web.Request) -> tuple[dict[str, Any], str, bool, bool]:
-        """The body as a dict, a fresh request id, and the stream options; a wrong model is a 404."""
+    async def _open(self, request: web.Request, kind: type[Any]) -> tuple[Any, str]:
+        """The body as a `kind` model and the request id (the client's X-Request-Id, if any); a wrong model is 404."""
+        rid = request.headers.get(REQUEST_ID_HEADER, "")
+        if rid:
+            REQUEST_ID.set(rid)
+            request[REQUEST_ID_HEADER] = rid  # NOTE: the guard echoes it on error answers too
         try:
-            body = json.loads(await request.read())
+            raw = json.loads(await request.read())
         except ValueError as e:
             raise InvalidRequestError("body", f"is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise InvalidRequestError("body", "must be a JSON object")
-        model = take(body, "model", str, "a string")
-        if model is not None and model != self.model_name:
-            raise ApiError(Status.NOT_FOUND, f"The model `{model}` does not exist (this server serves "
+        body = parse(kind, raw)
+        for name in ignored_fields(body):
+            self.router.metrics.ignored_field(self._ignored.note(name))
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(Status.NOT_FOUND, f"The model `{body.model}` does not exist (this server serves "
                            f"`{self.model_name}`).", "model", "model_not_found")
-        stream = bool(take(body, "stream", bool, "true or false"))
-        options = take(body, "stream_options", dict, "an object") or {}
-        if set(options) - {"include_usage"}:
-            raise InvalidRequestError("stream_options", "only include_usage is supported")
-        rid = uuid.uuid4().hex
-        REQUEST_ID.set(rid)  # NOTE: set in the handler's task: the tasks it starts inherit it
-        return body, rid, stream, bool(options.get("include_usage"))
+        # NOTE: as vLLM: the header wins over the body's request_id; with neither, the validator makes one
+        return body, rid or body.request_id or ""
 
-    async def _chunks(self, checked: Checked, arrived: float) -> AsyncGenerator[Chunk, None]:
+    async def _chunks(self, checked: Checked, arrived: float, traceparent: str) -> AsyncGenerator[Chunk, None]:
         """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
         budget = self.router.settings.request_timeout_s
-        async with contextlib.aclosing(self.router.stream_within(checked, arrived, budget)) as chunks:
+        async with contextlib.aclosing(self.router.stream_within(checked, arrived, budget, traceparent)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _answer(self, request: web.Request, checked: Checked, oid: str, stream: bool, include_usage: bool,
-                      *, chat: bool) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, body: Any, checked: Checked, oid: str, *,
+                      chat: bool) -> web.StreamResponse:
         arrived, created = time.monotonic(), int(time.time())
+        stream, include_usage = bool(body.stream), bool(body.stream_options and body.stream_options.include_usage)
+        if body.skip_special_tokens is not None:
+            checked.params.skip_special_tokens = body.skip_special_tokens
+        REQUEST_ID.set(checked.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
+        request[REQUEST_ID_HEADER] = checked.request_id
+        id_header = {REQUEST_ID_HEADER: checked.request_id}
         head = {"id": oid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": self.model_name}
         # NOTE: aclosing: a client that goes away (a failed write, or the handler cancelled) closes the router's
         # generator, which tells the workers to abort the request and free its KV blocks.
-        async with contextlib.aclosing(self._chunks(checked, arrived)) as chunks:
+        traceparent = request.headers.get("traceparent", "")  # NOTE: the client's W3C trace context, if any
+        async with contextlib.aclosing(self._chunks(checked, arrived, traceparent)) as chunks:
             first = await anext(chunks)  # NOTE: before any byte is sent, so overload or a failed prefill is a status
             if not stream:
                 text, last = first.text, first
@@ -207,8 +208,8 @@ class OpenAIFront:
                 self.router.metrics.request_done("http", Status.OK.name)
                 return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
                                           "choices": [choice], "usage": usage_of(last.usage),
-                                          "pdcluster": extra_of(last)})
-            resp = web.StreamResponse(headers=SSE_HEADERS)
+                                          "pdcluster": extra_of(last)}, headers=id_header)
+            resp = web.StreamResponse(headers={**SSE_HEADERS, **id_header})
             await resp.prepare(request)
             status = Status.OK
             try:
@@ -273,10 +274,11 @@ async def send(resp: web.StreamResponse, head: dict[str, Any], choice: dict[str,
 
 
 def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset()) -> web.Application:
-    """The HTTP API: /health, /v1/models, /v1/completions, /v1/chat/completions."""
+    """The HTTP API: /health (readiness), /live (liveness), /v1/models, /v1/completions, /v1/chat/completions."""
     front = OpenAIFront(router, model_name, api_keys)
     app = web.Application(middlewares=[front.guard], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", front.health)
+    app.router.add_get("/live", front.live)
     app.router.add_get("/v1/models", front.models)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/chat/completions", front.chat)
@@ -288,6 +290,7 @@ async def start_http(router: Router, *, host: str, port: int, model_name: str, a
     """A started HTTP server (HTTPS with `ssl_context`); returns its runner (`await runner.cleanup()`) and port."""
     # NOTE: handler_cancellation: a client that disconnects cancels its handler even while no token is being
     # written (a long prefill), so the request is aborted at once.
+    router.start_health()
     runner = web.AppRunner(make_app(router, model_name=model_name, api_keys=api_keys), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)

@@ -1,40 +1,25 @@
-"""OpenAI request bodies → the router's plain requests: parameter by parameter, refusals naming the parameter.
+"""OpenAI request models (router/openai_models.py) → the router's plain requests, in the gRPC API's ranges.
 
-NOTE: like vLLM, parameters this server does not implement are accepted only at their default value, and any key
-left over after parsing is refused as unknown, so a typo never silently changes what a client gets.
+NOTE: parsing and the neutral-value rule live in openai_models; here a validated value is carried in the range and
+precision the gRPC API gives it, so the same request samples the same tokens over either front.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from router.openai_models import ChatMessage, CompletionRequest, SamplingBody, param_of
 from router.validate import ChatTurn, SamplingFields
 
 UINT32, UINT64 = 32, 64  # bits of the proto fields the gRPC API carries the same parameters in
 
-# Parameters accepted only at their default value (None = absent); anything else is a 400 naming them.
-UNSUPPORTED_COMPLETION = {"logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0,
-                          "frequency_penalty": 0, "logit_bias": None, "suffix": None}
-UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
-                    "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None}
 
 def openai_param(field: str) -> str:
     """A validator field name as the OpenAI parameter the client set (`sampling.top_p` → `top_p`)."""
     field = field.removeprefix("sampling.")
-    return "prompt" if field == "prompt_token_ids" else field
-
-
-def take(body: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
-    """Pop `key` from the body (None when absent or null), refusing a value of the wrong JSON type."""
-    v = body.pop(key, None)
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if v is not None and (not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds)):
-        raise InvalidRequestError(key, f"must be {what}, got {json.dumps(v)[:64]}")
-    return v
-
+    return {"prompt_token_ids": "prompt", "request_id": "X-Request-Id"}.get(field, field)
 
 # NOTE: an HTTP request carries each parameter in the range and precision the gRPC API gives it, so the same
 # request samples the same tokens over either front, and a value the proto could not hold is refused alike.
@@ -64,70 +49,78 @@ def utf8(text: str, param: str) -> str:
     return text
 
 
-def sampling(body: dict[str, Any], max_tokens: int | None, limit_key: str = "max_tokens") -> SamplingFields:
-    """The sampling parameters of a request body (vLLM's extensions `top_k` and `ignore_eos` included)."""
-    s = SamplingFields()
+def sampling_fields(s: SamplingBody, max_tokens: int | None, limit_key: str = "max_tokens") -> SamplingFields:
+    """The sampling fields of a validated body (vLLM's `top_k: -1` is top-k off)."""
+    out = SamplingFields()
     if max_tokens is not None:
-        s.max_tokens = unsigned(max_tokens, UINT32, limit_key)
-    temperature = take(body, "temperature", (int, float), "a number")
-    if temperature is not None:
-        s.temperature = float32(temperature)
-    top_p = take(body, "top_p", (int, float), "a number")
-    if top_p is not None:
-        s.top_p = float32(top_p)
-    top_k = take(body, "top_k", int, "an integer")
-    if top_k is not None:
-        s.top_k = unsigned(0 if top_k == -1 else top_k, UINT32, "top_k")  # NOTE: -1 disables top-k, as in vLLM
-    seed = take(body, "seed", int, "an integer")
-    if seed is not None:
-        s.seed = unsigned(seed, UINT64, "seed")
-    stop = take(body, "stop", (str, list), "a string or a list of strings")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not all(isinstance(x, str) for x in stop):
-        raise InvalidRequestError("stop", "must be a string or a list of strings")
-    s.stop = [utf8(x, "stop") for x in stop]
-    ids = take(body, "stop_token_ids", list, "a list of token ids") or []
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise InvalidRequestError("stop_token_ids", "must be a list of integers")
-    s.stop_token_ids = unsigned_list(ids, UINT32, "stop_token_ids")
-    s.ignore_eos = bool(take(body, "ignore_eos", bool, "true or false"))
-    return s
+        out.max_tokens = unsigned(max_tokens, UINT32, limit_key)
+    if s.temperature is not None:
+        out.temperature = float32(s.temperature)
+    if s.top_p is not None:
+        out.top_p = float32(s.top_p)
+    if s.top_k is not None:
+        out.top_k = unsigned(0 if s.top_k == -1 else s.top_k, UINT32, "top_k")  # NOTE: -1 disables top-k (vLLM)
+    if s.seed is not None:
+        out.seed = unsigned(s.seed, UINT64, "seed")
+    stop = [s.stop] if isinstance(s.stop, str) else s.stop or []
+    out.stop = [utf8(x, "stop") for x in stop]
+    out.stop_token_ids = unsigned_list(s.stop_token_ids or [], UINT32, "stop_token_ids")
+    out.ignore_eos = bool(s.ignore_eos)
+    return out
 
 
-def finish_body(body: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Refuse unsupported parameters set to anything but their default, and any key left over (unknown)."""
-    if take(body, "n", int, "an integer") not in (None, 1):
-        raise InvalidRequestError("n", "only n=1 is supported (one choice per request)")
-    body.pop("user", None)
-    for key, default in defaults.items():
-        v = body.pop(key, None)
-        if v is not None and not (isinstance(v, bool) == isinstance(default, bool) and v == default):
-            raise InvalidRequestError(key, "is not supported by this server (leave it unset)")
-    if body:
-        raise InvalidRequestError(next(iter(body)), "unknown parameter")
+def prompt_of(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request (a batch of one is taken), as text or token ids."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return utf8(prompt, "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return unsigned_list(prompt, UINT32, "prompt")
+    raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
 
 
-def chat_messages(raw: Any) -> list[ChatTurn]:
+def chat_turns(messages: list[ChatMessage] | None) -> list[ChatTurn]:
     """OpenAI messages (content a string or a list of text parts, joined by newlines) as chat turns."""
-    if not isinstance(raw, list):
+    if messages is None:
         raise InvalidRequestError("messages", "must be a list of {role, content} objects")
     out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequestError(f"messages[{i}]", "must be an object with a string role")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise InvalidRequestError(f"messages[{i}].{sorted(extra)[0]}", "unknown or unsupported key")
-        content = m.get("content") or ""
+    for i, m in enumerate(messages):
+        content = m.content or ""
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.type != "text" or part.text is None:
                     raise InvalidRequestError(f"messages[{i}].content[{j}]", "only {\"type\": \"text\", \"text\": "
                                               "...} parts are supported")
-                texts.append(part["text"])
+                texts.append(part.text)
             content = "\n".join(texts)
-        if not isinstance(content, str):
-            raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
-        out.append(ChatTurn(utf8(m["role"], f"messages[{i}].role"), utf8(content, f"messages[{i}].content")))
+        out.append(ChatTurn(utf8(m.role, f"messages[{i}].role"), utf8(content, f"messages[{i}].content")))
     return out
+
+
+# ---- the same over plain dicts (used by tests and scripts that hold a body, not a model) ---------------------------
+def sampling(body: dict[str, Any], max_tokens: int | None, limit_key: str = "max_tokens") -> SamplingFields:
+    """The sampling fields of a body dict; the keys taken are removed from it."""
+    taken = {k: body.pop(k) for k in list(body) if k in SamplingBody.model_fields}
+    return sampling_fields(_validated(SamplingBody, taken), max_tokens, limit_key)
+
+
+def chat_messages(raw: Any) -> list[ChatTurn]:
+    """OpenAI messages (a JSON list) as chat turns."""
+    if not isinstance(raw, list):
+        raise InvalidRequestError("messages", "must be a list of {role, content} objects")
+    return chat_turns([_validated(ChatMessage, m, f"messages[{i}]") for i, m in enumerate(raw)])
+
+
+def _validated(kind: Any, value: Any, where: str = "") -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return kind.model_validate(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = param_of(tuple(err["loc"]))
+        field = f"{where}.{name}" if where and name != "body" else (where or name)
+        raise InvalidRequestError(field, str(err["msg"])) from None

@@ -101,7 +101,10 @@ class InferenceService(pb_grpc.InferenceServicer):
             # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
             budget = min(self.router.settings.request_timeout_s, context.time_remaining() or float("inf"))
             # NOTE: aclosing: a generator left early is closed now (its finally aborts the request), not at GC
-            async with contextlib.aclosing(self.router.stream_within(req, arrived, budget)) as chunks:
+            # NOTE: the client's W3C trace context (gRPC metadata keys are lower case)
+            traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
+            async with contextlib.aclosing(self.router.stream_within(req, arrived, budget,
+                                                                     str(traceparent))) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except asyncio.CancelledError:  # the client went away (or its deadline passed)
@@ -132,6 +135,9 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
                        credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port.
 
+    Health: the overall service ("") and Inference are SERVING while a live worker can prefill and one can decode
+    (the router's heartbeat view), NOT_SERVING otherwise.
+
     With `api_keys`, Inference calls need `authorization: Bearer <key>`; with `credentials`, the port speaks TLS.
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)],
@@ -146,6 +152,14 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (router.host / router.port)")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def on_health(serving: bool) -> None:
+        """grpc.health.v1 follows the router's health: NOT_SERVING while no live worker pair is left."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(health_servicer.set(name, status))
+
+    on_health(router.healthy())
+    router.health_listeners.append(on_health)
+    router.start_health()
     return server, bound
