@@ -83,6 +83,7 @@ class PrefillRequest:
     token_ids: list[int]
     params: SamplingParams
     decode_address: str
+    traceparent: str = ""  # W3C trace context of the router's span for this step ("" when tracing is off)
 
 
 @dataclass
@@ -117,6 +118,7 @@ class DecodeRequest:
     token_ids: list[int] = field(default_factory=list)  # the prompt; non-empty: no transfer, this worker prefills
     output_token_ids: list[int] = field(default_factory=list)  # with token_ids: tokens generated before (failover)
     sent_chars: int = 0  # characters of the output text already streamed to the client
+    traceparent: str = ""  # W3C trace context of the router's span for this step ("" when tracing is off)
 
 
 @dataclass

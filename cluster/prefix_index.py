@@ -9,10 +9,11 @@ two clusters can share one Redis.
 | `{p}:epoch:{worker}` | string (int)        | none                        | the epoch; INCR on every (re)start        |
 | `{p}:blk:{hashhex}`  | hash worker → epoch | BLOCK_TTL_S, on every store | the workers holding this block            |
 | `{p}:wblk:{worker}`  | set of hashhex      | BLOCK_TTL_S, on every store | blocks of the current epoch               |
-| `{p}:hb:{worker}`    | hash                | HEARTBEAT_TTL_S, every beat | role, epoch, address, updated, load       |
+| `{p}:hb:{worker}`    | hash                | HEARTBEAT_TTL_S, every beat | role, epoch, address, updated, load, ... |
 | `{p}:hits`           | hash of counters    | none                        | requested/cached tokens, all + per worker |
 | `{p}:workers`        | set of names        | none                        | every worker that ever beat (read: `hb`)  |
 
+A heartbeat also carries `metrics_port`, the port of the worker's own /metrics on its node.
 A block entry counts only while its epoch is the worker's current epoch and the worker's heartbeat key exists.
 NOTE: the block TTL is a safety net; the index follows the workers' store/evict events. A restart bumps the epoch,
 which purges the old entries at once and makes late writes of the old incarnation fail the epoch check.
@@ -114,6 +115,7 @@ class WorkerStatus:
     address: str
     updated: float  # unix time
     load: WorkerLoad
+    metrics_port: int = 0  # the worker's own /metrics (cluster/worker_metrics.py) on its node; 0: not served
 
 
 @dataclass
@@ -196,11 +198,12 @@ class PrefixIndex:
         return written
 
     def heartbeat(self, worker: str, epoch: int, role: str, address: str, load: WorkerLoad,
-                  *, ttl_s: float | None = None) -> None:
+                  *, ttl_s: float | None = None, metrics_port: int = 0) -> None:
         """Say `worker` is alive for HEARTBEAT_TTL_S (or `ttl_s`) more seconds, with its load numbers."""
         ttl_ms = int((HEARTBEAT_TTL_S if ttl_s is None else ttl_s) * 1000)
+        # NOTE: numeric, as the load fields: a reader of an older version turns every other field into a float
         fields: dict[str, str | float] = {"role": str(role), "epoch": int(epoch), "address": address,
-                                          "updated": time.time()}
+                                          "updated": time.time(), "metrics_port": int(metrics_port)}
         fields.update(load.as_fields())
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self._hb_key(worker), mapping=fields)  # type: ignore[arg-type]
@@ -249,6 +252,7 @@ class PrefixIndex:
             out.append(WorkerStatus(name=key[len(head):], role=fields.pop("role", ""),
                                     epoch=int(fields.pop("epoch", 0)), address=fields.pop("address", ""),
                                     updated=float(fields.pop("updated", 0.0)),
+                                    metrics_port=int(float(fields.pop("metrics_port", 0))),
                                     load=WorkerLoad.from_fields({k: float(v) for k, v in fields.items()})))
         return out
 

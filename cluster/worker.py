@@ -4,7 +4,8 @@ Life of a worker:
 1. load the model, build the engine and its loop, register with the prefix index (a new epoch: entries of a
    previous life of this worker name are purged);
 2. a publisher thread sends the prefix cache's stored/evicted block events, prefix-hit counts and a heartbeat
-   with the load to Redis, off the request path; a Redis outage is logged and the index resynced when it is back;
+   with the load (and the port of this worker's own /metrics, cluster/worker_metrics.py) to Redis, off the request
+   path; a Redis outage is logged and the index resynced when it is back;
 3. the subclasses (prefill, decode/colocated) take requests; `close()` unregisters and stops everything.
 """
 
@@ -18,8 +19,11 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from cluster import tracing
 from cluster.messages import Role, WorkerInfo, WorkerLoad
 from cluster.redis_client import RedisAuth
+from cluster.tracing import TracingSettings
+from cluster.worker_metrics import WorkerMetrics
 from engine.block_hash import BlockHash
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -56,6 +60,10 @@ class WorkerSpec:
     log_format: str = "text"  # or "json"
     redis_auth: RedisAuth | None = None
     cpus: tuple[int, ...] = ()  # pin the actor's process to these cores (empty: not pinned)
+    served_model_name: str = ""  # the `model_name` label of this worker's metrics (empty: `model`)
+    metrics_host: str = "127.0.0.1"  # where this worker's own /metrics listens
+    metrics_port: int | None = None  # its port (0: a free one, advertised in the heartbeat); None: not served
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
 
 def rss_bytes() -> int:
@@ -65,6 +73,13 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def node_ip() -> str:
+    """This node's IP as Ray sees it."""
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
 
 
 def pin_cpus(cpus: tuple[int, ...]) -> None:
@@ -95,6 +110,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, loaded: LoadedModel | None = None) -> None:
         self.spec = spec
         self.name = spec.name
+        tracing.configure(spec.tracing, spec.name)
         self.engine = LLMEngine(loaded or load_model(spec.model), spec.engine)
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
@@ -102,6 +118,11 @@ class Worker:
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
         self._aborted: dict[str, float] = {}  # request id → when an abort for it came (under the loop lock)
         self._closed = threading.Event()
+        self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load)
+        if spec.metrics_port is not None:
+            host = node_ip() if spec.metrics_host == "auto" else spec.metrics_host
+            port = self.metrics.serve(host, spec.metrics_port)
+            log.info("%s: metrics on http://%s:%d/metrics", spec.name, host, port)
         self.index = None
         self.epoch = 0
         if spec.redis_url:
@@ -152,6 +173,7 @@ class Worker:
         self._hits[0] += st.seq.num_prompt_tokens
         self._hits[1] += st.seq.num_cached_tokens
         started = st.started or now
+        self.metrics.first_token(started - st.arrived, now - started)
         return (started - st.arrived) * 1e3, (now - started) * 1e3
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -219,12 +241,15 @@ class Worker:
         if hits[0]:
             self.index.count_hits(self.name, hits[0], hits[1])
         if beat:
-            self.index.heartbeat(self.name, self.epoch, self.spec.role, self.kv_address, self.load())
+            self.index.heartbeat(self.name, self.epoch, self.spec.role, self.kv_address, self.load(),
+                                 metrics_port=self.metrics.port)
 
     def close(self) -> None:
         self._closed.set()
         self._publisher.join(timeout=2)
         self.loop.close()
+        self.metrics.close()
+        tracing.flush()
         if self.index is not None:
             try:
                 self.index.unregister_worker(self.name, self.epoch)

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
 from cluster.worker import Worker, WorkerSpec
@@ -71,17 +72,26 @@ class DecodeWorker(Worker):
                 receiver.take(rid, req.params, sent_chars=req.sent_chars)
                 self.loop.attach(rid, on_output)
         finished = False
+        span = tracing.start("decode.worker", req.traceparent, **{"pdcluster.worker": self.name})
+        if span is not None and not req.token_ids:  # NOTE: the KV came over the transfer: its take is a span
+            take = tracing.start("kv_take", tracing.traceparent_of(span))
+        else:
+            take = None
         # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and
         # shielded: if this call is cancelled meanwhile, the start still completes before the abort below runs,
         # so a request can never join the batch after its abort
         starting = asyncio.ensure_future(asyncio.to_thread(self.loop.call, start))
         try:
             await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await starting
-            await asyncio.to_thread(self.abort, rid)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                with contextlib.suppress(Exception):
+                    await starting
+                await asyncio.to_thread(self.abort, rid)
+            tracing.end(span)
             raise
+        finally:
+            tracing.end(take)
         try:
             first = True
             while not finished:
@@ -93,10 +103,12 @@ class DecodeWorker(Worker):
                     delta.queue_ms, delta.prefill_ms = timing[0]
                 first = False
                 finished = delta.finished
+                self.metrics.generation.inc(len(delta.token_ids))
                 if finished:
                     log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
                 yield delta
         finally:
+            tracing.end(span)
             if not finished:
                 await asyncio.to_thread(self.abort, rid)
 

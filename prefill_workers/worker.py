@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.messages import PrefillRequest, PrefillResult
 from cluster.worker import Worker, WorkerSpec
@@ -44,6 +45,9 @@ class PrefillWorker(Worker):
         REQUEST_ID.set(req.request_id)
         run = PrefillRun(self, req)
         self._senders[req.request_id] = run.sender  # NOTE: before the handshake, so an abort reaches the sender
+        # NOTE: the KV wire carries no trace context: this span, a child of the router's prefill span through the
+        # Ray message, covers the sender from the handshake to the decode worker's confirmation
+        transfer = tracing.start("kv_transfer", req.traceparent, **{"pdcluster.decode_address": req.decode_address})
         try:
             await run.handshake()
             await run.join_batch()
@@ -53,6 +57,7 @@ class PrefillWorker(Worker):
             await asyncio.to_thread(self.abort, req.request_id, "cancelled by the router")
             raise
         finally:
+            tracing.end(transfer)
             self._senders.pop(req.request_id, None)
         return run.result(first)
 
@@ -145,12 +150,30 @@ class PrefillRun:
     def result(self, first: FirstToken) -> PrefillResult:
         out, sender = first.output, self.sender
         transfer_ms = (sender.finished_at - first.at) * 1e3 if not out.finished else 0.0
+        self._observe(first, max(0.0, transfer_ms))
         log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
                   "%.1f ms after the first token", len(self.tokens), out.num_cached_tokens, first.prefill_ms,
                   first.queue_ms, sender.num_blocks, sender.bytes_sent, self.req.decode_address, transfer_ms)
         return PrefillResult(self.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                              out.text, len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms,
                              max(0.0, transfer_ms), sender.num_blocks if not out.finished else 0, sender.bytes_sent)
+
+
+    def _observe(self, first: FirstToken, transfer_ms: float) -> None:
+        """This worker's metrics and the queue / prefill spans of the request (times from the monotonic clock)."""
+        metrics = self.worker.metrics
+        metrics.generation.inc(len(first.output.new_token_ids))
+        if not first.output.finished:
+            metrics.transfer.observe(transfer_ms / 1e3)
+        if tracing.enabled():
+            now, now_ns = time.monotonic(), time.time_ns()
+            started = self.arrived + first.queue_ms / 1e3
+            tracing.record("queue", self.req.traceparent, tracing.wall_ns(self.arrived, now, now_ns),
+                           tracing.wall_ns(started, now, now_ns))
+            tracing.record("prefill", self.req.traceparent, tracing.wall_ns(started, now, now_ns),
+                           tracing.wall_ns(first.at, now, now_ns), **{"pdcluster.prompt_tokens": len(self.tokens),
+                                                                      "pdcluster.cached_tokens":
+                                                                          first.output.num_cached_tokens})
 
 
 def _set(fut: asyncio.Future[FirstToken], value: FirstToken) -> None:

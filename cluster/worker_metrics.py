@@ -1,0 +1,101 @@
+"""One worker's own Prometheus metrics, under vLLM's model-server names, on a port of its own.
+
+An endpoint picker (the Gateway API Inference Extension, llm-d) or an autoscaler scrapes each worker directly, as it
+would scrape a vLLM pod; the router's /metrics keeps the cluster view. The worker advertises the port in its heartbeat
+(`metrics_port`, cluster/prefix_index.py).
+
+| name                                 | type      | meaning                                              |
+|--------------------------------------|-----------|------------------------------------------------------|
+| `vllm:num_requests_running`          | gauge     | sequences in this worker's running batch             |
+| `vllm:num_requests_waiting`          | gauge     | sequences queued, and KV reservations waiting         |
+| `vllm:kv_cache_usage_perc`           | gauge     | used KV blocks / all (1 = full)                      |
+| `vllm:prompt_tokens_total`           | counter   | prompt tokens this worker took                       |
+| `vllm:prefix_cache_queries_total`    | counter   | prompt tokens looked up in its prefix cache          |
+| `vllm:prefix_cache_hits_total`       | counter   | of those, found                                      |
+| `vllm:generation_tokens_total`       | counter   | tokens this worker sampled                           |
+| `vllm:time_to_first_token_seconds`   | histogram | arrival on this worker → its first token             |
+| `vllm:request_queue_time_seconds`    | histogram | arrival → first step that computed it                |
+| `vllm:request_prefill_time_seconds`  | histogram | that step → first token                              |
+| `pdcluster_kv_transfer_seconds`      | histogram | prefill workers: first token → KV confirmed          |
+
+Every series has the label `model_name` (the served model's name), as vLLM's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cluster.messages import WorkerLoad
+
+log = logging.getLogger(__name__)
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+
+
+class _LoadCollector(Collector):
+    """The heartbeat numbers, read at scrape time (no copy of the engine's counters to keep in sync)."""
+
+    def __init__(self, model_name: str, load: Callable[[], WorkerLoad]) -> None:
+        self.model_name, self.load = model_name, load
+
+    def collect(self) -> Iterator[Any]:
+        x, labels = self.load(), [self.model_name]
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests running on this worker.", x.running),
+                ("vllm:num_requests_waiting", "Requests waiting on this worker.", x.waiting + x.reserved),
+                ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).",
+                 (x.num_blocks - x.free_blocks) / x.num_blocks if x.num_blocks else 0.0)):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            yield g
+        for name, doc, value in (
+                ("vllm:prompt_tokens", "Prompt tokens processed.", x.prompt_tokens),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", x.prompt_tokens),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", x.cached_prompt_tokens)):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            yield c
+
+
+class WorkerMetrics:
+    """A worker's registry (heartbeat numbers plus what its request path observes) and its /metrics server."""
+
+    def __init__(self, model_name: str, load: Callable[[], WorkerLoad]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        r.register(_LoadCollector(model_name, load))
+        m = ("model_name",)
+        self.generation = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r).labels(model_name)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival on this worker to its first token.", m,
+                              buckets=LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time requests waited on this worker.", m,
+                               buckets=LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Prefill time on this worker.", m,
+                                 buckets=LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self.transfer = Histogram("pdcluster_kv_transfer_seconds", "First token to KV confirmed by the decode side.",
+                                  m, buckets=LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self._server: Any = None
+        self.port = 0
+
+    def first_token(self, queue_s: float, prefill_s: float) -> None:
+        """Record a request's queue and prefill time here (its time to first token on this worker is the sum)."""
+        self.queue.observe(queue_s)
+        self.prefill.observe(prefill_s)
+        self.ttft.observe(queue_s + prefill_s)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve GET /metrics on host:port (0: a free port) in a thread; the bound port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(self._server.server_port)
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
