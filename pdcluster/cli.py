@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 import time
+from typing import Any
 
 DESCRIPTION = """Disaggregated prefill/decode LLM serving on Ray.
 
@@ -15,11 +16,13 @@ prompts) and a pool of decode workers (they generate tokens); KV caches move bet
 layer, and Redis indexes which worker caches which prompt prefix. A YAML file in deploy/ sizes each pool
 (deploy/local.yaml: everything on this machine; deploy/README.md explains every key).
 
-Start here: `pdcluster demo` (start, chat, stop), then `pdcluster serve` and the client commands below."""
+Start here: `pdcluster demo` (start, chat, stop), then `pdcluster serve smollm2` and the client commands below."""
 
 EPILOG = """examples:
   pdcluster demo                                      # start the embedded default, chat through the gRPC API, stop
-  pdcluster serve --config deploy/local.yaml          # prints `pdcluster ready: grpc=HOST:PORT http=... metrics=...`
+  pdcluster serve smollm2                             # prints `pdcluster ready: grpc=HOST:PORT http=... metrics=...`
+  pdcluster serve ./model.gguf --prefill-replicas 2 --decode-replicas 1 --http-port 8080 --host 0.0.0.0
+  PDCLUSTER_TRACING__OTLP_ENDPOINT=http://127.0.0.1:4317 pdcluster serve --config deploy/local.yaml
   pdcluster router --ray 127.0.0.1:6379 --redis 127.0.0.1:6390 --port 50052   # another router, same cluster
   pdcluster generate --addr 127.0.0.1:50051 --stream "The capital of France is"
   pdcluster chat --addr 127.0.0.1:50051
@@ -78,12 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    serve = sub.add_parser("serve", help="start a cluster from YAML and serve the gRPC API until SIGINT/SIGTERM",
-                           formatter_class=fmt)
+    serve = sub.add_parser("serve", help="start a cluster and serve gRPC, OpenAI HTTP and metrics until "
+                           "SIGINT/SIGTERM", formatter_class=fmt,
+                           description="Start a cluster: the YAML (--config) is the full form; PDCLUSTER_<SECTION>__"
+                           "<FIELD> environment variables override any of its fields, and these flags override both.")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="override model: 'smollm2', a .gguf file or a Hugging Face directory")
     serve.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
+    serve.add_argument("--host", default=None, help="override router.host, http.host and metrics.host")
     serve.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
     serve.add_argument("--http-port", type=int, default=None, help="override http.port (0: any free port)")
     serve.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0: any free port)")
+    serve.add_argument("--prefill-replicas", type=int, default=None, help="override prefill.replicas")
+    serve.add_argument("--decode-replicas", type=int, default=None, help="override decode.replicas")
+    serve.add_argument("--served-model-name", default=None, help="override http.served_model_name")
     rtr = sub.add_parser("router", help="an extra router for a running cluster (shares its state through Redis)",
                          formatter_class=fmt)
     rtr.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML")
@@ -177,7 +188,7 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
     if not path.exists() and not path.is_absolute():  # the default works from any directory
         path = pathlib.Path(__file__).resolve().parent.parent / path
     try:
-        config = ClusterConfig.from_yaml(path)
+        config = apply_flags(ClusterConfig.from_yaml(path), args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,9 +204,6 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
             import asyncio
 
             await asyncio.to_thread(client.demo, addr)
-    for attr, section in (("port", config.router), ("http_port", config.http), ("metrics_port", config.metrics)):
-        if getattr(args, attr, None) is not None:
-            section.port = getattr(args, attr)
     if args.command == "router":
         config.redis.url = args.redis if "://" in args.redis else f"redis://{args.redis}/0"
         if args.ray:
@@ -205,6 +213,26 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def apply_flags(config: Any, args: argparse.Namespace) -> Any:
+    """The config with the command line's overrides (flags win over the YAML and PDCLUSTER_* variables)."""
+    from pdcluster.config import ClusterConfig
+
+    data = config.model_dump()
+    for attr, path in (("model", "model"), ("port", "router.port"), ("http_port", "http.port"),
+                       ("metrics_port", "metrics.port"), ("prefill_replicas", "prefill.replicas"),
+                       ("decode_replicas", "decode.replicas"), ("served_model_name", "http.served_model_name"),
+                       ("host", "router.host"), ("host", "http.host"), ("host", "metrics.host")):
+        value = getattr(args, attr, None)
+        if value is not None:
+            *sections, key = path.split(".")
+            target = data
+            for section in sections:
+                target = target[section]
+            target[key] = value
+    # NOTE: validated again, so a flag is checked as the same field in the YAML would be (--prefill-replicas 0)
+    return ClusterConfig.from_data(data, "command line")
 
 
 def main(argv: list[str] | None = None) -> int:

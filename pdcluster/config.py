@@ -2,6 +2,7 @@
 
 A file has one section per concern (`ray`, `redis`, `router`, `transfer`) and one per pool of workers (`prefill`,
 `decode`, `colocated`); `mode` says which pools run. deploy/README.md lists the files and the schema.
+`PDCLUSTER_<SECTION>__<FIELD>` environment variables override any field of the file (pdcluster/env.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.messages import Role
+from pdcluster import env
 from pdcluster.yaml_source import ConfigError, ConfigIssue, line_of, parse
 
 if TYPE_CHECKING:
+    from cluster.tracing import TracingSettings
     from engine.config import EngineConfig
     from kv_transfer.state import TransferConfig
     from router.settings import RouterSettings
@@ -180,6 +183,32 @@ class MetricsConfig(BaseModel):
     enabled: bool = Field(default=True, description="serve /metrics in the Prometheus text format")
     host: str = Field(default="127.0.0.1", min_length=1, description="address to bind")
     port: int = Field(default=9400, ge=0, le=65535, description="port to bind; 0 picks a free one")
+    workers: bool = Field(default=True, description="each worker serves its own /metrics (vLLM's names) on a port "
+                                                    "of its own, advertised in its heartbeat")
+    worker_host: str = Field(default="127.0.0.1", min_length=1, description="address workers bind their /metrics "
+                             "to; 'auto': each worker's node IP")
+    worker_port: int = Field(default=0, ge=0, le=65535, description="0: a free port per worker; N: worker i of the "
+                             "cluster (pools in order) takes N + i")
+
+
+class TracingConfig(BaseModel):
+    """OpenTelemetry spans of each request (queue, prefill, KV transfer, decode), exported over OTLP/gRPC."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    otlp_endpoint: str | None = Field(default=None, min_length=1, description="OTLP/gRPC collector, e.g. "
+                                      "http://127.0.0.1:4317; null: tracing off (nothing is created)")
+    service_name: str = Field(default="pdcluster", min_length=1, description="service.name of the spans")
+    sample_ratio: float = Field(default=1.0, ge=0, le=1, description="share of new traces recorded (a client's "
+                                "traceparent decides for its own)")
+    insecure: bool = Field(default=True, description="plain gRPC to the collector (false: TLS)")
+
+    def settings(self) -> TracingSettings:
+        """What each process of the cluster configures its tracer with."""
+        from cluster.tracing import TracingSettings
+
+        return TracingSettings(otlp_endpoint=self.otlp_endpoint or "", service_name=self.service_name,
+                               sample_ratio=self.sample_ratio, insecure=self.insecure)
 
 
 class LoggingConfig(BaseModel):
@@ -262,6 +291,7 @@ class ClusterConfig(BaseModel):
     transfer: TransferSection = TransferSection()
     http: HttpConfig = HttpConfig()
     metrics: MetricsConfig = MetricsConfig()
+    tracing: TracingConfig = TracingConfig()
     security: SecurityConfig = SecurityConfig()
     logging: LoggingConfig = LoggingConfig()
     prefill: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the prompt workers")
@@ -314,18 +344,36 @@ class ClusterConfig(BaseModel):
         return cls.from_yaml_text(text, source)
 
     @classmethod
-    def from_yaml_text(cls, text: str, source: str = "<string>") -> ClusterConfig:
-        """Validate YAML text; `source` names it in error messages. Empty text gives the defaults."""
-        node, data = parse(text, source)
+    def from_data(cls, data: dict[str, Any], source: str) -> ClusterConfig:
+        """Validate a config as a dict (e.g. one changed by command-line flags); errors name `source`."""
         try:
-            return cls.model_validate({} if data is None else data)
+            return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(source, [_issue(err, node) for err in exc.errors()]) from None
+            raise ConfigError(source, [_issue(err, None) for err in exc.errors()]) from None
+
+    @classmethod
+    def from_yaml_text(cls, text: str, source: str = "<string>") -> ClusterConfig:
+        """Validate YAML text with the PDCLUSTER_* environment laid over it; `source` names it in error messages.
+
+        Empty text gives the defaults.
+        """
+        node, data = parse(text, source)
+        overrides = env.overrides(cls)
+        try:
+            return cls.model_validate(env.merge(data, overrides) if overrides else {} if data is None else data)
+        except ValidationError as exc:
+            raise ConfigError(source, [_issue(err, node, overrides) for err in exc.errors()]) from None
 
 
-def _issue(err: Any, root: yaml.Node | None) -> ConfigIssue:
+def _issue(err: Any, root: yaml.Node | None, overrides: dict[str, Any] | None = None) -> ConfigIssue:
     """A pydantic error as a ConfigIssue: its dotted path and the line of the deepest YAML node on that path."""
     loc: tuple[str | int, ...] = tuple(err["loc"])
+    set_by: Any = overrides or None
+    for part in loc:
+        set_by = set_by.get(part) if isinstance(set_by, dict) else None
+    if loc and set_by is not None:  # NOTE: the environment set it: name the variable, not a line of the file
+        return ConfigIssue(".".join(map(str, loc)), None,
+                           f"{_issue(err, None).message} (from {env.variable_of('.'.join(map(str, loc)))})")
     message = err["msg"]
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, _RuleError):

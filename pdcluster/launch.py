@@ -85,7 +85,7 @@ class Cluster:
         try:
             for role, pool in cfg.pools().items():
                 for i in range(pool.replicas):
-                    self._start_actor(role, i, pool)
+                    self._start_actor(role, i, pool, len(self.actors))
             names = list(self.actors)
             infos = ray.get([self.actors[n].info.remote() for n in names], timeout=WORKER_START_TIMEOUT_S)
             self.infos = dict(zip(names, infos))
@@ -114,7 +114,7 @@ class Cluster:
         self._attached = True
         return self
 
-    def _start_actor(self, role: Role, index: int, pool: Any) -> None:
+    def _start_actor(self, role: Role, index: int, pool: Any, number: int = 0) -> None:
         from decode_workers.actor import DecodeActor
         from prefill_workers.actor import PrefillActor
 
@@ -124,7 +124,10 @@ class Cluster:
         spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
-                          cpus=pool.cpus(index))
+                          cpus=pool.cpus(index), served_model_name=cfg.http.served_model_name or cfg.model,
+                          metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
+                          metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
+                          if cfg.metrics.workers else None)
         cls = PrefillActor if role is Role.PREFILL else DecodeActor
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,

@@ -15,10 +15,12 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
+from cluster import tracing
 from pdcluster import security
 from pdcluster.config import ClusterConfig
 from pdcluster.launch import Cluster
 from router.core import Router
+from router.metrics import RouterMetrics
 from router.service import start_server
 
 log = logging.getLogger(__name__)
@@ -26,10 +28,20 @@ SHUTDOWN_GRACE_S = 2.0
 
 
 def make_router(cluster: Cluster) -> Router:
-    """A router over the cluster's workers, sharing state with any other router through Redis."""
+    """A router over the cluster's workers, sharing state with any other router through Redis.
+
+    Its metrics carry the served model's name (`model_name`, as vLLM's); its spans go where `tracing` says.
+    """
     cfg = cluster.config
+    tracing.configure(cfg.tracing.settings(), "router")
     return Router(cluster.handles(), cluster.index(),
-                  cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport))
+                  cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport),
+                  RouterMetrics(model_name=served_model_name(cfg)))
+
+
+def served_model_name(cfg: ClusterConfig) -> str:
+    """The model id clients pass and metrics are labelled with."""
+    return cfg.http.served_model_name or cfg.model
 
 
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:
@@ -71,7 +83,7 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
             from router.openai_api import start_http
 
             runner, http_port = await start_http(router, host=cfg.http.host, port=cfg.http.port, api_keys=keys,
-                                                 model_name=cfg.http.served_model_name or cfg.model, ssl_context=tls)
+                                                 model_name=served_model_name(cfg), ssl_context=tls)
             runners.append(runner)
             endpoints["http"] = f"{cfg.http.host}:{http_port}"
         if cfg.metrics.enabled:
@@ -100,3 +112,4 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
         for runner in runners:
             await runner.cleanup()
         await router.close()
+        tracing.shutdown()
