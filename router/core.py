@@ -25,6 +25,7 @@ from typing import Any
 from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.messages import Role, WorkerLoad
+from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
 from engine.tokenizer import Tokenizer
 from router.errors import Overloaded
@@ -37,9 +38,9 @@ from router.validate import Checked
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.25
-# NOTE: a heartbeat older than this (workers beat every 0.5 s) is a dead worker for health, even while its Redis key
-# (HEARTBEAT_TTL_S) lives on: a killed actor that Ray restarts at once must not look alive in between.
-HEALTH_STALE_S = 2.0
+# NOTE: a worker is live while its last heartbeat (every 0.5 s) is younger than the heartbeat key's TTL. Not less:
+# a worker beats between engine steps, and one long step on a loaded machine must not make it look dead.
+HEALTH_STALE_S = HEARTBEAT_TTL_S
 PREFILL_CAPABLE = frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED})  # NOTE: a decode worker prefills when
 DECODE_CAPABLE = frozenset({Role.DECODE, Role.COLOCATED})  # no prefill worker is left (router/flow.py, stage 1)
 

@@ -49,6 +49,9 @@ INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")  # counted in pdcl
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 REQUEST_ID_HEADER = "X-Request-Id"
+# NOTE: where a handler leaves the request id for the guard (which echoes it on errors too); a typed key where
+# aiohttp has them (3.11+)
+RID_KEY: Any = web.RequestKey("pdcluster_request_id", str) if hasattr(web, "RequestKey") else "pdcluster_request_id"
 
 
 class ApiError(Exception):
@@ -108,7 +111,7 @@ class OpenAIFront:
             status, outcome, body = error_body(e)
             if counted:
                 self.router.metrics.request_done("http", outcome.name)
-        rid = request.get(REQUEST_ID_HEADER)
+        rid = request.get(RID_KEY)
         return web.json_response(body, status=status, headers={REQUEST_ID_HEADER: rid} if rid else None)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -162,7 +165,7 @@ class OpenAIFront:
         rid = request.headers.get(REQUEST_ID_HEADER, "")
         if rid:
             REQUEST_ID.set(rid)
-            request[REQUEST_ID_HEADER] = rid  # NOTE: the guard echoes it on error answers too
+            request[RID_KEY] = rid
         try:
             raw = json.loads(await request.read())
         except ValueError as e:
@@ -190,7 +193,7 @@ class OpenAIFront:
         if body.skip_special_tokens is not None:
             checked.params.skip_special_tokens = body.skip_special_tokens
         REQUEST_ID.set(checked.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
-        request[REQUEST_ID_HEADER] = checked.request_id
+        request[RID_KEY] = checked.request_id
         id_header = {REQUEST_ID_HEADER: checked.request_id}
         head = {"id": oid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": self.model_name}
