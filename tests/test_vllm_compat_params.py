@@ -1,0 +1,166 @@
+"""vLLM-compatible requests, settings and metrics without a cluster: request models, env overrides, serve flags.
+
+The same bodies run against a cluster in tests/test_vllm_compat.py; here each rule is checked on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster import tracing
+from cluster.messages import WorkerLoad
+from cluster.worker_metrics import WorkerMetrics
+from engine.errors import InvalidRequestError
+from pdcluster.cli import apply_flags, build_parser
+from pdcluster.config import ClusterConfig, ConfigError
+from router.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    IgnoredFieldLog,
+    ignored_fields,
+    parse,
+)
+from router.openai_params import chat_turns, prompt_of, sampling_fields
+
+# `vllm bench serve`'s bodies (vllm/benchmarks/lib/endpoint_request_func.py), as it sends them
+BENCH_COMPLETION = {"model": "smollm2", "prompt": "The capital of France is", "repetition_penalty": 1.0,
+                    "max_tokens": 8, "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+                    "ignore_eos": True}
+BENCH_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+              "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+# What LangChain / LiteLLM / the OpenAI SDK send at their defaults, next to vLLM's extensions at neutral values
+CLIENT_DEFAULTS = {"parallel_tool_calls": True, "user": "alice", "top_k": -1, "min_p": 0, "n": 1,
+                   "skip_special_tokens": True, "spaces_between_special_tokens": True, "presence_penalty": 0,
+                   "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+                   "tool_choice": "none", "include_stop_str_in_output": False, "truncate_prompt_tokens": None}
+
+
+def test_vllm_bench_bodies_parse():
+    c = parse(CompletionRequest, BENCH_COMPLETION)
+    assert prompt_of(c) == "The capital of France is" and c.stream and c.stream_options.include_usage
+    s = sampling_fields(c, c.max_tokens)
+    assert (s.max_tokens, s.ignore_eos) == (8, True)
+    chat = parse(ChatCompletionRequest, BENCH_CHAT)
+    assert [t.content for t in chat_turns(chat.messages)] == ["Hi"] and chat.max_completion_tokens == 8
+    assert ignored_fields(c) == ignored_fields(chat) == []
+
+
+def test_client_defaults_and_neutral_extensions_are_accepted():
+    body = {**BENCH_CHAT, **CLIENT_DEFAULTS}
+    req = parse(ChatCompletionRequest, body)
+    assert sampling_fields(req, 8).top_k == 0  # -1: top-k off, as in vLLM
+    assert ignored_fields(req) == []
+
+
+@pytest.mark.parametrize("field, value", [
+    ("repetition_penalty", 1.2), ("min_p", 0.1), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("logit_bias", {"42": 5}), ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", 0), ("suffix", "x"),
+    ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True), ("min_tokens", 4),
+    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("use_beam_search", True),
+    ("add_special_tokens", False),
+])
+def test_a_field_that_would_change_the_answer_is_refused_naming_it(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        parse(CompletionRequest, {**BENCH_COMPLETION, field: value})
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("logprobs", True), ("top_logprobs", 2), ("add_generation_prompt", False),
+])
+def test_chat_fields_that_would_change_the_answer_are_refused(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        parse(ChatCompletionRequest, {**BENCH_CHAT, field: value})
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": "hot"}, "temperature"), ({"max_tokens": 1.5}, "max_tokens"), ({"stream": "yes"}, "stream"),
+    ({"stop": [1]}, "stop[0]"), ({"messages": [{"role": 5}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0].type"),
+])
+def test_a_known_field_of_the_wrong_type_is_refused_naming_it(body, param):
+    with pytest.raises(InvalidRequestError) as e:
+        parse(ChatCompletionRequest, {**BENCH_CHAT, **body})
+    assert e.value.field == param
+
+
+def test_unknown_fields_are_ignored_and_warned_once_per_name(caplog):
+    caplog.set_level(logging.WARNING, logger="router.openai_models")
+    body = {**BENCH_CHAT, "frobnicate": 1, "metadata": {"a": "b"},
+            "messages": [{"role": "user", "content": "hi", "cache_control": {"type": "ephemeral"}}]}
+    req = parse(ChatCompletionRequest, body)
+    names = ignored_fields(req)
+    assert names == ["frobnicate", "messages.cache_control", "metadata"]
+    log = IgnoredFieldLog()
+    labels = [log.note(n) for n in names + names]
+    assert labels == names + names
+    warned = [r.getMessage() for r in caplog.records if "ignoring the request field" in r.getMessage()]
+    assert len(warned) == 3 and all(any(n in w for w in warned) for n in names)
+
+
+def test_ignored_field_labels_are_capped():
+    log = IgnoredFieldLog()
+    labels = [log.note(f"f{i}") for i in range(300)]
+    assert labels[:256] == [f"f{i}" for i in range(256)] and set(labels[256:]) == {"other"}
+
+
+def test_pdcluster_env_overrides_any_yaml_field(monkeypatch):
+    monkeypatch.setenv("PDCLUSTER_ROUTER__PORT", "50052")
+    monkeypatch.setenv("PDCLUSTER_PREFILL__REPLICAS", "2")
+    monkeypatch.setenv("PDCLUSTER_TRACING__OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setenv("PDCLUSTER_MODEL", "smollm2")
+    monkeypatch.setenv("PDCLUSTER_API_KEY", "sk-not-a-config-field")  # the client's variable: no field, ignored
+    cfg = ClusterConfig.from_yaml("deploy/local.yaml")
+    assert (cfg.router.port, cfg.prefill.replicas, cfg.decode.replicas) == (50052, 2, 1)
+    assert cfg.tracing.otlp_endpoint == "http://127.0.0.1:4317" and cfg.transfer.transport == "grpc"
+
+
+def test_a_bad_env_override_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PDCLUSTER_ROUTER__PORT", "many")
+    with pytest.raises(ConfigError, match="router.port.*PDCLUSTER_ROUTER__PORT"):
+        ClusterConfig.from_yaml("deploy/local.yaml")
+    monkeypatch.setenv("PDCLUSTER_ROUTER__PORT", "1")
+    monkeypatch.setenv("PDCLUSTER_ROUTER__PROT", "1")
+    with pytest.raises(ConfigError, match="did you mean 'port'"):
+        ClusterConfig.from_yaml("deploy/local.yaml")
+
+
+def test_serve_model_and_flags_override_yaml_and_env(monkeypatch):
+    monkeypatch.setenv("PDCLUSTER_HTTP__PORT", "8100")
+    args = build_parser().parse_args(["serve", "smollm2", "--prefill-replicas", "2", "--decode-replicas", "3",
+                                      "--port", "0", "--http-port", "8080", "--host", "0.0.0.0"])
+    cfg = apply_flags(ClusterConfig.from_yaml(args.config), args)
+    assert (cfg.model, cfg.prefill.replicas, cfg.decode.replicas) == ("smollm2", 2, 3)
+    assert (cfg.router.port, cfg.http.port, cfg.router.host, cfg.http.host) == (0, 8080, "0.0.0.0", "0.0.0.0")
+    bad = build_parser().parse_args(["serve", "--decode-replicas", "0"])
+    with pytest.raises(ConfigError, match="decode.replicas"):
+        apply_flags(ClusterConfig.from_yaml(bad.config), bad)
+
+
+def test_tracing_is_off_by_default_and_costs_nothing():
+    assert ClusterConfig().tracing.otlp_endpoint is None and not tracing.enabled()
+    with tracing.span("x", "00-" + "1" * 32 + "-" + "2" * 16 + "-01") as s:
+        assert s is None
+    assert tracing.start("y") is None and tracing.traceparent_of(None) == ""
+    assert tracing.record("z", "", 0, 1) == ""
+
+
+def test_worker_metrics_read_the_heartbeat_load():
+    load = WorkerLoad(running=2, waiting=1, reserved=1, num_blocks=100, free_blocks=75, prompt_tokens=64,
+                      cached_prompt_tokens=32)
+    m = WorkerMetrics("smollm2", lambda: load)
+    m.first_token(0.01, 0.2)
+    m.generation.inc(5)
+    from prometheus_client import generate_latest
+
+    got = {s.name: s.value for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
+           for s in fam.samples if s.labels.get("model_name") == "smollm2"}
+    assert got["vllm:num_requests_running"] == 2 and got["vllm:num_requests_waiting"] == 2
+    assert got["vllm:kv_cache_usage_perc"] == 0.25
+    assert (got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]) == (64, 32)
+    assert got["vllm:generation_tokens_total"] == 5 and got["vllm:time_to_first_token_seconds_count"] == 1
