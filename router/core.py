@@ -105,9 +105,11 @@ class Router:
                                                                    "pdcluster.prompt_tokens": len(req.token_ids)})
         try:
             queued = tracing.start("queue", tracing.traceparent_of(span))
-            matched = await self._lookup(req.token_ids)
-            route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
-            tracing.end(queued)
+            try:
+                matched = await self._lookup(req.token_ids)
+                route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
+            finally:
+                tracing.end(queued)
             if budget_s is not None:
                 left = budget_s - (time.monotonic() - arrived)
                 if route.predicted_ttft_ms / 1e3 > left:
