@@ -91,15 +91,19 @@ def engine(smollm2):
     return make_engine(smollm2, num_blocks=2048)
 
 
-def one_engine(engine, prompt: str, stop: str | list[str] = "", max_tokens: int = MAX_TOKENS,
-               ignore_eos: bool = False) -> tuple[str, str]:
-    """Text and finish reason of one in-process engine doing both phases (the reference)."""
-    rid = f"ref-{time.monotonic_ns()}"
-    stops = [stop] if isinstance(stop, str) else stop
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=[s for s in stops if s], ignore_eos=ignore_eos)
-    engine.add_request(rid, prompt, params)
-    out = run_to_completion(engine)[rid]
-    return out.text, out.finish_reason or ""
+def one_engine(engine, prompts: list[str], stops: list[list[str]], max_tokens: int = MAX_TOKENS,
+               ignore_eos: bool = False) -> list[tuple[str, str]]:
+    """Text and finish reason of one in-process engine doing both phases (the reference), batched."""
+    ids = [f"ref-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt, stop in zip(ids, prompts, stops):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                       stop=[s for s in stop if s], ignore_eos=ignore_eos))
+    out = run_to_completion(engine)
+    return [(out[rid].text, out[rid].finish_reason or "") for rid in ids]
+
+
+def prompt_of(engine, case: Case) -> str:
+    return case.prompt if case.prompt is not None else engine.tokenizer.apply_chat_template(case.messages)
 
 
 def stops_for(text: str, i: int) -> tuple[str, str]:
@@ -116,8 +120,8 @@ def cases(engine) -> list[Case]:
     out = []
     items = [(f"completion {i}", p, None) for i, p in enumerate(COMPLETIONS)]
     items += [(f"chat {i}", None, m) for i, m in enumerate(CHATS)]
-    for i, (name, prompt, messages) in enumerate(items):
-        text, _ = one_engine(engine, prompt or engine.tokenizer.apply_chat_template(messages))
+    texts = one_engine(engine, [p or engine.tokenizer.apply_chat_template(m) for _, p, m in items], [[]] * len(items))
+    for i, ((name, prompt, messages), (text, _)) in enumerate(zip(items, texts)):
         for j, stop in enumerate(stops_for(text, i)):
             out.append(Case(f"{name} stop={stop!r}", prompt, messages, stop, CLIENTS[(i + 2 * j) % len(CLIENTS)]))
     return out
@@ -172,8 +176,8 @@ def test_every_client_gets_the_text_of_one_engine(cluster, engine) -> None:
     all_cases = cases(engine)
     assert len(all_cases) == 40 and {c.client for c in all_cases} == set(CLIENTS)
     wrong, non_ascii = [], 0
-    for case in all_cases:
-        want = one_engine(engine, case.prompt or engine.tokenizer.apply_chat_template(case.messages), case.stop)
+    wants = one_engine(engine, [prompt_of(engine, c) for c in all_cases], [[c.stop] for c in all_cases])
+    for case, want in zip(all_cases, wants):
         got = send[case.client](case)
         non_ascii += any(ord(ch) > 127 for ch in want[0])
         if (got.text, got.finish_reason) != want:
@@ -188,8 +192,8 @@ def test_every_client_gets_the_text_of_one_engine(cluster, engine) -> None:
 def test_stream_and_unary_agree_for_the_same_request(cluster, engine) -> None:
     _, server, _ = cluster
     stub = server.stub()
-    for i, prompt in enumerate(COMPLETIONS[:6]):
-        text, _ = one_engine(engine, prompt)
+    texts = one_engine(engine, COMPLETIONS[:6], [[]] * 6)
+    for i, (prompt, (text, _)) in enumerate(zip(COMPLETIONS[:6], texts)):
         for stop in stops_for(text, i + 1):
             case = Case(prompt, prompt, None, stop, "")
             unary, streamed = via_grpc(stub, case, False), via_grpc(stub, case, True)
@@ -205,8 +209,8 @@ FAILOVER_TOKENS = 48
 def failover_stops(engine) -> list[list[str]]:
     """Per prompt: a stop string that spans the answer's late part (it may straddle the failover) and an absent one."""
     out = []
-    for i, prompt in enumerate(FAILOVER_PROMPTS):
-        text, _ = one_engine(engine, prompt, max_tokens=FAILOVER_TOKENS, ignore_eos=True)
+    texts = one_engine(engine, FAILOVER_PROMPTS, [[]] * len(FAILOVER_PROMPTS), FAILOVER_TOKENS, ignore_eos=True)
+    for i, (text, _) in enumerate(texts):
         late = text[len(text) * 2 // 3: len(text) * 2 // 3 + 2 + i % 5]
         out.append([late, ("@#" * 4)[: 2 + i % 7]] if late.strip() else [("@#" * 4)[: 2 + i % 7]])
     return out
@@ -215,7 +219,7 @@ def failover_stops(engine) -> list[list[str]]:
 def test_a_decode_worker_killed_mid_stream_changes_no_text(cluster, engine, ray_session) -> None:
     c, server, _ = cluster
     stops = failover_stops(engine)
-    want = [one_engine(engine, p, s, FAILOVER_TOKENS, ignore_eos=True) for p, s in zip(FAILOVER_PROMPTS, stops)]
+    want = one_engine(engine, FAILOVER_PROMPTS, stops, FAILOVER_TOKENS, ignore_eos=True)
     stub = server.stub()
     started = threading.Event()
 
