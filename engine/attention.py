@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv_quant import gather_dequantized, write_quantized
+
 # NOTE: prefill queries are processed in chunks of this many rows: the scores of a chunk stay in cache and the
 # keys beyond its causal horizon are skipped; on this project's CPU it beat one SDPA call over the whole prompt.
 PREFILL_CHUNK = 128
@@ -107,6 +109,10 @@ def _chunk_masks(start: int, n: int) -> list[torch.Tensor]:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their slots of the paged cache."""
+    if k_cache.dtype == torch.int8:
+        write_quantized(k_cache, k, slot_mapping)
+        write_quantized(v_cache, v, slot_mapping)
+        return
     kvh, d = k.shape[1:]
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
@@ -128,11 +134,18 @@ def _causal_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: lis
     return out.view(h, n, d)
 
 
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks of a paged cache, [n, block_size, KVH, D]; an int8 cache is dequantized as it is read."""
+    if cache.dtype == torch.int8:
+        return gather_dequantized(cache, block_ids, dtype)
+    return cache.index_select(0, block_ids)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D] (this step's keys; already written to the cache)
     v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (int8: [num_blocks, block_size + 1, KVH, D])
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -145,8 +158,8 @@ def paged_attention(
         n = len(g.rows)
         bt = g.block_tables.view(-1)
         # NOTE: index_select on the flat block axis is 5x faster than advanced indexing k_cache[tables] here.
-        kd = k_cache.index_select(0, bt).view(n, -1, kvh, d).transpose(1, 2)  # [n, KVH, L, D]
-        vd = v_cache.index_select(0, bt).view(n, -1, kvh, d).transpose(1, 2)
+        kd = _gather(k_cache, bt, q.dtype).view(n, -1, kvh, d).transpose(1, 2)  # [n, KVH, L, D]
+        vd = _gather(v_cache, bt, q.dtype).view(n, -1, kvh, d).transpose(1, 2)
         # NOTE: one query per sequence, so a KV head's query group can stand in the query-length dimension.
         qd = q.index_select(0, g.rows).view(n, kvh, h // kvh, d)  # [n, KVH, G, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
@@ -156,8 +169,8 @@ def paged_attention(
         if not span.has_context:
             ks, vs = k[rows], v[rows]
         else:
-            ks = k_cache.index_select(0, span.block_table).view(-1, kvh, d)[: span.context_len]
-            vs = v_cache.index_select(0, span.block_table).view(-1, kvh, d)[: span.context_len]
+            ks = _gather(k_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
+            vs = _gather(v_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
         o = _causal_chunks(q[rows].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), span.masks, scale)
         out[rows] = o.transpose(0, 1)
     return out

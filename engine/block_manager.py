@@ -175,6 +175,17 @@ class BlockManager:
             self.pool.register(seq.block_table[i], seq.block_hash(i), seq.block_tokens(i))
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def truncate(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Roll the sequence's KV back to its first `num_computed_tokens` tokens (rejected drafts' slots go back).
+
+        NOTE: only blocks past the kept tokens are released; they were never registered (drafts never are).
+        """
+        assert num_computed_tokens >= seq.num_registered_blocks * self.block_size, "cannot roll back cached blocks"
+        keep = self.blocks_needed(num_computed_tokens)
+        self.pool.release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = num_computed_tokens
+
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks to the pool (they stay cached until reused)."""
         self.pool.release(seq.block_table)

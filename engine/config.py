@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -55,6 +56,43 @@ def _positive(name: str, value: int | None) -> None:
         raise InvalidRequestError(name, f"must be > 0, got {value}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+QUANTIZATIONS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding as vLLM names it; only n-gram prompt lookup ("ngram") is implemented."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # draft tokens proposed (and verified in one step) per sequence
+    prompt_lookup_max: int = 4  # longest n-gram matched against the prompt and the output so far
+    prompt_lookup_min: int = 1  # shortest n-gram tried before giving up on a draft
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError("speculative_config.method", f"use one of {SPECULATIVE_METHODS}, "
+                                      f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidRequestError(f"speculative_config.{name}", f"must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError("speculative_config.prompt_lookup_min",
+                                      f"{self.prompt_lookup_min} exceeds prompt_lookup_max {self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, object] | None) -> SpeculativeConfig | None:
+        """A config from vLLM's dict form (`{"method": "ngram", ...}`), unknown keys refused."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InvalidRequestError("speculative_config", f"unknown key(s) {unknown}")
+        return cls(**value)  # type: ignore[arg-type]
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine instance; None means 'derive a sensible default'."""
@@ -72,6 +110,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Order of prompt work in a step: "fcfs" or "shortest_first" (engine/scheduler.py).
     prefill_order: str = "fcfs"
+    # Weight-only quantization of the linear layers: None (the dtype above) or "int8" (per output channel).
+    quantization: str | None = None
+    # KV cache storage: "auto" (the dtype above) or "int8" (a scale per block and KV head).
+    kv_cache_dtype: str = "auto"
+    # NOTE: None turns speculation off; a dict in vLLM's form is accepted and converted.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -85,6 +129,11 @@ class EngineConfig:
         torch_dtype(self.dtype)  # validates
         if self.prefill_order not in ("fcfs", "shortest_first"):
             raise InvalidRequestError("prefill_order", f"use 'fcfs' or 'shortest_first', got {self.prefill_order!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise InvalidRequestError("quantization", f"use None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError("kv_cache_dtype", f"use one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
 
     @property
     def threads(self) -> int:

@@ -143,7 +143,7 @@ class KVImporter:
             if not 0 <= first_block <= first_block + n <= len(fresh):
                 raise InvalidRequestError("first_block", f"blocks [{first_block}, {first_block + n}) are not within "
                                           f"the {len(fresh)} reserved", rid)
-            if tuple(kv.shape[1:]) != layout.block_shape or kv.dtype != self.dtype:
+            if tuple(kv.shape[1:]) != layout.block_shape or kv.dtype != self.dtype:  # int8: scales included
                 raise InvalidRequestError("data", f"expected {self.dtype} [n, *{list(layout.block_shape)}], "
                                           f"got {kv.dtype} {list(kv.shape)}", rid)
             self.write_blocks(layer, which, fresh[first_block : first_block + n], kv)

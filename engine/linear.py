@@ -1,4 +1,5 @@
-"""The matmul kernel seam: `x @ W.T` with weights prepacked for oneDNN on CPU, plain F.linear elsewhere.
+"""The matmul kernel seam: `x @ W.T` with weights prepacked for oneDNN on CPU, plain F.linear elsewhere, or
+weight-only int8 (per-output-channel scales) for `quantization="int8"`.
 
 NOTE: on this project's 2-core CPU, MKL's sgemm (F.linear) is far from the memory bound at the small M of decode
 (1-16 rows); in a development microbenchmark oneDNN with a prepacked weight was clearly faster at every M we use,
@@ -43,3 +44,42 @@ class PackedLinear:
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [out, in] int8, scale [out] float32) with weight ≈ q * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
+class Int8Linear:
+    """Weight-only int8 linear layer: int8 weights with a scale per output channel, dequantized inside the matmul.
+
+    NOTE: torch's CPU weight-only kernel (`_weight_int8pack_mm`) is fast only for bfloat16 activations (its float32
+    path is a slow generic loop), so activations go through bfloat16 and the result comes back in the input dtype.
+    On CUDA the same op serves the same call, behind this one seam.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.weight, scale = quantize_int8(weight)  # [out, in] int8, [out]
+        self.scale = scale.to(torch.bfloat16)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer computes with, [out, in] (for tests and quality checks)."""
+        return self.weight.float() * self.scale.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] → [T, out]
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+Linear = PackedLinear | Int8Linear
+
+
+def make_linear(quantization: str | None) -> type[PackedLinear] | type[Int8Linear]:
+    """The linear layer class for an engine's `quantization` setting (None: the packed float kernel)."""
+    return Int8Linear if quantization == "int8" else PackedLinear

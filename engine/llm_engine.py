@@ -5,6 +5,8 @@ Life of a request:
 2. each `step()` lets the scheduler pick a batch (decode tokens + prefill chunks), the runner computes it,
    and sampled tokens are appended, detokenized and checked against the stop conditions;
 3. a finished request frees its blocks (they stay in the prefix cache).
+With `speculative_config`, step 2 starts by proposing draft tokens for each decoding sequence; the runner verifies
+them and a step may append several tokens to a request, each through the same stop checks (engine/spec_decode.py).
 The KV seam: on the sending side `watch_layers` reports each layer of a prompt's KV as soon as the forward pass
 wrote it (`read_kv_layer` copies it out); on the receiving side the engine's `KVImporter` adopts a sequence
 prefilled elsewhere: `reserve_kv` → `write_kv_blocks` (as blocks arrive) → `commit_kv`, and it decodes on.
@@ -12,6 +14,7 @@ prefilled elsewhere: `reserve_kv` → `write_kv_blocks` (as blocks arrive) → `
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -20,16 +23,17 @@ import torch
 
 from engine.block_hash import cache_scope
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, torch_dtype
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.kv_export import KVLayout
 from engine.kv_import import KVImporter, KVReservation
 from engine.loader import LoadedModel
-from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from engine.output import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode import NgramProposer
 
 
 @dataclass
@@ -46,6 +50,8 @@ class EngineStats:
     cached_prompt_tokens: int
     computed_tokens: int  # tokens run through the model (prefill chunks + decode steps)
     num_preemptions: int
+    spec_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # of those, accepted by the target model
 
 
 class LLMEngine:
@@ -56,9 +62,11 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         self.model_config = mcfg = loaded.config
         self.tokenizer = loaded.tokenizer
-        dtype = torch_dtype(config.dtype)
-        self.scope = cache_scope(mcfg.model_id, str(dtype).removeprefix("torch."))
-        per_block = kv_bytes_per_block(mcfg, config.block_size, dtype)
+        kv_dtype = kv_cache_dtype(config)
+        # NOTE: the scope names the KV dtype (int8 KV never mixes with float KV); weight quantization is not in it,
+        # so a decode pool with int8 weights can take KV from a prefill pool without (the issue asks for that).
+        self.scope = cache_scope(mcfg.model_id, str(kv_dtype).removeprefix("torch."))
+        per_block = kv_bytes_per_block(mcfg, config.block_size, kv_dtype)
         model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
         usable = config.max_num_seqs * -(-model_len // config.block_size)
@@ -72,10 +80,14 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort
         self._layer_watchers: dict[str, Callable[[int], None]] = {}
-        self.kv_layout = KVLayout(self.scope, str(dtype).removeprefix("torch."), mcfg.num_layers, config.block_size,
-                                  mcfg.num_kv_heads, mcfg.head_dim)
-        self.kv_importer = KVImporter(self.block_manager, self.runner.write_blocks, self.kv_layout, dtype,
+        self.kv_layout = KVLayout(self.scope, str(kv_dtype).removeprefix("torch."), mcfg.num_layers,
+                                  config.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        self.kv_importer = KVImporter(self.block_manager, self.runner.write_blocks, self.kv_layout, kv_dtype,
                                       mcfg.vocab_size, self.max_model_len)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self._spec_drafted = 0
+        self._spec_accepted = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._computed_tokens = 0
@@ -158,26 +170,57 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a new token (or finished)."""
+        if self.proposer is not None:
+            self._propose(self.proposer)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        tokens = self.runner.execute(batch, self._layer_hook(batch))
+        sampled = self.runner.execute(batch, self._layer_hook(batch))
         self._computed_tokens += batch.num_tokens
         results: list[RequestOutput] = []
-        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
-            seq.num_computed_tokens += n
+        for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled):
+            drafted = len(seq.spec_token_ids)
+            seq.spec_token_ids = []
+            seq.num_computed_tokens += n - drafted
             self.block_manager.register_full_blocks(seq)
-            if tok is None:
+            if not tokens:
                 continue
             if seq.num_output_tokens == 0:
                 self._prompt_tokens += seq.num_prompt_tokens
                 self._cached_tokens += seq.num_cached_tokens
-            seq.token_ids.append(tok)
-            out = self.outputs.process(seq, tok)
+            out = self._append(seq, tokens)
             if out.finished:
                 self._finish(seq)
+            elif drafted:
+                # NOTE: accepted drafts keep their K/V; the rejected ones' slots are rolled back.
+                self.block_manager.truncate(seq, len(seq) - 1)
+                self.block_manager.register_full_blocks(seq)
+            if drafted:
+                self._spec_drafted += drafted
+                self._spec_accepted += len(tokens) - 1
             results.append(out)
         return results
+
+    def _propose(self, proposer: NgramProposer) -> None:
+        """Draft tokens for every decoding sequence, within its max_tokens and the context length."""
+        for seq in self.scheduler.running:
+            if seq.num_pending_tokens == 1:
+                room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
+                seq.spec_token_ids = proposer.propose(seq.token_ids, room)
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append new tokens one at a time through the stop checks; those after a stop are dropped."""
+        outs = []
+        for tok in tokens:
+            seq.token_ids.append(tok)
+            outs.append(self.outputs.process(seq, tok))
+            if outs[-1].finished:
+                break
+        if len(outs) == 1:
+            return outs[0]
+        last = outs[-1]
+        return dataclasses.replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+                                   new_text="".join(o.new_text for o in outs))
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """Calls the watchers of the sequences whose prompt KV this step completes, after each layer."""
@@ -267,5 +310,5 @@ class LLMEngine:
         return EngineStats(pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
                            len(self.scheduler.waiting), len(self.scheduler.running), len(self._reserved),
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig, RopeScaling
-from engine.linear import PackedLinear
+from engine.linear import make_linear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -59,8 +59,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class DecoderLayer:
     """Pre-norm attention + SwiGLU MLP; q/k/v and gate/up are fused into single (packed) matmuls."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+                 quantization: str | None = None) -> None:
         self.cfg = cfg
+        linear = make_linear(quantization)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -72,16 +74,16 @@ class DecoderLayer:
         self.input_norm = get(prefix + "input_layernorm.weight")
         self.post_attn_norm = get(prefix + "post_attention_layernorm.weight")
         qkv_bias = torch.cat([get(a + n + "_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
-        self.qkv = PackedLinear(torch.cat([get(a + n + "_proj.weight") for n in "qkv"]), qkv_bias)
-        self.o = PackedLinear(get(a + "o_proj.weight"), get(a + "o_proj.bias") if cfg.attention_out_bias else None)
-        self.gate_up = PackedLinear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
-        self.down = PackedLinear(get(m + "down_proj.weight"))
+        self.qkv = linear(torch.cat([get(a + n + "_proj.weight") for n in "qkv"]), qkv_bias)
+        self.o = linear(get(a + "o_proj.weight"), get(a + "o_proj.bias") if cfg.attention_out_bias else None)
+        self.gate_up = linear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+        self.down = linear(get(m + "down_proj.weight"))
 
     def __call__(
         self,
         h: torch.Tensor,  # [T, d]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (int8 KV: see engine/kv_quant.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -103,18 +105,20 @@ class DecoderLayer:
 class LlamaModel:
     """Embeddings → decoder layers → final norm; `logits` maps chosen hidden states to the vocabulary.
 
-    Built from Hugging Face-named weights; every expected tensor must be there.
+    Built from Hugging Face-named weights; every expected tensor must be there. `quantization="int8"` stores the
+    linear layers and the head as int8 (the embedding table stays in `dtype`: a lookup reads one row per token).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, quantization: str | None = None) -> None:
         self.cfg = cfg
         self.embed = weights["model.embed_tokens.weight"].to(dtype).contiguous()  # [vocab, d]
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype) for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype, quantization)
+                       for i in range(cfg.num_layers)]
         self.norm = weights["model.norm.weight"].to(dtype)
         # NOTE: a tied head gets its own packed copy: the packed layout cannot serve embedding lookups.
         head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"].to(dtype).contiguous()
-        self.lm_head = PackedLinear(head)
+        self.lm_head = make_linear(quantization)(head)
         self.rotary = Rotary(cfg, max_positions)
 
     def __call__(

@@ -11,69 +11,105 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig, torch_dtype
+from engine.errors import InvalidRequestError
+from engine.kv_quant import int8_block_rows
 from engine.model import LlamaModel
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
+from engine.spec_decode import verify
+
+
+def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
+    """How KV is stored: int8 for kv_cache_dtype="int8", else the engine's dtype."""
+    return torch.int8 if engine_cfg.kv_cache_dtype == "int8" else torch_dtype(engine_cfg.dtype)
+
+
+def kv_block_rows(block_size: int, dtype: torch.dtype) -> int:
+    """Rows of one block in the KV memory: its tokens, plus the scale row of an int8 block."""
+    return int8_block_rows(block_size) if dtype == torch.int8 else block_size
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """Bytes of K and V for one block across all layers (an int8 block's scales included)."""
+    return 2 * cfg.num_layers * kv_block_rows(block_size, dtype) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
-    """Runs forward passes over the paged KV cache (`kv[layer][0|1]`: [num_blocks, block_size, KVH, D])."""
+    """Runs forward passes over the paged KV cache (`kv[layer][0|1]`: [num_blocks, block_size, KVH, D]).
+
+    With an int8 KV cache a block has one more row, for its per-head scales (engine/kv_quant.py).
+    """
 
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
                  num_blocks: int, max_model_len: int) -> None:
         self.cfg = cfg
         self.dtype = torch_dtype(engine_cfg.dtype)
+        self.kv_dtype = kv_cache_dtype(engine_cfg)
         self.block_size = engine_cfg.block_size
-        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len)
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.dtype)
+        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len, engine_cfg.quantization)
+        if self.kv_dtype == torch.int8 and cfg.head_dim < 4:
+            raise InvalidRequestError("kv_cache_dtype", f"int8 KV needs head_dim >= 4 (its scale row), got "
+                                      f"{cfg.head_dim}")
+        rows = kv_block_rows(self.block_size, self.kv_dtype)
+        shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.kv_dtype)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[int | None]:
-        """Compute the batch; return the sampled token of each sequence that reached its end, else None.
+    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[list[int]]:
+        """Compute the batch; return the new tokens of each sequence that reached its end ([] for the others).
 
+        A sequence with draft tokens (`spec_token_ids`, trimmed by the scheduler to what it scheduled) gets them
+        verified: its tokens are the accepted drafts plus one from the model. Others get one sampled token.
         `layer_hook(i)` runs after layer i has written its K/V (layer-wise KV sending).
         """
         input_ids: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
-        sample_rows: list[int] = []  # flat index of the last token of sequences that sample
+        sample_rows: list[int] = []  # flat index of the last token of sequences that sample one token
         sampling: list[int] = []  # their index in the batch
+        verifying: list[tuple[int, int]] = []  # (index in the batch, flat index of its first verified row)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             starts.append(start)
-            input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            if start + n == len(seq):
+            draft = seq.spec_token_ids  # NOTE: n counts them: they follow the sequence's last (pending) token
+            input_ids.extend([*seq.token_ids[start : start + n], *draft])
+            if draft:
+                verifying.append((i, len(input_ids) - len(draft) - 1))
+            elif start + n == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(i)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
                                        self.block_size)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
                             layer_hook)
-        out: list[int | None] = [None] * len(batch.seqs)
-        if not sample_rows:
+        out: list[list[int]] = [[] for _ in batch.seqs]
+        if not sample_rows and not verifying:
             return out
-        logits = self.model.logits(hidden[sample_rows]).float()  # [N, vocab]
-        tokens = sample(logits, [batch.seqs[i].params for i in sampling],
-                        [batch.seqs[i].num_output_tokens for i in sampling])
-        for i, tok in zip(sampling, tokens):
-            out[i] = tok
+        # NOTE: one head matmul for every row that needs logits: the head is the largest weight read of a step.
+        rows = sample_rows + [r + j for i, r in verifying for j in range(len(batch.seqs[i].spec_token_ids) + 1)]
+        logits = self.model.logits(hidden[rows]).float()  # [N, vocab]
+        if sample_rows:
+            tokens = sample(logits[: len(sample_rows)], [batch.seqs[i].params for i in sampling],
+                            [batch.seqs[i].num_output_tokens for i in sampling])
+            for i, tok in zip(sampling, tokens):
+                out[i] = [tok]
+        first = len(sample_rows)
+        for i, _ in verifying:
+            seq = batch.seqs[i]
+            k = len(seq.spec_token_ids)
+            out[i] = verify(logits[first : first + k + 1], seq.spec_token_ids, seq.params, seq.num_output_tokens)
+            first += k + 1
         return out
 
     @torch.inference_mode()
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D]."""
+        """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D] (int8: with the scale row)."""
         idx = torch.tensor(block_ids, dtype=torch.long)
         return self.kv[layer, 0, idx], self.kv[layer, 1, idx]  # advanced indexing copies
 
     @torch.inference_mode()
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """Store K (which=0) or V (1), [n, block_size, KVH, D], into `block_ids` of `layer`."""
-        self.kv[layer, which].index_copy_(0, torch.tensor(block_ids, dtype=torch.long), kv.to(self.dtype))
+        self.kv[layer, which].index_copy_(0, torch.tensor(block_ids, dtype=torch.long), kv.to(self.kv_dtype))

@@ -34,14 +34,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:  # [V] → [V]
+    """The distribution a non-greedy request samples from: temperature, then top-k and top-p."""
+    return _filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int]) -> list[int]:
     """One token per row of `logits` [N, vocab] (float32)."""
     tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
+        probs = filtered_probs(logits[i], p)
         gen = torch.Generator().manual_seed(step_seed(p.seed or 0, output_index[i] + p.output_offset))
         # Exponential-race sampling: argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
         noise = torch.empty_like(probs).exponential_(generator=gen)

@@ -12,7 +12,9 @@ Each step has a token budget (`max_num_batched_tokens`):
 prompt overtake a long one mid-prefill, as a prefill worker behind a TTFT objective wants. A long prompt still
 gets whatever budget the short ones leave in each step; it waits only while short prompts fill whole steps, i.e.
 when the worker is past its capacity anyway.
-Requests join and leave the running batch at every step. The scheduler never touches tensors.
+With speculative decoding a decoding sequence carries draft tokens (`spec_token_ids`); it is given 1 + drafts
+tokens (a verification entry) while budget and blocks allow, and its drafts are the first thing dropped when they do
+not. Requests join and leave the running batch at every step. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
@@ -107,8 +109,13 @@ class Scheduler:
         """Its next token or prompt chunk; preempt the latest-admitted others (or itself) when blocks run out."""
         if self._budget <= 0 or seq.status is not SequenceStatus.RUNNING:
             return  # out of budget, or preempted earlier in this step
-        n = min(seq.num_pending_tokens, self._budget)
+        n = min(seq.num_pending_tokens + len(seq.spec_token_ids), self._budget)
+        del seq.spec_token_ids[max(0, n - seq.num_pending_tokens):]
         while not self.bm.allocate(seq, n):
+            if seq.spec_token_ids:
+                seq.spec_token_ids.clear()
+                n = min(seq.num_pending_tokens, self._budget)
+                continue
             victim = next(s for s in reversed(self.running) if id(s) not in self._in_step)
             self.running.remove(victim)
             self._preempt(victim)
@@ -137,6 +144,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

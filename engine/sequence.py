@@ -42,6 +42,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.num_registered_blocks = 0  # leading full blocks already entered in the prefix cache
         self.num_preemptions = 0
+        # NOTE: draft tokens proposed for the next step only (speculative decoding); not part of token_ids until
+        # verified, and never sent anywhere.
+        self.spec_token_ids: list[int] = []
         self._hashes: list[BlockHash] = []
 
     def __len__(self) -> int:

@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (with token ids)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    gen.add_argument("--quantization", choices=["int8"], default=None, help="--local: int8 weight-only linear layers")
+    gen.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="--local: KV cache storage")
+    gen.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                     help='--local: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     _add_sampling_args(gen)
     _add_client_args(gen)
 
@@ -150,7 +154,8 @@ def _generate(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr)
-        llm = LLM(args.model, progress=True, num_threads=args.threads)
+        llm = LLM(args.model, progress=True, num_threads=args.threads, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
         print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         t0 = time.perf_counter()
         if args.chat:

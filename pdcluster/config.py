@@ -37,6 +37,23 @@ class _RuleError(ValueError):
         super().__init__(message)
 
 
+class SpeculativeSection(BaseModel):
+    """Speculative decoding of a pool's engine, in vLLM's keys (only n-gram prompt lookup)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = Field(default="ngram", description="how drafts are proposed: n-gram prompt lookup")
+    num_speculative_tokens: int = Field(default=4, gt=0, description="draft tokens verified per step")
+    prompt_lookup_max: int = Field(default=4, gt=0, description="longest n-gram matched against the context")
+    prompt_lookup_min: int = Field(default=1, gt=0, description="shortest n-gram tried")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeSection:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise _RuleError("prompt_lookup_min", "must not exceed prompt_lookup_max")
+        return self
+
+
 class PoolConfig(BaseModel):
     """One pool of worker actors (prefill, decode or colocated) and the engine each of them runs."""
 
@@ -61,6 +78,12 @@ class PoolConfig(BaseModel):
         default="fcfs", description="order of prompt work in a step; shortest_first lets short prompts overtake")
     max_model_len: int | None = Field(default=None, gt=0, description="prompt + output tokens; null: the model's")
     max_restarts: int = Field(default=0, ge=-1, description="times Ray restarts a dead actor (-1: forever)")
+    quantization: Literal["int8"] | None = Field(
+        default=None, description="weight-only quantization of the linear layers; null: dtype")
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        default="auto", description="KV cache storage; prefill and decode pools must agree (the transfer checks)")
+    speculative_config: SpeculativeSection | None = Field(
+        default=None, description="speculative decoding, e.g. {method: ngram, num_speculative_tokens: 4}")
 
     @model_validator(mode="after")
     def _check(self) -> PoolConfig:
@@ -83,13 +106,15 @@ class PoolConfig(BaseModel):
     def engine_config(self) -> EngineConfig:
         """The settings of the engine each actor of this pool runs."""
         # NOTE: imported here: engine pulls in torch, which a process that only reads the config never needs.
-        from engine.config import EngineConfig
+        from engine.config import EngineConfig, SpeculativeConfig
 
+        spec = None if self.speculative_config is None else SpeculativeConfig(**self.speculative_config.model_dump())
         return EngineConfig(
             block_size=self.block_size, num_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads,
-            prefill_order=self.prefill_order)
+            prefill_order=self.prefill_order, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+            speculative_config=spec)
 
 
 class RayConfig(BaseModel):
