@@ -1,8 +1,13 @@
 """The `grpc` transport, and the gRPC control plane every remote transport uses.
 
 Receiver: `KVTransferService` serves `pdcluster.v1.KVTransfer` over a `KVReceiver`. Sender: `GrpcControl` makes
-the control calls; `GrpcKVSender` streams K and V as checksummed chunks over `grpc_streams` parallel Push calls,
-each on its own TCP connection (one Python gRPC stream tops out well below what the socket can carry).
+the control calls; `GrpcKVSender` streams K and V as sealed chunks over `grpc_streams` parallel Push calls, each
+on its own TCP connection (one Python gRPC stream tops out well below what the socket can carry).
+
+The data path is a pipeline: the sender's thread seals each chunk (CRC32C) and frames it (`wire.chunk_to_wire`,
+the one copy of its bytes) while gRPC's threads put earlier ones on the wire; the receiver's gRPC core reads the
+next chunk while a handler thread checks one (on a view of the message: no copy) and writes it into the reserved
+blocks. KVChunk is framed by `wire` rather than by generated stubs: same wire names, no protobuf copy of the data.
 """
 
 from __future__ import annotations
@@ -10,10 +15,12 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
+import torch
 
 from engine.errors import CapacityError, EngineError, InvalidRequestError, UnknownRequestError
 from kv_transfer import payload, wire
@@ -28,6 +35,8 @@ from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 MAX_MESSAGE = 80 << 20
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name  # "pdcluster.v1.KVTransfer"
+QUEUED_CHUNKS = 4  # sealed chunks waiting per stream: the sender's thread runs this far ahead of the wire
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
 
@@ -45,13 +54,13 @@ def status_of(err: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-class KVTransferService(pb_grpc.KVTransferServicer):
+class KVTransferService:
     """gRPC face of a KVReceiver: protobuf in, messages to the receiver, protobuf out."""
 
     def __init__(self, receiver: KVReceiver) -> None:
         self.receiver = receiver
 
-    def _call(self, context: grpc.ServicerContext, fn):  # type: ignore[no-untyped-def]
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except EngineError as e:
@@ -61,13 +70,14 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         return self._call(context, lambda: wire.prepared_to_proto(  # type: ignore[no-any-return]
             self.receiver.prepare(wire.prepare_from_proto(request))))
 
-    def Push(self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext) -> pb.PushResponse:  # noqa: N802
+    def Push(self, request_iterator: Iterator[tuple[Chunk, memoryview]],  # noqa: N802
+             context: grpc.ServicerContext) -> pb.PushResponse:
         transfer_id, nbytes = "", 0
         try:
-            for chunk in request_iterator:
+            for chunk, data in request_iterator:
                 transfer_id = chunk.transfer_id
-                self.receiver.on_chunk(wire.chunk_from_proto(chunk), chunk.data)
-                nbytes += len(chunk.data)
+                self.receiver.on_chunk(chunk, data)
+                nbytes += len(data)
         except EngineError as e:
             context.abort(status_of(e), str(e))
         except Exception as e:  # noqa: BLE001 - a stream cut by a dead or cancelled sender lands here
@@ -84,13 +94,26 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         self.receiver.abort(wire.abort_from_proto(request))
         return pb.AbortResponse()
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods under their wire names; Push reads KVChunks with `wire.chunk_from_wire`."""
+        def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(fn, req.FromString, resp.SerializeToString)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Prepare": unary(self.Prepare, pb.PrepareRequest, pb.PrepareResponse),
+            "Push": grpc.stream_unary_rpc_method_handler(self.Push, wire.chunk_from_wire,
+                                                         pb.PushResponse.SerializeToString),
+            "Commit": unary(self.Commit, pb.CommitRequest, pb.CommitResponse),
+            "Abort": unary(self.Abort, pb.AbortRequest, pb.AbortResponse),
+        })
+
 
 def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int = 16,
           cluster_token: str = "") -> tuple[grpc.Server, int]:
     """Start the KV service (callers must present `cluster_token` if one is set); returns the server and its port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-grpc"),
                          options=CHANNEL_OPTIONS, interceptors=[CheckToken(cluster_token)] if cluster_token else None)
-    pb_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver), server)
+    server.add_generic_rpc_handlers((KVTransferService(receiver).handler(),))
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the KV transfer service to {address}")
@@ -149,7 +172,7 @@ class GrpcControl(Control):
 
 
 class GrpcKVSender(KVSender):
-    """Streams each layer's K and V in checksummed chunks over parallel Push calls."""
+    """Streams each layer's K and V in sealed chunks over parallel Push calls."""
 
     transport = "grpc"
     control: GrpcControl
@@ -157,20 +180,16 @@ class GrpcKVSender(KVSender):
 
     def _send_layers(self, layers: Iterator[Layer]) -> None:
         n_streams = self.config.grpc_streams
-        queues: list[queue.Queue[tuple[int, int, object] | None]] = [queue.Queue() for _ in range(n_streams)]
-        calls = [pb_grpc.KVTransferStub(channel(self.control.address, i, self.control.cluster_token)).Push.future(
-            self._chunks(q), timeout=self.remaining()) for i, q in enumerate(queues)]
+        queues: list[queue.Queue[bytes | None]] = [queue.Queue(QUEUED_CHUNKS) for _ in range(n_streams)]
+        calls = [channel(self.control.address, i, self.control.cluster_token).stream_unary(
+            f"/{SERVICE}/Push", response_deserializer=pb.PushResponse.FromString).future(
+            self._messages(q), timeout=self.remaining()) for i, q in enumerate(queues)]
         self._calls = tuple(calls)
-        slots = itertools.cycle(range(n_streams))
         try:
-            for layer in layers:
-                for which, t in ((0, layer.k), (1, layer.v)):
-                    queues[next(slots)].put((layer.index, which, t))
-                if any(c.done() for c in calls):  # a stream ended early: it failed
-                    break
+            self._feed(layers, itertools.cycle(zip(queues, calls)))
         finally:
-            for q in queues:
-                q.put(None)
+            for q, call in zip(queues, calls):
+                self._put(q, call, None)
         for call in calls:
             try:
                 call.result(timeout=self.remaining())
@@ -183,25 +202,49 @@ class GrpcKVSender(KVSender):
                     c.cancel()
                 raise TransferError("deadline passed while pushing", self.request_id, retryable=True) from None
 
-    def _chunks(self, q: queue.Queue[tuple[int, int, object] | None]) -> Iterator[pb.KVChunk]:
-        """Chunk messages of the tensors put on `q` (runs in gRPC's sending thread)."""
-        per_block = payload.block_nbytes(self.layout)
-        step = max(1, self.config.chunk_bytes // per_block)
+    def _feed(self, layers: Iterator[Layer], streams: Iterator[tuple[queue.Queue[bytes | None], grpc.Future]]) -> None:
+        """Seal and frame every chunk of every layer, dealing them round-robin to the streams."""
+        for layer in layers:
+            for which, t in ((0, layer.k), (1, layer.v)):
+                for first, piece in self._pieces(t):
+                    chunk = payload.seal(self.transfer_id, layer.index, which, first, piece)
+                    if not self._put(*next(streams), self._encode(chunk, payload.as_bytes(piece))):
+                        return  # NOTE: a stream ended early (it failed): its status says why
+                    self.bytes_sent += piece.numel() * piece.element_size()
+
+    def _pieces(self, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """`t` ([n, *block_shape]) cut into even chunks of at most `chunk_bytes` (views, no copy)."""
+        t = t.contiguous()
+        n = t.shape[0]
+        per_chunk = max(1, self.config.chunk_bytes // payload.block_nbytes(self.layout))
+        step = -(-n // -(-n // per_chunk)) if n else 1
+        for a in range(0, n, step):
+            yield a, t[a : a + step]
+
+    def _encode(self, chunk: Chunk, data: memoryview) -> bytes:
+        """One KVChunk as it goes on the wire."""
+        return wire.chunk_to_wire(chunk, data)
+
+    def _put(self, q: queue.Queue[bytes | None], call: grpc.Future, msg: bytes | None) -> bool:
+        """Hand `msg` to a stream; False if the stream ended or the transfer finished meanwhile."""
+        while not (call.done() or self.state.finished):
+            try:
+                q.put(msg, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _messages(self, q: queue.Queue[bytes | None]) -> Iterator[bytes]:
+        """A Push call's request stream (gRPC's sending thread pulls it)."""
         while not self.state.finished:
             try:
-                item = q.get(timeout=0.2)
+                msg = q.get(timeout=0.2)
             except queue.Empty:
                 continue  # NOTE: wake up now and then so an aborted transfer ends this thread
-            if item is None:
+            if msg is None:
                 return
-            layer, which, t = item
-            data = payload.as_bytes(t.contiguous())  # type: ignore[attr-defined]
-            n = t.shape[0]  # type: ignore[attr-defined]
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                piece = bytes(data[a * per_block : b * per_block])
-                self.bytes_sent += len(piece)
-                yield wire.chunk_to_proto(Chunk(self.transfer_id, layer, which, a, b - a, payload.crc32(piece)), piece)
+            yield msg
 
     def abort(self, reason: str) -> None:
         for call in self._calls:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from engine.errors import EngineError
 from kv_transfer import payload
-from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest
+from kv_transfer.messages import Abort, Commit, Prepared, PrepareRequest
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import Control, KVSender, Layer
 from kv_transfer.state import TransferError, as_transfer_error
@@ -71,6 +71,5 @@ class LocalKVSender(KVSender):
         for layer in layers:
             for which, t in ((0, layer.k), (1, layer.v)):
                 t = t.contiguous()
-                chunk = Chunk(self.transfer_id, layer.index, which, 0, t.shape[0], payload.crc32(t))
-                receiver.on_tensor(chunk, t)
+                receiver.on_tensor(payload.seal(self.transfer_id, layer.index, which, 0, t), t)
                 self.bytes_sent += t.numel() * t.element_size()

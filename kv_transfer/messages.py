@@ -2,7 +2,7 @@
 
 One message per step of a transfer (the proto's header comment has the whole life of one):
 1. `PrepareRequest` → `Prepared` (with a `TorchRendezvous` for transport "torch");
-2. `Chunk`s: K or V of some blocks of one layer, each with the CRC32 of its bytes;
+2. `Chunk`s: K or V of some blocks of one layer, each sealed with a CRC32C of its place and bytes;
 3. `Commit` → bytes received; or `Abort` from either side.
 """
 
@@ -59,7 +59,7 @@ class Chunk:
     kv: int  # 0 = K, 1 = V
     first_block: int
     num_blocks: int
-    crc32: int  # of the data: [num_blocks, block_size, KVH, D] in the layout's dtype, native byte order
+    crc32c: int  # of the place, then the data ([num_blocks, *block_shape], native byte order): payload.seal
 
     def where(self) -> str:
         """The chunk's place, as errors name it."""

@@ -2,8 +2,8 @@
 
 Life of an inbound transfer:
 1. `prepare` checks the sender's description against the engine and reserves blocks (cached ones linked);
-2. data arrives as chunks: bytes (`on_chunk`, grpc) or tensors (`on_tensor`, torch/local); each is checksummed
-   before it is written into the reserved blocks;
+2. data arrives as chunks: bytes (`on_chunk`, grpc) or tensors (`on_tensor`, torch/local); each chunk's CRC32C
+   (of its place and bytes) is checked before it is written into the reserved blocks, on the thread it came on;
 3. `commit` completes it once every block of every layer arrived (DONE); the decode worker then `take`s it into
    its running batch with the request's sampling params;
 4. a failure, an abort from either side, a broken stream, or a missed deadline frees the reservation (FAILED).
@@ -111,24 +111,26 @@ class KVReceiver:
         return Prepared(t.transfer_id, res.start_block, n, rendezvous)
 
     # ---- 2. data --------------------------------------------------------------------------------------------
-    def on_chunk(self, chunk: Chunk, data: bytes) -> None:
-        """Some blocks of K or V of one layer as bytes (grpc), checksummed."""
+    def on_chunk(self, chunk: Chunk, data: payload.Buffer) -> None:
+        """Some blocks of K or V of one layer as bytes (grpc: a view of the message), checked, then written."""
         expected = chunk.num_blocks * payload.block_nbytes(self.layout)
         if len(data) != expected:
             t = self._get(chunk.transfer_id)
             self._fail(t, f"chunk of {len(data)} bytes for {chunk.num_blocks} blocks (expected {expected})")
             raise InvalidRequestError("data", f"{len(data)} bytes for {chunk.num_blocks} blocks", t.request_id)
-        self.on_tensor(chunk, payload.tensor_from_bytes(data, self.layout, chunk.num_blocks))
+        self._check(chunk, data)
+        self._write(chunk.transfer_id, chunk.layer, chunk.kv, chunk.first_block,
+                    payload.tensor_from_bytes(data, self.layout, chunk.num_blocks))
 
     def on_tensor(self, chunk: Chunk, kv: torch.Tensor) -> None:
-        """Blocks of K or V of one layer ([n, block_size, KVH, D]) described by `chunk` (torch, local)."""
-        self._check_crc(chunk.transfer_id, kv, chunk.crc32, chunk.where())
+        """Blocks of K or V of one layer ([n, *block_shape]) described by `chunk` (torch, local), checked, written."""
+        self._check(chunk, kv)
         self._write(chunk.transfer_id, chunk.layer, chunk.kv, chunk.first_block, kv)
 
-    def _check_crc(self, transfer_id: str, kv: torch.Tensor, crc: int, where: str) -> None:
-        if payload.crc32(kv) != crc:
-            t = self._get(transfer_id)
-            reason = f"checksum mismatch in {where}"
+    def _check(self, chunk: Chunk, data: torch.Tensor | payload.Buffer) -> None:
+        if not payload.intact(chunk, data):
+            t = self._get(chunk.transfer_id)
+            reason = f"checksum mismatch in {chunk.where()}"
             self._fail(t, reason, retryable=True)
             raise TransferError(reason, t.request_id, retryable=True)
 

@@ -4,8 +4,12 @@ Each (sender, receiver) pair gets its own two-rank process group, made on demand
 and names a group key in its Prepare answer; a new key means a new group. Any failure breaks only that pair (the
 next transfer makes a fresh group), so a dead peer never poisons the others. Control stays on gRPC.
 
-Per transfer and layer the sender sends a header (layer, CRC32 of K, CRC32 of V), then K, then V. Transfers of
-one pair run one after another in the order of their tags, on both sides (NCCL ignores tags). With
+Per transfer and layer the sender sends K, then V, then a header [layer, first_block, num_blocks, CRC32C of K,
+CRC32C of V] (the proto's header comment): K and V go on the wire first and their checksums are computed while
+they travel. Up to `IN_FLIGHT_LAYERS` layers are in flight: the sender waits for a layer's sends only once that
+many newer ones are queued, and the receiver keeps that many layers' receives posted (into a ring of buffers)
+while it checks and writes the oldest into the reserved blocks. Transfers of one pair run one after another in
+the order of their tags, on both sides (NCCL ignores tags; both sides post in the same order). With
 `device="cuda"` the layers are staged from the CPU KV pool to the GPU, sent with NCCL, and staged back.
 """
 
@@ -16,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,6 +39,15 @@ from kv_transfer.state import TransferError, TransferState
 log = logging.getLogger(__name__)
 
 SENDER, RECEIVER = 0, 1
+# NOTE: 4 layers of a 2k-token prompt are ~12 MB: enough to keep the socket busy while one is checked and written
+IN_FLIGHT_LAYERS = 4
+HEADER = 5  # int64 [layer, first_block, num_blocks, crc32c of K, crc32c of V]
+
+
+def wait_all(works: list[Any], deadline: float) -> None:
+    """Wait for torch.distributed work items until `deadline` (time.monotonic())."""
+    for w in works:
+        w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
 
 
 def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: float) -> Any:
@@ -133,17 +147,27 @@ class TorchEndpoint:
         try:
             pair.wait_turn(tag, t.deadline)
             group = pair.group.result(timeout=max(0.0, t.deadline - time.monotonic()))
-            header = torch.empty(3, dtype=torch.int64, device=self.device)
-            buf = torch.empty((2, n, *layout.block_shape), dtype=layout.torch_dtype, device=self.device)
+            depth = min(IN_FLIGHT_LAYERS, layout.num_layers)
+            ring = [(torch.empty((2, n, *layout.block_shape), dtype=layout.torch_dtype, device=self.device),
+                     torch.empty(HEADER, dtype=torch.int64, device=self.device)) for _ in range(depth)]
+
+            def post(layer: int) -> list[Any]:  # the receives of one layer into its ring slot
+                buf, header = ring[layer % depth]
+                return [group.recv([x], SENDER, tag) for x in (buf[0], buf[1], header)]
+
+            posted = deque(post(layer) for layer in range(depth))
             for layer in range(layout.num_layers):
-                for tensor in (header, buf[0], buf[1]):
-                    group.recv([tensor], SENDER, tag).wait(timedelta(seconds=max(0.001, t.deadline - time.monotonic())))
-                got, crc_k, crc_v = header.tolist()
-                if got != layer:
-                    raise TransferError(f"expected layer {layer}, got {got}")
+                wait_all(posted.popleft(), t.deadline)
+                buf, header = ring[layer % depth]
+                got, first, count, crc_k, crc_v = header.tolist()
+                if (got, first, count) != (layer, 0, n):
+                    raise TransferError(f"expected layer {layer} blocks [0, {n}), got layer {got} [{first}, "
+                                        f"{first + count})")
                 kv = buf.cpu() if buf.device.type != "cpu" else buf
                 self.receiver.on_tensor(Chunk(t.transfer_id, layer, 0, 0, n, crc_k), kv[0])
                 self.receiver.on_tensor(Chunk(t.transfer_id, layer, 1, 0, n, crc_v), kv[1])
+                if layer + depth < layout.num_layers:  # NOTE: the slot is free again only now
+                    posted.append(post(layer + depth))
             pair.end_turn(tag)
         except Exception as e:  # noqa: BLE001 - any failure frees the reservation and retires the pair
             if t.state is TransferState.TRANSFERRING:
@@ -189,13 +213,21 @@ class TorchKVSender(KVSender):
         try:
             pair.wait_turn(tag, self._deadline)
             group = pair.group.result(timeout=self.remaining())
+            in_flight: deque[tuple[list[Any], tuple[torch.Tensor, ...]]] = deque()  # works, and what they read
             for layer in layers:
                 k, v = layer.k.contiguous(), layer.v.contiguous()
-                header = torch.tensor([layer.index, payload.crc32(k), payload.crc32(v)], dtype=torch.int64)
-                works = [group.send([x.to(self._device)], RECEIVER, tag) for x in (header, k, v)]
-                for w in works:
-                    w.wait(timedelta(seconds=self.remaining()))
+                out = (k.to(self._device), v.to(self._device))
+                works = [group.send([x], RECEIVER, tag) for x in out]
+                # NOTE: K and V are on the wire while their checksums are computed; the header follows them
+                crcs = [payload.seal(self.transfer_id, layer.index, i, 0, x).crc32c for i, x in enumerate((k, v))]
+                header = torch.tensor([layer.index, 0, k.shape[0], *crcs], dtype=torch.int64).to(self._device)
+                works.append(group.send([header], RECEIVER, tag))
+                in_flight.append((works, (k, v, *out, header)))
                 self.bytes_sent += 2 * k.numel() * k.element_size()
+                while len(in_flight) > IN_FLIGHT_LAYERS:
+                    wait_all(in_flight.popleft()[0], self._deadline)
+            while in_flight:
+                wait_all(in_flight.popleft()[0], self._deadline)
             pair.end_turn(tag)
             if self.state.finished:  # aborted while sending: the pair's stream is out of step
                 self._retire(pair)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.errors import InvalidRequestError
 from engine.kv_export import KVLayout
 from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest, TorchRendezvous
+from kv_transfer.payload import Buffer
 from kv_transfer.state import TRANSPORTS, Transport
 from kv_transfer.v1 import kv_transfer_pb2 as pb
 
@@ -57,14 +58,64 @@ def prepared_from_proto(msg: pb.PrepareResponse) -> Prepared:
     return Prepared(msg.transfer_id, msg.cached_blocks, msg.num_blocks, torch)
 
 
-def chunk_to_proto(chunk: Chunk, data: bytes) -> pb.KVChunk:
-    return pb.KVChunk(transfer_id=chunk.transfer_id, layer=chunk.layer, kv=chunk.kv, first_block=chunk.first_block,
-                      num_blocks=chunk.num_blocks, crc32=chunk.crc32, data=data)
+# NOTE: KVChunk.data is field 15, length-delimited. Its bytes are framed by hand so that a chunk costs one copy
+# into the message on the way out and none on the way in (a memoryview); every other field goes through protobuf.
+_DATA_KEY = (15 << 3) | 2
 
 
-def chunk_from_proto(msg: pb.KVChunk) -> Chunk:
-    """The chunk's description (its data stays in `msg.data`)."""
-    return Chunk(msg.transfer_id, msg.layer, msg.kv, msg.first_block, msg.num_blocks, msg.crc32)
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("KVChunk: truncated or overlong varint")
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not b & 0x80:
+            return value, pos
+
+
+def chunk_to_wire(chunk: Chunk, data: Buffer) -> bytes:
+    """A serialized KVChunk: the described fields through protobuf, then `data` (the one copy of the bytes)."""
+    head = pb.KVChunk(transfer_id=chunk.transfer_id, layer=chunk.layer, kv=chunk.kv, first_block=chunk.first_block,
+                      num_blocks=chunk.num_blocks, crc32c=chunk.crc32c).SerializeToString()
+    return b"".join((head, _varint(_DATA_KEY), _varint(len(data)), data))
+
+
+def chunk_from_wire(buf: bytes) -> tuple[Chunk, memoryview]:
+    """A serialized KVChunk (any field order) as its description and a view of its data (no copy)."""
+    view, pos, keep, start = memoryview(buf), 0, [], 0
+    data = view[:0]
+    while pos < len(view):
+        key, p = _read_varint(view, pos)
+        wire_type = key & 7
+        if wire_type == 0:
+            p = _read_varint(view, p)[1]
+        elif wire_type in (1, 5):
+            p += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            n, p = _read_varint(view, p)
+            p += n
+            if key == _DATA_KEY:  # NOTE: as in protobuf, the last occurrence of a field wins
+                keep.append(view[start:pos])
+                data, start = view[p - n : p], p
+        else:
+            raise ValueError(f"KVChunk: unsupported wire type {wire_type}")
+        if p > len(view):
+            raise ValueError("KVChunk: truncated field")
+        pos = p
+    keep.append(view[start:])
+    msg = pb.KVChunk.FromString(b"".join(keep))
+    return Chunk(msg.transfer_id, msg.layer, msg.kv, msg.first_block, msg.num_blocks, msg.crc32c), data
 
 
 def commit_to_proto(req: Commit) -> pb.CommitRequest:

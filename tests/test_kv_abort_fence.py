@@ -15,7 +15,7 @@ import torch
 from engine import EngineConfig, LLMEngine
 from engine.block_hash import hash_prompt_blocks
 from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, payload
-from kv_transfer.messages import Chunk, PrepareRequest
+from kv_transfer.messages import PrepareRequest
 from tests.helpers import free_blocks, random_prompts
 
 PROMPT = random_prompts(1, [90], vocab=1000, seed=5)[0]  # 6 blocks: the whole pool below
@@ -55,7 +55,7 @@ def test_an_abort_waits_for_the_copy_in_flight_and_later_writes_are_dropped(pool
     b.kv_importer.write_blocks = held_copy
     prepared = ep.receiver.prepare(describe(b, "doomed"))
     ones = filled(b, 1.0)
-    chunk = Chunk(prepared.transfer_id, 0, 0, 0, 6, payload.crc32(ones))
+    chunk = payload.seal(prepared.transfer_id, 0, 0, 0, ones)
     writer = threading.Thread(target=ep.receiver.on_tensor, args=(chunk, ones))
     writer.start()
     assert entered.wait(10)
@@ -87,7 +87,7 @@ def test_an_abort_waits_for_the_copy_in_flight_and_later_writes_are_dropped(pool
     # the blocks handed on keep the new owner's KV: the doomed copy landed before the free, not after
     assert bool((other_k[0] == 2.0).all()) and bool((k_now == 2.0).all())
     assert waited
-    late = Chunk(prepared.transfer_id, 0, 0, 0, 6, payload.crc32(filled(b, 3.0)))
+    late = payload.seal(prepared.transfer_id, 0, 0, 0, filled(b, 3.0))
     with pytest.raises(TransferError, match="client went away"):
         ep.receiver.on_tensor(late, filled(b, 3.0))
     assert bool((b.runner.read_blocks(0, list(range(6)))[0] == 2.0).all())  # ... and a late one never does

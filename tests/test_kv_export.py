@@ -21,7 +21,7 @@ from engine.block_hash import cache_scope, hash_prompt_blocks
 from engine.config import ModelConfig
 from engine.loader import LoadedModel
 from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, payload
-from kv_transfer.messages import Chunk, PrepareRequest
+from kv_transfer.messages import PrepareRequest
 from tests.helpers import (
     assert_idle,
     greedy,
@@ -185,7 +185,7 @@ def test_an_invalid_transfer_is_rejected_before_any_write(smollm2, receiver, ref
         else:
             prepared = ep.receiver.prepare(describe(b, "x", PROMPT))
             k = BAD_DATA[case][1](torch.zeros(prepared.num_blocks, *b.kv_layout.block_shape))
-            ep.receiver.on_tensor(Chunk(prepared.transfer_id, 0, 0, 0, k.shape[0], payload.crc32(k)), k)
+            ep.receiver.on_tensor(payload.seal(prepared.transfer_id, 0, 0, 0, k), k)
     field = (BAD_DESCRIPTIONS | BAD_DATA)[case][0]
     assert err.value.field == field and field in str(err.value) and err.value.request_id == "x"
     assert b.stats() == before and ep.receiver.num_inflight == 0

@@ -11,9 +11,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState
+from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, payload
 from kv_transfer.grpc_transport import GrpcKVSender
 from tests.helpers import (
     assert_idle,
@@ -115,18 +116,18 @@ def test_only_missing_blocks_move_when_the_receiver_caches_the_prefix(tiny, endp
 
 
 class CorruptOnce(GrpcKVSender):
-    """Flips one byte of the first chunk of the first transfer it makes (after the checksum was taken)."""
+    """Flips one data byte of the first chunk of the first transfer it makes (after the chunk was sealed)."""
 
     corrupted = 0
 
-    def _chunks(self, q):  # type: ignore[no-untyped-def]
-        for chunk in super()._chunks(q):
-            if CorruptOnce.corrupted == 0:
-                CorruptOnce.corrupted += 1
-                data = bytearray(chunk.data)
-                data[7] ^= 0xFF
-                chunk.data = bytes(data)
-            yield chunk
+    def _encode(self, chunk, data):  # type: ignore[no-untyped-def]
+        msg = super()._encode(chunk, data)
+        if CorruptOnce.corrupted == 0:
+            CorruptOnce.corrupted += 1
+            flipped = bytearray(msg)
+            flipped[-7] ^= 0xFF  # NOTE: KVChunk.data is the message's last field
+            return bytes(flipped)
+        return msg
 
 
 @pytest.mark.parametrize("retries", [0, 1])
@@ -151,6 +152,25 @@ def test_a_corrupted_chunk_fails_the_transfer_and_is_retried_once_if_asked(tiny,
         assert first + decode_on(ep, "r")[1:] == run_alone(tiny, PROMPT, greedy(N))
         assert free_blocks(b) == baseline
     assert_idle(a)
+
+
+@pytest.mark.parametrize("field", ["transfer_id", "layer", "kv", "first_block"])
+def test_a_chunk_whose_description_changed_on_the_way_fails_the_checksum(tiny, endpoints, field):
+    """The CRC32C covers the chunk's place as well as its bytes: intact data aimed at other blocks is refused."""
+    ep = endpoints("local")
+    b = ep.receiver.engine
+    baseline = free_blocks(b)
+    sender = open_kv_sender("local", ep.address, engine(tiny), "r", PROMPT)
+    sender.prepare()
+    k = torch.ones(2, *b.kv_layout.block_shape)
+    if field == "transfer_id":  # sealed for another transfer, delivered to this one
+        chunk = dataclasses.replace(payload.seal("another", 0, 0, 0, k), transfer_id=sender.transfer_id)
+    else:
+        chunk = dataclasses.replace(payload.seal(sender.transfer_id, 0, 0, 0, k), **{field: 1})
+    with pytest.raises(TransferError, match="checksum mismatch") as err:
+        ep.receiver.on_tensor(chunk, k)
+    assert err.value.retryable and ep.receiver.poll("r") is TransferState.FAILED
+    assert wait_for(lambda: free_blocks(b) == baseline)
 
 
 LAYOUT_FIELDS = {"scope": "another-model|float32", "dtype": "bfloat16", "block_size": 32, "num_layers": 3,

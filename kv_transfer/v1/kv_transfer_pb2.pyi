@@ -71,22 +71,22 @@ class PrepareResponse(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., torch: _Optional[_Union[TorchRendezvous, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("transfer_id", "layer", "kv", "first_block", "num_blocks", "crc32", "data")
+    __slots__ = ("transfer_id", "layer", "kv", "first_block", "num_blocks", "crc32c", "data")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     kv: int
     first_block: int
     num_blocks: int
-    crc32: int
+    crc32c: int
     data: bytes
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., kv: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., kv: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("bytes_received",)
