@@ -6,7 +6,9 @@ One run, one machine. The payload is the real KV of one prefilled prompt (SmolLM
 2. Transports: each timed send is open_sender → prepare → send_layer of every layer (read during the payload's
    prefill) → commit → wait until DONE, from this process to a receiver engine in a spawned process (grpc, torch)
    or in this one (local). GB/s = payload bytes ÷ seconds; best and median of --repeat after --warmup. Each
-   receiver checks the CRC of the KV it ends up holding.
+   receiver checks the CRC of the KV it ends up holding. CPU s/GB: CPU time (all threads) each end's process
+   spent per GB moved, medians: unlike GB/s it barely moves when other work shares the machine's cores, and it
+   says which end limits the transport.
 3. Overlap (grpc, torch): a 1-thread prefill engine times a fresh prompt's prefill alone (T_p), prefill then
    read + send (T_seq), and prefill with layers sent as they are computed (T_lw, as a prefill worker does).
    T_x = T_seq − T_p, overlap = (T_seq − T_lw) ÷ T_x: the fraction of the transfer hidden behind prefill. When
@@ -27,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.state import TRANSPORTS
+from kv_transfer.state import TRANSPORTS, TransferConfig
 from pdcluster.bench.report import emit, log, machine
-from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, kv_receiver, tcp_sink
-from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender
+from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, cpu_seconds, kv_receiver, tcp_sink
+from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender, Timing, cpu_since
 
 DEFAULT_OUT = "results/bench_transfer.json"
 TARGETS = {"grpc": 0.60, "torch": 0.80}  # fraction of raw TCP, from the KV transfer issue
@@ -44,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed sends per transport first")
     p.add_argument("--overlap-repeat", type=int, default=2, help="layer-wise overlap rounds per transport (0: skip)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated subset of grpc,torch,local")
+    p.add_argument("--grpc-streams", type=int, default=TransferConfig.grpc_streams, help="grpc: parallel Push streams")
+    p.add_argument("--chunk-bytes", type=int, default=TransferConfig.chunk_bytes, help="grpc: bytes per chunk")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -52,10 +56,16 @@ def _log(msg: str) -> None:
     log("transfer", msg)
 
 
-def _figures(seconds: list[float], nbytes: int) -> dict[str, Any]:
+def _figures(seconds: list[float], nbytes: int, timings: list[Timing] | None = None) -> dict[str, Any]:
     best, med = min(seconds), statistics.median(seconds)
-    return {"best_gb_s": nbytes / best / 1e9, "median_gb_s": nbytes / med / 1e9, "best_s": best, "median_s": med,
-            "runs_s": seconds}
+    row = {"best_gb_s": nbytes / best / 1e9, "median_gb_s": nbytes / med / 1e9, "best_s": best, "median_s": med,
+           "runs_s": seconds, "sender_cpu_s_per_gb": None, "receiver_cpu_s_per_gb": None}
+    if timings:
+        row["sender_cpu_s_per_gb"] = statistics.median(t.sender_cpu_s for t in timings) / (nbytes / 1e9)
+        if all(t.receiver_cpu_s is not None for t in timings):
+            row["receiver_cpu_s_per_gb"] = statistics.median(
+                t.receiver_cpu_s for t in timings if t.receiver_cpu_s is not None) / (nbytes / 1e9)
+    return row
 
 
 def memcpy_figures(nbytes: int, repeat: int) -> dict[str, Any]:
@@ -78,23 +88,23 @@ def tcp_figures(nbytes: int, warmup: int, repeat: int) -> dict[str, Any]:
     try:
         host, port = peer.address.rsplit(":", 1)
         data = np.full(nbytes, 7, dtype=np.uint8).data
-        runs = []
+        runs: list[Timing] = []
         with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as sock:
             for _ in range(warmup + repeat):
+                cpu0 = (cpu_seconds(), cpu_seconds(peer.pid))
                 t = time.perf_counter()
                 sock.sendall(data)
                 if sock.recv(1) != b"k":
                     raise BenchError("tcp sink closed before acking the payload")
-                runs.append(time.perf_counter() - t)
+                runs.append(Timing(time.perf_counter() - t, *cpu_since(cpu0, peer.pid)))
     finally:
         peer.close()
-    return _figures(runs[warmup:], nbytes)
+    return _figures([r.seconds for r in runs[warmup:]], nbytes, runs[warmup:])
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from engine import EngineConfig
     from engine.loader import load_model
-    from kv_transfer import TransferConfig
 
     t_start = time.perf_counter()
     # NOTE: a receiver that goes away makes gRPC log GOAWAY at info level on the channels this process keeps
@@ -126,10 +136,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         peer: LocalPeer | Peer = (LocalPeer(loaded, num_blocks, max_batched) if name == "local"
                      else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched))
         try:
-            tc = TransferConfig(transport=name, deadline_s=DEADLINE_S)
+            tc = TransferConfig(transport=name, deadline_s=DEADLINE_S, grpc_streams=args.grpc_streams,
+                                chunk_bytes=args.chunk_bytes)
             _log(f"{name}: {args.warmup} + {args.repeat} sends of the payload")
-            runs = [sender.send(tc, peer, payload) for _ in range(args.warmup + args.repeat)]
-            row = _figures(runs[args.warmup :], nbytes)
+            runs = [sender.send(tc, peer, payload) for _ in range(args.warmup + args.repeat)][args.warmup :]
+            row = _figures([r.seconds for r in runs], nbytes, runs)
             ref = REFERENCE_OF[name]
             row |= {"reference": ref, "ratio": row["best_gb_s"] / refs[ref]["best_gb_s"],
                     "target": TARGETS.get(name)}
@@ -147,7 +158,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                     "block_size": sender.engine.config.block_size, "prefill_s": payload_prefill_s},
         "workload": {"repeat": args.repeat, "warmup": args.warmup, "overlap_repeat": args.overlap_repeat,
-                     "prefill_threads": 1, "deadline_s": DEADLINE_S},
+                     "prefill_threads": 1, "deadline_s": DEADLINE_S, "grpc_streams": args.grpc_streams,
+                     "chunk_bytes": args.chunk_bytes},
         "references": refs, "transports": results, "overlap": overlap,
         "runtime_s": time.perf_counter() - t_start,
     }
@@ -158,9 +170,14 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [f"KV payload: {r['model']} ({r['model_id']}), {p['tokens']} tokens = {p['num_blocks']} blocks x "
              f"{p['num_layers']} layers, {r['dtype']}: {p['bytes'] / 1e6:.1f} MB; best/median of {w['repeat']} "
              f"after {w['warmup']} warm-up; {r['machine']['cores']} cores, torch {r['machine']['torch']}",
-             f"{'':8}{'best GB/s':>10}{'median GB/s':>13}{'ratio':>8}  {'of':<7}{'target':>8}  met"]
+             f"grpc: {w['grpc_streams']} streams, {w['chunk_bytes'] / 2**20:g} MiB chunks; CPU s/GB: CPU time of the "
+             "sending / receiving process per GB (local: both in one process)",
+             f"{'':8}{'best GB/s':>10}{'median GB/s':>13}{'CPU s/GB':>10}{'':>6}{'ratio':>8}  {'of':<7}{'target':>8}"
+             "  met"]
     for name, row in [*r["references"].items(), *r["transports"].items()]:
-        line = f"{name:8}{row['best_gb_s']:10.2f}{row['median_gb_s']:13.2f}"
+        cpu = "/".join(f"{row[k]:.2f}" if row.get(k) is not None else "-"
+                       for k in ("sender_cpu_s_per_gb", "receiver_cpu_s_per_gb"))
+        line = f"{name:8}{row['best_gb_s']:10.2f}{row['median_gb_s']:13.2f}{cpu:>16}"
         if "ratio" in row:
             line += f"{row['ratio']:8.2f}  {row['reference']:<7}"
             if row["target"] is not None:

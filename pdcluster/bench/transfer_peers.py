@@ -16,7 +16,6 @@ import socket
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,18 +38,33 @@ Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V of th
 
 
 def kv_crc(layers: Layers) -> int:
-    """CRC32 over K then V of every layer, in layer order (the same bytes on both ends of a transfer)."""
+    """CRC32C over K then V of every layer, in layer order (the same bytes on both ends of a transfer)."""
+    from kv_transfer import payload
+
     crc = 0
     for k, v in layers:
         for t in (k, v):
-            crc = zlib.crc32(t.contiguous().numpy().data.cast("B"), crc)
+            crc = payload.crc32c(t.contiguous(), crc)
     return crc
+
+
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU time (user + system, all threads) of process `pid` so far; this process's if None; None if unknown."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 class ReceiverPeer(Protocol):
     """What the sender needs of a KV receiver: where it listens, and a way to have a finished transfer freed."""
 
     address: str
+    pid: int | None  # the receiver's own process (None: this one)
 
     def ask(self, request_id: str, timeout: float = ...) -> Any: ...
 
@@ -141,6 +155,7 @@ class Peer:
                 else:
                     os.environ[k] = v
         child.close()
+        self.pid: int | None = self.proc.pid
         self.address: str = self._recv(start_timeout, "start")
 
     def ask(self, msg: object, timeout: float = 60.0) -> Any:
@@ -177,6 +192,7 @@ class LocalPeer:
     """The `local` transport's receiver: an engine and endpoint in this process, behind Peer's interface."""
 
     name = "local"
+    pid = None
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, max_batched: int) -> None:
         from engine import EngineConfig, LLMEngine

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdcluster.bench.transfer_peers import BenchError, Layers, ReceiverPeer, kv_crc
+from pdcluster.bench.transfer_peers import BenchError, Layers, ReceiverPeer, cpu_seconds, kv_crc
 
 if TYPE_CHECKING:
     from engine.loader import LoadedModel
@@ -39,6 +39,22 @@ class Payload:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for kv in self.layers for t in kv)
+
+
+@dataclass
+class Timing:
+    """One timed send: wall seconds, and CPU seconds of each end's process (receiver: None if not measurable)."""
+
+    seconds: float
+    sender_cpu_s: float
+    receiver_cpu_s: float | None  # NOTE: None for `local` (its receiver runs in the sender's process)
+
+
+def cpu_since(start: tuple[float | None, float | None], pid: int | None) -> tuple[float, float | None]:
+    """CPU seconds this process and process `pid` used since `start` (as `cpu_seconds` read them)."""
+    mine, theirs = cpu_seconds(), cpu_seconds(pid) if pid is not None else None
+    assert mine is not None and start[0] is not None
+    return mine - start[0], theirs - start[1] if theirs is not None and start[1] is not None else None
 
 
 class PrefillSender:
@@ -131,9 +147,10 @@ class PrefillSender:
             raise BenchError(f"{sender.transport} transfer of {sender.request_id}: the receiver's KV differs from "
                              f"the sender's (crc {answer[1]:#x} != {want_crc:#x})")
 
-    def send(self, tc: TransferConfig, peer: ReceiverPeer, payload: Payload) -> float:
+    def send(self, tc: TransferConfig, peer: ReceiverPeer, payload: Payload) -> Timing:
         """Seconds for open_sender → prepare → send_layer of every layer → commit → DONE of a prefilled payload."""
         rid = self.rid(tc.transport)
+        cpu0 = (cpu_seconds(), cpu_seconds(peer.pid) if peer.pid is not None else None)
         t0 = time.perf_counter()
         sender = self.open(tc, peer, rid, payload.prompt)
         self.prepare(sender)
@@ -141,9 +158,9 @@ class PrefillSender:
             sender.send_layer(layer, k, v)
         sender.commit(payload.first_token_ids)
         sender.wait(DEADLINE_S)
-        seconds = time.perf_counter() - t0
+        timing = Timing(time.perf_counter() - t0, *cpu_since(cpu0, peer.pid))
         self.finish(sender, peer, payload.crc)
-        return seconds
+        return timing
 
     def prefill_alone(self) -> float:
         prompt, rid = self.prompt(), self.rid("prefill")
