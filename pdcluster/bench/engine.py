@@ -4,11 +4,16 @@ Reports prefill and decode tok/s at several batch sizes with the ratio ours/tran
 bound of batch-1 decode (weight bytes ÷ read bandwidth measured in this run) with our fraction of it.
 Definitions (identical for both): prefill tok/s = B × prompt_len ÷ time to the first token of all B prompts;
 decode tok/s = B × (N − 1) ÷ (time for N tokens − time for the first). Best of --repeats runs, fresh prompts each.
+Then (unless --no-variants) the decode-bound options in the same run: decode tok/s at batch 1 and 8 for float32,
+int8 weights and int8 weights + int8 KV, with their quality against float32 (teacher-forced top-1 agreement over 32
+greedy tokens of varied prompts, perplexity on a fixed text); and n-gram speculation on a repetitive task (copying
+an edited text) against the same engine without it, with the acceptance rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Callable
@@ -30,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per sequence when decoding")
     p.add_argument("--repeats", type=int, default=2, help="runs per figure; the best is kept")
     p.add_argument("--no-reference", action="store_true", help="skip transformers (ours only)")
+    p.add_argument("--quantization", choices=["int8"], default=None, help="ours: int8 weight-only linear layers")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="ours: KV cache storage")
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help='ours: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--no-variants", action="store_true", help="skip the quantization and speculation comparison")
+    p.add_argument("--variant-batches", default="1,8", help="batch sizes of the variant comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -52,18 +63,18 @@ def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
 class _Ours:
     """Times our engine: prompts go in together, one continuous batch."""
 
-    def __init__(self, loaded: object, threads: int, budget: int) -> None:
+    def __init__(self, loaded: object, threads: int, budget: int, **options: Any) -> None:
         from engine import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(loaded, EngineConfig(num_threads=threads, max_num_batched_tokens=budget,  # type: ignore[arg-type]
-                                                     max_num_seqs=256, enable_prefix_caching=False))
+                                                     max_num_seqs=256, enable_prefix_caching=False, **options))
         self.n = 0
 
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    def run(self, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True) -> tuple[float, float]:
         """(seconds to the first token of every prompt, seconds to the last token)."""
         from engine import SamplingParams
 
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
         t0 = time.perf_counter()
         for p in prompts:
             self.n += 1
@@ -108,7 +119,9 @@ def measure(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model)
     cfg = loaded.config
     budget = max(2048, args.prefill_len, max(batches) * args.decode_prompt_len)
-    ours = _Ours(loaded, args.threads, budget)
+    options = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+               "speculative_config": args.speculative_config}
+    ours = _Ours(loaded, args.threads, budget, **options)
     ref = None if args.no_reference else _Reference(loaded)
     gen = torch.Generator().manual_seed(0)
 
@@ -147,13 +160,14 @@ def measure(args: argparse.Namespace) -> dict:
     bound = bw * 1e9 / weight_bytes
     ours_b1 = results["decode"].get("1", {}).get("ours_tok_s")
     return {
-        "model": cfg.name, "model_id": cfg.model_id, "dtype": "float32", "threads": args.threads,
+        "model": cfg.name, "model_id": cfg.model_id, "dtype": "float32", "threads": args.threads, "options": options,
         "machine": machine(),
         "workload": {"prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
                      "decode_tokens": args.decode_tokens, "repeats": args.repeats},
         **results,
         "bandwidth": {"read_gb_s": bw, "weight_bytes": weight_bytes, "decode_bound_tok_s_batch1": bound,
                       "ours_fraction_of_bound": (ours_b1 / bound) if ours_b1 else None},
+        **({} if args.no_variants else {"variants": measure_variants(args, loaded)}),
     }
 
 
@@ -169,6 +183,95 @@ def format_table(r: dict) -> str:
     lines.append(f"read bandwidth {bw['read_gb_s']:.1f} GB/s, weights {bw['weight_bytes'] / 1e6:.0f} MB -> batch-1 "
                  f"decode bound {bw['decode_bound_tok_s_batch1']:.1f} tok/s"
                  + (f"; ours {frac:.0%} of it" if frac else ""))
+    if "variants" in r:
+        lines.append(format_variants(r["variants"]))
+    return "\n".join(lines)
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {}, "int8 weights": {"quantization": "int8"},
+    "int8 weights + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"}}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+QUALITY_PROMPTS = ["What is the capital of Japan?", "Write a short poem about the ocean.",
+                   "Explain in two sentences why the sky is blue.", "def merge_sort(items):",
+                   "Give three tips for learning a new language.", "Translate to French: I like green apples."]
+QUALITY_TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. It spans nine countries and "
+                "holds the largest variety of plant and animal species on Earth. Scientists warn that deforestation "
+                "threatens this ecosystem and the climate of the whole planet.")
+EDIT_TEXT = ("The old lighthouse stood on the rocky cape for more than a century. Every evening the keeper climbed the "
+             "narrow stairs, trimmed the wick and lit the great lamp, whose beam swept across the dark water to warn "
+             "passing ships of the reef below. In winter, storms battered the tower and the keeper kept watch through "
+             "the night, writing the weather, the ships he saw and the hours of the light in a worn leather logbook.")
+
+
+def _decode_tok_s(eng: _Ours, prompts: list[list[int]], n: int) -> float:
+    first, total = eng.run(prompts, n)
+    return len(prompts) * (n - 1) / (total - first)
+
+
+def measure_variants(args: argparse.Namespace, loaded: Any) -> dict:
+    """Decode tok/s and quality of the quantization options, and n-gram speculation on a repetitive task."""
+    from engine.quality import greedy_outputs, perplexity, top1_agreement
+
+    batches = [int(b) for b in args.variant_batches.split(",")]
+    tok, cfg = loaded.tokenizer, loaded.config
+    gen = torch.Generator().manual_seed(1)
+    budget = max(2048, max(batches) * args.decode_prompt_len)
+    chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}])) for m in QUALITY_PROMPTS]
+    text = tok.encode(QUALITY_TEXT)
+    refs: list[list[int]] = []
+    rows: dict[str, dict[str, Any]] = {}
+    for name, options in VARIANTS.items():
+        _log(f"variant {name}")
+        eng = _Ours(loaded, args.threads, budget, **options)
+        eng.run(torch.randint(100, cfg.vocab_size, (2, 32), generator=gen).tolist(), 4)  # warm-up
+        row: dict[str, Any] = {"options": options, "kv_bytes_per_block_layer": eng.engine.kv_layout.layer_nbytes(1)}
+        for b in batches:
+            row[f"decode_tok_s_b{b}"] = max(_decode_tok_s(eng, torch.randint(
+                100, cfg.vocab_size, (b, args.decode_prompt_len), generator=gen).tolist(), args.decode_tokens)
+                for _ in range(args.repeats))
+        refs = refs or greedy_outputs(eng.engine, chat, 32)
+        row["top1_agreement"] = top1_agreement(eng.engine, chat, refs)
+        row["perplexity"] = perplexity(eng.engine, text)
+        rows[name] = row
+    edit = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Copy the following text, changing "
+                                                "'keeper' to 'guardian' and nothing else:\n\n" + EDIT_TEXT}]))
+    spec: dict[str, dict[str, Any]] = {}
+    n = max(args.decode_tokens, 64)
+    for b in batches:
+        _log(f"speculation: batch {b}, {n} tokens of an edited copy")
+        row = {}
+        for name, sc in (("plain", None), ("ngram", SPEC)):
+            eng = _Ours(loaded, args.threads, budget, speculative_config=sc)
+            eng.run([edit[:32]], 4)  # warm-up
+            row[f"{name}_tok_s"] = max(_decode_tok_s(eng, [edit] * b, n) for _ in range(args.repeats))
+            st = eng.engine.stats()
+            if sc:
+                row["acceptance_rate"] = st.spec_accepted_tokens / max(st.spec_draft_tokens, 1)
+        row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
+        spec[str(b)] = row
+    return {"batches": batches, "quantization": rows, "speculation": {"config": SPEC, "decode_tokens": n,
+                                                                       "prompt_tokens": len(edit), **spec}}
+
+
+def format_variants(v: dict) -> str:
+    bs = v["batches"]
+    lines = ["", f"{'decode tok/s':26}" + "".join(f"{'batch ' + str(b):>10}{'vs fp32':>9}" for b in bs)
+             + f"{'top-1 agree':>13}{'ppl':>8}{'KV B/block/layer':>18}"]
+    base = v["quantization"]["fp32"]
+    for name, row in v["quantization"].items():
+        tps = [(row[f"decode_tok_s_b{b}"], base[f"decode_tok_s_b{b}"]) for b in bs]
+        cells = "".join(f"{t:10.1f}{t / t0:8.2f}x" for t, t0 in tps)
+        lines.append(f"{name:26}{cells}{row['top1_agreement']:12.1%}{row['perplexity']:9.2f}"
+                     f"{row['kv_bytes_per_block_layer']:18d}")
+    s = v["speculation"]
+    lines += ["", f"n-gram speculation {s['config']}, copy-with-edits task ({s['prompt_tokens']} prompt tokens, "
+                  f"{s['decode_tokens']} generated)",
+              f"{'batch':>6}{'plain tok/s':>13}{'ngram tok/s':>13}{'speedup':>9}{'acceptance':>12}"]
+    for b in bs:
+        r = s[str(b)]
+        lines.append(f"{b:>6}{r['plain_tok_s']:13.1f}{r['ngram_tok_s']:13.1f}{r['speedup']:8.2f}x"
+                     f"{r['acceptance_rate']:12.1%}")
     return "\n".join(lines)
 
 
