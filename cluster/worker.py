@@ -273,6 +273,10 @@ class WorkerActor:
         if spec.cpus:
             pin_cpus(spec.cpus)
 
+    async def ping(self) -> int:
+        """The worker's epoch, from the actor's event loop: it answers at once while the actor is up."""
+        return self.worker.epoch
+
     async def info(self) -> WorkerInfo:
         return self.worker.info()
 

@@ -41,6 +41,11 @@ LOAD_REFRESH_S = 0.25
 # NOTE: a worker is live while its last heartbeat (every 0.5 s) is younger than the heartbeat key's TTL. Not less:
 # a worker beats between engine steps, and one long step on a loaded machine must not make it look dead.
 HEALTH_STALE_S = HEARTBEAT_TTL_S
+# NOTE: ... and it must answer a ping: a killed actor's heartbeat stays fresh for up to the TTL, and Ray may restart
+# it within that time; while it is dead or restarting, a call to it fails at once or waits, so a ping that is not back
+# within PING_TIMEOUT_S marks it down at once (an actor's event loop answers in milliseconds while it is up).
+PING_EVERY_S = 1.0
+PING_TIMEOUT_S = 1.0
 PREFILL_CAPABLE = frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED})  # NOTE: a decode worker prefills when
 DECODE_CAPABLE = frozenset({Role.DECODE, Role.COLOCATED})  # no prefill worker is left (router/flow.py, stage 1)
 
@@ -62,6 +67,8 @@ class Router:
         self.redis_failures = 0
         self._refresher: asyncio.Task[None] | None = None
         self._live: set[str] | None = None  # workers with a fresh heartbeat; None: not known yet (or no Redis)
+        self._answering: set[str] | None = None  # workers whose actor answered the last ping; None: none yet
+        self._pinger: asyncio.Task[None] | None = None
         self.health_listeners: list[Callable[[bool], None]] = []  # called when `healthy()` changes
 
     @property
@@ -191,6 +198,8 @@ class Router:
     def _ensure_refresher(self) -> None:
         if self.index is not None and (self._refresher is None or self._refresher.done()):
             self._refresher = asyncio.create_task(self._refresh_loads())
+        if self.index is not None and (self._pinger is None or self._pinger.done()):
+            self._pinger = asyncio.create_task(self._ping_loop())
 
     async def _refresh_loads(self) -> None:
         """Keep the heartbeat loads (written by every worker, read by every router) a quarter second fresh."""
@@ -198,11 +207,30 @@ class Router:
             try:
                 live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}  # type: ignore[union-attr]
                 self.pools.refresh(live, self.metrics)
-                now = time.time()
-                self._set_live({n for n, s in live.items() if now - s.updated < HEALTH_STALE_S})
+                now, answering = time.time(), self._answering
+                self._set_live({n for n, s in live.items()
+                                if now - s.updated < HEALTH_STALE_S and (answering is None or n in answering)})
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)
             await asyncio.sleep(LOAD_REFRESH_S)
+
+    async def _ping_loop(self) -> None:
+        """Every PING_EVERY_S, which workers' actors answer (on its own task: a slow ping never delays loads)."""
+        while True:
+            self._answering = await self._ping_all()
+            await asyncio.sleep(PING_EVERY_S)
+
+    async def _ping_all(self) -> set[str]:
+        """The workers whose actor answers within PING_TIMEOUT_S (all pinged at once)."""
+        async def answers(worker: WorkerHandle) -> bool:
+            try:
+                await asyncio.wait_for(worker.actor.ping.remote(), PING_TIMEOUT_S)
+                return True
+            except Exception:  # noqa: BLE001 - dead, restarting or too slow: not live now
+                return False
+        workers = list(self.pools.by_name.values())
+        results = await asyncio.gather(*(answers(w) for w in workers))
+        return {w.name for w, ok in zip(workers, results) if ok}
 
     # ---- health ----------------------------------------------------------------------------------------------
     def start_health(self) -> None:
@@ -254,6 +282,7 @@ class Router:
         return out
 
     async def close(self) -> None:
-        """Stop the load refresher."""
-        if self._refresher is not None:
-            self._refresher.cancel()
+        """Stop the load refresher and the pinger."""
+        for task in (self._refresher, self._pinger):
+            if task is not None:
+                task.cancel()
