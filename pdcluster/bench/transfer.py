@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated subset of grpc,torch,local")
     p.add_argument("--grpc-streams", type=int, default=TransferConfig.grpc_streams, help="grpc: parallel Push streams")
     p.add_argument("--chunk-bytes", type=int, default=TransferConfig.chunk_bytes, help="grpc: bytes per chunk")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="both ends' KV cache: the model's dtype, or int8 blocks with per-block-per-head scales")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -121,7 +123,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cfg = loaded.config
     n_blocks = -(-args.tokens // EngineConfig().block_size)
     num_blocks, max_batched = 2 * n_blocks + 8, max(2048, args.tokens)
-    sender = PrefillSender(loaded, args.tokens, num_blocks)
+    sender = PrefillSender(loaded, args.tokens, num_blocks, args.kv_cache_dtype)
     _log(f"prefill of the {args.tokens}-token payload prompt")
     t0 = time.perf_counter()
     payload = sender.payload()
@@ -133,8 +135,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     overlap: dict[str, dict[str, Any]] = {}
     for name in transports:
         _log(f"{name}: starting the receiver")
-        peer: LocalPeer | Peer = (LocalPeer(loaded, num_blocks, max_batched) if name == "local"
-                     else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched))
+        peer: LocalPeer | Peer = (LocalPeer(loaded, num_blocks, max_batched, args.kv_cache_dtype) if name == "local"
+                     else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched, args.kv_cache_dtype))
         try:
             tc = TransferConfig(transport=name, deadline_s=DEADLINE_S, grpc_streams=args.grpc_streams,
                                 chunk_bytes=args.chunk_bytes)

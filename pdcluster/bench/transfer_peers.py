@@ -63,8 +63,11 @@ def cpu_seconds(pid: int | None = None) -> float | None:
 class ReceiverPeer(Protocol):
     """What the sender needs of a KV receiver: where it listens, and a way to have a finished transfer freed."""
 
-    address: str
-    pid: int | None  # the receiver's own process (None: this one)
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...  # the receiver's own process (None: this one)
 
     def ask(self, request_id: str, timeout: float = ...) -> Any: ...
 
@@ -89,16 +92,23 @@ def free_transfer(endpoint: ReceiverEndpoint, request_id: str, timeout: float = 
     return ("done", crc, free)
 
 
-def kv_receiver(conn: Connection, transport: Transport, model: str, num_blocks: int, max_batched: int) -> None:
+def bench_engine_config(num_blocks: int, max_batched: int, kv_cache_dtype: str = "auto") -> Any:
+    """The engine settings of both ends of the bench: 1 thread, no prefix cache (every send moves every block)."""
+    from engine import EngineConfig
+
+    return EngineConfig(num_blocks=num_blocks, num_threads=1, max_num_seqs=4, max_num_batched_tokens=max_batched,
+                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+
+
+def kv_receiver(conn: Connection, transport: Transport, model: str, num_blocks: int, max_batched: int,
+                kv_cache_dtype: str = "auto") -> None:
     """Process body: a decode-side engine with a ReceiverEndpoint of `transport`; frees each request it is sent."""
-    from engine import EngineConfig, LLMEngine
+    from engine import LLMEngine
     from engine.loader import load_model
     from kv_transfer import ReceiverEndpoint, TransferConfig
 
     torch.set_num_threads(1)
-    engine = LLMEngine(load_model(model), EngineConfig(num_blocks=num_blocks, num_threads=1, max_num_seqs=4,
-                                                       max_num_batched_tokens=max_batched,
-                                                       enable_prefix_caching=False))
+    engine = LLMEngine(load_model(model), bench_engine_config(num_blocks, max_batched, kv_cache_dtype))
     endpoint = ReceiverEndpoint(engine, TransferConfig(transport=transport), local_name=f"bench-{os.getpid()}")
     conn.send(endpoint.address)
     try:
@@ -194,12 +204,11 @@ class LocalPeer:
     name = "local"
     pid = None
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, max_batched: int) -> None:
-        from engine import EngineConfig, LLMEngine
+    def __init__(self, loaded: LoadedModel, num_blocks: int, max_batched: int, kv_cache_dtype: str = "auto") -> None:
+        from engine import LLMEngine
         from kv_transfer import ReceiverEndpoint, TransferConfig
 
-        engine = LLMEngine(loaded, EngineConfig(num_blocks=num_blocks, num_threads=1, max_num_seqs=4,
-                                                max_num_batched_tokens=max_batched, enable_prefix_caching=False))
+        engine = LLMEngine(loaded, bench_engine_config(num_blocks, max_batched, kv_cache_dtype))
         self.endpoint = ReceiverEndpoint(engine, TransferConfig(transport="local"), local_name="bench-local")
         self.address = self.endpoint.address
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdcluster.bench.transfer_peers import BenchError, Layers, ReceiverPeer, cpu_seconds, kv_crc
+from pdcluster.bench.transfer_peers import BenchError, Layers, ReceiverPeer, bench_engine_config, cpu_seconds, kv_crc
 
 if TYPE_CHECKING:
     from engine.loader import LoadedModel
@@ -60,12 +60,10 @@ def cpu_since(start: tuple[float | None, float | None], pid: int | None) -> tupl
 class PrefillSender:
     """The prefill side: a 1-thread prefill engine, fresh random prompts, and timed sends to one peer."""
 
-    def __init__(self, loaded: LoadedModel, tokens: int, num_blocks: int) -> None:
-        from engine import EngineConfig, LLMEngine
+    def __init__(self, loaded: LoadedModel, tokens: int, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
+        from engine import LLMEngine
 
-        self.engine = LLMEngine(loaded, EngineConfig(num_blocks=num_blocks, num_threads=1, max_num_seqs=4,
-                                                     max_num_batched_tokens=max(2048, tokens),
-                                                     enable_prefix_caching=False))
+        self.engine = LLMEngine(loaded, bench_engine_config(num_blocks, max(2048, tokens), kv_cache_dtype))
         self.tokens = tokens
         self.sender_id = f"bench-{os.getpid()}"
         self._gen = torch.Generator().manual_seed(0)
