@@ -8,7 +8,7 @@ re-times the others' ends. Workers with a core to themselves (or GPUs) never com
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 # NOTE: any hashable key stands for a worker (the simulator passes its Worker objects), so this module needs no
 # import of sim_worker, which holds SharedCore itself
@@ -57,7 +57,7 @@ class SharedCore(Generic[Worker]):
         return self.version.get(w) == version
 
 
-def core_groups(affinities: dict[str, tuple[int, ...]]) -> dict[str, SharedCore]:
+def core_groups(affinities: dict[str, tuple[int, ...]]) -> dict[str, SharedCore[Any]]:
     """Worker name → its SharedCore, for workers whose cores another worker is pinned to as well."""
     by_cores: dict[tuple[int, ...], list[str]] = {}
     for name, cores in affinities.items():
@@ -66,6 +66,6 @@ def core_groups(affinities: dict[str, tuple[int, ...]]) -> dict[str, SharedCore]
     out = {}
     for cores, names in by_cores.items():
         if len(names) > 1:
-            core = SharedCore(",".join(map(str, cores)))
+            core: SharedCore[Any] = SharedCore(",".join(map(str, cores)))
             out.update({n: core for n in names})
     return out

@@ -87,7 +87,7 @@ class ClusterShape:
             if p.max_num_seqs > p.max_num_batched_tokens:
                 raise ValueError(f"{role}: the simulator needs max_num_seqs <= max_num_batched_tokens")
             affinity = tuple(tuple(c) for c in (getattr(p, "cpu_affinity", None) or ()))
-            pools[role] = PoolShape(p.replicas, blocks, p.block_size, p.max_num_seqs, p.max_num_batched_tokens,
+            pools[str(role)] = PoolShape(p.replicas, blocks, p.block_size, p.max_num_seqs, p.max_num_batched_tokens,
                                     getattr(p, "prefill_order", "fcfs"), affinity)
         skip = cfg.router.skip_prefill_max_uncached_tokens if cfg.mode == "disaggregated" else 0
         return cls(cfg.mode, cfg.router.routing, skip, pools)
