@@ -47,6 +47,8 @@ class WorkerLoad:
     prompt_tokens: int = 0  # prompt tokens seen since start
     cached_prompt_tokens: int = 0  # of those, served from the prefix cache
     rss_bytes: int = 0  # resident memory of the worker's process
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
+    spec_accepted_tokens: int = 0  # of those, accepted
 
     def as_fields(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}

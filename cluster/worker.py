@@ -75,8 +75,10 @@ def rss_bytes() -> int:
         return 0
 
 
-def node_ip() -> str:
-    """This node's IP as Ray sees it."""
+def node_address(host: str) -> str:
+    """`host`, or for 'auto' this node's IP as Ray sees it (each worker advertises its own node)."""
+    if host != "auto":
+        return host
     import ray.util
 
     return str(ray.util.get_node_ip_address())
@@ -120,7 +122,7 @@ class Worker:
         self._closed = threading.Event()
         self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load)
         if spec.metrics_port is not None:
-            host = node_ip() if spec.metrics_host == "auto" else spec.metrics_host
+            host = node_address(spec.metrics_host)
             port = self.metrics.serve(host, spec.metrics_port)
             log.info("%s: metrics on http://%s:%d/metrics", spec.name, host, port)
         self.index = None
@@ -153,7 +155,8 @@ class Worker:
         return WorkerLoad(running=s.num_running, waiting=s.num_waiting, reserved=s.num_reserved,
                           num_blocks=s.num_blocks, free_blocks=s.num_free_blocks, cached_blocks=s.num_cached_blocks,
                           pending_prefill_tokens=pending, prompt_tokens=s.prompt_tokens,
-                          cached_prompt_tokens=s.cached_prompt_tokens, rss_bytes=rss_bytes())
+                          cached_prompt_tokens=s.cached_prompt_tokens, rss_bytes=rss_bytes(),
+                          spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens)
 
     # ---- request timing and hit counting (called under the loop lock) --------------------------------------
     def _track(self, seq: Sequence, arrived: float) -> None:

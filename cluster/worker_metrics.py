@@ -67,7 +67,6 @@ class WorkerMetrics:
 
     def __init__(self, model_name: str, load: Callable[[], WorkerLoad]) -> None:
         self.registry = r = CollectorRegistry()
-        self.model_name = model_name
         r.register(_LoadCollector(model_name, load))
         m = ("model_name",)
         self.generation = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r).labels(model_name)

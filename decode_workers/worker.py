@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
-from cluster.worker import Worker, WorkerSpec
+from cluster.worker import Worker, WorkerSpec, node_address
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import ReceiverEndpoint
@@ -129,15 +129,6 @@ class DecodeWorker(Worker):
         if self.kv_endpoint is not None:
             self.kv_endpoint.close()
         super().close()
-
-
-def node_address(host: str) -> str:
-    """`host`, or for 'auto' this node's IP as Ray sees it (each decode worker advertises its own node)."""
-    if host != "auto":
-        return host
-    import ray.util
-
-    return str(ray.util.get_node_ip_address())
 
 
 def _merge(outs: list[RequestOutput]) -> Delta:

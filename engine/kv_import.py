@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -87,7 +87,7 @@ class KVImporter:
 
     def check_layout(self, layout: KVLayout, request_id: str | None) -> None:
         """Every field of the sender's layout must equal this engine's, before anything is reserved."""
-        for name in ("scope", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim"):
+        for name in (f.name for f in fields(KVLayout)):
             theirs, ours = getattr(layout, name), getattr(self.layout, name)
             if theirs != ours:
                 raise InvalidRequestError(name, f"sender has {theirs!r}, this engine {ours!r}", request_id)

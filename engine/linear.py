@@ -77,8 +77,6 @@ class Int8Linear:
         return y if self.bias is None else y + self.bias
 
 
-Linear = PackedLinear | Int8Linear
-
 
 def make_linear(quantization: str | None) -> type[PackedLinear] | type[Int8Linear]:
     """The linear layer class for an engine's `quantization` setting (None: the packed float kernel)."""

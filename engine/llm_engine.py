@@ -180,7 +180,8 @@ class LLMEngine:
         results: list[RequestOutput] = []
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled):
             drafted = len(seq.spec_token_ids)
-            seq.spec_token_ids = []
+            if drafted:  # NOTE: no new list per sequence per step when nothing was drafted (speculation off)
+                seq.spec_token_ids = []
             seq.num_computed_tokens += n - drafted
             self.block_manager.register_full_blocks(seq)
             if not tokens:

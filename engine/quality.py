@@ -36,7 +36,7 @@ def sequence_logits(engine: LLMEngine, token_ids: Seq[int]) -> torch.Tensor:  # 
                                   runner.kv_caches, meta)
             out.append(runner.model.logits(hidden).float())
     finally:
-        engine.block_manager.pool.release(seq.block_table)  # never registered: nothing stays cached
+        engine.block_manager.free(seq)  # never registered: nothing stays cached
     return torch.cat(out)
 
 

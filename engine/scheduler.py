@@ -110,7 +110,8 @@ class Scheduler:
         if self._budget <= 0 or seq.status is not SequenceStatus.RUNNING:
             return  # out of budget, or preempted earlier in this step
         n = min(seq.num_pending_tokens + len(seq.spec_token_ids), self._budget)
-        del seq.spec_token_ids[max(0, n - seq.num_pending_tokens):]
+        if seq.spec_token_ids:
+            del seq.spec_token_ids[max(0, n - seq.num_pending_tokens):]
         while not self.bm.allocate(seq, n):
             if seq.spec_token_ids:
                 seq.spec_token_ids.clear()

@@ -22,8 +22,8 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 def crc32c(data: torch.Tensor | Buffer, value: int = 0) -> int:
     """CRC32C of a tensor's (or buffer's) bytes, continuing from `value`.
 
-    NOTE: hardware CRC32C (SSE4.2 / ARMv8) runs at memory speed, ~5-10x zlib's CRC32, and releases the GIL on
-    large buffers, so checking one chunk overlaps with moving the next on another thread.
+    NOTE: hardware CRC32C (SSE4.2 / ARMv8) releases the GIL on large buffers, so checking one chunk overlaps with
+    moving the next on another thread (`bench transfer`'s `local` path went from 1.6 to 3.65 GB/s with it).
     """
     return int(_crc32c.crc32c(as_bytes(data) if isinstance(data, torch.Tensor) else data, value))
 

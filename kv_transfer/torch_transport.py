@@ -219,7 +219,8 @@ class TorchKVSender(KVSender):
                 out = (k.to(self._device), v.to(self._device))
                 works = [group.send([x], RECEIVER, tag) for x in out]
                 # NOTE: K and V are on the wire while their checksums are computed; the header follows them
-                crcs = [payload.seal(self.transfer_id, layer.index, i, 0, x).crc32c for i, x in enumerate((k, v))]
+                crcs = [payload.checksum(self.transfer_id, layer.index, i, 0, k.shape[0], x)
+                        for i, x in enumerate((k, v))]
                 header = torch.tensor([layer.index, 0, k.shape[0], *crcs], dtype=torch.int64).to(self._device)
                 works.append(group.send([header], RECEIVER, tag))
                 in_flight.append((works, (k, v, *out, header)))

@@ -349,6 +349,11 @@ class ClusterConfig(BaseModel):
                                                            "must be 'cuda' (or use torch_backend 'gloo')")
         return self
 
+    @property
+    def served_model_name(self) -> str:
+        """The model id clients pass (OpenAI `model`, metrics' `model_name`): `http.served_model_name` or `model`."""
+        return self.http.served_model_name or self.model
+
     def pools(self) -> dict[Role, PoolConfig]:
         """The pools this mode runs, by role: prefill and decode, or colocated."""
         if self.mode == "colocated":

@@ -124,7 +124,7 @@ class Cluster:
         spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
-                          cpus=pool.cpus(index), served_model_name=cfg.http.served_model_name or cfg.model,
+                          cpus=pool.cpus(index), served_model_name=cfg.served_model_name,
                           metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
                           metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
                           if cfg.metrics.workers else None)

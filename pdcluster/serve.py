@@ -36,12 +36,7 @@ def make_router(cluster: Cluster) -> Router:
     tracing.configure(cfg.tracing.settings(), "router")
     return Router(cluster.handles(), cluster.index(),
                   cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport),
-                  RouterMetrics(model_name=served_model_name(cfg)))
-
-
-def served_model_name(cfg: ClusterConfig) -> str:
-    """The model id clients pass and metrics are labelled with."""
-    return cfg.http.served_model_name or cfg.model
+                  RouterMetrics(model_name=cfg.served_model_name))
 
 
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:
@@ -83,7 +78,7 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
             from router.openai_api import start_http
 
             runner, http_port = await start_http(router, host=cfg.http.host, port=cfg.http.port, api_keys=keys,
-                                                 model_name=served_model_name(cfg), ssl_context=tls)
+                                                 model_name=cfg.served_model_name, ssl_context=tls)
             runners.append(runner)
             endpoints["http"] = f"{cfg.http.host}:{http_port}"
         if cfg.metrics.enabled:

@@ -149,14 +149,14 @@ class PrefillRun:
 
     def result(self, first: FirstToken) -> PrefillResult:
         out, sender = first.output, self.sender
-        transfer_ms = (sender.finished_at - first.at) * 1e3 if not out.finished else 0.0
-        self._observe(first, max(0.0, transfer_ms))
+        transfer_ms = max(0.0, (sender.finished_at - first.at) * 1e3) if not out.finished else 0.0
+        self._observe(first, transfer_ms)
         log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
                   "%.1f ms after the first token", len(self.tokens), out.num_cached_tokens, first.prefill_ms,
                   first.queue_ms, sender.num_blocks, sender.bytes_sent, self.req.decode_address, transfer_ms)
         return PrefillResult(self.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                              out.text, len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms,
-                             max(0.0, transfer_ms), sender.num_blocks if not out.finished else 0, sender.bytes_sent)
+                             transfer_ms, sender.num_blocks if not out.finished else 0, sender.bytes_sent)
 
 
     def _observe(self, first: FirstToken, transfer_ms: float) -> None:

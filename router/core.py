@@ -24,10 +24,9 @@ from typing import Any
 
 from cluster import tracing
 from cluster.logs import REQUEST_ID
-from cluster.messages import Role, WorkerLoad
+from cluster.messages import WorkerLoad
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
-from engine.tokenizer import Tokenizer
 from router.errors import Overloaded
 from router.flow import RequestRun
 from router.metrics import RouterMetrics
@@ -46,8 +45,6 @@ HEALTH_STALE_S = HEARTBEAT_TTL_S
 # within PING_TIMEOUT_S marks it down at once (an actor's event loop answers in milliseconds while it is up).
 PING_EVERY_S = 1.0
 PING_TIMEOUT_S = 1.0
-PREFILL_CAPABLE = frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED})  # NOTE: a decode worker prefills when
-DECODE_CAPABLE = frozenset({Role.DECODE, Role.COLOCATED})  # no prefill worker is left (router/flow.py, stage 1)
 
 
 class Router:
@@ -55,13 +52,10 @@ class Router:
 
     def __init__(self, workers: Sequence[WorkerHandle], index: Any | None, settings: RouterSettings,
                  metrics: RouterMetrics | None = None) -> None:
-        if not workers:
-            raise ValueError("a router needs workers")
         self.settings = settings
         self.pools = WorkerPools(workers, settings.policy(workers[0].info.block_size))
         self.info = self.pools.info
         self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
-        self.tokenizer = Tokenizer.from_json(self.info.tokenizer_json)
         self.metrics = metrics or RouterMetrics(model_name=settings.model)
         self.inflight = 0
         self.redis_failures = 0
@@ -110,8 +104,9 @@ class Router:
         last_at, first_at, gaps = arrived, 0.0, []
         span = tracing.start("pdcluster.request", traceparent, **{"pdcluster.request_id": req.request_id,
                                                                    "pdcluster.prompt_tokens": len(req.token_ids)})
+        parent = tracing.traceparent_of(span)
         try:
-            queued = tracing.start("queue", tracing.traceparent_of(span))
+            queued = tracing.start("queue", parent)
             try:
                 matched = await self._lookup(req.token_ids)
                 route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
@@ -125,7 +120,7 @@ class Router:
                                      req.request_id)
             run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
                              prefill_timeout_s=self.settings.prefill_timeout_s,
-                             traceparent=tracing.traceparent_of(span)).chunks()
+                             traceparent=parent).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()
@@ -241,8 +236,9 @@ class Router:
         """Whether a live worker can prefill and a live one can decode (unknown or without Redis: True)."""
         if self._live is None:
             return True
-        roles = {w.role for name, w in self.pools.by_name.items() if name in self._live}
-        return bool(roles & PREFILL_CAPABLE) and bool(roles & DECODE_CAPABLE)
+        # NOTE: every role can prefill (a decode worker prefills when no prefill worker is left: router/flow.py,
+        # stage 1), so a live worker that decodes is enough
+        return any(w.role.decodes for name, w in self.pools.by_name.items() if name in self._live)
 
     def _set_live(self, live: set[str]) -> None:
         was = self.healthy()

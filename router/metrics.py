@@ -77,6 +77,7 @@ class RouterMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self._loads: dict[str, WorkerLoad] = {}  # live workers' last heartbeat loads, for the cluster view
+        self._totals = [0, 0, 0, 0]  # over _loads: running, waiting (+ reserved), used blocks, blocks
         r = self.registry
         self.requests = Counter("pdcluster_requests_total", "Finished requests by API and gRPC status.",
                                 ("api", "status"), registry=r)
@@ -142,9 +143,15 @@ class RouterMetrics:
         self.v_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", _MODEL, registry=r)
         self.v_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                  ("model_name", "finished_reason"), registry=r)
-        for metric in (self.v_running, self.v_waiting, self.v_kv, self.v_ttft, self.v_itl, self.v_e2e, self.v_queue,
-                       self.v_prefill, self.v_decode, self.v_prompt, self.v_generation, self.v_queries, self.v_hits):
-            metric.labels(model_name=self.model_name)  # NOTE: every series exists from the start, at 0
+        # NOTE: one model per router: each series is bound once (it exists from the start, at 0), so the per-token
+        # observations below do no label lookup
+        m = self.model_name
+        self.v_running, self.v_waiting, self.v_kv = (g.labels(m) for g in (self.v_running, self.v_waiting, self.v_kv))
+        self.v_ttft, self.v_itl, self.v_e2e = (h.labels(m) for h in (self.v_ttft, self.v_itl, self.v_e2e))
+        self.v_queue, self.v_prefill, self.v_decode = (
+            h.labels(m) for h in (self.v_queue, self.v_prefill, self.v_decode))
+        self.v_prompt, self.v_generation, self.v_queries, self.v_hits = (
+            c.labels(m) for c in (self.v_prompt, self.v_generation, self.v_queries, self.v_hits))
 
     def request_done(self, api: str, status: str) -> None:
         """Count one finished request by its API ("grpc" | "http") and gRPC status name ("OK", ...)."""
@@ -153,26 +160,26 @@ class RouterMetrics:
     def observe_latency(self, ttft_s: float | None, itl_s: Sequence[float], e2e_s: float,
                         request_id: str = "") -> None:
         """Record one request's latencies; `ttft_s` is None when no token came out."""
-        ex, m = exemplar(request_id), {"model_name": self.model_name}
+        ex = exemplar(request_id)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, ex)
-            self.v_ttft.labels(**m).observe(ttft_s, ex)
+            self.v_ttft.observe(ttft_s, ex)
         for gap in itl_s:
             self.itl.observe(gap)
-            self.v_itl.labels(**m).observe(gap)
+            self.v_itl.observe(gap)
         self.e2e.observe(e2e_s, ex)
-        self.v_e2e.labels(**m).observe(e2e_s, ex)
+        self.v_e2e.observe(e2e_s, ex)
 
     def observe_phases(self, queue_s: float, prefill_s: float, transfer_s: float | None, decode_s: float,
                        request_id: str = "") -> None:
         """Record where one finished request spent its time (`transfer_s` None when no KV moved)."""
-        ex, m = exemplar(request_id), {"model_name": self.model_name}
+        ex = exemplar(request_id)
         for phase, seconds in zip(PHASES, (queue_s, prefill_s, transfer_s, decode_s), strict=True):
             if seconds is not None:
                 self.phase.labels(phase=phase).observe(seconds, ex)
-        self.v_queue.labels(**m).observe(queue_s, ex)
-        self.v_prefill.labels(**m).observe(prefill_s, ex)
-        self.v_decode.labels(**m).observe(decode_s, ex)
+        self.v_queue.observe(queue_s, ex)
+        self.v_prefill.observe(prefill_s, ex)
+        self.v_decode.observe(decode_s, ex)
 
     def finished(self, reason: str) -> None:
         """Count one request that finished with `reason` ("stop" | "length")."""
@@ -189,11 +196,10 @@ class RouterMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.cache_hit_tokens.inc(cached_prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
-        m = {"model_name": self.model_name}
-        self.v_prompt.labels(**m).inc(prompt_tokens)
-        self.v_generation.labels(**m).inc(completion_tokens)
-        self.v_queries.labels(**m).inc(prompt_tokens)
-        self.v_hits.labels(**m).inc(cached_prompt_tokens)
+        self.v_prompt.inc(prompt_tokens)
+        self.v_generation.inc(completion_tokens)
+        self.v_queries.inc(prompt_tokens)
+        self.v_hits.inc(cached_prompt_tokens)
         self.kv_bytes.labels(transport=transport).inc(kv_bytes)
         if kv_seconds is not None:
             self.kv_seconds.labels(transport=transport).observe(kv_seconds)
@@ -230,15 +236,20 @@ class RouterMetrics:
             self.blocks_free.labels(**labels).set(load.free_blocks)
             self.blocks_cached.labels(**labels).set(load.cached_blocks)
         self.worker_up.labels(**labels).set(1 if alive else 0)
+        # NOTE: cluster totals by difference (the router refreshes every worker 4 times a second)
+        self._add_to_totals(self._loads.pop(worker, None), -1)
         if alive and load is not None:
             self._loads[worker] = load
-        else:
-            self._loads.pop(worker, None)
-        loads, m = list(self._loads.values()), {"model_name": self.model_name}
-        self.v_running.labels(**m).set(sum(x.running for x in loads))
-        self.v_waiting.labels(**m).set(sum(x.waiting + x.reserved for x in loads))
-        total = sum(x.num_blocks for x in loads)
-        self.v_kv.labels(**m).set(sum(x.num_blocks - x.free_blocks for x in loads) / total if total else 0.0)
+            self._add_to_totals(load, 1)
+        running, waiting, used, total = self._totals
+        self.v_running.set(running)
+        self.v_waiting.set(waiting)
+        self.v_kv.set(used / total if total else 0.0)
+
+    def _add_to_totals(self, load: WorkerLoad | None, sign: int) -> None:
+        if load is not None:
+            parts = (load.running, load.waiting + load.reserved, load.num_blocks - load.free_blocks, load.num_blocks)
+            self._totals = [t + sign * x for t, x in zip(self._totals, parts, strict=True)]
 
     def render(self, openmetrics_format: bool = False) -> bytes:
         """The registry in the Prometheus text format (or OpenMetrics, which shows the exemplars)."""

@@ -121,6 +121,15 @@ def layer_sender(engine: LLMEngine, sender: Any, prompt: list[int]) -> Any:
     return send
 
 
+def describe(engine: LLMEngine, request_id: str, prompt: list[int]) -> Any:
+    """The handshake a sender of `prompt` makes (what `KVSender.prepare` sends), on the local transport."""
+    from engine.block_hash import hash_prompt_blocks
+    from kv_transfer.messages import PrepareRequest
+
+    return PrepareRequest(request_id, engine.kv_layout, prompt, len(prompt),
+                          list(hash_prompt_blocks(prompt, engine.config.block_size, engine.scope)), "local", 10_000)
+
+
 def free_blocks(engine: LLMEngine) -> int:
     return engine.stats().num_free_blocks
 

@@ -13,17 +13,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
-from engine.block_hash import hash_prompt_blocks
 from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, payload
-from kv_transfer.messages import PrepareRequest
-from tests.helpers import free_blocks, random_prompts
+from tests.helpers import describe, free_blocks, random_prompts
 
 PROMPT = random_prompts(1, [90], vocab=1000, seed=5)[0]  # 6 blocks: the whole pool below
-
-
-def describe(engine: LLMEngine, request_id: str) -> PrepareRequest:
-    return PrepareRequest(request_id, engine.kv_layout, PROMPT, len(PROMPT),
-                          list(hash_prompt_blocks(PROMPT, engine.config.block_size, engine.scope)), "local", 10_000)
 
 
 def filled(engine: LLMEngine, value: float) -> torch.Tensor:
@@ -53,7 +46,7 @@ def test_an_abort_waits_for_the_copy_in_flight_and_later_writes_are_dropped(pool
         copy(layer, which, block_ids, kv)
 
     b.kv_importer.write_blocks = held_copy
-    prepared = ep.receiver.prepare(describe(b, "doomed"))
+    prepared = ep.receiver.prepare(describe(b, "doomed", PROMPT))
     ones = filled(b, 1.0)
     chunk = payload.seal(prepared.transfer_id, 0, 0, 0, ones)
     writer = threading.Thread(target=ep.receiver.on_tensor, args=(chunk, ones))
@@ -69,7 +62,7 @@ def test_an_abort_waits_for_the_copy_in_flight_and_later_writes_are_dropped(pool
             else:
                 ep.receiver.abort_request("doomed", "client went away")
                 b.abort_request("doomed")
-            res = b.reserve_kv("other", b.kv_layout, PROMPT, len(PROMPT), describe(b, "other").block_hashes)
+            res = b.reserve_kv("other", b.kv_layout, PROMPT, len(PROMPT), describe(b, "other", PROMPT).block_hashes)
             b.write_kv_blocks(res, 0, 0, 0, filled(b, 2.0))
             other_k.append(b.runner.read_blocks(0, res.fresh_blocks)[0])
 
@@ -99,9 +92,9 @@ def test_an_abort_waits_for_the_copy_in_flight_and_later_writes_are_dropped(pool
 
 def test_the_engine_drops_a_write_into_a_freed_reservation(pool):
     b, _ = pool
-    res = b.reserve_kv("doomed", b.kv_layout, PROMPT, len(PROMPT), describe(b, "doomed").block_hashes)
+    res = b.reserve_kv("doomed", b.kv_layout, PROMPT, len(PROMPT), describe(b, "doomed", PROMPT).block_hashes)
     b.abort_request("doomed")
-    other = b.reserve_kv("other", b.kv_layout, PROMPT, len(PROMPT), describe(b, "other").block_hashes)
+    other = b.reserve_kv("other", b.kv_layout, PROMPT, len(PROMPT), describe(b, "other", PROMPT).block_hashes)
     assert sorted(other.fresh_blocks) == sorted(range(6))  # the freed blocks, handed on
     b.write_kv_blocks(other, 0, 1, 0, filled(b, 2.0))
     with pytest.raises(KeyError, match="write dropped"):

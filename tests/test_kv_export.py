@@ -24,6 +24,7 @@ from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, Transfe
 from kv_transfer.messages import PrepareRequest
 from tests.helpers import (
     assert_idle,
+    describe,
     greedy,
     layer_sender,
     make_engine,
@@ -84,12 +85,6 @@ def decode(ep: ReceiverEndpoint, request_id: str, params: SamplingParams) -> lis
     tokens = run_to_completion(ep.receiver.engine)[request_id].token_ids
     assert_idle(ep.receiver.engine)
     return tokens
-
-
-def describe(engine: LLMEngine, request_id: str, prompt: list[int]) -> PrepareRequest:
-    """The handshake a sender of `prompt` makes (what `KVSender.prepare` sends)."""
-    return PrepareRequest(request_id, engine.kv_layout, prompt, len(prompt),
-                          list(hash_prompt_blocks(prompt, BS, engine.scope)), "local", 10_000)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ reference is one in-process engine without speculation on the same weights.
 from __future__ import annotations
 
 import pytest
+import ray
 
 from engine import SamplingParams
 from router.v1 import inference_pb2 as pb
@@ -56,3 +57,5 @@ def test_decode_pool_speculation_matches_plain_decoding(cluster, smollm2, stop):
         last = chunk
     assert ids == want.token_ids and text == want.text
     assert last.finish_reason == want.finish_reason
+    decode = ray.get(cluster[0].actors["decode-0"].load.remote(), timeout=30)
+    assert decode.spec_accepted_tokens > 0  # the decode pool's YAML key is what made it speculate

@@ -63,7 +63,8 @@ def test_greedy_output_is_token_identical_and_kv_is_rolled_back(tiny):
     assert generate_ids(e, PROMPTS, greedy(24)) == want
     s = e.stats()
     assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens  # drafts were both accepted and rejected
-    assert s.computed_tokens < sum(len(p) for p in PROMPTS) + 3 * 24 + s.spec_draft_tokens
+    # fewer forward positions than plain decoding (prompts + 23 decode steps each; the first token comes from prefill)
+    assert s.computed_tokens - s.spec_draft_tokens < sum(len(p) for p in PROMPTS) + 3 * 23
     assert_idle(e)  # every block of rejected drafts went back to the pool
     # the prefix cache holds the same blocks as without speculation: rolled-back slots were never registered
     again = generate_ids(e, PROMPTS, greedy(24), prefix="again")
