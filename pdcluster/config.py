@@ -300,6 +300,10 @@ class TransferSection(BaseModel):
                               torch_device=torch_device)
 
 
+# the pool keys the prefill and decode pools must agree on (the KV they hand over, and the context it lives in)
+KV_SHAPE_KEYS = ("dtype", "block_size", "kv_cache_dtype", "max_model_len")
+
+
 class ClusterConfig(BaseModel):
     """A whole deployment: model, mode, Ray, Redis, router, KV transfer and the worker pools."""
 
@@ -347,7 +351,19 @@ class ClusterConfig(BaseModel):
             if cpu_pools:
                 raise _RuleError("transfer.torch_backend", f"'nccl' sends CUDA tensors: {' and '.join(cpu_pools)} "
                                                            "must be 'cuda' (or use torch_backend 'gloo')")
+        if self.mode == "disaggregated":
+            self._check_pools_agree()
         return self
+
+    def _check_pools_agree(self) -> None:
+        # NOTE: the decode worker takes the prefill worker's KV as it is: pools that disagree on the KV's shape or
+        # dtype fail every Prepare (and each request then prefills on the decode worker), and on max_model_len the
+        # router admits prompts by one pool's limit that the other refuses. Refused here, before any actor starts.
+        for key in KV_SHAPE_KEYS:
+            p, d = getattr(self.prefill, key), getattr(self.decode, key)
+            if p != d:
+                raise _RuleError(f"decode.{key}", f"prefill.{key} is {p!r} but decode.{key} is {d!r}: the prefill "
+                                                  "and decode pools must agree (KV moves between them as it is)")
 
     @property
     def served_model_name(self) -> str:

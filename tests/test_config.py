@@ -225,3 +225,25 @@ def test_transfer_config_carries_the_section():
 def test_transfer_config_sends_from_cuda_only_with_nccl(backend, device, expected):
     tc = TransferSection(transport="torch", torch_backend=backend).transfer_config(device)
     assert (tc.transport, tc.torch_backend, tc.torch_device) == ("torch", backend, expected)
+
+
+# ---- pools that must agree --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,prefill,decode", [("dtype", "float32", "bfloat16"), ("block_size", 16, 32),
+                                                ("kv_cache_dtype", "auto", "int8"), ("max_model_len", 2048, 4096),
+                                                ("max_model_len", None, 4096)])
+def test_prefill_and_decode_pools_that_disagree_on_the_kv_are_refused_naming_both_values(key, prefill, decode):
+    text = lines("prefill:", f"  {key}: {'null' if prefill is None else prefill}", "decode:", f"  {key}: {decode}")
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml_text(text, "x.yaml")
+    err = info.value
+    assert (err.path, err.line) == (f"decode.{key}", 4)
+    assert f"prefill.{key} is {prefill!r}" in str(err) and f"decode.{key} is {decode!r}" in str(err)
+
+
+def test_pools_that_agree_load_and_a_colocated_config_ignores_the_idle_pools():
+    same = lines("prefill:", "  block_size: 32", "  kv_cache_dtype: int8", "decode:", "  block_size: 32",
+                 "  kv_cache_dtype: int8")
+    assert ClusterConfig.from_yaml_text(same).decode.block_size == 32
+    colo = lines("mode: colocated", "colocated:", "  replicas: 1", "prefill:", "  dtype: bfloat16")
+    assert ClusterConfig.from_yaml_text(colo).mode == "colocated"
