@@ -70,7 +70,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection (with --addr)")
-    g.add_argument("--api-key", default=None, help="API key, if the cluster wants one (default: $PDCLUSTER_API_KEY)")
+    # NOTE: argv is visible to every local user (`ps`): the variable or the file keep the key out of it
+    g.add_argument("--api-key", default=None, help="API key, if the cluster wants one (default: $PDCLUSTER_API_KEY; "
+                   "on the command line it shows in `ps`: prefer the variable or --api-key-file)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
     g.add_argument("--tls-ca", default=None, metavar="PEM", help="speak TLS, trusting this CA/self-signed certificate")
 
 
@@ -240,6 +243,18 @@ def apply_flags(config: Any, args: argparse.Namespace) -> Any:
     return ClusterConfig.from_data(data, "command line")
 
 
+def read_api_key_file(path: str) -> str:
+    """The API key in `path` (its first line, stripped); ValueError naming --api-key-file when unusable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file: cannot read {path}: {e}") from None
+    if not key:
+        raise ValueError(f"--api-key-file: {path} holds no key")
+    return key
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -250,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args, demo=args.command == "demo")
     if args.command in ("chat", "status") or (args.command == "generate" and args.addr):
         from pdcluster import client
+
+        if args.api_key_file:
+            try:
+                args.api_key = read_api_key_file(args.api_key_file)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
 
         return {"chat": client.chat, "status": client.status, "generate": client.generate}[args.command](args)
     if args.command == "generate":

@@ -72,7 +72,9 @@ class Cluster:
         cfg = self.config
         if self.redis_url is None:
             self.redis = EmbeddedRedis(password=self.redis_auth.password).start()
-            # NOTE: the password travels in RedisAuth (never printed), not in the URL workers are given
+            # NOTE: the password (the configured one, or one made for this start) travels in RedisAuth (never
+            # printed), not in the URL workers are given
+            self.redis_auth = dataclasses.replace(self.redis_auth, password=self.redis.password)
             self.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": False,

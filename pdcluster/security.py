@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import ssl
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -45,8 +46,17 @@ def cluster_token(config: ClusterConfig) -> str:
 
 
 def redis_auth(config: ClusterConfig) -> RedisAuth:
+    """How to log in to `redis.url`: `redis.password_env`, or the password of this user's embedded server there."""
     r = config.redis
     password = _env(r.password_env, "redis.password_env") if r.password_env else None
+    if password is None and r.url is not None:
+        # NOTE: an extra router (`pdcluster router --redis 127.0.0.1:PORT`) of the user whose `serve` started the
+        # embedded server: its random password sits in a file only that user can read (pdcluster/redis_server.py)
+        from pdcluster.redis_server import embedded_password
+
+        parts = urlsplit(r.url)
+        if parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port and not parts.password:
+            password = embedded_password(parts.port)
     return RedisAuth(r.username, password, r.tls_ca_file)
 
 

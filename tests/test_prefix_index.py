@@ -57,7 +57,7 @@ def fields_of(client: redis.Redis, key: str) -> set[str]:
 def test_embedded_redis_starts_answers_and_stops() -> None:
     server = EmbeddedRedis().start()
     try:
-        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        assert server.url.endswith(f"@127.0.0.1:{server.port}/0")  # a fresh password per start
         c = connect(server.url)
         assert c.ping()
         c.set(b"k", b"v")
