@@ -21,7 +21,8 @@ Start here: `pdcluster demo` (start, chat, stop), then `pdcluster serve smollm2`
 EPILOG = """examples:
   pdcluster demo                                      # start the embedded default, chat through the gRPC API, stop
   pdcluster serve smollm2                             # prints `pdcluster ready: grpc=HOST:PORT http=... metrics=...`
-  pdcluster serve ./model.gguf --prefill-replicas 2 --decode-replicas 1 --http-port 8080 --host 0.0.0.0
+  PDCLUSTER_API_KEYS=sk-1 pdcluster serve ./model.gguf --prefill-replicas 2 --decode-replicas 1 --http-port 8080 \
+    --host 0.0.0.0 --api-keys-env PDCLUSTER_API_KEYS  # other machines: only with keys (or allow_unauthenticated)
   PDCLUSTER_TRACING__OTLP_ENDPOINT=http://127.0.0.1:4317 pdcluster serve --config deploy/local.yaml
   pdcluster router --ray 127.0.0.1:6379 --redis 127.0.0.1:6390 --port 50052   # another router, same cluster
   pdcluster generate --addr 127.0.0.1:50051 --stream "The capital of France is"
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-replicas", type=int, default=None, help="override prefill.replicas")
     serve.add_argument("--decode-replicas", type=int, default=None, help="override decode.replicas")
     serve.add_argument("--served-model-name", default=None, help="override http.served_model_name")
+    serve.add_argument("--api-keys-env", default=None, metavar="NAME", help="override security.api_keys_env: the "
+                       "environment variable with the keys clients must send (needed to serve a non-loopback --host)")
     rtr = sub.add_parser("router", help="an extra router for a running cluster (shares its state through Redis)",
                          formatter_class=fmt)
     rtr.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML")
@@ -231,7 +234,8 @@ def apply_flags(config: Any, args: argparse.Namespace) -> Any:
     for attr, path in (("model", "model"), ("port", "router.port"), ("http_port", "http.port"),
                        ("metrics_port", "metrics.port"), ("prefill_replicas", "prefill.replicas"),
                        ("decode_replicas", "decode.replicas"), ("served_model_name", "http.served_model_name"),
-                       ("host", "router.host"), ("host", "http.host"), ("host", "metrics.host")):
+                       ("host", "router.host"), ("host", "http.host"), ("host", "metrics.host"),
+                       ("api_keys_env", "security.api_keys_env")):
         value = getattr(args, attr, None)
         if value is not None:
             *sections, key = path.split(".")

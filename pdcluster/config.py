@@ -257,6 +257,10 @@ class SecurityConfig(BaseModel):
                                      "keys clients must send (comma-separated); unset: no key needed")
     cluster_token_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
                                           "token KV transfer peers must present; unset: a random one per start")
+    # NOTE: as Redis's protected mode: a router bound to a non-loopback address (router.host / http.host) without
+    # API keys is refused at start unless this says so (pdcluster/security.py, check_exposure)
+    allow_unauthenticated: bool = Field(default=False, description="serve other machines without API keys "
+                                        "(router.host / http.host not loopback and no api_keys_env)")
 
     @model_validator(mode="after")
     def _check(self) -> SecurityConfig:

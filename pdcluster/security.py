@@ -15,6 +15,7 @@ import grpc
 
 from cluster.redis_client import RedisAuth
 from pdcluster.config import ClusterConfig
+from router import auth
 
 
 class SetupError(ValueError):
@@ -88,3 +89,15 @@ def ssl_context(config: ClusterConfig) -> ssl.SSLContext | None:
     except (OSError, ssl.SSLError) as e:
         raise SetupError(f"security.tls_cert_file/tls_key_file: cannot load them: {e}") from None
     return ctx
+
+
+def check_exposure(config: ClusterConfig) -> None:
+    """SetupError when a front would serve other machines without API keys (router.host, http.host) unless
+    `security.allow_unauthenticated`; run before anything starts. Metrics stay open, as Prometheus scrapes them."""
+    keys = api_keys(config)
+    fronts = [("router.host", config.router.host)] + ([("http.host", config.http.host)] if config.http.enabled else [])
+    for field, host in fronts:
+        try:
+            auth.check_exposure(host, keys, config.security.allow_unauthenticated, field)
+        except auth.ExposureError as e:
+            raise SetupError(str(e)) from None

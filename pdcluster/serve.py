@@ -42,6 +42,7 @@ def make_router(cluster: Cluster) -> Router:
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:
     """Start the cluster (or `attach` to a running one: an extra router) and the router; run `body(address)`
     (the demo) or serve until SIGINT/SIGTERM."""
+    security.check_exposure(config)  # NOTE: before anything starts: a refusal costs no Ray or worker start
     cluster = Cluster(config)
     stop_requested = False
 
@@ -69,8 +70,9 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
     cfg = cluster.config
     router = make_router(cluster)
     keys, tls = security.api_keys(cfg), security.ssl_context(cfg)
+    open_ok = cfg.security.allow_unauthenticated
     server, port = await start_server(router, cfg.router.host, cfg.router.port, api_keys=keys,
-                                      credentials=security.grpc_credentials(cfg))
+                                      credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok)
     endpoints = {"grpc": f"{cfg.router.host}:{port}"}
     runners = []
     try:
@@ -78,7 +80,8 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
             from router.openai_api import start_http
 
             runner, http_port = await start_http(router, host=cfg.http.host, port=cfg.http.port, api_keys=keys,
-                                                 model_name=cfg.served_model_name, ssl_context=tls)
+                                                 model_name=cfg.served_model_name, ssl_context=tls,
+                                                 allow_unauthenticated=open_ok)
             runners.append(runner)
             endpoints["http"] = f"{cfg.http.host}:{http_port}"
         if cfg.metrics.enabled:

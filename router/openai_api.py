@@ -29,7 +29,7 @@ from aiohttp import web
 
 from cluster.logs import REQUEST_ID
 from engine.errors import InvalidRequestError
-from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
+from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
 from router.core import Router
 from router.errors import Status, status_of, unwrap
 from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
@@ -289,8 +289,13 @@ def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = froz
 
 
 async def start_http(router: Router, *, host: str, port: int, model_name: str, api_keys: frozenset[str] = frozenset(),
-                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
-    """A started HTTP server (HTTPS with `ssl_context`); returns its runner (`await runner.cleanup()`) and port."""
+                     ssl_context: ssl.SSLContext | None = None,
+                     allow_unauthenticated: bool = False) -> tuple[web.AppRunner, int]:
+    """A started HTTP server (HTTPS with `ssl_context`); returns its runner (`await runner.cleanup()`) and port.
+
+    A non-loopback `host` needs `api_keys` or `allow_unauthenticated` (ExposureError otherwise).
+    """
+    check_exposure(host, api_keys, allow_unauthenticated, "http.host")
     # NOTE: handler_cancellation: a client that disconnects cancels its handler even while no token is being
     # written (a long prefill), so the request is aborted at once.
     router.start_health()

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.logs import REQUEST_ID
-from router.auth import ApiKeyInterceptor
+from router.auth import ApiKeyInterceptor, check_exposure
 from router.core import Router
 from router.errors import Status, status_of
 from router.grpc_requests import ProtoValidator, tolerant_parser
@@ -131,15 +131,17 @@ def add_inference_service(service: InferenceService, server: grpc.aio.Server) ->
 
 
 async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
-                       api_keys: frozenset[str] = frozenset(),
-                       credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+                       api_keys: frozenset[str] = frozenset(), credentials: grpc.ServerCredentials | None = None,
+                       allow_unauthenticated: bool = False) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port.
 
     Health: the overall service ("") and Inference are SERVING while a live worker can prefill and one can decode
     (the router's heartbeat view), NOT_SERVING otherwise.
 
-    With `api_keys`, Inference calls need `authorization: Bearer <key>`; with `credentials`, the port speaks TLS.
+    With `api_keys`, Inference and reflection calls need `authorization: Bearer <key>`; with `credentials`, the
+    port speaks TLS. A non-loopback `host` needs `api_keys` or `allow_unauthenticated` (ExposureError otherwise).
     """
+    check_exposure(host, api_keys, allow_unauthenticated, "router.host")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)],
                              interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None)
     add_inference_service(InferenceService(router), server)

@@ -3,17 +3,43 @@ argv, and the router refusing to serve other machines without keys (issue 19, it
 
 from __future__ import annotations
 
+import asyncio
 import os
+import pathlib
 import stat
+import subprocess
+import sys
+from typing import Any
 
 import psutil
 import pytest
 import redis
+import yaml
 
 from pdcluster import security
 from pdcluster.cli import build_parser, read_api_key_file
 from pdcluster.config import ClusterConfig
 from pdcluster.redis_server import EmbeddedRedis, connect, embedded_password, password_file
+from router import auth
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def unit_router(loaded: Any) -> Any:
+    """A real Router and its validator over `loaded`'s tokenizer, for requests that never reach a worker (actors:
+    None; no Redis)."""
+    from cluster.messages import Role, WorkerInfo
+    from router.core import Router
+    from router.policy import WorkerView
+    from router.pools import WorkerHandle
+    from router.settings import RouterSettings
+
+    handles = []
+    for name, role in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)):
+        info = WorkerInfo(name, role, 1, "tiny", "tiny", 16, 1000, 2048, loaded.config.vocab_size, 8,
+                          loaded.tokenizer.to_json(), f"{name}:1")
+        handles.append(WorkerHandle(name, role, None, info, WorkerView(name, 1000, 8)))
+    return Router(handles, None, RouterSettings(model="tiny", mode="disaggregated"))
 
 # ---- the embedded Redis (item 12) ----
 
@@ -67,3 +93,118 @@ def test_the_client_reads_its_api_key_from_a_file(tmp_path) -> None:
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="--api-key-file"):
         read_api_key_file(str(tmp_path / "empty"))
+
+
+# ---- no open router on the network without keys (item 10) ----
+
+def _shipped_configs() -> dict[str, str]:
+    """Every deploy YAML of the repository (and the one the KubeRay manifest embeds), as name → text."""
+    launchers = ("kuberay-raycluster.yaml", "ray-cluster-aws.yaml")  # no pdcluster config of their own
+    out = {p.name: p.read_text() for p in sorted((REPO / "deploy").glob("*.yaml")) if p.name not in launchers}
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "kuberay-raycluster.yaml").read_text()))
+    out["kuberay-raycluster.yaml:ConfigMap"] = next(d for d in docs if d and d["kind"] == "ConfigMap")["data"][
+        "cluster.yaml"]
+    return out
+
+
+SHIPPED = _shipped_configs()
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_every_shipped_yaml_serves_other_machines_only_with_keys_from_the_environment(name: str, monkeypatch) -> None:
+    config = ClusterConfig.from_yaml_text(SHIPPED[name], name)
+    exposed = [h for h in (config.router.host, config.http.host) if not auth.is_loopback(h)]
+    assert not config.security.allow_unauthenticated
+    if not exposed:  # a laptop config: serves this machine only, no key needed
+        security.check_exposure(config)
+        return
+    variable = config.security.api_keys_env
+    assert variable, f"{name} binds {exposed} without security.api_keys_env"
+    monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(security.SetupError, match=variable):  # not set: refused at start, naming the variable
+        security.check_exposure(config)
+    monkeypatch.setenv(variable, "sk-a,sk-b")
+    security.check_exposure(config)
+    assert security.api_keys(config) == {"sk-a", "sk-b"}
+    config.security.api_keys_env = None  # the same file without its security section is refused
+    with pytest.raises(security.SetupError, match="router.host.*security.allow_unauthenticated"):
+        security.check_exposure(config)
+    config.security.allow_unauthenticated = True  # ... unless it says so
+    security.check_exposure(config)
+
+
+def test_the_ray_up_recipe_gives_the_router_its_keys() -> None:
+    text = (REPO / "deploy" / "ray-cluster-aws.yaml").read_text()
+    gpu = ClusterConfig.from_yaml(REPO / "deploy" / "gpu-cluster.yaml")
+    serve = next(line for line in text.splitlines() if "pdcluster serve --config deploy/gpu-cluster.yaml" in line)
+    assert f"{gpu.security.api_keys_env}=" in serve
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True),
+                                           ("localhost", True), ("0.0.0.0", False), ("::", False), ("", False),
+                                           ("10.1.2.3", False)])
+def test_loopback_addresses(host: str, loopback: bool) -> None:
+    assert auth.is_loopback(host) is loopback
+
+
+def test_the_fronts_refuse_to_bind_a_network_address_without_keys(tiny) -> None:
+    from router.openai_api import start_http
+    from router.service import start_server
+
+    router = unit_router(tiny)
+
+    async def bind() -> list[str]:
+        refused = []
+        for name, start in (("router.host", lambda **kw: start_server(router, "0.0.0.0", 0, **kw)),
+                            ("http.host", lambda **kw: start_http(router, host="0.0.0.0", port=0,
+                                                                   model_name="tiny", **kw))):
+            with pytest.raises(auth.ExposureError, match=name):
+                await start()
+            refused.append(name)
+            for kw in ({"api_keys": frozenset({"sk-1"})}, {"allow_unauthenticated": True}):
+                server, port = await start(**kw)
+                assert port > 0
+                await (server.stop(None) if name == "router.host" else server.cleanup())
+        await router.close()
+        return refused
+    assert asyncio.run(bind()) == ["router.host", "http.host"]
+
+
+def test_serve_refuses_an_open_network_config_before_starting_anything(tmp_path) -> None:
+    bad = tmp_path / "open.yaml"
+    bad.write_text("model: tiny\nrouter:\n  host: 0.0.0.0\n")
+    proc = subprocess.run([sys.executable, "-m", "pdcluster", "serve", "--config", str(bad)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and "router.host" in proc.stderr and "api_keys_env" in proc.stderr, proc.stderr
+    assert "cluster up" not in proc.stderr
+
+
+def test_with_keys_reflection_needs_one_too_and_health_stays_open(tiny) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from router.service import start_server
+
+    router = unit_router(tiny)
+
+    async def check() -> None:
+        server, port = await start_server(router, "127.0.0.1", 0, api_keys=frozenset({"sk-1"}))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                ask = reflection_pb2.ServerReflectionRequest(list_services="")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.ServerReflectionInfo(iter([ask])):
+                        pass
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                replies = [r async for r in stub.ServerReflectionInfo(
+                    iter([ask]), metadata=(("authorization", "Bearer sk-1"),))]
+                names = {s.name for s in replies[0].list_services_response.service}
+                assert "pdcluster.v1.Inference" in names
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(None)
+            await router.close()
+    asyncio.run(check())
