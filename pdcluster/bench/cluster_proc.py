@@ -30,11 +30,13 @@ def resolve(path: str) -> pathlib.Path:
     return p if p.exists() else ROOT / p
 
 
-def load(path: str, routing: str | None = None) -> ClusterConfig:
-    """The config of `path` with the benchmark's overrides: any free ports, no HTTP/metrics fronts, `routing`."""
+def load(path: str, routing: str | None = None, http: bool = False) -> ClusterConfig:
+    """The config of `path` with the benchmark's overrides: any free ports, no metrics front, the OpenAI HTTP front
+    only when `http` (on a free port), `routing`."""
     config = ClusterConfig.from_yaml(resolve(path))
     config.router.port = 0
-    config.http.enabled = False
+    config.http.enabled = http
+    config.http.port = 0
     config.metrics.enabled = False
     if routing:
         config.router.routing = routing  # type: ignore[assignment]
@@ -44,6 +46,13 @@ def load(path: str, routing: str | None = None) -> ClusterConfig:
 @contextmanager
 def serving(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -> Iterator[str]:
     """Start `pdcluster serve` on `config` in a child process; yield its gRPC address; stop it (SIGTERM) after."""
+    with serving_endpoints(config, label, start_timeout_s) as endpoints:
+        yield endpoints["grpc"]
+
+
+@contextmanager
+def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -> Iterator[dict[str, str]]:
+    """As `serving`, yielding every endpoint of its ready line ({"grpc": HOST:PORT, "http": HOST:PORT, ...})."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdc-bench-", delete=False) as f:
         yaml.safe_dump(config.model_dump(mode="json"), f, sort_keys=False)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -53,9 +62,9 @@ def serving(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -
     tail: list[str] = []
     threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
     try:
-        addr = _wait_ready(proc, start_timeout_s, tail)
-        log("serve", f"{label}: cluster up at {addr} ({config.mode}, routing {config.router.routing})")
-        yield addr
+        endpoints = _wait_ready(proc, start_timeout_s, tail)
+        log("serve", f"{label}: cluster up at {endpoints['grpc']} ({config.mode}, routing {config.router.routing})")
+        yield endpoints
     finally:
         _stop(proc)
         os.unlink(f.name)
@@ -67,7 +76,7 @@ def _drain(stream: object, tail: list[str]) -> None:
         del tail[:-40]
 
 
-def _wait_ready(proc: subprocess.Popen[str], timeout_s: float, tail: list[str]) -> str:
+def _wait_ready(proc: subprocess.Popen[str], timeout_s: float, tail: list[str]) -> dict[str, str]:
     assert proc.stdout is not None
     # NOTE: a child that hangs without printing would block the read below forever; stopping it ends the read.
     timer = threading.Timer(timeout_s, _stop, args=(proc,))
@@ -77,7 +86,7 @@ def _wait_ready(proc: subprocess.Popen[str], timeout_s: float, tail: list[str]) 
             if line.startswith("pdcluster ready:"):
                 fields = dict(kv.split("=", 1) for kv in line.split()[2:])
                 threading.Thread(target=_drain, args=(proc.stdout, []), daemon=True).start()
-                return fields["grpc"]
+                return fields
     finally:
         timer.cancel()
     _stop(proc)

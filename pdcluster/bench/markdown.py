@@ -45,7 +45,8 @@ def goodput_lines(figures: dict[str, Any]) -> str:
     out = []
     for label, g in figures.get("goodput", {}).items():
         got = f"{g['goodput_req_per_s']:g} req/s" if g["goodput_req_per_s"] is not None else "below every rate tried"
-        out.append(f"- goodput of {label}: {got} (TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['itl_ms']:g} ms "
+        itl = "p90 gap" if slo.get("itl_stat") == "p90" else "TPOT"
+        out.append(f"- goodput of {label}: {got} (TTFT <= {slo['ttft_ms']:g} ms and {itl} <= {slo['itl_ms']:g} ms "
                    f"for >= 90% of requests)")
     return "\n".join(out)
 
@@ -55,5 +56,9 @@ def render(figures: dict[str, Any]) -> str:
     parts = [runs_table(figures["runs"])]
     if figures.get("disaggregated_vs_colocated") or figures.get("prefix_aware_vs_round_robin"):
         parts.append(ratios_table(figures))
+    if figures.get("pdcluster_vs_vllm"):
+        from pdcluster.bench.vs_vllm import markdown_table
+
+        parts.append(markdown_table(figures))
     parts.append(goodput_lines(figures))
     return "\n\n".join(p for p in parts if p) + "\n"

@@ -1,16 +1,17 @@
 """The open-loop client of `pdcluster bench serve`: send a workload's sessions on time, time every token.
 
 Sessions start at their Poisson arrival times whatever the cluster's state (open loop: a slow cluster builds a
-queue instead of slowing the load down). Every turn is one `GenerateStream` call over gRPC (asyncio, one channel);
-the client stamps the moment it sends, each chunk's arrival and its token count. One asyncio process does
-nothing else, so its stamps are the latencies a user would see.
+queue instead of slowing the load down). `run_sessions` drives the sessions over any transport given as a `Send`:
+here one `GenerateStream` call over gRPC per turn (asyncio, one channel); pdcluster/bench/openai_client.py sends
+the same turns to any OpenAI-compatible server. The client stamps the moment it sends, each chunk's arrival and its
+token count. One asyncio process does nothing else, so its stamps are the latencies a user would see.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -34,13 +35,7 @@ async def _one(stub: pb_grpc.InferenceStub, rec: RequestRecord, prompt: list[int
             now = time.perf_counter()
             n = len(chunk.token_ids)
             if n:
-                if not tokens:
-                    rec.ttft_ms = (now - t0) * 1e3
-                    # NOTE: a first chunk with k tokens: the first is the TTFT, the other k-1 came with it (gap 0).
-                    rec.itl_ms += [0.0] * (n - 1)
-                else:
-                    # NOTE: k tokens after a gap g count as k gaps of g/k (SGLang's bench_serving does the same).
-                    rec.itl_ms += [(now - last_t) * 1e3 / n] * n
+                itl_of(rec, n, now, last_t, t0, first=not tokens)
                 last_t = now
                 tokens += chunk.token_ids
             last = chunk
@@ -59,14 +54,28 @@ async def _one(stub: pb_grpc.InferenceStub, rec: RequestRecord, prompt: list[int
     return tokens
 
 
-async def _session(stub: pb_grpc.InferenceStub, s: Session, t_run: float, out: list[RequestRecord],
-                   on_done: Callable[[RequestRecord], None], metadata: tuple[tuple[str, str], ...],
-                   timeout_s: float) -> None:
+# Sends one turn: fills the record (sent_s since t_run, TTFT, gaps, ... or error) and returns the answer's token ids.
+Send = Callable[[RequestRecord, list[int], float], Awaitable[list[int]]]
+
+
+def itl_of(rec: RequestRecord, n: int, now: float, last_t: float, t0: float, first: bool) -> None:
+    """Record a chunk of `n` tokens that arrived at `now` (the previous one at `last_t`, the request sent at `t0`)."""
+    if first:
+        rec.ttft_ms = (now - t0) * 1e3
+        # NOTE: a first chunk with k tokens: the first is the TTFT, the other k-1 came with it (gap 0).
+        rec.itl_ms += [0.0] * (n - 1)
+    else:
+        # NOTE: k tokens after a gap g count as k gaps of g/k (SGLang's bench_serving does the same).
+        rec.itl_ms += [(now - last_t) * 1e3 / n] * n
+
+
+async def _session(send: Send, s: Session, t_run: float, out: list[RequestRecord],
+                   on_done: Callable[[RequestRecord], None]) -> None:
     await asyncio.sleep(max(0.0, t_run + s.arrival_s - time.perf_counter()))
     answers: list[list[int]] = []
     for i, turn in enumerate(s.turns):
         rec = RequestRecord(s.id, i, 0.0, s.prompt_len(i), turn.max_tokens)
-        answers.append(await _one(stub, rec, s.prompt(i, answers), t_run, metadata, timeout_s))
+        answers.append(await send(rec, s.prompt(i, answers), t_run))
         out.append(rec)
         on_done(rec)
         if not rec.ok:
@@ -88,11 +97,20 @@ async def run_workload(addr: str, workload: Workload, on_done: Callable[[Request
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = pb_grpc.InferenceStub(channel)
         await channel.channel_ready()
-        out: list[RequestRecord] = []
-        t_run = time.perf_counter()
-        await asyncio.gather(*(_session(stub, s, t_run, out, on_done, metadata, timeout_s)
-                               for s in workload.sessions))
-        elapsed = time.perf_counter() - t_run
+
+        async def send(rec: RequestRecord, prompt: list[int], t_run: float) -> list[int]:
+            return await _one(stub, rec, prompt, t_run, metadata, timeout_s)
+
+        return await run_sessions(workload, send, on_done)
+
+
+async def run_sessions(workload: Workload, send: Send,
+                       on_done: Callable[[RequestRecord], None] = lambda r: None) -> tuple[list[RequestRecord], float]:
+    """Every session of `workload` through `send`, each at its arrival time; the records (by send time), seconds."""
+    out: list[RequestRecord] = []
+    t_run = time.perf_counter()
+    await asyncio.gather(*(_session(send, s, t_run, out, on_done) for s in workload.sessions))
+    elapsed = time.perf_counter() - t_run
     out.sort(key=lambda r: (r.sent_s, r.session, r.turn))
     return out, elapsed
 

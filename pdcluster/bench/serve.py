@@ -1,6 +1,7 @@
 """`pdcluster bench serve`: open-loop Poisson load on a cluster at one or more rates; latency, throughput, goodput.
 
-Against a running cluster (`--addr`) or one it starts from a deploy YAML (`--config`, in a child process). For
+Against a running cluster (`--addr`), one it starts from a deploy YAML (`--config`, in a child process), or any
+OpenAI-compatible server (`--backend openai --base-url http://HOST:PORT/v1`: vLLM, SGLang, our HTTP front). For
 each rate: a few warm-up requests, then the workload (same lengths at every rate, fresh token ids so no run
 reuses another's prefix cache), then a wait until the cluster is idle. Prints a table (or `--json`), saves the
 figures and every request's timings as JSON, and PNG plots next to it (latency CDFs, SLO attainment vs rate).
@@ -12,13 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import time
 from typing import Any
 
 from pdcluster.bench import markdown, plots, stats
 from pdcluster.bench.report import emit, log, machine
-from pdcluster.bench.runner import cluster_status, run_workload
-from pdcluster.bench.stats import RequestRecord
+from pdcluster.bench.runner import cluster_status
+from pdcluster.bench.stats import ITL_STATS, RequestRecord
+from pdcluster.bench.target import BACKENDS, Target
 from pdcluster.bench.workloads import WORKLOADS, Session, Workload, build
 
 WARMUP_SALT = 10_000
@@ -36,16 +37,25 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-requests", type=int, default=4, help="sent one by one before each rate, not counted")
     s = p.add_argument_group("SLOs (goodput = highest rate with >= 90%% of requests meeting both)")
     s.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    s.add_argument("--slo-itl-ms", type=float, default=150.0, help="per-request mean inter-token latency (TPOT)")
+    s.add_argument("--slo-itl-ms", type=float, default=150.0, help="per-request inter-token latency (--slo-itl-stat)")
+    s.add_argument("--slo-itl-stat", choices=ITL_STATS, default="mean",
+                   help="the request's figure held to --slo-itl-ms: its mean gap (TPOT) or its p90 gap")
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=BACKENDS, default="pdcluster",
+                   help="pdcluster: our gRPC API (--addr, or a cluster started from --config); openai: any "
+                        "OpenAI-compatible server at --base-url, over streamed /v1/completions")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--addr", help="a running cluster (gRPC HOST:PORT)")
-    where.add_argument("--config", default="deploy/bench-disagg.yaml", help="start this cluster for the run")
+    where.add_argument("--config", default=None, help="start this cluster for the run (default "
+                                                      "deploy/bench-disagg.yaml)")
+    where.add_argument("--base-url", default=None, help="with --backend openai: e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default=None, help="with --backend openai: the model id to send (default: the first "
+                                                 "of GET /v1/models)")
     p.add_argument("--routing", choices=["prefix_aware", "round_robin"], default=None,
                    help="override router.routing of --config")
     p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the config)")
@@ -64,27 +74,31 @@ def rates_of(text: str, option: str = "--rates") -> list[float]:
     return rates
 
 
-def sweep(addr: str, args: argparse.Namespace, label: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """Run the workload at every rate of `args.rates` against `addr`; one run object per rate."""
-    slo = stats.Slo(args.slo_ttft_ms, args.slo_itl_ms)
+def slo_of(args: argparse.Namespace) -> stats.Slo:
+    return stats.Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_itl_stat)
+
+
+def sweep(target: Target, args: argparse.Namespace, label: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run the workload at every rate of `args.rates` against `target`; one run object per rate."""
+    slo = slo_of(args)
     runs = []
     for i, rate in enumerate(rates_of(args.rates)):
-        _warm_up(addr, args)
+        _warm_up(target, args)
         w = build(args.workload, rate, args.num_requests, args.seed, input_scale=args.input_scale,
                   output_scale=args.output_scale, salt=i + 1)
         log("serve", f"{label}: {w.describe()}")
-        records, elapsed = _with_progress(addr, w, f"{label} @ {rate:g} req/s", args.api_key)
-        _wait_idle(addr, args.api_key)
+        records, elapsed = _with_progress(target, w, f"{label} @ {rate:g} req/s")
+        target.wait_idle()
         summary = stats.summarize(records, elapsed, slo)
-        runs.append({"label": label, **meta,
+        runs.append({"label": label, "backend": target.backend, **meta,
                      "workload": {"name": w.name, "rate": rate, "num_requests": w.num_requests, **w.params},
-                     "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms}, "summary": summary,
-                     "requests": [r.as_dict() for r in records]})
+                     "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms, "itl_stat": slo.itl_stat},
+                     "summary": summary, "requests": [r.as_dict() for r in records]})
         log("serve", f"{label} @ {rate:g} req/s: " + one_line(summary))
     return runs
 
 
-def _with_progress(addr: str, w: Workload, desc: str, api_key: str | None) -> tuple[list[RequestRecord], float]:
+def _with_progress(target: Target, w: Workload, desc: str) -> tuple[list[RequestRecord], float]:
     """Run `w` with a progress bar on stderr (requests done, failures so far)."""
     from tqdm import tqdm
 
@@ -95,10 +109,10 @@ def _with_progress(addr: str, w: Workload, desc: str, api_key: str | None) -> tu
             failed += not r.ok
             bar.update(1)
             bar.set_postfix(failed=failed, refresh=False)
-        return asyncio.run(run_workload(addr, w, done, api_key))
+        return target.run(w, done)
 
 
-def _warm_up(addr: str, args: argparse.Namespace) -> None:
+def _warm_up(target: Target, args: argparse.Namespace) -> None:
     """A few requests one at a time, so the first measured ones do not pay for cold caches and connections."""
     if args.warmup_requests <= 0:
         return
@@ -106,18 +120,11 @@ def _warm_up(addr: str, args: argparse.Namespace) -> None:
               output_scale=args.output_scale, salt=WARMUP_SALT)
     for s in w.sessions:
         alone = Workload(w.name, w.rate, (Session(s.id, 0.0, s.turns[:1]),), w.params)
-        asyncio.run(run_workload(addr, alone, api_key=args.api_key))
-    _wait_idle(addr, args.api_key)
-
-
-def _wait_idle(addr: str, api_key: str | None, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = asyncio.run(cluster_status(addr, api_key))
-        if st.router_inflight == 0 and all(w.running == 0 and w.waiting == 0 for w in st.workers):
-            return
-        time.sleep(0.5)
-    log("serve", f"the cluster at {addr} was still busy {timeout_s:.0f} s after the run")
+        records, _ = target.run(alone)
+        if not records[0].ok:
+            # NOTE: said at once: a server that cannot answer one request alone fails the whole run
+            log("serve", f"warm-up request failed on {target.addr}: {records[0].error}")
+    target.wait_idle()
 
 
 def one_line(s: dict[str, Any]) -> str:
@@ -162,7 +169,8 @@ def format_table(f: dict[str, Any]) -> str:
 def finish(bench: str, runs: list[dict[str, Any]], args: argparse.Namespace, extra: dict[str, Any]) -> int:
     """Goodput, plots and the saved JSON of a set of runs."""
     figures: dict[str, Any] = {"bench": bench, "machine": machine(), **extra,
-                               "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+                               "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms,
+                                       "itl_stat": args.slo_itl_stat},
                                "goodput": goodputs(runs), "runs": runs}
     if not args.no_plots:
         stem = os.path.splitext(args.out)[0]
@@ -177,18 +185,41 @@ def finish(bench: str, runs: list[dict[str, Any]], args: argparse.Namespace, ext
     return emit(bench, figures, args.out, args.json, format_table)
 
 
+def check_target_args(args: argparse.Namespace) -> None:
+    """Which server options go with which backend, as a ValueError naming the option."""
+    if args.backend == "openai":
+        if not args.base_url:
+            raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+        if args.routing:
+            raise ValueError("--routing: only for a pdcluster cluster started from --config")
+        from pdcluster.bench.openai_client import completions_url
+
+        completions_url(args.base_url)  # NOTE: a malformed URL fails here, naming --base-url
+        return
+    for option, value in (("--base-url", args.base_url), ("--model", args.model)):
+        if value:
+            raise ValueError(f"{option}: only with --backend openai")
+    stats.Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_itl_stat)
+
+
 def run(args: argparse.Namespace) -> int:
     rates_of(args.rates)  # NOTE: bad input fails here, before a cluster is started for it
+    check_target_args(args)
+    if args.backend == "openai":
+        target = Target("openai", args.base_url, args.model, args.api_key)
+        runs = sweep(target, args, args.label or args.base_url, {"base_url": args.base_url})
+        return finish("serve", runs, args, {})
     if args.addr:
         st = asyncio.run(cluster_status(args.addr, args.api_key))
         meta = {"addr": args.addr, "mode": st.mode}
-        runs = sweep(args.addr, args, args.label or args.addr, meta)
+        runs = sweep(Target("pdcluster", args.addr, api_key=args.api_key), args, args.label or args.addr, meta)
         return finish("serve", runs, args, {})
     from pdcluster.bench.cluster_proc import load, serving
 
-    config = load(args.config, args.routing)
-    label = args.label or f"{os.path.basename(args.config)} ({config.router.routing})"
-    meta = {"config": args.config, "mode": config.mode, "routing": config.router.routing}
+    path = args.config or "deploy/bench-disagg.yaml"
+    config = load(path, args.routing)
+    label = args.label or f"{os.path.basename(path)} ({config.router.routing})"
+    meta = {"config": path, "mode": config.mode, "routing": config.router.routing}
     with serving(config, label) as addr:
-        runs = sweep(addr, args, label, meta)
+        runs = sweep(Target("pdcluster", addr, api_key=args.api_key), args, label, meta)
     return finish("serve", runs, args, {})

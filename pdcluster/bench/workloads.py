@@ -12,7 +12,9 @@ Workloads (`WORKLOADS`):
 - `sharegpt`: chat, input mean 161 / output mean 338 tokens (ShareGPT as reported in the vLLM paper), heavy tailed;
 - `summarization`: long prompts, short answers (input ~1,200, output ~80: a news article and its summary);
 - `shared_prompt`: many users behind one long system prompt (1,024 tokens), 4 turns each, short messages;
-- `mixed`: 80% short chat turns and 20% long documents (1,000-1,500 tokens): prefills that stall colocated decode.
+- `mixed`: 80% short chat turns and 20% long documents (1,000-1,500 tokens): prefills that stall colocated decode;
+- `system_prompt`: one 900-token system prompt in front of every request, then a short question (~32 tokens) and
+  a short answer (~64): single turns, so each request's new work is the question alone when the prefix is cached.
 `input_scale` / `output_scale` stretch the lengths (a 2-core laptop needs shorter answers than a GPU).
 """
 
@@ -133,15 +135,23 @@ def _mixed(d: _Draw, sid: int, t: float, shared: tuple[int, ...]) -> Session:
     return Session(sid, t, (Turn(d.tokens(d.input_len(96, 0.6, 16, 256)), d.output_len(64, 0.4, 16, 160)),))
 
 
+def _system_prompt(d: _Draw, sid: int, t: float, shared: tuple[int, ...]) -> Session:
+    question = d.tokens(d.input_len(32, 0.5, 8, 96))
+    return Session(sid, t, (Turn(shared + question, d.output_len(64, 0.4, 16, 160)),),
+                   shared_prefix_tokens=len(shared))
+
+
 SHARED_PROMPT_LEN = 1024
 SHARED_PROMPT_TURNS = 4
 SHARED_PROMPT_THINK_S = 2.0
+SYSTEM_PROMPT_LEN = 900
 MIXED_LONG_FRACTION = 0.2
 
 _Builder = Callable[[_Draw, int, float, tuple[int, ...]], Session]
 WORKLOADS: dict[str, _Builder] = {"sharegpt": _sharegpt, "summarization": _summarization,
-                                  "shared_prompt": _shared_prompt, "mixed": _mixed}
+                                  "shared_prompt": _shared_prompt, "mixed": _mixed, "system_prompt": _system_prompt}
 _TURNS = {"shared_prompt": SHARED_PROMPT_TURNS}
+_SHARED_LEN = {"shared_prompt": SHARED_PROMPT_LEN, "system_prompt": SYSTEM_PROMPT_LEN}
 
 
 def build(name: str, rate: float, num_requests: int, seed: int = 0, vocab: tuple[int, int] = (256, 49152),
@@ -157,7 +167,7 @@ def build(name: str, rate: float, num_requests: int, seed: int = 0, vocab: tuple
         raise ValueError("rate and num_requests must be > 0")
     turns = _TURNS.get(name, 1)
     d = _Draw(seed, salt, vocab, input_scale, output_scale)
-    shared = d.tokens(round(SHARED_PROMPT_LEN * input_scale)) if name == "shared_prompt" else ()
+    shared = d.tokens(round(_SHARED_LEN[name] * input_scale)) if name in _SHARED_LEN else ()
     arrivals = random.Random(seed + 1)
     sessions, t = [], 0.0
     for sid in range(math.ceil(num_requests / turns)):
