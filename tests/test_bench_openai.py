@@ -155,3 +155,27 @@ def test_base_url_and_config_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--backend", "openai", "--base-url", "http://h:1/v1", "--config", "x.yaml"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def _run(label: str, workload: str, ttft: float, gaps: list[float], n: int, slo: stats.Slo) -> dict[str, Any]:
+    records = [RequestRecord(i, 0, 0.0, 10, len(gaps) + 1, output_len=len(gaps) + 1, ttft_ms=ttft, itl_ms=gaps,
+                             e2e_ms=ttft + sum(gaps)) for i in range(n)]
+    return {"label": label, "workload": {"name": workload, "rate": 1.0}, "summary": stats.summarize(records, 1, slo)}
+
+
+def test_vs_vllm_rows_hold_each_goal_to_its_ratio():
+    from pdcluster.bench import markdown, vs_vllm
+
+    slo = stats.Slo(5000, 250, "p90")
+    ours = [_run("ours", "mixed", 200, [40] * 9, 4, slo), _run("ours", "system_prompt", 900, [300] * 9, 4, slo)]
+    theirs = [_run("vllm", "system_prompt", 300, [50] * 9, 4, slo), _run("vllm", "mixed", 400, [100] * 9, 4, slo)]
+    mixed, shared = vs_vllm.rows(ours, theirs)
+    assert mixed["workload"] == "mixed" and mixed["ttft_p50_ms"] == [200, 400] and mixed["itl_p99_ratio"] == 0.4
+    assert mixed["goals_met"] == {"slo_attainment_ge_vllm": True, "itl_p99_le_half_vllm": True,
+                                  "ttft_p50_le_vllm": True}
+    assert shared["slo_attainment"] == [0.0, 1.0] and shared["itl_p99_ratio"] == 6.0
+    assert shared["goals_met"] == {"slo_attainment_ge_vllm": False, "itl_p99_le_half_vllm": False,
+                                   "ttft_p50_le_vllm": False}
+    table = markdown.vllm_table({"pdcluster_vs_vllm": [mixed, shared]})
+    assert "| mixed | 1 | pdcluster | 200 | 40 | 40 | 100% | 0 |" in table
+    assert "| system_prompt | MISSED | 6.0 (MISSED) | 3.0 (MISSED) |" in table

@@ -40,6 +40,31 @@ def ratios_table(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def vllm_table(f: dict[str, Any]) -> str:
+    """The comparison as BENCHMARKS.md shows it: one row per workload and server, then the ratios."""
+    rows_ = f.get("pdcluster_vs_vllm", [])
+    if not rows_:
+        return ""
+    lines = ["| workload | rate (req/s) | server | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | SLO met | failed |",
+             "|" + " --- |" * 8]
+    for r in rows_:
+        for i, who in enumerate(r["servers"]):
+            lines.append(f"| {r['workload']} | {r['rate']:g} | {who} | {r['ttft_p50_ms'][i]:,.0f} | "
+                         f"{r['itl_p50_ms'][i]:,.0f} | {r['itl_p99_ms'][i]:,.0f} | "
+                         f"{100 * r['slo_attainment'][i]:.0f}% | {r['failed'][i]} |")
+    lines += ["", "| workload | SLO attainment >= vLLM | ITL p99 / vLLM (goal <= 0.5) | TTFT p50 / vLLM (goal <= 1) |",
+              "|" + " --- |" * 4]
+    for r in rows_:
+        g = r["goals_met"]
+        lines.append(f"| {r['workload']} | {_met(g['slo_attainment_ge_vllm'])} | {r['itl_p99_ratio']} "
+                     f"({_met(g['itl_p99_le_half_vllm'])}) | {r['ttft_p50_ratio']} ({_met(g['ttft_p50_le_vllm'])}) |")
+    return "\n".join(lines)
+
+
 def goodput_lines(figures: dict[str, Any]) -> str:
     slo = figures["slo"]
     out = []
@@ -57,8 +82,6 @@ def render(figures: dict[str, Any]) -> str:
     if figures.get("disaggregated_vs_colocated") or figures.get("prefix_aware_vs_round_robin"):
         parts.append(ratios_table(figures))
     if figures.get("pdcluster_vs_vllm"):
-        from pdcluster.bench.vs_vllm import markdown_table
-
-        parts.append(markdown_table(figures))
+        parts.append(vllm_table(figures))
     parts.append(goodput_lines(figures))
     return "\n\n".join(p for p in parts if p) + "\n"

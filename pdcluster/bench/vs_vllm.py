@@ -106,7 +106,8 @@ def rows(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[
         b = next(r for r in theirs if r["workload"]["name"] == a["workload"]["name"]
                  and r["workload"]["rate"] == a["workload"]["rate"])
         sa, sb = a["summary"], b["summary"]
-        row: dict[str, Any] = {"workload": a["workload"]["name"], "rate": a["workload"]["rate"]}
+        row: dict[str, Any] = {"workload": a["workload"]["name"], "rate": a["workload"]["rate"],
+                               "servers": [OURS, THEIRS]}
         for key, metric, pct in (("ttft_p50_ms", "ttft_ms", "p50"), ("itl_p50_ms", "itl_ms", "p50"),
                                  ("itl_p99_ms", "itl_ms", "p99")):
             row[key] = [sa[metric][pct], sb[metric][pct]]
@@ -138,25 +139,4 @@ def format_rows(f: dict[str, Any]) -> str:
             f"(ratio {r['itl_p99_ratio']}, goal <= 0.5: {_yes(g['itl_p99_le_half_vllm'])}); TTFT p50 "
             f"{r['ttft_p50_ms'][0]:.0f} vs {r['ttft_p50_ms'][1]:.0f} ms (ratio {r['ttft_p50_ratio']}, goal <= 1: "
             f"{_yes(g['ttft_p50_le_vllm'])}); ITL p50 {r['itl_p50_ms'][0]:.0f} vs {r['itl_p50_ms'][1]:.0f} ms")
-    return "\n".join(lines)
-
-
-def markdown_table(f: dict[str, Any]) -> str:
-    """The comparison as BENCHMARKS.md shows it: one row per workload and server, then the ratios."""
-    rows_ = f.get("pdcluster_vs_vllm", [])
-    if not rows_:
-        return ""
-    lines = ["| workload | rate (req/s) | server | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | SLO met | failed |",
-             "|" + " --- |" * 8]
-    for r in rows_:
-        for i, who in enumerate((OURS, THEIRS)):
-            lines.append(f"| {r['workload']} | {r['rate']:g} | {who} | {r['ttft_p50_ms'][i]:,.0f} | "
-                         f"{r['itl_p50_ms'][i]:,.0f} | {r['itl_p99_ms'][i]:,.0f} | "
-                         f"{100 * r['slo_attainment'][i]:.0f}% | {r['failed'][i]} |")
-    lines += ["", "| workload | SLO attainment >= vLLM | ITL p99 / vLLM (goal <= 0.5) | TTFT p50 / vLLM (goal <= 1) |",
-              "|" + " --- |" * 4]
-    for r in rows_:
-        g = r["goals_met"]
-        lines.append(f"| {r['workload']} | {_yes(g['slo_attainment_ge_vllm'])} | {r['itl_p99_ratio']} "
-                     f"({_yes(g['itl_p99_le_half_vllm'])}) | {r['ttft_p50_ratio']} ({_yes(g['ttft_p50_le_vllm'])}) |")
     return "\n".join(lines)
