@@ -70,6 +70,11 @@ class KVTransferService:
         return self._call(context, lambda: wire.prepared_to_proto(  # type: ignore[no-any-return]
             self.receiver.prepare(wire.prepare_from_proto(request))))
 
+    def KeepAlive(self, request: pb.KeepAliveRequest,  # noqa: N802
+                  context: grpc.ServicerContext) -> pb.KeepAliveResponse:
+        self._call(context, lambda: self.receiver.keep_alive(request.transfer_id))
+        return pb.KeepAliveResponse()
+
     def Push(self, request_iterator: Iterator[tuple[Chunk, memoryview]],  # noqa: N802
              context: grpc.ServicerContext) -> pb.PushResponse:
         transfer_id, nbytes = "", 0
@@ -101,6 +106,7 @@ class KVTransferService:
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Prepare": unary(self.Prepare, pb.PrepareRequest, pb.PrepareResponse),
+            "KeepAlive": unary(self.KeepAlive, pb.KeepAliveRequest, pb.KeepAliveResponse),
             "Push": grpc.stream_unary_rpc_method_handler(self.Push, wire.chunk_from_wire,
                                                          pb.PushResponse.SerializeToString),
             "Commit": unary(self.Commit, pb.CommitRequest, pb.CommitResponse),
@@ -170,6 +176,12 @@ class GrpcControl(Control):
         except grpc.RpcError as e:
             raise transfer_error(e, "", f"abort at {self.address}") from None
 
+    def keep_alive(self, transfer_id: str, timeout: float) -> None:
+        try:
+            self.stub.KeepAlive(pb.KeepAliveRequest(transfer_id=transfer_id), timeout=timeout)
+        except grpc.RpcError as e:
+            raise transfer_error(e, "", f"keep-alive at {self.address}") from None
+
 
 class GrpcKVSender(KVSender):
     """Streams each layer's K and V in sealed chunks over parallel Push calls."""
@@ -179,6 +191,10 @@ class GrpcKVSender(KVSender):
     _calls: tuple[grpc.Future, ...] = ()  # the Push calls in flight, cancelled on abort
 
     def _send_layers(self, layers: Iterator[Layer]) -> None:
+        # NOTE: called once the first layer is ready, not at the handshake: the receiver's server gives each open
+        # stream a thread, and streams held open while prompts queue for prefill would starve it
+        if self.state.finished:
+            return
         n_streams = self.config.grpc_streams
         queues: list[queue.Queue[bytes | None]] = [queue.Queue(QUEUED_CHUNKS) for _ in range(n_streams)]
         calls = [channel(self.control.address, i, self.control.cluster_token).stream_unary(

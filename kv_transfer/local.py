@@ -59,6 +59,9 @@ class LocalControl(Control):
     def abort(self, req: Abort, timeout: float) -> None:
         self.receiver.abort(req)
 
+    def keep_alive(self, transfer_id: str, timeout: float) -> None:
+        self._call(lambda: self.receiver.keep_alive(transfer_id))
+
 
 class LocalKVSender(KVSender):
     """Copies each layer straight into the receiver's reserved blocks."""

@@ -1,13 +1,15 @@
 """Decode side of a transfer: reserve on handshake, check and write what arrives, complete on commit, expire.
 
 Life of an inbound transfer:
-1. `prepare` checks the sender's description against the engine and reserves blocks (cached ones linked);
+1. `prepare` checks the sender's description against the engine and reserves blocks (cached ones linked); while
+   the sender waits for its prompt's first layer, its `keep_alive` calls renew the deadline;
 2. data arrives as chunks: bytes (`on_chunk`, grpc) or tensors (`on_tensor`, torch/local); each chunk's CRC32C
    (of its place and bytes) is checked before it is written into the reserved blocks, on the thread it came on;
 3. `commit` completes it once every block of every layer arrived (DONE); the decode worker then `take`s it into
    its running batch with the request's sampling params;
 4. a failure, an abort from either side, a broken stream, or a missed deadline frees the reservation (FAILED).
-A background thread expires transfers whose deadline passed, including DONE ones nobody took.
+A background thread expires transfers whose deadline passed, including DONE ones nobody took. The deadline runs
+from the handshake, again from each keep-alive, and from the first data on (then no keep-alive moves it).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Inbound:
     res: KVReservation
     deadline: float  # time.monotonic()
     received: np.ndarray  # [num_layers, 2, num_blocks] bool: which blocks arrived intact
+    lifetime: float = 0.0  # seconds: the sender's deadline, run again from each keep-alive and the first data
+    data_started: bool = False  # some data arrived: the deadline no longer moves
     state: TransferState = TransferState.TRANSFERRING
     error: TransferError | None = None
     writers: int = 0  # writes into the reserved blocks in progress: freeing waits for them
@@ -98,7 +102,7 @@ class KVReceiver:
             res = self.engine.reserve_kv(rid, req.layout, req.token_ids, req.num_prompt_tokens, req.block_hashes)
         n = len(res.fresh_blocks)
         t = Inbound(uuid.uuid4().hex, res, time.monotonic() + req.deadline_ms / 1000,
-                    np.zeros((self.layout.num_layers, 2, n), dtype=bool))
+                    np.zeros((self.layout.num_layers, 2, n), dtype=bool), req.deadline_ms / 1000)
         with self._lock:
             self._by_id[t.transfer_id] = t
             self._by_request[rid] = t
@@ -153,7 +157,14 @@ class KVReceiver:
                     raise t.error
                 raise TransferError(f"transfer {transfer_id}: unknown or finished", t.request_id if t else None)
             t.writers += 1
+            self._started(t)
             return t
+
+    def _started(self, t: Inbound) -> None:
+        """Data of `t` arrived (or a transport began pulling it): its deadline runs from now, once."""
+        if not t.data_started:
+            t.data_started = True
+            t.deadline = time.monotonic() + t.lifetime
 
     def _end_write(self, t: Inbound, layer: int = 0, which: int = 0, first: int = 0, n: int = 0,
                    nbytes: int = 0) -> None:
@@ -237,6 +248,16 @@ class KVReceiver:
         t = self._by_id.get(transfer_id)
         if t is not None:
             self._fail(t, reason, retryable=retryable)
+
+    def keep_alive(self, transfer_id: str) -> None:
+        """The sender still wants `transfer_id` (its prompt waits for prefill): its deadline runs again from now."""
+        with self._lock:
+            t = self._by_id.get(transfer_id)
+            if t is None or t.state is not TransferState.TRANSFERRING:
+                why = f"{t.state.value}" + (f": {t.error.reason}" if t.error else "") if t else "unknown"
+                raise TransferError(f"cannot keep transfer {transfer_id} alive ({why})", t.request_id if t else None)
+            if not t.data_started:
+                t.deadline = max(t.deadline, time.monotonic() + t.lifetime)
 
     def set_receiving(self, t: Inbound, receiving: bool) -> None:
         """A transport thread starts or stops pulling `t`'s data (commit waits while one is)."""

@@ -2,7 +2,9 @@
 
 Life of an outbound transfer:
 1. `prepare()`: the handshake; the receiver reserves blocks and says how many leading ones it already caches
-   (`cached_blocks`): only the rest are sent;
+   (`cached_blocks`): only the rest are sent; until the first layer is ready (the prompt may wait in the prefill
+   queue far longer than the deadline), the sender's thread calls `keep_alive` every deadline/3, and the deadline
+   runs from the first layer on; a sender that dies stops calling, and the receiver expires the reservation;
 2. `send_layer(layer, k, v)` as each layer's KV is ready (from `LLMEngine.watch_layers` during the prefill step);
    a background thread moves the data while the prefill goes on;
 3. `commit(next_token_ids)`: after the last layer, hands over the sampled token(s); the receiver then completes;
@@ -43,6 +45,10 @@ class Control(ABC):
     @abstractmethod
     def abort(self, req: Abort, timeout: float) -> None: ...
 
+    @abstractmethod
+    def keep_alive(self, transfer_id: str, timeout: float) -> None:
+        """The transfer is still wanted: the receiver's deadline runs again from now (until its first data)."""
+
 
 @dataclass
 class Layer:
@@ -76,6 +82,7 @@ class KVSender(ABC):
         self.bytes_sent = 0
         self.started = self.finished_at = 0.0
         self._deadline = 0.0
+        self._sending = False  # the first layer was queued: the deadline runs from then on, no more keep-alives
         self._queue: queue.Queue[object] = queue.Queue()
         self._next_token_ids: list[int] = []
         self._num_cached_tokens = 0
@@ -111,6 +118,9 @@ class KVSender(ABC):
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's K and V of blocks [cached_blocks, ...) (each [num_blocks, block_size, KVH, D])."""
         if self.state is TransferState.TRANSFERRING:
+            if not self._sending:
+                self._sending = True
+                self._deadline = time.monotonic() + self.config.deadline_s
             self._queue.put(Layer(layer, k, v))
 
     def commit(self, next_token_ids: Sequence[int], num_cached_tokens: int = 0) -> None:
@@ -149,10 +159,52 @@ class KVSender(ABC):
 
     @abstractmethod
     def _send_layers(self, layers: Iterator[Layer]) -> None:
-        """Move every layer the iterator yields to the receiver; raise TransferError on failure."""
+        """Move every layer the iterator yields to the receiver; raise TransferError on failure.
 
-    def _layers(self) -> Iterator[Layer]:
-        """Layers as the caller queues them, until commit (or the deadline/abort)."""
+        Called once the first layer is ready, or once the transfer finished without one (the iterator is empty).
+        """
+
+    def _first_item(self) -> object | None:
+        """Wait for the first layer (or the commit), keeping the receiver's reservation alive meanwhile.
+
+        NOTE: the handshake comes before the prompt queues for prefill; under load the queue outlasts any sane
+        deadline, and a transfer that expired there would be prefilled again elsewhere, the work done twice exactly
+        when the cluster is saturated. So until the first layer the deadline is renewed by keep-alives (None: the
+        transfer finished meanwhile).
+        """
+        interval = self.config.deadline_s / 3
+        beat = time.monotonic() + interval
+        while not self.state.finished:
+            try:
+                return self._queue.get(timeout=max(0.001, min(0.5, beat - time.monotonic())))
+            except queue.Empty:
+                pass
+            if time.monotonic() >= beat and not self._sending and not self.state.finished:
+                try:
+                    self._keep_alive()
+                except TransferError as e:
+                    self.abort_after(e)
+                beat = time.monotonic() + interval
+        return None
+
+    def _keep_alive(self) -> None:
+        sent = time.monotonic()
+        try:
+            self.control.keep_alive(self.transfer_id, min(self.remaining(), self.config.deadline_s / 3))
+        except TransferError as e:
+            # NOTE: a receiver that is briefly unreachable gets more tries until the last renewal runs out
+            if not e.retryable or time.monotonic() > self._deadline:
+                raise
+            return
+        if not self._sending:
+            self._deadline = max(self._deadline, sent + self.config.deadline_s)
+
+    def _layers(self, first: object) -> Iterator[Layer]:
+        """Layers as the caller queues them (from `first` on), until commit (or the deadline/abort)."""
+        if first is None or first is _COMMIT:
+            return
+        assert isinstance(first, Layer)
+        yield first
         while True:
             try:
                 item = self._queue.get(timeout=min(0.5, self.remaining()))
@@ -170,7 +222,8 @@ class KVSender(ABC):
 
     def _run(self) -> None:
         try:
-            self._send_layers(self._layers())
+            # NOTE: also when the transfer ended before its first layer: a transport may owe its peer a word (torch)
+            self._send_layers(self._layers(self._first_item()))
             if self.state.finished:
                 return
             received = self.control.commit(Commit(self.transfer_id, self._next_token_ids, self._num_cached_tokens),

@@ -70,6 +70,16 @@ class PrepareResponse(_message.Message):
     torch: TorchRendezvous
     def __init__(self, transfer_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., torch: _Optional[_Union[TorchRendezvous, _Mapping]] = ...) -> None: ...
 
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class KVChunk(_message.Message):
     __slots__ = ("transfer_id", "layer", "kv", "first_block", "num_blocks", "crc32c", "data")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class KVTransferStub:
                 request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareRequest.SerializeToString,
                 response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/pdcluster.v1.KVTransfer/KeepAlive',
+                request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/pdcluster.v1.KVTransfer/Push',
                 request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
@@ -60,6 +65,12 @@ class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prepare(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +101,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Prepare,
                     request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareRequest.FromString,
                     response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.KeepAliveResponse.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
@@ -134,6 +150,33 @@ class KVTransfer:
             '/pdcluster.v1.KVTransfer/Prepare',
             kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareRequest.SerializeToString,
             kv__transfer_dot_v1_dot_kv__transfer__pb2.PrepareResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.KVTransfer/KeepAlive',
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.KeepAliveRequest.SerializeToString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,
