@@ -1,17 +1,27 @@
 """Attention over paged KV blocks, for a flat batch of decode tokens and variable-length prefill chunks.
 
-`paged_attention` is the one kernel seam: a GPU kernel (flash/paged attention) replaces this function and
-nothing else. Everything that depends only on the batch (slots, padded block tables, masks) is built once per
-step in `AttentionMetadata` and shared by all layers.
+`paged_attention` is the one kernel seam. Two backends behind it:
+- the compiled kernel (engine/csrc/, planned by engine/attention_inplace.py): reads K/V in place from the paged
+  cache for decode and for prefill chunks with cached context, and attends prefixes that several decode entries
+  share once for all of them (cascade, engine/attention_cascade.py). It handles float32/bf16/fp16 and int8 caches.
+- the pure-torch gather path (this module): gathers each sequence's blocks into fresh tensors, then SDPA. Used when
+  the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
+Prefill chunks that start their sequence attend their own new K/V with SDPA in both.
+Everything that depends only on the batch (slots, plans, padded block tables, masks) is built once per step in
+`AttentionMetadata` and shared by all layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention_inplace import KernelPlan, build_plan
+from engine.kernels import attention_kernel
 from engine.kv_quant import gather_dequantized, write_quantized
 
 # NOTE: prefill queries are processed in chunks of this many rows: the scores of a chunk stay in cache and the
@@ -46,14 +56,22 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset, where each new token's K/V goes
     num_decode: int
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # gather path only
     prefills: list[PrefillSpan]
+    plan: KernelPlan | None = None  # kernel path: every decode entry and prefill chunk with context
 
     @staticmethod
     def build(
-        block_tables: list[list[int]], starts: list[int], num_new: list[int], block_size: int
+        block_tables: list[list[int]], starts: list[int], num_new: list[int], block_size: int,
+        kernel: ModuleType | None | Literal["auto"] = "auto", cascade: bool = True,
     ) -> AttentionMetadata:
-        """Lay out a step: sequence i computes tokens [starts[i], starts[i] + num_new[i]) (decode entries first)."""
+        """Lay out a step: sequence i computes tokens [starts[i], starts[i] + num_new[i]) (decode entries first).
+
+        `kernel`: the compiled kernel module, None for the gather path, "auto" for whatever engine/kernels.py
+        provides. `cascade`: attend shared prefixes of decode entries once per group (kernel path).
+        """
+        if kernel == "auto":
+            kernel = attention_kernel()
         slots: list[torch.Tensor] = []
         num_decode = 0
         while num_decode < len(num_new) and num_new[num_decode] == 1:
@@ -62,13 +80,20 @@ class AttentionMetadata:
         for table, start, n in zip(tables, starts, num_new):
             pos = torch.arange(start, start + n)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-        groups = _decode_groups(tables[:num_decode], starts[:num_decode], block_size)
+        plan = None
+        if kernel is not None:
+            plan = build_plan(kernel, block_tables, starts, num_new, num_decode, block_size, cascade)
+            groups = []
+        else:
+            groups = _decode_groups(tables[:num_decode], starts[:num_decode], block_size)
         prefills: list[PrefillSpan] = []
         q_start = num_decode
         for table, start, n in zip(tables[num_decode:], starts[num_decode:], num_new[num_decode:]):
-            prefills.append(PrefillSpan(q_start, n, start + n, table, start > 0, _chunk_masks(start, n)))
+            # NOTE: the kernel's plan covers chunks with context; SDPA masks are only needed for the others.
+            masks = [] if plan is not None and start > 0 else _chunk_masks(start, n)
+            prefills.append(PrefillSpan(q_start, n, start + n, table, start > 0, masks))
             q_start += n
-        return AttentionMetadata(torch.cat(slots), num_decode, groups, prefills)
+        return AttentionMetadata(torch.cat(slots), num_decode, groups, prefills, plan)
 
 
 # NOTE: a padded decode call costs (entries x longest context); one 1,500-token context among short ones would
@@ -151,7 +176,13 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of every query token over its sequence's cached context."""
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if meta.plan is not None:
+        meta.plan.run(q, k_cache, v_cache, scale, out)
+        for span in meta.prefills:
+            if not span.has_context:
+                _prefill_own(q, k, v, span, scale, out)
+        return out
     h = q.shape[1]
     kvh, d = k.shape[1:]
     for g in meta.decode_groups:
@@ -165,12 +196,20 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         out.index_copy_(0, g.rows, o.reshape(n, h, d))
     for span in meta.prefills:
-        rows = slice(span.q_start, span.q_start + span.q_len)
         if not span.has_context:
-            ks, vs = k[rows], v[rows]
-        else:
-            ks = _gather(k_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
-            vs = _gather(v_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
+            _prefill_own(q, k, v, span, scale, out)
+            continue
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        ks = _gather(k_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
+        vs = _gather(v_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
         o = _causal_chunks(q[rows].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), span.masks, scale)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def _prefill_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, scale: float,
+                 out: torch.Tensor) -> None:
+    """A chunk that starts its sequence: causal attention over its own new K/V (no cache read)."""
+    rows = slice(span.q_start, span.q_start + span.q_len)
+    o = _causal_chunks(q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1), span.masks, scale)
+    out[rows] = o.transpose(0, 1)

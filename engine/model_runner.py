@@ -12,6 +12,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig, torch_dtype
 from engine.errors import InvalidRequestError
+from engine.kernels import attention_kernel
 from engine.kv_quant import int8_block_rows
 from engine.model import LlamaModel
 from engine.sampler import sample
@@ -54,6 +55,9 @@ class ModelRunner:
         shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=self.kv_dtype)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        # NOTE: None = the pure-torch gather path (kernel not built, or PDCLUSTER_ATTENTION=gather); read once here
+        # so every step of this engine takes the same path.
+        self.attn_kernel = attention_kernel()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -81,7 +85,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(i)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
-                                       self.block_size)
+                                       self.block_size, kernel=self.attn_kernel)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
                             layer_hook)
         out: list[list[int]] = [[] for _ in batch.seqs]

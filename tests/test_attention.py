@@ -1,4 +1,5 @@
-"""Decode attention over length-bucketed groups equals plain attention over each sequence's own context."""
+"""Paged attention: the gather path's length-bucketed decode groups, and the compiled in-place kernel (with
+cascade over shared prefixes) against the gather path and against plain attention, number by number."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import DECODE_PAD_RATIO, AttentionMetadata, paged_attention
+from engine.attention_cascade import shared_prefixes
+from engine.kernels import ensure_built
+from engine.kv_quant import write_quantized
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return ensure_built()  # NOTE: a machine with a compiler must build it: a failure here is a test failure
 
 
 @pytest.mark.parametrize("lengths", [[5], [17, 1500, 40, 33, 700, 16, 1], [64, 64, 64], [3, 2000]])
@@ -20,7 +29,7 @@ def test_decode_groups_match_per_sequence_attention(lengths: list[int]) -> None:
         need = -(-n // bs)
         tables.append(perm[used:used + need])
         used += need
-    meta = AttentionMetadata.build(tables, [n - 1 for n in lengths], [1] * len(lengths), bs)
+    meta = AttentionMetadata.build(tables, [n - 1 for n in lengths], [1] * len(lengths), bs, kernel=None)
     q = torch.randn(len(lengths), h, d)
     out = paged_attention(q, torch.zeros(len(lengths), kvh, d), torch.zeros(len(lengths), kvh, d),
                           k_cache, v_cache, meta, scale=0.3)
@@ -37,3 +46,101 @@ def test_decode_groups_match_per_sequence_attention(lengths: list[int]) -> None:
         assert max(blocks) <= DECODE_PAD_RATIO * min(blocks)
     if len(lengths) == 7:
         assert len(meta.decode_groups) > 1  # 1 block and 94 blocks never share a padded call
+
+
+BS, KVH, H, D = 16, 3, 9, 64  # SmolLM2's head layout
+
+
+def _mixed_batch(nb: int, shared_blocks: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """Decode entries (four behind `shared_blocks` common blocks, two alone, one in the middle of a block), then
+    prefill chunks with cached context (two) and one that starts its sequence."""
+    perm = torch.randperm(nb).tolist()
+    shared, free = perm[:shared_blocks], perm[shared_blocks:]
+    tables: list[list[int]] = []
+    starts: list[int] = []
+    num_new: list[int] = []
+
+    def take(n: int) -> list[int]:
+        out = free[:n]
+        del free[:n]
+        return out
+
+    for total in (200, 170, 161, 16 * shared_blocks + 1):
+        tables.append(shared + take(-(-total // BS) - shared_blocks))
+        starts.append(total - 1)
+        num_new.append(1)
+    for total in (50, 700, 9):
+        tables.append(take(-(-total // BS)))
+        starts.append(total - 1)
+        num_new.append(1)
+    for start, n in ((70, 40), (300, 200), (0, 30)):
+        tables.append(take(-(-(start + n) // BS)))
+        starts.append(start)
+        num_new.append(n)
+    return tables, starts, num_new
+
+
+def _caches(nb: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = torch.randn(nb, BS, KVH, D), torch.randn(nb, BS, KVH, D)
+    if dtype != torch.int8:
+        return k.to(dtype), v.to(dtype)
+    k8, v8 = (torch.zeros(nb, BS + 1, KVH, D, dtype=torch.int8) for _ in range(2))
+    write_quantized(k8, k.view(-1, KVH, D), torch.arange(nb * BS))
+    write_quantized(v8, v.view(-1, KVH, D), torch.arange(nb * BS))
+    return k8, v8
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,tol", [(torch.float32, torch.float32, 2e-5),
+                                                  (torch.float32, torch.int8, 2e-5),
+                                                  (torch.bfloat16, torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("cascade", [True, False])
+def test_kernel_matches_gather_path(kernel, q_dtype, kv_dtype, tol, cascade) -> None:
+    torch.manual_seed(1)
+    nb = 400
+    k_cache, v_cache = _caches(nb, kv_dtype)
+    tables, starts, num_new = _mixed_batch(nb, shared_blocks=10)
+    t = sum(num_new)
+    q, k, v = torch.randn(t, H, D, dtype=q_dtype), torch.randn(t, KVH, D, dtype=q_dtype), torch.randn(
+        t, KVH, D, dtype=q_dtype)
+    gather = AttentionMetadata.build(tables, starts, num_new, BS, kernel=None)
+    inplace = AttentionMetadata.build(tables, starts, num_new, BS, kernel=kernel, cascade=cascade)
+    assert inplace.plan is not None
+    assert [g.members for g in inplace.plan.groups] == ([[0, 1, 2, 3]] if cascade else [])
+    ref = paged_attention(q, k, v, k_cache, v_cache, gather, 0.125)
+    out = paged_attention(q, k, v, k_cache, v_cache, inplace, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_cascade_output_equals_plain_attention_over_whole_context(kernel) -> None:
+    """Shared prefix + suffix merged by log-sum-exp = softmax attention over the concatenated context."""
+    torch.manual_seed(2)
+    nb, lengths, shared = 300, [900, 1000, 913, 1201], 56  # 56 blocks = 896 shared tokens
+    k_cache, v_cache = torch.randn(nb, BS, KVH, D), torch.randn(nb, BS, KVH, D)
+    perm = torch.randperm(nb).tolist()
+    tables, used = [], shared
+    for n in lengths:
+        own = -(-n // BS) - shared
+        tables.append(perm[:shared] + perm[used:used + own])
+        used += own
+    meta = AttentionMetadata.build(tables, [n - 1 for n in lengths], [1] * 4, BS, kernel=kernel)
+    assert meta.plan is not None and meta.plan.groups[0].num_tokens == 896
+    q = torch.randn(4, H, D)
+    out = paged_attention(q, torch.zeros(4, KVH, D), torch.zeros(4, KVH, D), k_cache, v_cache, meta, 0.125)
+    for i, (n, table) in enumerate(zip(lengths, tables)):
+        ks = k_cache[table].reshape(-1, KVH, D)[:n].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+        vs = v_cache[table].reshape(-1, KVH, D)[:n].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i][:, None], ks, vs, scale=0.125)[:, 0]
+        torch.testing.assert_close(out[i], ref, rtol=2e-5, atol=2e-5)
+
+
+def test_shared_prefixes_group_only_identical_leading_blocks() -> None:
+    tables = [[7, 8, 9, 1], [7, 8, 9, 2, 3], [7, 8, 4], [5, 8, 9], [6], [7]]
+    ctx = [60, 70, 40, 40, 3, 2]
+    groups = shared_prefixes(tables, ctx, block_size=16, min_blocks=1)
+    # [7] (ctx 2) pulls the group's common run down to one token short of its end: below one block, no group
+    assert groups == []
+    groups = shared_prefixes(tables[:5], ctx[:5], block_size=16, min_blocks=1)
+    assert [(g.members, g.num_tokens) for g in groups] == [([0, 1, 2], 32)]
+    groups = shared_prefixes(tables[:2], ctx[:2], block_size=16, min_blocks=1)
+    assert [(g.members, g.num_tokens) for g in groups] == [([0, 1], 48)]
+    assert shared_prefixes(tables[:2], ctx[:2], block_size=16, min_blocks=4) == []
