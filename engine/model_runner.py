@@ -58,6 +58,7 @@ class ModelRunner:
         # NOTE: None = the pure-torch gather path (kernel not built, or PDCLUSTER_ATTENTION=gather); read once here
         # so every step of this engine takes the same path.
         self.attn_kernel = attention_kernel()
+        self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -85,7 +86,8 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(i)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
-                                       self.block_size, kernel=self.attn_kernel)
+                                       self.block_size, kernel=self.attn_kernel,
+                                       cascade=self.attn_cascade)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
                             layer_hook)
         out: list[list[int]] = [[] for _ in batch.seqs]
