@@ -25,8 +25,9 @@ ENV = "PDCLUSTER_ATTENTION"
 BACKENDS = ("auto", "kernel", "gather")
 # NOTE: built on the machine that runs it (the install step), so -march=native is safe there and pays for
 # AVX-512 on the dot products; a compiler that rejects it gets a portable retry (see build()).
-NATIVE_FLAGS = ["-O3", "-march=native", "-fopenmp"]
-PORTABLE_FLAGS = ["-O3", "-fopenmp"]
+# -fopenmp-simd: the `omp simd` hints only; threads come from torch's pool (no second OpenMP runtime).
+NATIVE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 
 _loaded: ModuleType | None = None
 _tried = False
@@ -47,7 +48,7 @@ def build(verbose: bool = False) -> Path:
     last: Exception | None = None
     for flags in (NATIVE_FLAGS, PORTABLE_FLAGS):
         try:
-            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags,
                                build_directory=str(BUILD_DIR), verbose=verbose)
             return BUILD_DIR / f"{name}.so"
         except Exception as e:  # noqa: BLE001 (compiler errors come as several types; retry portable, then raise)

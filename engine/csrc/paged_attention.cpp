@@ -14,9 +14,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -215,12 +215,16 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t n = static_cast<int64_t>(units.size());
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) {
-    run_unit<scalar_t, cache_t>(units[i], mp, rp, bp, qp, q.stride(0), q.stride(1), kc, vc, num_heads, kv_heads, d,
-                                static_cast<float>(scale), op, part.data(), lse.data());
-  }
+  // NOTE: torch's own thread pool (at::parallel_for), one task per thread, each taking the next unit from a shared
+  // counter: dynamic balance without a second OpenMP runtime (two pools spinning on 2 cores cost 5x here).
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) {
+      run_unit<scalar_t, cache_t>(units[i], mp, rp, bp, qp, q.stride(0), q.stride(1), kc, vc, num_heads, kv_heads,
+                                  d, static_cast<float>(scale), op, part.data(), lse.data());
+    }
+  });
   if (any_partial) merge_partials<scalar_t>(mp, num_items, rp, num_rows, num_heads, d, part.data(), lse.data(), op);
 }
 
