@@ -3,6 +3,8 @@ cascade over shared prefixes) against the gather path and against plain attentio
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,3 +146,21 @@ def test_shared_prefixes_group_only_identical_leading_blocks() -> None:
     groups = shared_prefixes(tables[:2], ctx[:2], block_size=16, min_blocks=1)
     assert [(g.members, g.num_tokens) for g in groups] == [([0, 1], 48)]
     assert shared_prefixes(tables[:2], ctx[:2], block_size=16, min_blocks=4) == []
+
+
+def test_without_a_built_kernel_the_engine_logs_and_uses_the_gather_path(tiny, monkeypatch, tmp_path, caplog) -> None:
+    from engine import kernels
+    from tests.helpers import generate_ids, greedy, make_engine
+
+    monkeypatch.setattr(kernels, "BUILD_DIR", tmp_path)  # nothing built there
+    monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+        engine = make_engine(tiny)
+    assert engine.runner.attn_kernel is None
+    assert "using the pure-torch gather path" in caplog.text
+    assert len(generate_ids(engine, [[5, 6, 7, 8]], greedy(4))[0]) == 4
+    monkeypatch.setenv(kernels.ENV, "kernel")  # asked for explicitly: an error, not a silent fallback
+    with pytest.raises(RuntimeError, match="not built"):
+        kernels.attention_kernel()
