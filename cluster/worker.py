@@ -23,7 +23,7 @@ from cluster import tracing
 from cluster.messages import Role, WorkerInfo, WorkerLoad
 from cluster.redis_client import RedisAuth
 from cluster.tracing import TracingSettings
-from cluster.worker_metrics import WorkerMetrics
+from cluster.worker_metrics import PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S, LinearCost, WorkerMetrics
 from engine.block_hash import BlockHash
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -117,6 +117,8 @@ class Worker:
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step)
+        self.step_cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)  # what the router predicts with
+        self._computed = 0  # engine's computed tokens after the last step
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
         self._aborted: dict[str, float] = {}  # request id → when an abort for it came (under the loop lock)
         self._closed = threading.Event()
@@ -152,17 +154,25 @@ class Worker:
         with self.loop.lock:
             s = self.engine.stats()
             pending = sum(len(st.seq) - st.seq.num_computed_tokens for st in self._starting.values())
+            cost, measured = self.step_cost, int(self.step_cost.observed > 0)
         return WorkerLoad(running=s.num_running, waiting=s.num_waiting, reserved=s.num_reserved,
                           num_blocks=s.num_blocks, free_blocks=s.num_free_blocks, cached_blocks=s.num_cached_blocks,
                           pending_prefill_tokens=pending, prompt_tokens=s.prompt_tokens,
                           cached_prompt_tokens=s.cached_prompt_tokens, rss_bytes=rss_bytes(),
-                          spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens)
+                          spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
+                          step_base_us=measured and round(cost.base_s * 1e6),
+                          step_token_ns=measured and max(1, round(cost.per_token_s * 1e9)),
+                          max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
+                          shortest_first=int(self.engine.config.prefill_order == "shortest_first"))
 
     # ---- request timing and hit counting (called under the loop lock) --------------------------------------
     def _track(self, seq: Sequence, arrived: float) -> None:
         self._starting[seq.request_id] = _Started(seq, arrived)
 
     def _on_step(self, step_started: float) -> None:
+        computed = self.engine.stats().computed_tokens
+        self.step_cost.observe(computed - self._computed, time.monotonic() - step_started)
+        self._computed = computed
         for st in self._starting.values():
             # NOTE: a request that finished in this very step has already given its blocks back (0 computed)
             if not st.started and (st.seq.num_computed_tokens > 0 or st.seq.num_output_tokens > 0):

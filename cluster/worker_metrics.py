@@ -24,6 +24,7 @@ Every series has the label `model_name` (the served model's name), as vLLM's.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +35,47 @@ from prometheus_client.registry import Collector
 from cluster.messages import WorkerLoad
 
 log = logging.getLogger(__name__)
+# NOTE: priors until a worker measured its own steps (SmolLM2-135M, one CPU thread, order of magnitude): the router
+# predicts with these before any heartbeat carried a measurement
+PRIOR_STEP_BASE_S = 0.02  # fixed cost of an engine step
+PRIOR_STEP_TOKEN_S = 0.0005  # cost per token computed in a step (2,000 tokens/s)
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+
+
+class LinearCost:
+    """time ≈ base + per_token × tokens, fitted by least squares over the last `window` observations.
+
+    NOTE: steps of one size (a decode batch that does not change, prefill chunks all at the step limit) cannot tell
+    the base from the slope; then the base stays where it was (at most half the mean) and the rest is per token.
+    """
+
+    def __init__(self, base_s: float, per_token_s: float, window: int = 64) -> None:
+        self.base_s, self.per_token_s = base_s, per_token_s
+        self.observed = 0  # observations so far (0: still the priors)
+        self._window: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        """One step (or transfer) of `tokens` that took `seconds`."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self._window.append((tokens, seconds))
+        self.observed += 1
+        n = len(self._window)
+        mx = sum(x for x, _ in self._window) / n
+        my = sum(y for _, y in self._window) / n
+        sxx = sum((x - mx) ** 2 for x, _ in self._window)
+        sxy = sum((x - mx) * (y - my) for x, y in self._window)
+        if n >= 8 and sxx / n >= (0.25 * mx) ** 2 and sxy > 0:  # sizes spread enough to fit both
+            slope = sxy / sxx
+            if my - slope * mx >= 0:
+                self.base_s, self.per_token_s = my - slope * mx, slope
+                return
+        self.base_s = min(self.base_s, 0.5 * my)
+        self.per_token_s = (my - self.base_s) / mx
+
+    def predict(self, tokens: float, steps: int = 1) -> float:
+        """Seconds for `tokens` computed in `steps` steps."""
+        return steps * self.base_s + tokens * self.per_token_s
 
 
 class _LoadCollector(Collector):

@@ -177,6 +177,13 @@ class RouterConfig(BaseModel):
     request_timeout_s: float = Field(default=600.0, gt=0, description="a request not finished by then fails")
     prefill_timeout_s: float = Field(default=120.0, gt=0, description="a prefill not back by then is retried "
                                      "on another prefill worker")
+    slo_ttft_ms: float = Field(default=2000.0, gt=0, description="time-to-first-token target (ms); admission refuses "
+                               "requests predicted past max_predicted_ttft_ms (null: 4 × this)")
+    slo_itl_ms: float | None = Field(default=100.0, gt=0, description="inter-token latency target (ms): a decode "
+                                     "worker prefills a short prompt only within it; null: never for load")
+    max_predicted_ttft_ms: float | None = Field(default=None, ge=0, description="a request whose first token is "
+                                                "predicted later is refused (RESOURCE_EXHAUSTED); null: 4 × "
+                                                "slo_ttft_ms; 0: no limit")
 
     def router_settings(self, model: str, mode: str, transport: str) -> RouterSettings:
         """The settings of a Router over a cluster of `model` in `mode` whose workers move KV over `transport`."""
@@ -185,7 +192,8 @@ class RouterConfig(BaseModel):
         return RouterSettings(
             model=model, mode=mode, transport=transport, routing=self.routing, max_inflight=self.max_inflight,
             skip_prefill_max_uncached_tokens=self.skip_prefill_max_uncached_tokens,
-            request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s)
+            request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s,
+            slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms)
 
 
 class HttpConfig(BaseModel):

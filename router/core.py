@@ -4,7 +4,10 @@ Life of a request in the router:
 1. admission: at most `max_inflight` requests per router (more → RESOURCE_EXHAUSTED);
 2. the prompt's block hashes are looked up in the Redis prefix index (one round trip; if Redis is down the
    router routes on load alone and counts the miss);
-3. the policy picks a prefill and a decode worker (or only a decode worker that caches the prompt already);
+3. the policy picks a prefill and a decode worker among those up (or only a decode worker: one that caches the
+   prompt already, or one whose next step is sooner than the prefill pool's queue: router/policy.py); a request
+   whose first token is predicted past `admission_ttft_ms()` (the prefill backlog) or its deadline is refused
+   (RESOURCE_EXHAUSTED);
 4. a `RequestRun` (router/flow.py) runs it: the prefill worker returns the first token once the KV reached the
    decode worker, streamed at once; the decode worker streams the rest; the last chunk carries the finish reason,
    usage and the timeline;
@@ -57,6 +60,7 @@ class Router:
         self.info = self.pools.info
         self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
         self.metrics = metrics or RouterMetrics(model_name=settings.model)
+        self.pools.metrics = self.metrics
         self.inflight = 0
         self.redis_failures = 0
         self._refresher: asyncio.Task[None] | None = None
@@ -96,6 +100,7 @@ class Router:
         arrived = arrived or time.monotonic()
         REQUEST_ID.set(req.request_id)
         if self.inflight >= self.max_inflight:
+            self.metrics.rejected("inflight")
             raise Overloaded(f"the router has {self.inflight} requests in flight (router.max_inflight)",
                              req.request_id)
         self.inflight += 1
@@ -112,9 +117,19 @@ class Router:
                 route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
             finally:
                 tracing.end(queued)
+            self.metrics.placed(route.why or "prefill_pool")
+            limit = self.settings.admission_ttft_ms()
+            if limit and route.predicted_ttft_ms > limit:
+                # NOTE: refused, not queued: the backlog is on the workers already, and a request admitted past it
+                # waits behind it while holding a decode reservation; 429 lets the client back off or go elsewhere
+                self.metrics.rejected("backlog")
+                raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
+                                 f"admission limit of {limit / 1e3:.1f} s (router.max_predicted_ttft_ms): the "
+                                 "prefill backlog is too long", req.request_id)
             if budget_s is not None:
                 left = budget_s - (time.monotonic() - arrived)
                 if route.predicted_ttft_ms / 1e3 > left:
+                    self.metrics.rejected("deadline")
                     raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past "
                                      f"the request's deadline ({left:.1f} s left): the cluster is too busy",
                                      req.request_id)
@@ -159,6 +174,11 @@ class Router:
     def _observe(self, last: Chunk, ttft: float | None, gaps: list[float], e2e: float, request_id: str) -> None:
         assert last.timeline is not None and last.usage is not None  # NOTE: every last chunk carries both
         timeline, usage = last.timeline, last.usage
+        for name in (timeline.prefill_worker, timeline.decode_worker):  # NOTE: both served it: breakers close
+            if name:
+                self.pools.mark_ok(name)
+        if not timeline.prefill_skipped:  # NOTE: what the KV transfer added after the last layer, for predictions
+            self.pools.policy.transfer.observe(usage.prompt_tokens, timeline.transfer_ms / 1e3)
         log.info("done: %s%s, %d prompt tokens (%d cached) + %d generated, first token %.0f ms, total %.0f ms, %s",
                  f"{timeline.prefill_worker} -> " if timeline.prefill_worker else "", timeline.decode_worker,
                  usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, timeline.first_token_ms,
@@ -243,6 +263,7 @@ class Router:
     def _set_live(self, live: set[str]) -> None:
         was = self.healthy()
         self._live = live
+        self.pools.set_live(live)
         if self.healthy() != was:
             log.warning("cluster health: %s (live workers: %s)", "SERVING" if self.healthy() else "NOT_SERVING",
                         ", ".join(sorted(live)) or "none")

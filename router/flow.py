@@ -119,6 +119,7 @@ class RequestRun:
                 log.warning("prefill on %s failed (%s); trying elsewhere", worker.name, unwrap(e))
                 self.metrics.retry("prefill")
                 tried.add(worker.name)
+                self._report_prefill_failure(worker, unwrap(e))
                 worker.actor.abort.remote(self.attempt_id)
                 self.decode_worker.actor.abort.remote(self.attempt_id)  # NOTE: frees a reservation left behind
                 self.attempt_id = self._new_attempt_id()
@@ -129,6 +130,11 @@ class RequestRun:
                     self.timeline.prefill_skipped, self.timeline.prefill_worker = True, ""
                     return None
         return None
+
+    def _report_prefill_failure(self, worker: WorkerHandle, error: BaseException) -> None:
+        """Tell the pools which worker failed: the decode side when the KV could not be handed over there (dead,
+        or full: either way the next request is better placed elsewhere for a while), else the prefill worker."""
+        self.pools.mark_failed(self.decode_worker.name if isinstance(error, TransferError) else worker.name)
 
     async def _prefill(self, worker: WorkerHandle) -> PrefillResult:
         self.timeline.prefill_worker = worker.name
@@ -183,6 +189,7 @@ class RequestRun:
                 log.warning("decode on %s failed after %d tokens (%s); continuing elsewhere", worker.name,
                             len(self.generated), unwrap(e))
                 self.metrics.failover("decode")
+                self.pools.mark_failed(worker.name)
                 worker.actor.abort.remote(self.attempt_id)
                 self.attempt_id = self._new_attempt_id()
                 self._move_decode(exclude={worker.name})

@@ -25,6 +25,9 @@
 | `pdcluster_worker_up`                     | gauge     | worker, role | 1 while the heartbeat is fresh, else 0   |
 | `pdcluster_request_phase_seconds`         | histogram | phase        | queue, prefill, transfer, decode (timeline) |
 | `pdcluster_openai_ignored_fields_total`   | counter   | field        | unknown request fields accepted and ignored |
+| `pdcluster_prefill_placement_total`       | counter   | where        | prefill_pool, prefix, slo, no_prefill  |
+| `pdcluster_admission_rejected_total`      | counter   | reason       | refused: inflight, backlog, deadline   |
+| `pdcluster_worker_failures_total`         | counter   | worker       | requests failed there (breaker opened) |
 
 Next to these, the names of vLLM's model server (`vllm:*`, label `model_name`), so dashboards, autoscalers and
 endpoint pickers built for vLLM read the cluster: `vllm:num_requests_running` / `_waiting` and
@@ -120,6 +123,12 @@ class RouterMetrics:
                                ("phase",), buckets=LATENCY_BUCKETS_S, registry=r)
         self.ignored = Counter("pdcluster_openai_ignored_fields_total", "Unknown request fields accepted and ignored.",
                                ("field",), registry=r)
+        self.placement = Counter("pdcluster_prefill_placement_total", "Where prompts were computed.", ("where",),
+                                 registry=r)
+        self.admission_rejected = Counter("pdcluster_admission_rejected_total", "Requests refused at admission.",
+                                          ("reason",), registry=r)
+        self.worker_failures = Counter("pdcluster_worker_failures_total", "Requests that failed on a worker.",
+                                       ("worker",), registry=r)
         self._vllm(r)
 
     def _vllm(self, r: CollectorRegistry) -> None:
@@ -221,6 +230,18 @@ class RouterMetrics:
     def retry(self, kind: str) -> None:
         """Count one retried step of `kind`."""
         self.retries.labels(kind=kind).inc()
+
+    def placed(self, where: str) -> None:
+        """Count a prompt computed `where` ("prefill_pool", or on the decode worker: "prefix", "slo", "no_prefill")."""
+        self.placement.labels(where=where).inc()
+
+    def rejected(self, reason: str) -> None:
+        """Count a request refused at admission ("inflight", "backlog", "deadline")."""
+        self.admission_rejected.labels(reason=reason).inc()
+
+    def worker_failed(self, worker: str) -> None:
+        """Count a request that failed on `worker`."""
+        self.worker_failures.labels(worker=worker).inc()
 
     def set_inflight(self, n: int) -> None:
         """Set the number of requests the router holds now."""

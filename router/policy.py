@@ -2,17 +2,34 @@
 
 The inputs are shared through Redis (prefix matches, heartbeat loads) plus what this router itself has in
 flight, so several routers make consistent choices without talking to each other.
+
+Where the prompt is computed (`Policy.route`):
+1. a decode worker that caches all but `skip_max` tokens of the prompt computes the rest itself (prefix rule);
+2. else a short uncached prompt is computed by the decode worker when the prefill pool's queue alone would delay
+   its first token more than the decode worker's whole path (its step in flight, then the step with the prompt in
+   it) and that step stays under the ITL SLO (`slo_itl_ms`): the SLO rule. With an idle prefill pool the prompt
+   goes there: the decode batch's steps are only lengthened when the prefill queue is what makes the user wait;
+3. else the prefill worker with the soonest predicted first token: its queue, the prompt's own steps, and the KV
+   transfer to the decode worker (`transfer`, fitted on what this router saw).
+Times come from the workers' measured step costs in their heartbeats (`WorkerLoad.step_base_us`, `step_token_ns`),
+with priors until then (cluster/worker_metrics.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from cluster.messages import WorkerLoad
+from cluster.worker_metrics import PRIOR_STEP_BASE_S, LinearCost
 
 DEFAULT_PREFILL_TOK_S = 2000.0  # until a worker's own speed is measured
 PREFIX_WEIGHT = 0.5  # decode choice: a fully cached prompt is worth this fraction of a worker's batch of load
+# NOTE: the KV transfer's tail after the last layer is computed (prior until the router saw transfers): a few ms
+# of handshake and commit, plus ~50 µs per token (SmolLM2 float32 KV is ~92 KB per token, over local gRPC)
+PRIOR_TRANSFER_BASE_S = 0.005
+PRIOR_TRANSFER_TOKEN_S = 0.00005
 
 
 @dataclass
@@ -42,6 +59,26 @@ class WorkerView:
         if tokens > 0 and ms > 0:
             self.prefill_tok_s = 0.8 * self.prefill_tok_s + 0.2 * tokens / (ms / 1e3)
 
+    # ---- predicted step times ------------------------------------------------------------------------------
+    def step_cost(self) -> tuple[float, float]:
+        """(fixed s, s per token) of one engine step: measured by the worker, else this router's prefill speed."""
+        if self.load is not None and self.load.step_token_ns > 0:
+            return self.load.step_base_us / 1e6, self.load.step_token_ns / 1e9
+        return PRIOR_STEP_BASE_S, 1.0 / self.prefill_tok_s
+
+    def step_s(self, tokens: float, steps: int = 1) -> float:
+        """Seconds for `tokens` computed in `steps` engine steps."""
+        base, per_token = self.step_cost()
+        return steps * base + tokens * per_token
+
+    def step_limit(self) -> int:
+        """Tokens one step computes at most (0: not known)."""
+        return self.load.max_num_batched_tokens if self.load else 0
+
+    def decode_batch(self) -> int:
+        """Decode tokens in each of its steps: running sequences and transfers about to join them."""
+        return self.load.running + self.load.reserved if self.load else self.inflight
+
 
 @dataclass
 class Route:
@@ -50,15 +87,19 @@ class Route:
     prefill: str | None
     decode: str
     predicted_ttft_ms: float
+    why: str = ""  # prefill None: "prefix" (decode caches it), "slo" (the prefill queue), "no_prefill" (none up)
 
 
 class Policy:
-    """`prefix_aware` (predicted TTFT, prefix matches) or `round_robin` (the baseline for comparisons)."""
+    """`prefix_aware` (predicted TTFT, prefix matches, SLO rule) or `round_robin` (the baseline for comparisons)."""
 
-    def __init__(self, routing: str, block_size: int, skip_prefill_max_uncached_tokens: int) -> None:
+    def __init__(self, routing: str, block_size: int, skip_prefill_max_uncached_tokens: int,
+                 slo_itl_ms: float | None = None) -> None:
         self.routing = routing
         self.block_size = block_size
         self.skip_max = skip_prefill_max_uncached_tokens
+        self.slo_itl_s = slo_itl_ms / 1e3 if slo_itl_ms else None  # None: the SLO rule is off
+        self.transfer = LinearCost(PRIOR_TRANSFER_BASE_S, PRIOR_TRANSFER_TOKEN_S)  # KV tail after the last layer
         self._rr_prefill = itertools.count()
         self._rr_decode = itertools.count()
 
@@ -68,29 +109,73 @@ class Policy:
         if not decode:
             raise ValueError("no decode workers")
         decode_pick = self.pick_decode(prompt_len, max_tokens, matched, decode)
-        cached_on_decode = min(prompt_len, matched.get(decode_pick.name, 0) * self.block_size)
-        uncached_on_decode = prompt_len - cached_on_decode
-        # NOTE: only a prompt the decode worker already caches in part skips the prefill pool; a short uncached
-        # prompt still goes to prefill, so decode steps never wait behind prompt computation.
-        skip = self.routing == "prefix_aware" and cached_on_decode > 0 and uncached_on_decode <= self.skip_max
-        if not prefill or skip:
-            ttft = (decode_pick.queued_tokens() + uncached_on_decode) / decode_pick.prefill_tok_s * 1e3
-            return Route(None, decode_pick.name, ttft)
+        uncached = prompt_len - min(prompt_len, matched.get(decode_pick.name, 0) * self.block_size)
+        if not prefill:
+            return Route(None, decode_pick.name, self.decode_ttft_s(decode_pick, uncached) * 1e3, "no_prefill")
         if self.routing == "round_robin":
             prefill_pick = prefill[next(self._rr_prefill) % len(prefill)]
             return Route(prefill_pick.name, decode_pick.name, self._ttft(prefill_pick, prompt_len, matched))
+        # NOTE: only a prompt the decode worker already caches in part skips the prefill pool on the prefix rule
+        if uncached < prompt_len and uncached <= self.skip_max:
+            return Route(None, decode_pick.name, self.decode_ttft_s(decode_pick, uncached) * 1e3, "prefix")
         start = next(self._rr_prefill)  # NOTE: rotating the tie order spreads equal-cost requests over workers
         order = prefill[start % len(prefill):] + prefill[: start % len(prefill)]
         prefill_pick = min(order, key=lambda w: (self._ttft(w, prompt_len, matched), w.inflight))
-        return Route(prefill_pick.name, decode_pick.name, self._ttft(prefill_pick, prompt_len, matched))
+        ttft_ms = self._ttft(prefill_pick, prompt_len, matched)
+        if self.slo_itl_s is not None and 0 < uncached <= self.itl_budget(decode_pick):
+            own = self._uncached(prefill_pick, prompt_len, matched)
+            queue_s = self.prefill_s(prefill_pick, own) - self.prefill_s(prefill_pick, own, queued=0)
+            decode_s = self.decode_ttft_s(decode_pick, uncached)
+            if queue_s > decode_s:
+                return Route(None, decode_pick.name, decode_s * 1e3, "slo")
+        return Route(prefill_pick.name, decode_pick.name, ttft_ms)
 
     def pick_prefill(self, prompt_len: int, prefill: list[WorkerView]) -> WorkerView:
         """A prefill worker on load alone (a retry after a failure): the soonest predicted first token."""
         return min(prefill, key=lambda w: (self._ttft(w, prompt_len, {}), w.inflight))
 
+    # ---- predictions ---------------------------------------------------------------------------------------
+    def _uncached(self, w: WorkerView, prompt_len: int, matched: dict[str, int]) -> int:
+        return max(1, prompt_len - matched.get(w.name, 0) * self.block_size)
+
     def _ttft(self, w: WorkerView, prompt_len: int, matched: dict[str, int]) -> float:
-        uncached = max(1, prompt_len - matched.get(w.name, 0) * self.block_size)
-        return (w.queued_tokens() + uncached) / w.prefill_tok_s * 1e3
+        """Predicted first token (ms) through prefill worker `w`: its queue, the prompt's steps, the KV transfer."""
+        return (self.prefill_s(w, self._uncached(w, prompt_len, matched)) + self.transfer.predict(prompt_len)) * 1e3
+
+    def prefill_s(self, w: WorkerView, tokens: int, queued: float | None = None) -> float:
+        """Seconds until prefill worker `w` has computed a new prompt's `tokens` behind its queue (`queued` tokens,
+        default its current queue).
+
+        NOTE: with `shortest_first` a short prompt waits only for the step in flight, then shares its own step
+        with the queue's next tokens; first come first served, it waits for the whole queue.
+        """
+        q = w.queued_tokens() if queued is None else queued
+        limit = w.step_limit() or int(q) + tokens  # not known: as one step
+        if w.load is not None and w.load.shortest_first and q > 0:
+            ahead = min(q, limit)
+            total = ahead + tokens + min(q - ahead, max(0, limit - tokens))
+        else:
+            total = q + tokens
+        return w.step_s(total, math.ceil(total / limit))
+
+    def decode_ttft_s(self, d: WorkerView, tokens: int) -> float:
+        """Seconds until decode worker `d` has computed `tokens` prompt tokens: its step in flight, then the step
+        (or steps) with the prompt next to its decode batch and the prompts queued there."""
+        batch, q = d.decode_batch(), d.queued_tokens()
+        limit = d.step_limit() or int(batch + q) + tokens
+        in_flight = d.step_s(batch + min(q, limit)) if batch or q else 0.0
+        total = batch + q + tokens
+        return in_flight + d.step_s(total, math.ceil(total / limit))
+
+    def itl_budget(self, d: WorkerView) -> int:
+        """Prompt tokens decode worker `d`'s next step can take beside its batch and stay within the ITL SLO."""
+        if self.slo_itl_s is None:
+            return 0
+        base, per_token = d.step_cost()
+        room = (self.slo_itl_s - base) / per_token - d.decode_batch() - d.queued_tokens()
+        if d.step_limit():
+            room = min(room, d.step_limit() - d.decode_batch() - d.queued_tokens())
+        return max(0, int(room))
 
     def pick_decode(self, prompt_len: int, max_tokens: int, matched: dict[str, int],
                     decode: list[WorkerView]) -> WorkerView:

@@ -2,20 +2,29 @@
 
 Both the Router (first choice, load refresh) and a RequestRun (another worker after a failure) pick here, with the
 same Policy, so a failover never picks differently from a first choice on the same loads.
+
+Only workers that are up are picked: live (a fresh heartbeat and an answered ping, `set_live`) and not shut out by
+their circuit breaker (router/breaker.py) since a request failed there (`mark_failed`). When no decode worker is up,
+the pick falls back to every one (the request then fails or probes, rather than being refused here); when no
+prefill worker is up, the decode worker prefills.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.messages import Role, WorkerInfo
 from cluster.prefix_index import WorkerStatus
+from router.breaker import Breaker
 from router.metrics import RouterMetrics
 from router.policy import Policy, Route, WorkerView
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerHandle:
@@ -39,26 +48,76 @@ class WorkerPools:
         self.decode = [w for w in workers if w.role.decodes]
         self.info = workers[0].info  # NOTE: every worker serves the same model, so any one describes it
         self.policy = policy
+        self.breakers = {w.name: Breaker() for w in workers}
+        self.live: set[str] | None = None  # workers with a fresh heartbeat that answer pings; None: not known yet
+        self.metrics: RouterMetrics | None = None  # the router's, once it set them
 
     def __getitem__(self, name: str) -> WorkerHandle:
         return self.by_name[name]
 
+    # ---- which workers are up ------------------------------------------------------------------------------
+    def mark_failed(self, worker_id: str) -> None:
+        """A request failed on this worker (it died, timed out, or its KV endpoint refused): avoid it from now on,
+        until its breaker lets a probe through (router/breaker.py)."""
+        breaker = self.breakers.get(worker_id)
+        if breaker is None:
+            return
+        breaker.failed()
+        if self.metrics is not None:
+            self.metrics.worker_failed(worker_id)
+        log.warning("worker %s failed a request (%d in a row): avoided for %.0f s", worker_id, breaker.failures,
+                    breaker.cooldown_s())
+
+    def mark_ok(self, worker_id: str) -> None:
+        """A request succeeded on this worker: its breaker closes."""
+        breaker = self.breakers.get(worker_id)
+        if breaker is not None and breaker.failures:
+            log.info("worker %s served a request again: back in rotation", worker_id)
+            breaker.succeeded()
+
+    def set_live(self, live: set[str] | None) -> None:
+        """The workers that have a fresh heartbeat and answer pings (None: not known, every worker counts as live)."""
+        self.live = live
+
+    def is_up(self, name: str, now: float | None = None) -> bool:
+        """Live and not shut out by its breaker."""
+        return (self.live is None or name in self.live) and self.breakers[name].available(now)
+
+    def _up(self, workers: list[WorkerHandle], exclude: Collection[str] = ()) -> list[WorkerHandle]:
+        now = time.monotonic()
+        return [w for w in workers if w.name not in exclude and self.is_up(w.name, now)]
+
+    # ---- picking -------------------------------------------------------------------------------------------
     def route(self, prompt_len: int, max_tokens: int, matched: dict[str, int]) -> Route:
         """The first choice for a request; `matched` is how many leading prompt blocks each worker caches."""
-        return self.policy.route(prompt_len, max_tokens, matched, [w.view for w in self.prefill],
-                                 [w.view for w in self.decode])
+        # NOTE: with no decode worker up the request still goes to one (it fails with UNAVAILABLE, or probes one
+        # that came back), instead of being refused before any worker was tried
+        decode = self._up(self.decode) or self.decode
+        route = self.policy.route(prompt_len, max_tokens, matched, [w.view for w in self._up(self.prefill)],
+                                  [w.view for w in decode])
+        now = time.monotonic()
+        for name in (route.prefill, route.decode):
+            if name is not None:
+                self.breakers[name].picked(now)
+        return route
 
     def pick_prefill(self, prompt_len: int, exclude: set[str]) -> WorkerHandle | None:
-        """Another prefill worker for a failed attempt (load-based; None when every one was tried)."""
-        views = [w.view for w in self.prefill if w.name not in exclude]
-        return self.by_name[self.policy.pick_prefill(prompt_len, views).name] if views else None
-
-    def pick_decode(self, prompt_len: int, max_tokens: int, exclude: set[str]) -> WorkerHandle | None:
-        """Another decode worker after a failure (None when there is no other)."""
-        views = [w.view for w in self.decode if w.name not in exclude]
+        """Another prefill worker for a failed attempt (load-based; None when every one up was tried)."""
+        views = [w.view for w in self._up(self.prefill, exclude)]
         if not views:
             return None
-        return self.by_name[self.policy.pick_decode(prompt_len, max_tokens, {}, views).name]
+        pick = self.by_name[self.policy.pick_prefill(prompt_len, views).name]
+        self.breakers[pick.name].picked()
+        return pick
+
+    def pick_decode(self, prompt_len: int, max_tokens: int, exclude: set[str]) -> WorkerHandle | None:
+        """Another decode worker after a failure, one that is up if any (None when there is no other)."""
+        views = [w.view for w in self._up(self.decode, exclude) or [w for w in self.decode if w.name not in exclude]]
+        if not views:
+            return None
+        pick = self.by_name[self.policy.pick_decode(prompt_len, max_tokens, {}, views).name]
+        self.breakers[pick.name].picked()
+        return pick
 
     def refresh(self, live: dict[str, WorkerStatus], metrics: RouterMetrics) -> None:
         """Take the heartbeat loads (and a restarted worker's new KV address) from the prefix index's statuses."""
@@ -66,6 +125,9 @@ class WorkerPools:
             status = live.get(name)
             if status is not None:
                 w.view.load = status.load
-                if status.address and status.address != w.info.kv_address:  # NOTE: a restarted worker
-                    w.info = dataclasses.replace(w.info, kv_address=status.address, epoch=status.epoch)
+                restarted = status.epoch != w.info.epoch or (status.address and status.address != w.info.kv_address)
+                if restarted:  # NOTE: a new process: the old one's failures say nothing about it
+                    w.info = dataclasses.replace(w.info, kv_address=status.address or w.info.kv_address,
+                                                 epoch=status.epoch)
+                    self.breakers[name].succeeded()
             metrics.set_worker_load(name, w.role, w.view.load, status is not None)

@@ -19,9 +19,17 @@ class RouterSettings:
     skip_prefill_max_uncached_tokens: int = 64  # a decode worker caching all but this many prefills itself
     request_timeout_s: float = 600.0  # a request not finished by then fails (DEADLINE_EXCEEDED)
     prefill_timeout_s: float = 120.0  # a prefill not back by then is retried on another prefill worker
+    slo_ttft_ms: float = 2000.0  # the time-to-first-token target (reported; admission's default limit is 4×)
+    slo_itl_ms: float | None = 100.0  # per-step ITL target: bounds the prompt tokens a decode step takes; None: off
+    max_predicted_ttft_ms: float | None = None  # refuse requests predicted later (RESOURCE_EXHAUSTED); None: 4× SLO
+
+    def admission_ttft_ms(self) -> float:
+        """The predicted first token past which a request is refused at admission."""
+        return self.max_predicted_ttft_ms if self.max_predicted_ttft_ms is not None else 4 * self.slo_ttft_ms
 
     def policy(self, block_size: int) -> Policy:
         """The routing policy these settings ask for."""
         # NOTE: with one pool there is no prefill pool to skip
-        skip = self.skip_prefill_max_uncached_tokens if self.mode == "disaggregated" else 0
-        return Policy(self.routing, block_size, skip)
+        disaggregated = self.mode == "disaggregated"
+        skip = self.skip_prefill_max_uncached_tokens if disaggregated else 0
+        return Policy(self.routing, block_size, skip, self.slo_itl_ms if disaggregated else None)

@@ -157,11 +157,11 @@ def test_names_follow_conventions() -> None:
     names = [fam.name for fam in m.registry.collect()]
     ours = [n for n in names if n.startswith("pdcluster_")]
     vllm = [n for n in names if n.startswith("vllm:")]  # vLLM's model-server names, for tools built on them
-    assert (len(ours), len(vllm), len(names)) == (23, 14, 37)
+    assert (len(ours), len(vllm), len(names)) == (26, 14, 40)
     text = m.render().decode()
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     counters = [n for n, t in types.items() if t == "counter"]
-    assert len(counters) == 15 and all(n.endswith("_total") for n in counters)
+    assert len(counters) == 18 and all(n.endswith("_total") for n in counters)
     for n, t in types.items():
         assert n.startswith(("pdcluster_", "vllm:"))
         # NOTE: the only other names are prometheus_client's standard `_created` series of counters/histograms.

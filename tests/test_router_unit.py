@@ -144,6 +144,43 @@ def test_prefill_is_skipped_only_when_the_decode_worker_caches_nearly_all():
     assert Policy("round_robin", 16, 64).route(1000, 8, {"d": 60}, [view("p")], [view("d")]).prefill == "p"
 
 
+# measured step costs as heartbeats carry them: 20 ms a step + 1 ms a token, 256 tokens a step at most
+STEPS = {"step_base_us": 20_000, "step_token_ns": 1_000_000, "max_num_batched_tokens": 256}
+
+
+@pytest.mark.parametrize("prefill_load,decode_load,prompt_len,where", [
+    ({}, {}, 40, "p"),  # both idle: the prefill pool (the decode batch is never lengthened for nothing)
+    ({"pending_prefill_tokens": 6000}, {}, 40, None),  # prefill busy with long documents: the decode worker
+    ({"pending_prefill_tokens": 6000}, {"running": 8}, 40, None),  # a decode step of 8 + 40 tokens: 68 ms ≤ 100
+    ({"pending_prefill_tokens": 6000}, {}, 120, "p"),  # 20 + 120 ms > the 100 ms ITL SLO: too long for a step
+    ({"pending_prefill_tokens": 6000}, {"running": 60}, 40, "p"),  # 60 decode tokens + 40: past the SLO
+    ({"pending_prefill_tokens": 6000}, {"pending_prefill_tokens": 70}, 40, "p"),  # its next step is taken
+    ({"pending_prefill_tokens": 6000, "shortest_first": 1}, {}, 40, None),  # waits for one full 256-token step
+    ({"pending_prefill_tokens": 30, "shortest_first": 1}, {"running": 8}, 40, "p"),  # a short queue: no gain
+])
+def test_a_short_uncached_prompt_goes_where_its_first_token_is_sooner_within_the_itl_slo(
+        prefill_load, decode_load, prompt_len, where):
+    pol = Policy("prefix_aware", 16, 64, slo_itl_ms=100)
+    route = pol.route(prompt_len, 8, {}, [view("p", **STEPS, **prefill_load)], [view("d", **STEPS, **decode_load)])
+    assert route.prefill == where
+    assert route.why == ("" if where else "slo")
+    off = Policy("prefix_aware", 16, 64, slo_itl_ms=None)  # the SLO rule off: always the prefill pool
+    assert off.route(prompt_len, 8, {}, [view("p", **STEPS, **prefill_load)], [view("d", **STEPS)]).prefill == "p"
+
+
+def test_predictions_use_measured_steps_priors_before_and_the_kv_transfer():
+    pol = Policy("prefix_aware", 16, 64)  # NOTE: the SLO rule off, so the prefill pool's prediction is reported
+    measured = pol.route(100, 8, {}, [view("p", **STEPS, pending_prefill_tokens=412)], [view("d")])
+    # fcfs: 512 tokens in 2 steps = 2 × 20 ms + 512 ms, then the transfer's prior (5 ms + 100 × 50 µs)
+    assert measured.predicted_ttft_ms == pytest.approx(40 + 512 + 10)
+    unmeasured = pol.route(100, 8, {}, [view("p", pending_prefill_tokens=412)], [view("d")])
+    assert unmeasured.predicted_ttft_ms == pytest.approx(20 + 512 / 2000 * 1e3 + 10)  # priors: one step, 2,000 t/s
+    for _ in range(10):
+        pol.transfer.observe(100, 0.105)  # transfers seen taking 105 ms
+    again = pol.route(100, 8, {}, [view("p", **STEPS, pending_prefill_tokens=412)], [view("d")])
+    assert again.predicted_ttft_ms == pytest.approx(40 + 512 + 105, rel=0.01)
+
+
 def test_round_robin_alternates_and_equal_costs_spread():
     for routing in ("round_robin", "prefix_aware"):
         pol = Policy(routing, 16, 64)
