@@ -33,6 +33,7 @@ from engine.block_hash import hash_prompt_blocks
 from router.errors import Overloaded
 from router.flow import RequestRun
 from router.metrics import RouterMetrics
+from router.policy import WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
@@ -107,6 +108,7 @@ class Router:
         self.metrics.set_inflight(self.inflight)
         self._ensure_refresher()
         last_at, first_at, gaps = arrived, 0.0, []
+        held: WorkerView | None = None
         span = tracing.start("pdcluster.request", traceparent, **{"pdcluster.request_id": req.request_id,
                                                                    "pdcluster.prompt_tokens": len(req.token_ids)})
         parent = tracing.traceparent_of(span)
@@ -133,6 +135,11 @@ class Router:
                     raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past "
                                      f"the request's deadline ({left:.1f} s left): the cluster is too busy",
                                      req.request_id)
+            # NOTE: the prompt tokens a decode worker computes count in its queue until the first token, so requests
+            # routed before its next heartbeat see them (the prefill pool's are counted by the run)
+            held = self.pools[route.decode].view if route.decode_prefill_tokens else None
+            if held is not None:
+                held.pending_tokens += route.decode_prefill_tokens
             run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
                              prefill_timeout_s=self.settings.prefill_timeout_s,
                              traceparent=parent).chunks()
@@ -144,12 +151,17 @@ class Router:
                             gaps += [(now - last_at) / len(chunk.token_ids)] * len(chunk.token_ids)
                         else:
                             first_at = now
+                            if held is not None:
+                                held.pending_tokens -= route.decode_prefill_tokens
+                                held = None
                         last_at = now
                     if chunk.finish_reason:
                         self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived,
                                       req.request_id)
                     yield chunk
         finally:
+            if held is not None:
+                held.pending_tokens -= route.decode_prefill_tokens
             tracing.end(span)
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)

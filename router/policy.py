@@ -76,8 +76,9 @@ class WorkerView:
         return self.load.max_num_batched_tokens if self.load else 0
 
     def decode_batch(self) -> int:
-        """Decode tokens in each of its steps: running sequences and transfers about to join them."""
-        return self.load.running + self.load.reserved if self.load else self.inflight
+        """Decode tokens in each of its steps: running sequences and transfers about to join them (or this router's
+        requests there, when more: the heartbeat is up to half a second old)."""
+        return max(self.load.running + self.load.reserved if self.load else 0, self.inflight)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Route:
     decode: str
     predicted_ttft_ms: float
     why: str = ""  # prefill None: "prefix" (decode caches it), "slo" (the prefill queue), "no_prefill" (none up)
+    decode_prefill_tokens: int = 0  # prefill None: the prompt tokens the decode worker computes
 
 
 class Policy:
@@ -111,13 +113,14 @@ class Policy:
         decode_pick = self.pick_decode(prompt_len, max_tokens, matched, decode)
         uncached = prompt_len - min(prompt_len, matched.get(decode_pick.name, 0) * self.block_size)
         if not prefill:
-            return Route(None, decode_pick.name, self.decode_ttft_s(decode_pick, uncached) * 1e3, "no_prefill")
+            return Route(None, decode_pick.name, self.decode_ttft_s(decode_pick, uncached) * 1e3, "no_prefill",
+                         uncached)
         if self.routing == "round_robin":
             prefill_pick = prefill[next(self._rr_prefill) % len(prefill)]
             return Route(prefill_pick.name, decode_pick.name, self._ttft(prefill_pick, prompt_len, matched))
         # NOTE: only a prompt the decode worker already caches in part skips the prefill pool on the prefix rule
         if uncached < prompt_len and uncached <= self.skip_max:
-            return Route(None, decode_pick.name, self.decode_ttft_s(decode_pick, uncached) * 1e3, "prefix")
+            return Route(None, decode_pick.name, self.decode_ttft_s(decode_pick, uncached) * 1e3, "prefix", uncached)
         start = next(self._rr_prefill)  # NOTE: rotating the tie order spreads equal-cost requests over workers
         order = prefill[start % len(prefill):] + prefill[: start % len(prefill)]
         prefill_pick = min(order, key=lambda w: (self._ttft(w, prompt_len, matched), w.inflight))
@@ -127,7 +130,7 @@ class Policy:
             queue_s = self.prefill_s(prefill_pick, own) - self.prefill_s(prefill_pick, own, queued=0)
             decode_s = self.decode_ttft_s(decode_pick, uncached)
             if queue_s > decode_s:
-                return Route(None, decode_pick.name, decode_s * 1e3, "slo")
+                return Route(None, decode_pick.name, decode_s * 1e3, "slo", uncached)
         return Route(prefill_pick.name, decode_pick.name, ttft_ms)
 
     def pick_prefill(self, prompt_len: int, prefill: list[WorkerView]) -> WorkerView:

@@ -186,3 +186,44 @@ def test_a_short_prompt_is_prefilled_by_the_decode_worker_only_while_the_prefill
     finally:
         server.close()
         c.stop()
+
+
+def test_a_prompt_prefilled_on_the_decode_worker_counts_in_its_queue_until_its_first_token():
+    from router.core import Router
+    from tests.test_router_flow import FIRST, PROMPT, FakeActor, Remote, request
+    from tests.test_router_flow import handle as fake_handle
+
+    class SlowStart(FakeActor):
+        """A decode worker whose first token waits for `go`."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.go = asyncio.Event()
+            plain = self.generate.fn
+
+            def generate(req):
+                async def stream():
+                    await self.go.wait()
+                    async for delta in plain(req):
+                        yield delta
+                return stream()
+            self.generate = Remote(generate)
+
+    decode = SlowStart()
+    handles = [fake_handle("p0", Role.PREFILL, FakeActor()), fake_handle("d0", Role.DECODE, decode)]
+    handles[0].view.load = WorkerLoad(free_blocks=1000, pending_prefill_tokens=6000)  # long documents queued
+    router = Router(handles, None, RouterSettings(model="fake", mode="disaggregated"))
+    view = router.pools["d0"].view
+
+    async def run() -> tuple[int, list[int], int]:
+        async def consume() -> list[int]:
+            return [t async for c in router.stream(request(3)) for t in c.token_ids]
+        task = asyncio.create_task(consume())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        held = view.pending_tokens  # routed, no first token yet: its prompt is in the decode worker's queue
+        decode.go.set()
+        return held, await task, view.pending_tokens
+    held, tokens, after = asyncio.run(run())
+    assert (held, tokens, after) == (len(PROMPT), [FIRST, FIRST + 1, FIRST + 2], 0)
+    assert router.metrics.registry.get_sample_value("pdcluster_prefill_placement_total", {"where": "slo"}) == 1
