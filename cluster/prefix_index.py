@@ -74,6 +74,15 @@ redis.call('INCR', KEYS[1])
 return 1
 """
 
+# KEYS: epoch, wblk, hb. ARGV: worker, blk key prefix. Purges whatever epoch is current; returns the blocks dropped.
+_PURGE = """
+local blocks = redis.call('SMEMBERS', KEYS[2])
+for _, h in ipairs(blocks) do redis.call('HDEL', ARGV[2] .. h, ARGV[1]) end
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('INCR', KEYS[1])
+return #blocks
+"""
+
 # KEYS: the blk keys in prompt order. ARGV: prefix. Returns {worker, leading blocks, ...}.
 _LOOKUP = """
 local p = ARGV[1]
@@ -148,7 +157,8 @@ class _Script:
 
 
 _SCRIPTS = {name: _Script(src) for name, src in
-            (("register", _REGISTER), ("publish", _PUBLISH), ("unregister", _UNREGISTER), ("lookup", _LOOKUP))}
+            (("register", _REGISTER), ("publish", _PUBLISH), ("unregister", _UNREGISTER), ("lookup", _LOOKUP),
+             ("purge", _PURGE))}
 
 
 class PrefixIndex:
@@ -227,6 +237,14 @@ class PrefixIndex:
         return bool(_SCRIPTS["unregister"](self.client, keys, (worker, str(int(epoch)), f"{self.prefix}:blk:")))
 
     # ---- router side ----
+    def purge_worker(self, worker: str) -> int:
+        """A worker that died without unregistering (its node was lost): drop its blocks and heartbeat and retire its
+        epoch, so a late publish of it fails; the number of blocks dropped."""
+        # NOTE: the one write a router makes: the dead worker cannot, and its entries would mislead routing until
+        # their TTL (blocks: an hour)
+        keys = (self._epoch_key(worker), self._wblk_key(worker), self._hb_key(worker))
+        return int(_SCRIPTS["purge"](self.client, keys, (worker, f"{self.prefix}:blk:")))
+
     def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each live worker, how many leading blocks of `hashes` it holds; one round trip, 0s omitted."""
         if not hashes:

@@ -28,6 +28,7 @@ EPILOG = """examples:
   pdcluster generate --addr 127.0.0.1:50051 --stream "The capital of France is"
   pdcluster chat --addr 127.0.0.1:50051
   pdcluster status --addr 127.0.0.1:50051
+  pdcluster scale --addr 127.0.0.1:50051 --prefill 2 --decode 3   # resize the pools while serving
   curl -s http://127.0.0.1:8000/v1/models                # the OpenAI-compatible API of `serve`
   curl -s http://127.0.0.1:9400/metrics                  # Prometheus metrics of `serve`
   pdcluster generate --local "The capital of France is"
@@ -140,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="workers, load, free KV blocks and prefix hits of a running cluster")
     status.add_argument("--addr", required=True, metavar="HOST:PORT")
     _add_client_args(status)
+
+    from pdcluster.scale import add_arguments as add_scale_args
+
+    scale = sub.add_parser("scale", help="resize the pools of a running cluster: new workers warm up, then take "
+                           "requests; surplus ones drain first", formatter_class=fmt)
+    add_scale_args(scale)
+    _add_client_args(scale)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its figures")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -280,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         return {"chat": client.chat, "status": client.status, "generate": client.generate}[args.command](args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "scale":
+        from pdcluster.scale import run as run_scale
+
+        return run_scale(args)
     if args.command in ("bench", "plan"):
         try:
             if args.command == "bench":

@@ -5,7 +5,9 @@ Life of a cluster started by `pdcluster serve`:
 2. Ray: a private local Ray (`ray.address: local`), or join a running one (`auto`, `host:port`);
 3. one Ray actor per worker, named `{pool}-{i}` in the configured namespace, sized from the pool's YAML;
    each loads the model and answers `info()` when ready;
-4. `stop()` closes the workers, kills the actors, shuts down a Ray it started and stops an embedded Redis.
+4. while serving, `start_worker(role)` / `stop_worker(name)` add and remove one worker (router/scaling.py drives
+   them: `pdcluster scale`);
+5. `stop()` closes the workers, kills the actors, shuts down a Ray it started and stops an embedded Redis.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Cluster:
         self.infos: dict[str, WorkerInfo] = {}
         self._started_ray = False
         self._attached = False
+        self._started = 0  # actors started so far: worker i takes metrics.worker_port + i
 
     def start(self) -> Cluster:
         import ray
@@ -81,6 +84,8 @@ class Cluster:
                                       "log_to_driver": True}
             if cfg.ray.address == "local":
                 kwargs["num_cpus"] = cfg.ray.num_cpus
+            else:
+                use_ray_token()
             ray.init(address=cfg.ray.address, **kwargs)
             self._started_ray = True
         self._check_resources(ray.cluster_resources())
@@ -116,12 +121,46 @@ class Cluster:
         self._attached = True
         return self
 
+    def start_worker(self, role: Role) -> WorkerHandle:
+        """One more worker of `role`'s pool while serving, named with the pool's lowest free index; blocks until it
+        answers `info` (model loaded, registered with the prefix index)."""
+        import ray
+
+        pool = self.config.pools()[role]
+        index = next(i for i in range(len(self.actors) + 1) if f"{role}-{i}" not in self.actors)
+        name = f"{role}-{index}"
+        self._start_actor(role, index, pool, self._started)
+        try:
+            self.infos[name] = ray.get(self.actors[name].info.remote(), timeout=WORKER_START_TIMEOUT_S)
+        except BaseException:
+            self.stop_worker(name)
+            raise
+        log.info("worker started: %s", name)
+        info = self.infos[name]
+        return WorkerHandle(name, info.role, self.actors[name], info,
+                            WorkerView(name, info.num_blocks, info.max_num_seqs))
+
+    def stop_worker(self, name: str) -> None:
+        """Close one worker (it unregisters from the prefix index) and kill its actor."""
+        import ray
+
+        actor = self.actors.pop(name, None)
+        self.infos.pop(name, None)
+        if actor is None:
+            return
+        try:
+            ray.get(actor.close.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001 - a dead or stuck worker is killed anyway
+            log.info("closing %s: %s", name, e)
+        ray.kill(actor, no_restart=True)
+
     def _start_actor(self, role: Role, index: int, pool: Any, number: int = 0) -> None:
         from decode_workers.actor import DecodeActor
         from prefill_workers.actor import PrefillActor
 
         cfg = self.config
         name = f"{role}-{index}"
+        self._started += 1
         transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token)
         spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
@@ -134,6 +173,9 @@ class Cluster:
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
             resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,
+            # NOTE: as Ray Serve places replicas: a pool's workers on as many nodes as can take them, so losing
+            # a node loses as few of them as possible
+            scheduling_strategy="SPREAD",
             runtime_env={"env_vars": worker_env(pool.torch_threads)}).remote(spec)
 
     def _check_resources(self, available: dict[str, float]) -> None:
@@ -151,6 +193,11 @@ class Cluster:
                     f"the pools need {total:g} {key} ({', '.join(parts[key])}) but the Ray cluster has "
                     f"{available.get(key, 0.0):g}: lower the replicas or the per-actor {key} of a pool, or give Ray "
                     "more (ray.num_cpus)")
+
+    @property
+    def attached(self) -> bool:
+        """Whether this process joined workers another one started (an extra router)."""
+        return self._attached
 
     @property
     def started_ray(self) -> bool:

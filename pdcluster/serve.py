@@ -21,6 +21,7 @@ from pdcluster.config import ClusterConfig
 from pdcluster.launch import Cluster
 from router.core import Router
 from router.metrics import RouterMetrics
+from router.scaling import PoolScaler
 from router.service import start_server
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,12 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
     router = make_router(cluster)
     keys, tls = security.api_keys(cfg), security.ssl_context(cfg)
     open_ok = cfg.security.allow_unauthenticated
+    # NOTE: an extra router (attached) follows lost workers too, but only the process that started the workers
+    # may start and stop them
+    scaler = PoolScaler(router, None if cluster.attached else cluster)
     server, port = await start_server(router, cfg.router.host, cfg.router.port, api_keys=keys,
-                                      credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok)
+                                      credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok,
+                                      scaler=scaler)
     endpoints = {"grpc": f"{cfg.router.host}:{port}"}
     runners = []
     try:
@@ -109,5 +114,6 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
         await server.stop(grace=SHUTDOWN_GRACE_S)
         for runner in runners:
             await runner.cleanup()
+        await scaler.close()
         await router.close()
         tracing.shutdown()

@@ -51,9 +51,32 @@ class WorkerPools:
         self.breakers = {w.name: Breaker() for w in workers}
         self.live: set[str] | None = None  # workers with a fresh heartbeat that answer pings; None: not known yet
         self.metrics: RouterMetrics | None = None  # the router's, once it set them
+        self.removed: dict[str, WorkerHandle] = {}  # retired workers: runs that still name one find its handle
 
     def __getitem__(self, name: str) -> WorkerHandle:
-        return self.by_name[name]
+        return self.by_name[name] if name in self.by_name else self.removed[name]
+
+    # ---- membership while serving (router/scaling.py) ---------------------------------------------------------
+    def add(self, worker: WorkerHandle) -> None:
+        """A worker that joined while serving; it takes requests once it is live (its heartbeat and a ping)."""
+        self.by_name[worker.name] = worker
+        self.breakers[worker.name] = Breaker()
+        self.removed.pop(worker.name, None)
+        self.hold(worker.name, False)
+
+    def hold(self, name: str, held: bool = True) -> None:
+        """Stop (or resume) picking `name` for new requests; its running requests go on."""
+        w = self.by_name[name]
+        pool = self.prefill if w.role is Role.PREFILL else self.decode
+        if held and w in pool:
+            pool.remove(w)
+        elif not held and w not in pool:
+            pool.append(w)
+
+    def remove(self, name: str) -> None:
+        """Forget a drained or dead worker (its handle stays findable by name for runs that touched it)."""
+        self.hold(name)
+        self.removed[name] = self.by_name.pop(name)
 
     # ---- which workers are up ------------------------------------------------------------------------------
     def mark_failed(self, worker_id: str) -> None:

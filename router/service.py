@@ -24,6 +24,7 @@ from router.core import Router
 from router.errors import Status, status_of
 from router.grpc_requests import ProtoValidator, tolerant_parser
 from router.results import Chunk, ClusterStatus
+from router.scaling import PoolScaler
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
 from router.validate import Checked, RequestValidator
@@ -51,10 +52,11 @@ def status_pb(status: ClusterStatus) -> pb.ClusterStatus:
 
 
 class InferenceService(pb_grpc.InferenceServicer):
-    """Generate / GenerateStream / Chat / ChatStream / GetClusterStatus."""
+    """Generate / GenerateStream / Chat / ChatStream / GetClusterStatus, and the admin method Scale."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, scaler: PoolScaler | None = None) -> None:
         self.router = router
+        self.scaler = scaler
         self.validator = ProtoValidator(RequestValidator(router.info))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
@@ -76,6 +78,21 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def GetClusterStatus(self, request: pb.ClusterStatusRequest,
                                context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         return status_pb(await self.router.status())
+
+    async def Scale(self, request: pb.ScaleRequest, context: grpc.aio.ServicerContext) -> pb.ScaleResponse:
+        if self.scaler is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router cannot resize its pools")
+        assert self.scaler is not None
+        try:
+            result = await self.scaler.scale(request.prefill if request.HasField("prefill") else None,
+                                             request.decode if request.HasField("decode") else None)
+        except Exception as e:  # noqa: BLE001 - mapped to a status in one place
+            status, message = status_of(e)
+            if status is Status.INTERNAL:
+                log.exception("scale failed")
+            await context.abort(GRPC_CODE[status], message)
+        return pb.ScaleResponse(prefill=result.prefill, decode=result.decode, added=result.added,
+                                removed=result.removed)
 
     async def _unary(self, check: Callable[[], Checked],
                      context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
@@ -132,7 +149,8 @@ def add_inference_service(service: InferenceService, server: grpc.aio.Server) ->
 
 async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
                        api_keys: frozenset[str] = frozenset(), credentials: grpc.ServerCredentials | None = None,
-                       allow_unauthenticated: bool = False) -> tuple[grpc.aio.Server, int]:
+                       allow_unauthenticated: bool = False,
+                       scaler: PoolScaler | None = None) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port.
 
     Health: the overall service ("") and Inference are SERVING while a live worker can prefill and one can decode
@@ -140,11 +158,12 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
 
     With `api_keys`, Inference and reflection calls need `authorization: Bearer <key>`; with `credentials`, the
     port speaks TLS. A non-loopback `host` needs `api_keys` or `allow_unauthenticated` (ExposureError otherwise).
+    With `scaler`, the admin method Scale resizes the pools (and the scaler follows lost workers from now on).
     """
     check_exposure(host, api_keys, allow_unauthenticated, "router.host")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)],
                              interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None)
-    add_inference_service(InferenceService(router), server)
+    add_inference_service(InferenceService(router, scaler), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -164,4 +183,6 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
     on_health(router.healthy())
     router.health_listeners.append(on_health)
     router.start_health()
+    if scaler is not None:
+        scaler.start_watch()
     return server, bound

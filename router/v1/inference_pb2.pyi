@@ -179,3 +179,23 @@ class ClusterStatus(_message.Message):
     redis_ok: bool
     router_inflight: int
     def __init__(self, model: _Optional[str] = ..., mode: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., requested_prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., redis_ok: _Optional[bool] = ..., router_inflight: _Optional[int] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("prefill", "decode")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("prefill", "decode", "added", "removed")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    added: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=router_dot_v1_dot_inference__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=router_dot_v1_dot_inference__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/pdcluster.v1.Inference/Scale',
+                request_serializer=router_dot_v1_dot_inference__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=router_dot_v1_dot_inference__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -95,6 +100,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Admin: resize the pools while serving (behind the API key like every Inference method). New workers register,
+        warm up and then take requests; surplus ones are drained (no new requests, running ones finish or move) and
+        removed. Answers once the pools have the sizes asked for; INVALID_ARGUMENT names a bad field.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +136,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=router_dot_v1_dot_inference__pb2.ClusterStatusRequest.FromString,
                     response_serializer=router_dot_v1_dot_inference__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=router_dot_v1_dot_inference__pb2.ScaleRequest.FromString,
+                    response_serializer=router_dot_v1_dot_inference__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +278,33 @@ class Inference:
             '/pdcluster.v1.Inference/GetClusterStatus',
             router_dot_v1_dot_inference__pb2.ClusterStatusRequest.SerializeToString,
             router_dot_v1_dot_inference__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Inference/Scale',
+            router_dot_v1_dot_inference__pb2.ScaleRequest.SerializeToString,
+            router_dot_v1_dot_inference__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,
