@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 SENDER, RECEIVER = 0, 1
 # NOTE: 4 layers of a 2k-token prompt are ~12 MB: enough to keep the socket busy while one is checked and written
 IN_FLIGHT_LAYERS = 4
+ANY_ADDRESS = ("0.0.0.0", "::", "")  # a bind-all host names no address a peer could connect to
 HEADER = 5  # int64 [layer, first_block, num_blocks, crc32c of K, crc32c of V]
 FILLER = -1  # header first_block of a layer the sender did not send (the transfer stopped): dropped
 # NOTE: a transfer's turn may wait for its prompt's prefill (keep-alives hold it meanwhile) and a gloo wait that
@@ -61,11 +63,25 @@ def wait_all(works: list[Any], deadline: float) -> None:
         w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
 
 
-def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: float) -> Any:
-    """A two-rank process group under `key` (blocks until both ranks joined or `timeout` passes)."""
+def address_towards(host: str) -> str:
+    """This machine's address on the interface that reaches `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return str(s.getsockname()[0])
+
+
+def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: float, local_host: str) -> Any:
+    """A two-rank process group under `key` (blocks until both ranks joined or `timeout` passes); this rank's gloo
+    device listens on `local_host`, the address the other rank connects to."""
     prefixed = dist.PrefixStore(f"pdcluster/kv/{key}", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout))
+        # NOTE: gloo's default device binds the address the hostname resolves to, often 127.0.0.1: a peer on
+        # another node then connects to its own loopback (tests/test_multinode.py found it)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timedelta(seconds=timeout)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host) if local_host not in ANY_ADDRESS
+                         else dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout)
     return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
@@ -140,7 +156,8 @@ class TorchEndpoint:
 
     def _make(self, pair: _Pair) -> None:
         try:
-            pair.group.set_result(make_group(self.backend, self.store, pair.key, RECEIVER, self.group_timeout_s))
+            pair.group.set_result(make_group(self.backend, self.store, pair.key, RECEIVER, self.group_timeout_s,
+                                             self.host))
         except Exception as e:  # noqa: BLE001 - reported to every transfer waiting on this pair
             pair.breaks()
             pair.group.set_exception(e)
@@ -220,7 +237,8 @@ class TorchKVSender(KVSender):
     def _make(self, pair: _Pair, rv: TorchRendezvous) -> None:
         try:
             store = dist.TCPStore(rv.host, rv.port, is_master=False, timeout=timedelta(seconds=self.remaining()))
-            pair.group.set_result(make_group(rv.backend, store, rv.group_key, SENDER, self.remaining()))
+            pair.group.set_result(make_group(rv.backend, store, rv.group_key, SENDER, self.remaining(),
+                                             address_towards(rv.host)))
         except Exception as e:  # noqa: BLE001 - reported to every transfer waiting on this pair
             pair.breaks()
             pair.group.set_exception(e)

@@ -160,7 +160,11 @@ case "$cmd" in
   up) up ;;
   down) down ;;
   status) status ;;
-  exec) [ $# -ge 2 ] || { echo "usage: $0 exec NODE CMD..." >&2; exit 2; }; in_ns "$@" ;;
+  exec)  # NOTE: exec: CMD replaces this shell, so a signal to this process (the tests' SIGTERM) reaches CMD
+    [ $# -ge 2 ] || { echo "usage: $0 exec NODE CMD..." >&2; exit 2; }
+    node=$1; shift
+    exec ip netns exec "$(node_ns "$node")" env RAY_ADDRESS="$HEAD_IP:$PORT" RAY_AUTH_MODE=token \
+      RAY_USAGE_STATS_ENABLED=0 "$@" ;;
   kill) [ $# -eq 1 ] || { echo "usage: $0 kill NODE" >&2; exit 2; }; kill_node "$1" ;;
   nodes) worker_nodes ;;
   *) echo "usage: $0 up|down|status|exec NODE CMD...|kill NODE|nodes" >&2; exit 2 ;;
