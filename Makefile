@@ -3,7 +3,7 @@
 PYTHON ?= python3
 CONFIG ?= deploy/local.yaml
 
-.PHONY: install demo serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak \
+.PHONY: install demo demo-multinode serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak \
         bench-serve bench-compare bench-vllm
 
 .install-stamp: pyproject.toml scripts/install.sh engine/kernels.py $(wildcard engine/csrc/*.cpp)
@@ -14,6 +14,10 @@ install: .install-stamp
 
 demo: .install-stamp
 	$(PYTHON) -m pdcluster demo
+
+# pdcluster on a multi-node Ray cluster on this machine: a network namespace and an IP per node (needs root).
+demo-multinode: .install-stamp
+	PYTHON=$(PYTHON) bash scripts/multinode-demo.sh
 
 serve: .install-stamp
 	$(PYTHON) -m pdcluster serve --config $(CONFIG)
