@@ -127,6 +127,7 @@ class Cluster:
         import ray
 
         pool = self.config.pools()[role]
+        self._check_room(role, pool, ray.available_resources())
         index = next(i for i in range(len(self.actors) + 1) if f"{role}-{i}" not in self.actors)
         name = f"{role}-{index}"
         self._start_actor(role, index, pool, self._started)
@@ -139,6 +140,18 @@ class Cluster:
         info = self.infos[name]
         return WorkerHandle(name, info.role, self.actors[name], info,
                             WorkerView(name, info.num_blocks, info.max_num_seqs))
+
+    @staticmethod
+    def _check_room(role: Role, pool: Any, free: dict[str, float]) -> None:
+        """RESOURCE_EXHAUSTED when no node has room for one more actor of `pool` (Ray would wait for one forever)."""
+        from router.errors import Overloaded
+
+        need = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        short = {k: v for k, v in need.items() if v > 0 and free.get(k, 0.0) + 1e-9 < v}
+        if short:
+            raise Overloaded(f"the Ray cluster has no room for another {role} worker: it needs "
+                             + ", ".join(f"{k} {v:g} ({free.get(k, 0.0):g} free)" for k, v in short.items())
+                             + "; add nodes of its type or lower the other pool")
 
     def stop_worker(self, name: str) -> None:
         """Close one worker (it unregisters from the prefix index) and kill its actor."""

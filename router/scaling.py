@@ -114,9 +114,11 @@ class PoolScaler:
             result = ScaleResult(*self.counts())
             decode_role = Role.COLOCATED if self.mode == "colocated" else Role.DECODE
             plan = [(Role.PREFILL, prefill, result.prefill), (decode_role, decode, result.decode)]
-            # NOTE: grow before shrinking, so a prefill:decode swap never leaves a pool short meanwhile
-            added = await asyncio.gather(*(self.add(role) for role, target, now in plan if target is not None
-                                           for _ in range(max(0, target - now))))
+            # NOTE: grow before shrinking, so a prefill:decode swap never leaves a pool short meanwhile; one at a
+            # time, so each start sees the room its predecessors took (a worker Ray cannot place is refused with
+            # RESOURCE_EXHAUSTED by the launcher instead of waiting forever; those started before it stay)
+            added = [await self.add(role) for role, target, now in plan if target is not None
+                     for _ in range(max(0, target - now))]
             victims = [name for role, target, now in plan if target is not None
                        for name in self._victims(role, now - target)]
             await asyncio.gather(*(self.drain(name) for name in victims))

@@ -232,6 +232,9 @@ def test_pools_scale_up_and_down_under_steady_requests(nodes, smollm2):
         served = {(last.timeline.prefill_worker, last.timeline.decode_worker) for _, _, last in extra}
         served |= {(p, d) for _, p, d in done}
         assert "prefill-1" in {p for p, _ in served} and "decode-2" in {d for _, d in served}
+        with pytest.raises(grpc.RpcError) as full:  # the prefill node has 2 slots: no room for a third worker
+            serve.stub.Scale(pb.ScaleRequest(prefill=3), timeout=120, metadata=AUTH)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill_node" in full.value.details()
         down = serve.stub.Scale(pb.ScaleRequest(prefill=1, decode=2), timeout=600, metadata=AUTH)
         assert (down.prefill, down.decode, len(down.removed)) == (1, 2, 2)
         after = len(done)
