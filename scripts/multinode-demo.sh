@@ -51,7 +51,7 @@ step "pdcluster scale --decode 2: the least busy decode worker drains and leaves
 step "losing node n3 (every process in it is killed) while 4 streams are in flight"
 for i in 1 2 3 4; do
   "$PYTHON" -m pdcluster generate --addr $ROUTER --json --max-tokens 64 --ignore-eos \
-    "Story $i: the lighthouse keeper climbed the stairs and" >"$LOG.$i" 2>&1 &
+    "Story $i: the lighthouse keeper climbed the stairs and" >"$LOG.$i" 2>"$LOG.$i.err" &
 done
 sleep 6
 bash $MN kill n3
