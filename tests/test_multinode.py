@@ -198,59 +198,6 @@ def test_sixteen_requests_cross_nodes_token_exact(nodes, smollm2, transport):
     assert {last.timeline.decode_worker for _, _, last in results} == {"decode-0", "decode-1"}
 
 
-def test_pools_scale_up_and_down_under_steady_requests(nodes, smollm2):
-    serve = serving(nodes, "grpc")
-    with pytest.raises(grpc.RpcError) as denied:  # the admin method is behind the API key
-        serve.stub.Scale(pb.ScaleRequest(decode=3), timeout=30)
-    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.RpcError) as bad:
-        serve.stub.Scale(pb.ScaleRequest(decode=0), timeout=30, metadata=AUTH)
-    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "decode" in (bad.value.details() or "")
-
-    stop, done, failed = threading.Event(), [], []
-
-    def steady(k: int) -> None:
-        i = 0
-        while not stop.is_set():
-            try:
-                ids, _, last = stream(serve.stub, f"Steady {k}-{i}-{uuid.uuid4().hex[:6]}: " + STORY, 12)
-                done.append((len(ids), last.timeline.prefill_worker, last.timeline.decode_worker))
-            except grpc.RpcError as e:
-                failed.append(f"{e.code().name}: {e.details()}")
-            i += 1
-
-    with ThreadPoolExecutor(2) as pool:
-        loops = [pool.submit(steady, k) for k in range(2)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDCLUSTER_API_KEY": API_KEY}
-        up = subprocess.run([sys.executable, "-m", "pdcluster", "scale", "--addr", ROUTER, "--prefill", "2",
-                             "--decode", "3", "--api-key", API_KEY], env=env, capture_output=True, text=True,
-                            timeout=600)
-        assert up.returncode == 0, up.stderr
-        assert "pools: 2 prefill, 3 decode" in up.stdout and "prefill-1" in up.stdout and "decode-2" in up.stdout
-        # the new workers take requests (the steady loops' and these)
-        extra = stream_all(serve.stub, unique_prompts("scaled", 6), 8)
-        served = {(last.timeline.prefill_worker, last.timeline.decode_worker) for _, _, last in extra}
-        served |= {(p, d) for _, p, d in done}
-        assert "prefill-1" in {p for p, _ in served} and "decode-2" in {d for _, d in served}
-        with pytest.raises(grpc.RpcError) as full:  # the prefill node has 2 slots: no room for a third worker
-            serve.stub.Scale(pb.ScaleRequest(prefill=3), timeout=120, metadata=AUTH)
-        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill_node" in full.value.details()
-        down = serve.stub.Scale(pb.ScaleRequest(prefill=1, decode=2), timeout=600, metadata=AUTH)
-        assert (down.prefill, down.decode, len(down.removed)) == (1, 2, 2)
-        after = len(done)
-        while len(done) < after + 2 and not failed:  # requests keep succeeding on the pools left
-            time.sleep(0.2)
-        stop.set()
-        for f in loops:
-            f.result(timeout=300)
-    assert not failed, failed
-    assert done and all(n == 12 for n, _, _ in done)
-    left = workers(serve)
-    assert set(left) == {"prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"} - set(down.removed)
-    for name in down.removed:  # a drained worker's index entries went with it
-        assert index_entries(name) == 0, name
-
-
 def test_a_node_lost_with_streams_in_flight_loses_and_repeats_nothing(nodes, smollm2):
     serve = serving(nodes, "grpc")
     status = workers(serve)
@@ -277,3 +224,58 @@ def test_a_node_lost_with_streams_in_flight_loses_and_repeats_nothing(nodes, smo
     assert index_entries(victim) == 0  # purged, not left to expire
     after = stream_all(serve.stub, unique_prompts("after", 4), 4)
     assert all(last.timeline.decode_worker != victim for _, _, last in after)
+
+
+def test_pools_scale_up_and_down_under_steady_requests(nodes, smollm2):
+    # NOTE: after the node-loss test: one decode worker and one decode node (2 slots) are left
+    serve = serving(nodes, "grpc")
+    before = set(workers(serve))
+    with pytest.raises(grpc.RpcError) as denied:  # the admin method is behind the API key
+        serve.stub.Scale(pb.ScaleRequest(decode=2), timeout=30)
+    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as bad:
+        serve.stub.Scale(pb.ScaleRequest(decode=0), timeout=30, metadata=AUTH)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "decode" in (bad.value.details() or "")
+
+    stop, done, failed = threading.Event(), [], []
+
+    def steady(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                ids, _, last = stream(serve.stub, f"Steady {k}-{i}-{uuid.uuid4().hex[:6]}: " + STORY, 12)
+                done.append((len(ids), last.timeline.prefill_worker, last.timeline.decode_worker))
+            except grpc.RpcError as e:
+                failed.append(f"{e.code().name}: {e.details()}")
+            i += 1
+
+    with ThreadPoolExecutor(2) as pool:
+        loops = [pool.submit(steady, k) for k in range(2)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDCLUSTER_API_KEY": API_KEY}
+        up = subprocess.run([sys.executable, "-m", "pdcluster", "scale", "--addr", ROUTER, "--prefill", "2",
+                             "--decode", "2", "--api-key", API_KEY], env=env, capture_output=True, text=True,
+                            timeout=600)
+        assert up.returncode == 0, up.stderr
+        assert "pools: 2 prefill, 2 decode" in up.stdout and "prefill-1" in up.stdout and "decode-2" in up.stdout
+        # the new workers take requests (the steady loops' and these)
+        extra = stream_all(serve.stub, unique_prompts("scaled", 6), 8)
+        served = {(last.timeline.prefill_worker, last.timeline.decode_worker) for _, _, last in extra}
+        served |= {(p, d) for _, p, d in done}
+        assert "prefill-1" in {p for p, _ in served} and "decode-2" in {d for _, d in served}
+        with pytest.raises(grpc.RpcError) as full:  # the prefill node has 2 slots: no room for a third worker
+            serve.stub.Scale(pb.ScaleRequest(prefill=3), timeout=120, metadata=AUTH)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill_node" in full.value.details()
+        down = serve.stub.Scale(pb.ScaleRequest(prefill=1, decode=1), timeout=600, metadata=AUTH)
+        assert (down.prefill, down.decode, len(down.removed)) == (1, 1, 2)
+        after, deadline = len(done), time.monotonic() + 120
+        while len(done) < after + 2 and not failed and time.monotonic() < deadline:  # the pools left serve on
+            time.sleep(0.2)
+        stop.set()
+        for f in loops:
+            f.result(timeout=300)
+    assert not failed, failed
+    assert done and all(n == 12 for n, _, _ in done)
+    left = workers(serve)
+    assert set(left) == (before | {"prefill-1", "decode-2"}) - set(down.removed)
+    for name in down.removed:  # a drained worker's index entries went with it
+        assert index_entries(name) == 0, name
