@@ -47,7 +47,13 @@ STORY = ("The lighthouse keeper climbed the stairs each evening to light the lam
 
 
 def _can_make_namespaces() -> bool:
-    return hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") is not None
+    """Root with iproute2, and a kernel that lets us make a namespace (a container may lack CAP_SYS_ADMIN)."""
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip")):
+        return False
+    probe = f"{NET['PDC_MN_PREFIX']}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return made
 
 
 def multinode(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
