@@ -38,6 +38,7 @@ MISSED_PINGS_TO_HOLD = 2  # timeouts in a row before a worker is held (one slow 
 DRAIN_POLL_S = 0.25
 IDLE_CHECKS = 3  # a draining worker must look idle this many polls in a row (heartbeats lag by up to 0.5 s)
 MAX_POOL_SIZE = 1024
+LIVE_WITHIN_S = 10.0  # a new worker's first heartbeat and ping reach the router within a few seconds
 WARMUP_TOKENS = list(range(1000, 1008))  # shorter than a block: the warm-up leaves no prefix-index entry
 # NOTE: by name, as router/errors.py: the router does not import ray. ActorDiedError: dead for good (no restart
 # left); ActorUnavailableError: the connection broke (the node may be gone, or Ray is restarting the actor).
@@ -150,6 +151,11 @@ class PoolScaler:
             await asyncio.to_thread(self.launcher.stop_worker, handle.name)
             raise
         self.pools.add(handle)
+        # NOTE: the router picks only live workers (a heartbeat in the index and an answered ping): return once the
+        # new one is, so a client that scaled up finds it taking requests
+        deadline = time.monotonic() + LIVE_WITHIN_S
+        while not self.pools.is_up(handle.name) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
         log.info("%s joined the %s pool (ready in %.1f s)", handle.name, role, time.monotonic() - started)
         return handle
 
