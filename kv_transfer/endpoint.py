@@ -31,7 +31,7 @@ def open_sender(config: TransferConfig, address: str, request_id: str, layout: K
         control = module.LocalControl(address.removeprefix("local://"))
     else:  # torch keeps its control plane on gRPC
         grpc_transport = importlib.import_module("kv_transfer.grpc_transport")
-        control = grpc_transport.GrpcControl(address, config.cluster_token)
+        control = grpc_transport.GrpcControl(address, config.cluster_token, config.tls)
     sender: KVSender = getattr(module, sender_name)(control, config, request_id, layout, token_ids,
                                                     num_prompt_tokens, block_hashes, sender_id=sender_id,
                                                     on_finish=on_finish)
@@ -60,7 +60,8 @@ class ReceiverEndpoint:
             from kv_transfer.torch_transport import TorchEndpoint
 
             TorchEndpoint(self.receiver, host, config.torch_backend, config.torch_device)
-        self.server, bound = grpc_transport.serve(self.receiver, f"{host}:{port}", cluster_token=config.cluster_token)
+        self.server, bound = grpc_transport.serve(self.receiver, f"{host}:{port}", cluster_token=config.cluster_token,
+                                                  kv_tls=config.tls)
         self.address = f"{host}:{bound}"
 
     def close(self) -> None:

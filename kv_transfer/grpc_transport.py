@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from engine.errors import CapacityError, EngineError, InvalidRequestError, UnknownRequestError
-from kv_transfer import payload, wire
+from kv_transfer import payload, tls, wire
 from kv_transfer.auth import CheckToken, add_token
 from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest
 from kv_transfer.receiver import KVReceiver
@@ -115,32 +115,40 @@ class KVTransferService:
 
 
 def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int = 16,
-          cluster_token: str = "") -> tuple[grpc.Server, int]:
-    """Start the KV service (callers must present `cluster_token` if one is set); returns the server and its port."""
+          cluster_token: str = "", kv_tls: tls.KVTls | None = None) -> tuple[grpc.Server, int]:
+    """Start the KV service (callers must present `cluster_token` if one is set, and a client certificate with
+    `kv_tls`); returns the server and its port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-grpc"),
                          options=CHANNEL_OPTIONS, interceptors=[CheckToken(cluster_token)] if cluster_token else None)
     server.add_generic_rpc_handlers((KVTransferService(receiver).handler(),))
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, tls.server_credentials(kv_tls)) if kv_tls is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot bind the KV transfer service to {address}")
     server.start()
     return server, port
 
 
-_channels: dict[tuple[str, int, str], grpc.Channel] = {}
+_channels: dict[tuple[str, int, str, tls.KVTls | None], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
-def channel(address: str, index: int = 0, cluster_token: str = "") -> grpc.Channel:
-    """A cached channel to `address` presenting `cluster_token`; distinct `index`es get distinct TCP connections."""
+def channel(address: str, index: int = 0, cluster_token: str = "", kv_tls: tls.KVTls | None = None) -> grpc.Channel:
+    """A cached channel to `address` presenting `cluster_token` (over mutual TLS with `kv_tls`); distinct
+    `index`es get distinct TCP connections."""
+    key = (address, index, cluster_token, kv_tls)
     with _channels_lock:
-        ch = _channels.get((address, index, cluster_token))
+        ch = _channels.get(key)
         if ch is None:
             opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("pdcluster.connection", index)]
-            ch = grpc.insecure_channel(address, options=opts)
+            if kv_tls is None:
+                ch = grpc.insecure_channel(address, options=opts)
+            else:
+                ch = grpc.secure_channel(address, tls.channel_credentials(kv_tls),
+                                         options=[*opts, *tls.channel_options(kv_tls)])
             if cluster_token:
                 ch = grpc.intercept_channel(ch, add_token(cluster_token))
-            _channels[(address, index, cluster_token)] = ch
+            _channels[key] = ch
         return ch
 
 
@@ -153,10 +161,11 @@ def transfer_error(err: grpc.RpcError, request_id: str, what: str) -> TransferEr
 class GrpcControl(Control):
     """Control calls to a receiver's KV service at `address` (host:port)."""
 
-    def __init__(self, address: str, cluster_token: str = "") -> None:
+    def __init__(self, address: str, cluster_token: str = "", kv_tls: tls.KVTls | None = None) -> None:
         self.address = address
         self.cluster_token = cluster_token
-        self.stub = pb_grpc.KVTransferStub(channel(address, 0, cluster_token))
+        self.tls = kv_tls
+        self.stub = pb_grpc.KVTransferStub(channel(address, 0, cluster_token, kv_tls))
 
     def prepare(self, req: PrepareRequest, timeout: float) -> Prepared:
         try:
@@ -197,7 +206,7 @@ class GrpcKVSender(KVSender):
             return
         n_streams = self.config.grpc_streams
         queues: list[queue.Queue[bytes | None]] = [queue.Queue(QUEUED_CHUNKS) for _ in range(n_streams)]
-        calls = [channel(self.control.address, i, self.control.cluster_token).stream_unary(
+        calls = [channel(self.control.address, i, self.control.cluster_token, self.control.tls).stream_unary(
             f"/{SERVICE}/Push", response_deserializer=pb.PushResponse.FromString).future(
             self._messages(q), timeout=self.remaining()) for i, q in enumerate(queues)]
         self._calls = tuple(calls)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.errors import CapacityError, EngineError
+
+if TYPE_CHECKING:
+    from kv_transfer.tls import KVTls
 
 # NOTE: "local" is sender and receiver in one process (the colocated engine, tests); a cluster's YAML offers only
 # the remote two
@@ -54,6 +57,7 @@ class TransferConfig:
     torch_device: str = "cpu"  # torch: where the tensors sent live ("cuda" for nccl: staged from the CPU pool)
     # the shared secret KV endpoints require of every caller ("" = no check); never printed
     cluster_token: str = field(default="", repr=False)
+    tls: KVTls | None = field(default=None, repr=False)  # mutual TLS on the gRPC KV plane (None: cleartext)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

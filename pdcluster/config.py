@@ -260,6 +260,9 @@ class SecurityConfig(BaseModel):
 
     tls_cert_file: str | None = Field(default=None, min_length=1, description="PEM certificate chain (gRPC and HTTP)")
     tls_key_file: str | None = Field(default=None, min_length=1, description="PEM private key of tls_cert_file")
+    tls_ca_file: str | None = Field(default=None, min_length=1, description="PEM CA certificate(s) that signed "
+                                    "tls_cert_file: with transfer.tls, KV peers must present a certificate it signed; "
+                                    "unset: tls_cert_file itself (self-signed)")
     # NOTE: keys and tokens never sit in YAML: these name environment variables that hold them.
     api_keys_env: str | None = Field(default=None, min_length=1, description="environment variable with the API "
                                      "keys clients must send (comma-separated); unset: no key needed")
@@ -292,6 +295,8 @@ class TransferSection(BaseModel):
     host: str = Field(default="127.0.0.1", min_length=1,
                       description="address decode workers bind their KV port to and advertise to prefill workers; "
                       "'auto': each worker's own node IP")
+    tls: bool = Field(default=False, description="mutual TLS on the KV gRPC plane with security.tls_cert_file/"
+                      "tls_key_file (peers checked against security.tls_ca_file); torch's data ports stay cleartext")
 
     @field_validator("transport", mode="before")
     @classmethod
@@ -354,6 +359,9 @@ class ClusterConfig(BaseModel):
         for name in self.pools():
             if getattr(self, name).replicas < 1:
                 raise _RuleError(f"{name}.replicas", f"mode {self.mode!r} runs the {name} pool: needs >= 1 replica")
+        if self.transfer.tls and self.security.tls_cert_file is None:
+            raise _RuleError("transfer.tls", "KV TLS uses the cluster's certificate: set security.tls_cert_file "
+                                             "and security.tls_key_file")
         # NOTE: colocated workers never transfer KV, so the transfer section only binds in disaggregated mode.
         if self.mode == "disaggregated" and self.transfer.torch_backend == "nccl":
             if self.transfer.transport != "torch":

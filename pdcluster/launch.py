@@ -63,6 +63,7 @@ class Cluster:
         self.redis_url = config.redis.url
         self.redis_auth = security.redis_auth(config)
         self.cluster_token = security.cluster_token(config)
+        self.kv_tls = security.kv_tls(config)
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, WorkerInfo] = {}
         self._started_ray = False
@@ -174,7 +175,8 @@ class Cluster:
         cfg = self.config
         name = f"{role}-{index}"
         self._started += 1
-        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token)
+        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token,
+                                       tls=self.kv_tls)
         spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,

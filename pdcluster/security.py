@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from cluster.redis_client import RedisAuth
+from kv_transfer.tls import KVTls
 from pdcluster.config import ClusterConfig
 from router import auth
 
@@ -101,3 +102,27 @@ def check_exposure(config: ClusterConfig) -> None:
             auth.check_exposure(host, keys, config.security.allow_unauthenticated, field)
         except auth.ExposureError as e:
             raise SetupError(str(e)) from None
+
+
+def kv_tls(config: ClusterConfig) -> KVTls | None:
+    """Mutual TLS for the KV gRPC plane (`transfer.tls`): the cluster's certificate, key and CA, or None."""
+    s = config.security
+    if not config.transfer.tls or s.tls_cert_file is None or s.tls_key_file is None:
+        return None
+    cert = _read(s.tls_cert_file, "security.tls_cert_file")
+    ca = _read(s.tls_ca_file, "security.tls_ca_file") if s.tls_ca_file else cert
+    return KVTls(cert, _read(s.tls_key_file, "security.tls_key_file"), ca, _cert_name(s.tls_cert_file))
+
+
+def _cert_name(path: str) -> str:
+    """A DNS name the certificate is issued for (its first DNS subjectAltName, else its common name)."""
+    # NOTE: the stdlib's only certificate parser is private; it has been stable since Python 3.4
+    try:
+        decoded = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
+    except (OSError, ssl.SSLError) as e:
+        raise SetupError(f"security.tls_cert_file: cannot parse {path}: {e}") from None
+    names = [v for k, v in decoded.get("subjectAltName", ()) if k == "DNS"]
+    names += [v for rdn in decoded.get("subject", ()) for k, v in rdn if k == "commonName"]
+    if not names:
+        raise SetupError("security.tls_cert_file: names no DNS subjectAltName or common name (needed for KV TLS)")
+    return str(names[0])
