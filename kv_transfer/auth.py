@@ -2,8 +2,8 @@
 
 NOTE: the token travels as gRPC metadata on every KV call (control and Push streams); a receiver started with a
 token rejects calls without it as UNAUTHENTICATED before any block is reserved. The torch transport's pair groups
-are set up through the same checked Prepare call, but its TCPStore and gloo/NCCL ports themselves are not checked:
-keep them on a private network.
+are set up through the same checked Prepare call, but its TCPStore and gloo/NCCL ports themselves are not checked
+(nor encrypted, also with `TransferConfig.tls`): keep them on a private network.
 """
 
 from __future__ import annotations
