@@ -1,7 +1,7 @@
 """A saturated cluster computes each prompt once (issue 19 item 4): the KV transfer's deadline runs from its first
 layer, not from the handshake made before the prompt queued for prefill.
 
-One prefill and one decode worker (deploy/local.yaml) with a 2 s transfer deadline get 10 unique prompts at once;
+One prefill and one decode worker (deploy/local.yaml) with a 4 s transfer deadline get 14 unique prompts at once;
 the prefill worker computes them one after another, so most wait far longer than the deadline. Every request must
 complete with each prompt prefilled once, on the prefill worker, and none on the decode worker.
 """
@@ -17,7 +17,7 @@ from tests.helpers import start_test_cluster
 
 pytestmark = pytest.mark.slow
 NS = "test-kv-saturated"
-DEADLINE_S = 2.0
+DEADLINE_S = 4.0  # NOTE: first layer → taken on the decode worker fits in it on a loaded 2-core machine
 STORY = ("The harbour master kept a ledger of every ship that entered the bay: its name, its cargo, the weather, and "
          "the hour the tide turned. ")
 
@@ -37,7 +37,7 @@ def cluster(ray_session):
 def test_a_saturated_cluster_prefills_each_prompt_once(cluster, ray_session):
     c, server = cluster
     stub = server.stub()
-    prompts = [f"Ledger {i}: " + STORY * 14 + f"Which ship came in on day {i}?" for i in range(10)]
+    prompts = [f"Ledger {i}: " + STORY * 14 + f"Which ship came in on day {i}?" for i in range(14)]
     before = {name: ray_session.get(c.actors[name].load.remote(), timeout=30) for name in ("prefill-0", "decode-0")}
 
     def one(i: int) -> pb.GenerateResponse:
@@ -50,7 +50,7 @@ def test_a_saturated_cluster_prefills_each_prompt_once(cluster, ray_session):
     after = {name: ray_session.get(c.actors[name].load.remote(), timeout=30) for name in ("prefill-0", "decode-0")}
     assert all(len(r.token_ids) == 4 for r in responses)
     # the cluster was saturated: prompts waited for prefill longer than the transfer deadline
-    assert max(r.timeline.queue_ms for r in responses) > 2 * DEADLINE_S * 1000, [r.timeline for r in responses]
+    assert max(r.timeline.queue_ms for r in responses) > 1.5 * DEADLINE_S * 1000, [r.timeline for r in responses]
     assert all(not r.timeline.prefill_skipped and r.timeline.prefill_worker == "prefill-0" for r in responses)
     prompt_tokens = sum(r.usage.prompt_tokens for r in responses)
     # each prompt computed once on the prefill worker (a retried prefill counts its prompt again) ...

@@ -114,8 +114,13 @@ def test_more_queued_transfers_to_one_receiver_than_its_threads_all_complete(tin
 def stop_after(a: LLMEngine, sender, prompt: list[int], layers: int) -> None:  # type: ignore[no-untyped-def]
     """A prefill that hands over only the first `layers` layers and ends without a commit (then the abort)."""
     send = layer_sender(a, sender, prompt)
+
+    def some(layer: int) -> None:
+        if layer < layers:
+            send(layer)
+
     a.add_request(sender.request_id, prompt, FIRST)
-    a.watch_layers(sender.request_id, lambda layer: layer < layers and send(layer))
+    a.watch_layers(sender.request_id, some)
     next(o for _ in range(100) for o in a.step() if o.request_id == sender.request_id)
     a.abort_request(sender.request_id)
 
