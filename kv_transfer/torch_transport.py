@@ -173,7 +173,8 @@ class TorchEndpoint:
                 self._receive_layers(group, tag, t)
             pair.end_turn(tag)
         except Exception as e:  # noqa: BLE001 - the pair is out of step or its peer gone: retire it
-            self.receiver.fail(t.transfer_id, f"torch receive failed: {e}", retryable=True)
+            if t.state is TransferState.TRANSFERRING:
+                self.receiver.fail(t.transfer_id, f"torch receive failed: {e}", retryable=True)
             self._retire(pair)
         finally:
             self.receiver.set_receiving(t, False)
