@@ -42,11 +42,13 @@ def cluster(ray_session, tmp_path_factory):
 def test_a_cluster_with_kv_tls_serves_across_the_handoff(cluster, smollm2):
     c, server, _ = cluster
     r = server.stub().Generate(pb_router.GenerateRequest(
-        request_id="kv-tls", prompt=PROMPT, sampling=pb_router.SamplingParams(max_tokens=12, temperature=0)),
+        request_id="kv-tls", prompt=PROMPT,
+        sampling=pb_router.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
         timeout=300)
-    assert not r.timeline.prefill_skipped and r.timeline.kv_blocks_sent > 0  # the KV crossed the TLS plane
+    # the KV crossed the TLS plane and the decode worker went on from it (ignore_eos: not ended at the first token)
+    assert not r.timeline.prefill_skipped and r.timeline.kv_blocks_sent > 0 and r.timeline.decode_worker == "decode-0"
     engine = make_engine(smollm2)
-    engine.add_request("ref", PROMPT, SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request("ref", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert list(r.token_ids) == run_to_completion(engine)["ref"].token_ids
 
 
