@@ -116,16 +116,19 @@ class PrefillResult:
 class DecodeRequest:
     """Continue a request on a decode worker: take its transferred KV, or (token_ids set) run it whole here.
 
-    NOTE: the text contract: `sent_chars` is how much of the output text the client already has (the prefill
-    worker's first-token text, or what a failed decode worker streamed), so this worker emits exactly the rest.
+    NOTE: the text contract: `sent_chars` is how much of the output text the client already has (what a failed
+    decode worker streamed), so this worker emits exactly the rest. None (a handoff, sent with the prefill before its
+    first token exists): the characters of the first token's text that the prefill worker streamed, which the decode
+    worker works out itself and reports in its first Delta (`resumed_chars`).
     """
 
     request_id: str
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)  # the prompt; non-empty: no transfer, this worker prefills
     output_token_ids: list[int] = field(default_factory=list)  # with token_ids: tokens generated before (failover)
-    sent_chars: int = 0  # characters of the output text already streamed to the client
+    sent_chars: int | None = 0  # characters of the output text already streamed to the client
     traceparent: str = ""  # W3C trace context of the router's span for this step ("" when tracing is off)
+    kv_wait_s: float = 150.0  # a handoff: how long to wait for the KV before giving the request up
 
 
 @dataclass
@@ -142,3 +145,4 @@ class Delta:
     num_cached_tokens: int = 0
     queue_ms: float = 0.0  # on the first delta of a request run whole here: waiting + prefill on this worker
     prefill_ms: float = 0.0
+    resumed_chars: int = 0  # on the first delta: characters of the output text the stream assumed the client had

@@ -1,13 +1,15 @@
 """DecodeWorker: takes a request's transferred KV into its continuous batch and streams the tokens back.
 
 Life of a request on a decode worker:
-1. the KV arrives through this worker's KV endpoint (`ReceiverEndpoint`) while the prefill worker computes it:
-   blocks are reserved at the handshake, written as layers arrive, and the transfer is DONE at commit;
-2. `generate(DecodeRequest)` takes the finished transfer into the running batch with the request's sampling
-   params (or, with `token_ids` set, runs the whole request here: the colocated mode, or a prompt this worker
-   already caches almost entirely);
+1. the router opens the request's stream (`generate(DecodeRequest)`, sampling params included) together with its
+   prefill: the stream waits (`decode_workers/handoff.py`) while the KV arrives through this worker's KV endpoint
+   (`ReceiverEndpoint`): blocks are reserved at the handshake, written as layers arrive, DONE at commit;
+2. the moment the prefill worker commits, the transfer joins the running batch and decoding starts; no call from
+   the router is awaited in between. With `token_ids` set the whole request runs here instead (the colocated
+   mode, a prompt this worker already caches almost entirely, or a failover's continuation);
 3. each step's new tokens are merged into `Delta`s and yielded to the router until the request finishes;
-4. a caller that goes away (the generator is closed or cancelled) aborts the request: its blocks are freed.
+4. a caller that goes away (the generator is closed or cancelled) or an abort ends the request: its blocks (or the
+   reservation it waited on) are freed.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from collections.abc import AsyncIterator
 from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
-from cluster.worker import Worker, WorkerSpec, node_address
+from cluster.worker import RequestAborted, Worker, WorkerSpec, node_address
+from decode_workers.handoff import KVWaiters, first_token_chars
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import ReceiverEndpoint
 from kv_transfer.receiver import KVReceiver
+from kv_transfer.state import TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ class DecodeWorker(Worker):
         super().__init__(spec, loaded)
         self.kv_endpoint = ReceiverEndpoint(self.engine, self.spec.transfer, engine_lock=self.loop.between_steps,
                                    host=node_address(self.spec.kv_host))
+        self.kv_waiters = KVWaiters()
+        self.receiver.on_settled = self.kv_waiters.settled
 
     @property
     def kv_address(self) -> str:
@@ -51,6 +57,7 @@ class DecodeWorker(Worker):
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         timing: list[tuple[float, float]] = []  # a request run whole here: its queue and prefill time (ms)
+        resumed = [req.sent_chars or 0]  # characters of the output text the client has when this stream starts
 
         def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock
             if req.token_ids and not timing:
@@ -61,15 +68,20 @@ class DecodeWorker(Worker):
             def start(engine: object) -> None:
                 self._check_not_aborted(rid)
                 seq = self.engine.add_request(rid, req.token_ids, req.params, output_token_ids=req.output_token_ids,
-                                              sent_chars=req.sent_chars)
+                                              sent_chars=resumed[0])
                 self._track(seq, arrived)
                 self.loop.attach(rid, on_output)
         else:
             receiver = self.receiver
+            if not await self._kv_landed(rid, req.kv_wait_s):
+                yield Delta([], "", finished=True, finish_reason="abort")  # NOTE: the router fails it over
+                return
 
-            def start(engine: object) -> None:  # NOTE: the router calls only once the transfer is DONE
+            def start(engine: object) -> None:  # the transfer is DONE: decoding starts now
                 self._check_not_aborted(rid)
-                receiver.take(rid, req.params, sent_chars=req.sent_chars)
+                if req.sent_chars is None:
+                    resumed[0] = first_token_chars(self.engine.tokenizer, receiver.next_token_ids(rid), req.params)
+                receiver.take(rid, req.params, sent_chars=resumed[0])
                 self.loop.attach(rid, on_output)
         finished = False
         span = tracing.start("decode.worker", req.traceparent, **{"pdcluster.worker": self.name})
@@ -89,6 +101,10 @@ class DecodeWorker(Worker):
                     await starting
                 await asyncio.to_thread(self.abort, rid)
             tracing.end(span)
+            if not req.token_ids and isinstance(e, (RequestAborted, TransferError)):
+                # NOTE: aborted, or the transfer expired, between DONE and the take: nothing joined the batch
+                yield Delta([], "", finished=True, finish_reason="abort")
+                return
             raise
         finally:
             tracing.end(take)
@@ -99,8 +115,10 @@ class DecodeWorker(Worker):
                 while not outputs.empty():
                     batch.append(outputs.get_nowait())
                 delta = _merge(batch)
-                if first and timing:
-                    delta.queue_ms, delta.prefill_ms = timing[0]
+                if first:
+                    delta.resumed_chars = resumed[0]
+                    if timing:
+                        delta.queue_ms, delta.prefill_ms = timing[0]
                 first = False
                 finished = delta.finished
                 self.metrics.generation.inc(len(delta.token_ids))
@@ -112,10 +130,30 @@ class DecodeWorker(Worker):
             if not finished:
                 await asyncio.to_thread(self.abort, rid)
 
+    async def _kv_landed(self, rid: str, wait_s: float) -> bool:
+        """Wait for the request's KV: True once DONE; False if it failed, was aborted or did not come in `wait_s`."""
+        landed = self.kv_waiters.register(rid)
+        try:
+            if rid in self._aborted:  # NOTE: the router's abort may overtake this call (Ray orders neither)
+                return False
+            if self.receiver.poll(rid) is TransferState.DONE:  # NOTE: committed before this call came
+                return True
+            return await asyncio.wait_for(landed, wait_s)
+        except TimeoutError:
+            log.warning("no KV came within %.0f s; giving the request up", wait_s)
+            await asyncio.to_thread(self.abort, rid, "no KV came in time")
+            return False
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self.abort, rid, "the router went away")
+            raise
+        finally:
+            self.kv_waiters.forget(rid)
+
     def abort(self, request_id: str, reason: str = "aborted") -> None:
-        """Stop a request here: running, or still arriving as KV (its reservation is freed)."""
+        """Stop a request here: running, still arriving as KV (its reservation is freed), or waiting for it."""
         def stop(engine: object) -> None:
             self._remember_abort(request_id)
+            self.kv_waiters.wake(request_id, False)
             self.loop.abort(request_id)
             self.receiver.abort_request(request_id, reason)
         self.loop.call(stop)  # NOTE: blocks until the current step ends: call it off the event loop

@@ -82,6 +82,9 @@ class KVReceiver:
         # transport hooks (torch): set up on handshake, tear down on failure
         self.on_prepare: Callable[[PrepareRequest, Inbound], TorchRendezvous | None] | None = None
         self.on_fail: Callable[[Inbound], None] | None = None
+        # NOTE: the decode worker starts decoding the moment a transfer settles (DONE or FAILED), not when the
+        # router next calls: called after the state changed, outside the receiver's lock, on the settling thread
+        self.on_settled: Callable[[str, TransferState], None] | None = None
         self._closed = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval_s,), daemon=True,
                                         name="kv-receiver-reaper")
@@ -194,7 +197,13 @@ class KVReceiver:
                 t.num_cached_tokens = req.num_cached_tokens
                 t.state = TransferState.DONE
                 t.done.set()
-                return t.bytes_received
+                received = t.bytes_received
+            else:
+                received = -1
+        if received >= 0:
+            if self.on_settled is not None:
+                self.on_settled(t.request_id, TransferState.DONE)
+            return received
         where = f"layer {missing[0][0]} {'KV'[missing[0][1]]} block {missing[0][2]}" if len(missing) else "writes"
         reason = f"committed before all data arrived ({len(missing)} block(s) missing, first: {where})"
         self._fail(t, reason, retryable=True)
@@ -214,6 +223,11 @@ class KVReceiver:
             self._forget(t)
         with self.engine_lock:
             return self.engine.commit_kv(request_id, t.next_token_ids, params, t.num_cached_tokens, sent_chars)
+
+    def next_token_ids(self, request_id: str) -> list[int]:
+        """The tokens a DONE transfer's sender sampled after the KV it sent (empty if there is none)."""
+        t = self._by_request.get(request_id)
+        return list(t.next_token_ids) if t is not None and t.state is TransferState.DONE else []
 
     # ---- status, abort, expiry ------------------------------------------------------------------------------
     def poll(self, request_id: str) -> TransferState:
@@ -298,6 +312,8 @@ class KVReceiver:
             self._free(t)
         if self.on_fail is not None:
             self.on_fail(t)
+        if self.on_settled is not None:
+            self.on_settled(t.request_id, TransferState.FAILED)
 
     def _free(self, t: Inbound) -> None:
         with self.engine_lock:

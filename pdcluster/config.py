@@ -184,6 +184,9 @@ class RouterConfig(BaseModel):
     max_predicted_ttft_ms: float | None = Field(default=None, ge=0, description="a request whose first token is "
                                                 "predicted later is refused (RESOURCE_EXHAUSTED); null: 4 × "
                                                 "slo_ttft_ms; 0: no limit")
+    stall_timeout_steps: float = Field(default=100.0, gt=0, description="a decode stream with no token for this many "
+                                       "of its worker's usual steps fails over, as if the worker died")
+    stall_timeout_min_s: float = Field(default=15.0, gt=0, description="... and never sooner than this (seconds)")
 
     def router_settings(self, model: str, mode: str, transport: str) -> RouterSettings:
         """The settings of a Router over a cluster of `model` in `mode` whose workers move KV over `transport`."""
@@ -193,7 +196,8 @@ class RouterConfig(BaseModel):
             model=model, mode=mode, transport=transport, routing=self.routing, max_inflight=self.max_inflight,
             skip_prefill_max_uncached_tokens=self.skip_prefill_max_uncached_tokens,
             request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s,
-            slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms)
+            slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms,
+            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s)
 
 
 class HttpConfig(BaseModel):

@@ -37,6 +37,7 @@ from router.policy import WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
+from router.stall import StallClock
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Router:
         self.pools.metrics = self.metrics
         self.inflight = 0
         self.redis_failures = 0
+        self.stall = StallClock(settings.stall_timeout_steps, settings.stall_timeout_min_s)  # per-worker step times
         self._refresher: asyncio.Task[None] | None = None
         self._live: set[str] | None = None  # workers with a fresh heartbeat; None: not known yet (or no Redis)
         self._answering: set[str] | None = None  # workers whose actor answered the last ping; None: none yet
@@ -141,8 +143,9 @@ class Router:
             if held is not None:
                 held.pending_tokens += route.decode_prefill_tokens
             run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
-                             prefill_timeout_s=self.settings.prefill_timeout_s,
-                             traceparent=parent).chunks()
+                             prefill_timeout_s=self.settings.prefill_timeout_s, traceparent=parent,
+                             deadline=arrived + (budget_s or self.settings.request_timeout_s),
+                             stall=self.stall).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()

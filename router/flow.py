@@ -2,13 +2,15 @@
 
 Life of a request run (`RequestRun.chunks`), stage by stage:
 1. `prefill_with_failover`: the chosen prefill worker computes the prompt and ships the KV to the chosen decode
-   worker; `first_token` streams its token at once. If the prefill worker dies, times out or the transfer fails,
-   the run tries another prefill worker (and, if the transfer failed, another decode worker); with none left, a
-   decode worker runs the whole request itself;
-2. `decode_with_failover`: the decode worker streams the rest. If it dies mid-stream, the run continues on another
-   decode worker (or the same one once Ray restarted it) with the prompt plus every token already streamed
-   (`continuation`): the client sees no token lost or repeated, and a greedy request ends with the same text as
-   an undisturbed run;
+   worker, whose stream is opened at the same time with the sampling params (`_open_handoff`): it starts decoding
+   the moment the KV lands, while the router streams the prefill worker's token (`first_token`). If the prefill
+   worker dies, times out or the transfer fails, the run tries another prefill worker (and, if the transfer
+   failed, another decode worker); with none left, a decode worker runs the whole request itself;
+2. `decode_with_failover`: the router relays the decode worker's stream. If the worker dies mid-stream, or sends
+   no token within the stall timeout (router/stall.py: a hung engine), it is marked failed for routing and the
+   run continues on another decode worker (or on the same one once Ray restarted it: the run waits for it until
+   the request's deadline) with the prompt plus every token already streamed (`continuation`): the client sees no
+   token lost or repeated, and a greedy request ends with the same text as an undisturbed run;
 3. `last_chunk` carries the finish reason, usage and timeline; a run that does not finish aborts the request on
    every worker it touched, freeing its KV blocks.
 """
@@ -21,6 +23,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
 
 from cluster import tracing
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
@@ -31,6 +35,7 @@ from router.metrics import RouterMetrics
 from router.policy import Route
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, Timeline, Usage
+from router.stall import StallClock, Stalled, wait_alive
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
@@ -65,14 +70,30 @@ class StreamedText:
         return text
 
 
+@dataclass
+class OpenStream:
+    """A decode stream the run opened: its worker, Ray's streaming generator, the attempt's span."""
+
+    worker: WorkerHandle
+    attempt_id: str
+    stream: Any  # ray.ObjectRefGenerator of Delta (async iterable of refs)
+    span: Any
+    handoff: bool  # takes a transferred KV (the worker works out the first token's characters itself)
+
+
 class RequestRun:
     """The state of one request across workers: what was streamed, where, and when."""
 
     def __init__(self, request: Checked, route: Route, arrived: float, pools: WorkerPools, *,
-                 metrics: RouterMetrics, prefill_timeout_s: float, traceparent: str = "") -> None:
+                 metrics: RouterMetrics, prefill_timeout_s: float, traceparent: str = "",
+                 deadline: float | None = None, stall: StallClock | None = None) -> None:
         self.request, self.arrived, self.pools, self.metrics = request, arrived, pools, metrics
         self.traceparent = traceparent  # the router's request span: each attempt's span is its child
         self.prefill_timeout_s = prefill_timeout_s
+        # monotonic: the request fails then (the router passes its deadline; a run on its own gets 10 minutes)
+        self.deadline = deadline if deadline is not None else time.monotonic() + 600.0
+        self.stall = stall or StallClock()
+        self.handoff: OpenStream | None = None  # the decode stream opened with the current prefill attempt
         self.request_id, self.prompt_len = request.request_id, len(request.token_ids)
         self.decode_worker = pools[route.decode]
         self.prefill_worker = pools[route.prefill] if route.prefill else None
@@ -91,15 +112,16 @@ class RequestRun:
     async def chunks(self) -> AsyncGenerator[Chunk, None]:
         try:
             res = await self.prefill_with_failover() if self.prefill_worker is not None else None
-            decode = DecodeRequest(self.attempt_id, self.request.params, self.request.token_ids)
             if res is not None:
                 yield self.first_token(res)
-                if self.done:
+                if self.done:  # NOTE: nothing was handed off: the decode stream waiting for the KV is let go
                     return
-                decode = DecodeRequest(self.attempt_id, self.request.params, sent_chars=self.text.sent_chars)
-            async for chunk in self.decode_with_failover(decode):
+            opened, self.handoff = self.handoff, None
+            async for chunk in self.decode_with_failover(opened):
                 yield chunk
         finally:
+            if self.handoff is not None:
+                self._drop(self.handoff)
             if not self.done:  # the client went away or every worker failed: free the request's blocks everywhere
                 for name, attempt_id in self.touched:
                     self.pools[name].actor.abort.remote(attempt_id)
@@ -121,7 +143,9 @@ class RequestRun:
                 tried.add(worker.name)
                 self._report_prefill_failure(worker, unwrap(e))
                 worker.actor.abort.remote(self.attempt_id)
-                self.decode_worker.actor.abort.remote(self.attempt_id)  # NOTE: frees a reservation left behind
+                if self.handoff is not None:  # NOTE: frees a reservation left behind, ends the waiting stream
+                    self._drop(self.handoff)
+                    self.handoff = None
                 self.attempt_id = self._new_attempt_id()
                 if isinstance(unwrap(e), TransferError):  # the decode side may be what failed: pick another too
                     self._move_decode(exclude={self.decode_worker.name})
@@ -143,6 +167,7 @@ class RequestRun:
         worker.view.pending_tokens += self.prompt_len
         span = tracing.start("prefill", self.traceparent, **{"pdcluster.worker": worker.name,
                                                               "pdcluster.decode_worker": self.decode_worker.name})
+        self.handoff = self._open_handoff()
         try:
             request = PrefillRequest(self.attempt_id, self.request.token_ids, self.request.params,
                                      self.decode_worker.info.kv_address, tracing.traceparent_of(span))
@@ -173,27 +198,52 @@ class RequestRun:
         return Chunk(self.request_id, res.token_ids, res.text)
 
     # ---- 2. decode -------------------------------------------------------------------------------------------
-    async def decode_with_failover(self, request: DecodeRequest) -> AsyncGenerator[Chunk, None]:
-        """The decode worker's chunks; on a failure, the rest of the request from another decode worker."""
+    def _open_handoff(self) -> OpenStream:
+        """The decode worker's stream for the KV this prefill attempt sends: it decodes as soon as the KV lands."""
+        # NOTE: the stream waits for the KV at most as long as the router waits for the prefill, plus a margin
+        request = DecodeRequest(self.attempt_id, self.request.params, sent_chars=None,
+                                kv_wait_s=self.prefill_timeout_s + 30.0)
+        return self._open(self.decode_worker, request, handoff=True)
+
+    def _open(self, worker: WorkerHandle, request: DecodeRequest, *, handoff: bool = False) -> OpenStream:
+        span = tracing.start("decode", self.traceparent, **{"pdcluster.worker": worker.name})
+        if span is not None:
+            request = dataclasses.replace(request, traceparent=tracing.traceparent_of(span))
+        self.touched.add((worker.name, request.request_id))
+        stream = worker.actor.generate.options(num_returns="streaming").remote(request)
+        return OpenStream(worker, request.request_id, stream, span, handoff)
+
+    def _drop(self, opened: OpenStream) -> None:
+        """Let a stream go unread: its worker is told to abort the attempt (freeing its KV or reservation)."""
+        tracing.end(opened.span)
+        opened.worker.actor.abort.remote(opened.attempt_id)
+
+    async def decode_with_failover(self, opened: OpenStream | None) -> AsyncGenerator[Chunk, None]:
+        """The decode worker's chunks (`opened`: the handoff's stream); on a failure, the rest from another worker."""
+        if opened is None:  # NOTE: no prefill: the decode worker runs the whole request
+            opened = self._open(self.decode_worker, DecodeRequest(self.attempt_id, self.request.params,
+                                                                  self.request.token_ids))
         for attempt in range(MAX_FAILOVERS + 1):
-            worker = self.decode_worker
-            self.touched.add((worker.name, self.attempt_id))
+            worker = opened.worker
             worker.view.inflight += 1
             try:
-                async for chunk in self._decode(worker, request):
+                async for chunk in self._decode(opened):
                     yield chunk
                 return
             except Exception as e:  # noqa: BLE001 - classified below
                 if not can_fail_over(e) or attempt == MAX_FAILOVERS:
                     raise
                 log.warning("decode on %s failed after %d tokens (%s); continuing elsewhere", worker.name,
-                            len(self.generated), unwrap(e))
+                            len(self.generated), unwrap(e) if not isinstance(e, Stalled) else e)
                 self.metrics.failover("decode")
                 self.pools.mark_failed(worker.name)
-                worker.actor.abort.remote(self.attempt_id)
+                worker.actor.abort.remote(opened.attempt_id)
                 self.attempt_id = self._new_attempt_id()
                 self._move_decode(exclude={worker.name})
-                request = self.continuation()
+                if not await wait_alive(self.decode_worker.actor, self.decode_worker.name, self.deadline):
+                    raise WorkerFailed(f"no decode worker to continue on ({self.decode_worker.name} is down)",
+                                       self.request_id) from e
+                opened = self._open(self.decode_worker, self.continuation())
             finally:
                 worker.view.inflight -= 1  # NOTE: this attempt's worker, not the one the run moved on to
 
@@ -202,19 +252,36 @@ class RequestRun:
         return DecodeRequest(self.attempt_id, self.request.params, self.request.token_ids,
                              output_token_ids=list(self.generated), sent_chars=self.text.sent_chars)
 
-    async def _decode(self, worker: WorkerHandle, request: DecodeRequest) -> AsyncGenerator[Chunk, None]:
-        span = tracing.start("decode", self.traceparent, **{"pdcluster.worker": worker.name})
-        if span is not None:
-            request = dataclasses.replace(request, traceparent=tracing.traceparent_of(span))
+    async def _decode(self, opened: OpenStream) -> AsyncGenerator[Chunk, None]:
+        worker, stream = opened.worker, opened.stream
+        # NOTE: the first delta of a stream that computes the prompt first may take a prefill's time
+        wait_s = self.prefill_timeout_s if not opened.handoff else self.stall.timeout(worker.name)
+        last = time.monotonic()
         try:
-            stream = worker.actor.generate.options(num_returns="streaming").remote(request)
-            async for ref in stream:
-                delta: Delta = await ref
+            while True:
+                try:
+                    ref = await asyncio.wait_for(anext(stream), min(wait_s, max(0.0, self.deadline - last)))
+                    delta: Delta = await ref
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise Stalled(f"decode worker {worker.name} sent no token for {wait_s:.1f} s") from None
+                now = time.monotonic()
+                if self.generated and delta.token_ids:
+                    self.stall.observe(worker.name, now - last)
+                last, wait_s = now, self.stall.timeout(worker.name)
                 if not self.first_token_at:
-                    self.first_token_at = time.monotonic()
+                    self.first_token_at = now
                     self.timeline.first_token_ms = (self.first_token_at - self.arrived) * 1e3
                     self.timeline.queue_ms, self.timeline.prefill_ms = delta.queue_ms, delta.prefill_ms
                     self.num_cached = delta.num_cached_tokens
+                if opened.handoff and delta.resumed_chars != self.text.sent_chars and delta.finish_reason != "abort":
+                    # NOTE: the worker's count of the first token's streamed characters differs from the prefill
+                    # worker's own: its text would not continue the client's exactly; the continuation will
+                    raise WorkerFailed(f"decode worker {worker.name} resumed the text at character "
+                                       f"{delta.resumed_chars}, the client has {self.text.sent_chars}",
+                                       self.request_id)
+                opened.handoff = False
                 self.generated += delta.token_ids
                 if delta.finished:
                     self.done = True
@@ -224,7 +291,7 @@ class RequestRun:
                 yield Chunk(self.request_id, delta.token_ids, delta.text)
             raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing", self.request_id)
         finally:
-            tracing.end(span)
+            tracing.end(opened.span)
 
     def _move_decode(self, exclude: set[str]) -> None:
         """Another decode worker for the run (the same one when there is no other)."""

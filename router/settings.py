@@ -26,6 +26,8 @@ class RouterSettings:
     def admission_ttft_ms(self) -> float:
         """The predicted first token past which a request is refused at admission."""
         return self.max_predicted_ttft_ms if self.max_predicted_ttft_ms is not None else 4 * self.slo_ttft_ms
+    stall_timeout_steps: float = 100.0  # a decode stream with no token for this many of the worker's usual steps ...
+    stall_timeout_min_s: float = 15.0  # ... (and at least this long) fails over like a dead worker (router/stall.py)
 
     def policy(self, block_size: int) -> Policy:
         """The routing policy these settings ask for."""
