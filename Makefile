@@ -27,7 +27,8 @@ test: .install-stamp
 
 # The failure-injection tests alone (killed actors, cancelled streams, Redis outage, fuzzing), all marked slow.
 test-reliability: .install-stamp
-	$(PYTHON) -m pytest -q tests/test_failover.py tests/test_reliability.py tests/test_fuzz.py
+	$(PYTHON) -m pytest -q tests/test_failover.py tests/test_decode_handoff.py tests/test_stall.py tests/test_reliability.py \
+	  tests/test_fuzz.py
 
 test-fast: .install-stamp
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 0.5
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
+# fault injection for tests: a worker actor that Ray restarts sleeps this many seconds first (the launcher passes
+# every PDC_FAULT_* variable of its environment to the workers)
+RESTART_DELAY_ENV = "PDC_FAULT_RESTART_DELAY_S"
 
 
 class RequestAborted(EngineError):
@@ -257,6 +260,21 @@ class Worker:
             self.index.heartbeat(self.name, self.epoch, self.spec.role, self.kv_address, self.load(),
                                  metrics_port=self.metrics.port)
 
+    def debug_hang(self, seconds: float) -> threading.Event:
+        """Fault injection (tests, `bench soak --hang-at`): hold the engine loop for `seconds`, as a hung engine.
+
+        NOTE: the real loop stops: no step runs, its requests get no token, and the heartbeat (which reads the load
+        under the same lock) stops too; the actor itself still answers pings. Set once the hang has begun.
+        """
+        begun = threading.Event()
+
+        def hang(engine: object) -> None:
+            begun.set()
+            log.warning("%s: fault injection: the engine loop hangs for %.1f s", self.name, seconds)
+            time.sleep(seconds)
+        threading.Thread(target=self.loop.call, args=(hang,), daemon=True, name=f"{self.name}-hang").start()
+        return begun
+
     def close(self) -> None:
         self._closed.set()
         self._publisher.join(timeout=2)
@@ -285,6 +303,14 @@ class WorkerActor:
         logs.configure(spec.name, spec.log_level, spec.log_format)
         if spec.cpus:
             pin_cpus(spec.cpus)
+        delay = float(os.environ.get(RESTART_DELAY_ENV) or 0)
+        if delay > 0:
+            import ray
+
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                # NOTE: fault injection for tests: a restart as slow as a model load on a busy node
+                log.warning("%s: fault injection: restart delayed by %.1f s (%s)", spec.name, delay, RESTART_DELAY_ENV)
+                time.sleep(delay)
 
     async def ping(self) -> int:
         """The worker's epoch, from the actor's event loop: it answers at once while the actor is up."""
@@ -298,6 +324,10 @@ class WorkerActor:
 
     async def abort(self, request_id: str) -> None:
         await asyncio.to_thread(self.worker.abort, request_id)
+
+    async def debug_hang(self, seconds: float) -> None:
+        """Fault injection: the engine loop hangs for `seconds` (returns once it has begun; see Worker.debug_hang)."""
+        await asyncio.to_thread(self.worker.debug_hang(seconds).wait, 30.0)
 
     async def close(self) -> None:
         self.worker.close()

@@ -40,9 +40,10 @@ def worker_env(torch_threads: int) -> dict[str, str]:
     # glibc's mmap threshold (128 KiB until a big chunk has been freed) each one is a fresh mmap, page-faulted in
     # and unmapped again; the largest fixed threshold (32 MiB) and a high trim threshold keep them on the heap
     # (see pdcluster/plan/README.md, "What the profiling found in the engine").
+    faults = {k: v for k, v in os.environ.items() if k.startswith("PDC_FAULT_")}  # NOTE: tests' fault injection
     return {"PYTHONPATH": path, "OMP_NUM_THREADS": str(torch_threads), "OMP_WAIT_POLICY": "PASSIVE",
             "RAY_USAGE_STATS_ENABLED": "0", "GRPC_VERBOSITY": "ERROR",
-            "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+            "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30), **faults}
 
 
 def use_ray_token() -> None:
