@@ -9,6 +9,7 @@ Against a running cluster (`--addr`) or one it starts itself from a deploy YAML 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import threading
@@ -18,7 +19,9 @@ from typing import Any
 
 import grpc
 
+from pdcluster.bench import soak_faults
 from pdcluster.bench.report import emit, log
+from pdcluster.bench.soak_faults import Faults
 from router.v1 import inference_pb2 as pb
 
 TOPICS = ["the history of bicycles", "how tides work", "a recipe for bread", "the rules of chess", "why leaves fall",
@@ -39,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--out", default="results/bench_soak.json")
+    soak_faults.add_arguments(p)
 
 
 class _Tally:
@@ -49,6 +53,7 @@ class _Tally:
         self.done = self.expected = self.received = self.lost = self.repeated = 0
         self.failed: Counter[str] = Counter()
         self.ttft_ms: list[float] = []
+        self.served: list[tuple[float, str]] = []  # (start, decode worker that finished it) per request
 
 
 def _stream(stub: Any, rng: random.Random, args: argparse.Namespace, end: float, tally: _Tally) -> None:
@@ -58,7 +63,7 @@ def _stream(stub: Any, rng: random.Random, args: argparse.Namespace, end: float,
         prompt = (SYSTEM if shared else "") + f"Tell me about {rng.choice(TOPICS)} (#{rng.randrange(10**6)})."
         req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=n, temperature=0,
                                                                            ignore_eos=True))
-        got, last = 0, None
+        got, last, started = 0, None, time.monotonic()
         try:
             for chunk in stub.GenerateStream(req, timeout=300):
                 got += len(chunk.token_ids)
@@ -77,10 +82,11 @@ def _stream(stub: Any, rng: random.Random, args: argparse.Namespace, end: float,
                 tally.repeated += abs(last.usage.completion_tokens - got)
             if last is not None:
                 tally.ttft_ms.append(last.timeline.first_token_ms)
+                tally.served.append((started, last.timeline.decode_worker))
 
 
-def soak(addr: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run the soak against the cluster at `addr`; the figures."""
+def soak(addr: str, args: argparse.Namespace, faults: Faults | None = None) -> dict[str, Any]:
+    """Run the soak against the cluster at `addr` (with `faults` mid-way); the figures."""
     from pdcluster.client import stub as make_stub
 
     stub = make_stub(addr, args.api_key)
@@ -91,6 +97,8 @@ def soak(addr: str, args: argparse.Namespace) -> dict[str, Any]:
                                 daemon=True) for i in range(args.streams)]
     for t in threads:
         t.start()
+    if faults is not None:
+        faults.start(t0)
     warm = min(args.warmup_s, args.minutes * 30)
     time.sleep(warm)
     start = {w.name: w.rss_bytes for w in stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30).workers}
@@ -100,6 +108,8 @@ def soak(addr: str, args: argparse.Namespace) -> dict[str, Any]:
             log("soak", f"{(time.monotonic() - t0) / 60:.1f} min: {tally.done} done, {sum(tally.failed.values())} "
                         f"failed, {tally.lost} tokens lost, {tally.repeated} repeated")
     elapsed = time.monotonic() - t0
+    if faults is not None:
+        faults.stop()
     status = _wait_idle(stub)
     workers = {w.name: {"kv_blocks_leaked": w.num_blocks - w.free_blocks, "running_at_end": w.running,
                         "rss_start_mb": round(start.get(w.name, 0) / 2**20, 1),
@@ -115,7 +125,8 @@ def soak(addr: str, args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": round(tally.received / elapsed, 1), "requests_per_s": round(tally.done / elapsed, 3),
             "ttft_p50_ms": round(statistics.median(ttft), 1),
             "ttft_p99_ms": round(ttft[int(0.99 * (len(ttft) - 1))], 1),
-            "prefix_hit_rate": round(status.prefix_hit_rate, 3), "workers": workers}
+            "prefix_hit_rate": round(status.prefix_hit_rate, 3), "workers": workers,
+            **(faults.figures(tally.served) if faults is not None else {})}
 
 
 def _wait_idle(stub: Any, timeout: float = 60.0) -> pb.ClusterStatus:
@@ -136,14 +147,30 @@ def format_table(f: dict[str, Any]) -> str:
              f"duplicated {f['tokens_duplicated']}",
              f"  KV blocks leaked {f['kv_blocks_leaked']}; {f['tokens_per_s']} tok/s, {f['requests_per_s']} req/s, "
              f"TTFT p50 {f['ttft_p50_ms']} ms / p99 {f['ttft_p99_ms']} ms, prefix hit rate {f['prefix_hit_rate']}"]
+    for fault in f.get("faults", []):
+        lines.append(f"  fault: {fault['kind']} {fault['worker']} at {fault['at_min']} min")
+    if "faults" in f:
+        lines.append(f"  after the heartbeat TTL: {f['requests_on_faulted_worker_after_ttl']} requests on a faulted "
+                     f"worker; decode failovers {f['decode_failovers']} in all, "
+                     f"{f['decode_failovers_after_settle']} after the faulted workers' streams had moved")
     for name, w in f["workers"].items():
         lines.append(f"  {name:<12} leaked {w['kv_blocks_leaked']} blocks, RSS {w['rss_start_mb']} → "
                      f"{w['rss_end_mb']} MB ({w['rss_growth_mb']:+} MB)")
     return "\n".join(lines)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.addr:
+        if args.kill_at is not None or args.hang_at is not None:
+            raise SystemExit("bench soak: --kill-at/--hang-at need the cluster the soak starts (--config)")
         figures = soak(args.addr, args)
     else:
         import asyncio
@@ -159,11 +186,19 @@ def run(args: argparse.Namespace) -> int:
         config = ClusterConfig.from_yaml(path)
         config.router.port = config.http.port = config.metrics.port = 0
         config.router.max_inflight = max(config.router.max_inflight, args.streams * 2)
+        if args.decode_replicas:
+            config.decode.replicas = args.decode_replicas
+            need = sum(p.num_cpus * p.replicas for p in config.pools().values())
+            if config.ray.address == "local" and (config.ray.num_cpus or os.cpu_count() or 1) < need:
+                config.ray.num_cpus = need  # NOTE: logical CPUs: the workers share the cores, as the soak intends
+        config.metrics.enabled, config.metrics.port = True, _free_port()
         logs.configure("router", "WARNING", config.logging.format)
         result: dict[str, Any] = {}
+        faults = Faults(args, config.ray.namespace, f"http://127.0.0.1:{config.metrics.port}/metrics",
+                        config.router.stall_timeout_min_s)
 
         async def body(addr: str) -> None:
-            result.update(await asyncio.to_thread(soak, addr, args))
+            result.update(await asyncio.to_thread(soak, addr, args, faults if faults.planned else None))
         serve(config, body)
         figures = result
     return emit("soak", figures, args.out, args.json, format_table)
