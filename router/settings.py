@@ -22,12 +22,12 @@ class RouterSettings:
     slo_ttft_ms: float = 2000.0  # the time-to-first-token target (reported; admission's default limit is 4×)
     slo_itl_ms: float | None = 100.0  # per-step ITL target: bounds the prompt tokens a decode step takes; None: off
     max_predicted_ttft_ms: float | None = None  # refuse requests predicted later (RESOURCE_EXHAUSTED); None: 4× SLO
+    stall_timeout_steps: float = 100.0  # a decode stream with no token for this many of the worker's usual steps ...
+    stall_timeout_min_s: float = 15.0  # ... (and at least this long) fails over like a dead worker (router/stall.py)
 
     def admission_ttft_ms(self) -> float:
         """The predicted first token past which a request is refused at admission."""
         return self.max_predicted_ttft_ms if self.max_predicted_ttft_ms is not None else 4 * self.slo_ttft_ms
-    stall_timeout_steps: float = 100.0  # a decode stream with no token for this many of the worker's usual steps ...
-    stall_timeout_min_s: float = 15.0  # ... (and at least this long) fails over like a dead worker (router/stall.py)
 
     def policy(self, block_size: int) -> Policy:
         """The routing policy these settings ask for."""
