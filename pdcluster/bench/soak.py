@@ -111,7 +111,8 @@ def soak(addr: str, args: argparse.Namespace, faults: Faults | None = None) -> d
     if faults is not None:
         faults.stop()
     status = _wait_idle(stub)
-    workers = {w.name: {"kv_blocks_leaked": w.num_blocks - w.free_blocks, "running_at_end": w.running,
+    workers = {w.name: {"kv_blocks_leaked": w.num_blocks - w.free_blocks if w.alive else 0, "alive": w.alive,
+                        "running_at_end": w.running,
                         "rss_start_mb": round(start.get(w.name, 0) / 2**20, 1),
                         "rss_end_mb": round(w.rss_bytes / 2**20, 1),
                         "rss_growth_mb": round((w.rss_bytes - start.get(w.name, 0)) / 2**20, 1)}
@@ -134,7 +135,8 @@ def _wait_idle(stub: Any, timeout: float = 60.0) -> pb.ClusterStatus:
     deadline = time.monotonic() + timeout
     while True:
         st = stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30)
-        idle = all(w.running == 0 and w.free_blocks == w.num_blocks for w in st.workers)
+        # NOTE: a worker killed for good (--kill-at) has no heartbeat: it holds nothing and is not waited for
+        idle = all(w.running == 0 and w.free_blocks == w.num_blocks for w in st.workers if w.alive)
         if idle or time.monotonic() > deadline:
             return st
         time.sleep(0.5)
@@ -154,6 +156,9 @@ def format_table(f: dict[str, Any]) -> str:
                      f"worker; decode failovers {f['decode_failovers']} in all, "
                      f"{f['decode_failovers_after_settle']} after the faulted workers' streams had moved")
     for name, w in f["workers"].items():
+        if not w.get("alive", True):
+            lines.append(f"  {name:<12} dead (killed for good); RSS at the start {w['rss_start_mb']} MB")
+            continue
         lines.append(f"  {name:<12} leaked {w['kv_blocks_leaked']} blocks, RSS {w['rss_start_mb']} → "
                      f"{w['rss_end_mb']} MB ({w['rss_growth_mb']:+} MB)")
     return "\n".join(lines)
