@@ -15,6 +15,8 @@ two clusters can share one Redis.
 
 A heartbeat also carries `metrics_port`, the port of the worker's own /metrics on its node.
 A block entry counts only while its epoch is the worker's current epoch and the worker's heartbeat key exists.
+A heartbeat, too, is written only under the current epoch: a zombie (an old incarnation still running after Ray
+restarted the worker) cannot overwrite the new one's KV address, nor take its name back (`renew_epoch`).
 NOTE: the block TTL is a safety net; the index follows the workers' store/evict events. A restart bumps the epoch,
 which purges the old entries at once and makes late writes of the old incarnation fail the epoch check.
 NOTE: the scripts touch keys they build from the prefix, so this needs a single Redis, not Redis Cluster.
@@ -22,16 +24,18 @@ NOTE: the scripts touch keys they build from the prefix, so this needs a single 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from cluster.messages import WorkerLoad
+from cluster.redis_breaker import RedisBreaker
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,29 @@ for i = 6 + n, #ARGV do
   redis.call('SREM', KEYS[2], ARGV[i])
 end
 if n > 0 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
+return 1
+"""
+
+# KEYS: epoch, wblk. ARGV: worker, blk key prefix, the caller's epoch. A new epoch (entries dropped), or 0 when a
+# newer incarnation registered since (the caller is a zombie and must not take the name back).
+_RENEW = """
+local cur = redis.call('GET', KEYS[1])
+if cur and tonumber(cur) > tonumber(ARGV[3]) then return 0 end
+local epoch = redis.call('INCR', KEYS[1])
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', ARGV[2] .. h, ARGV[1]) end
+redis.call('DEL', KEYS[2])
+return epoch
+"""
+
+# KEYS: epoch, hb, workers. ARGV: worker, epoch, ttl ms, field, value, ... Returns 1 when written, 0 when `epoch`
+# is not current (NOTE: a zombie must not overwrite a restarted worker's address), -1 when the epoch key is gone.
+_HEARTBEAT = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return -1 end
+if cur ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[1])
 return 1
 """
 
@@ -158,15 +185,30 @@ class _Script:
 
 _SCRIPTS = {name: _Script(src) for name, src in
             (("register", _REGISTER), ("publish", _PUBLISH), ("unregister", _UNREGISTER), ("lookup", _LOOKUP),
-             ("purge", _PURGE))}
+             ("purge", _PURGE), ("renew", _RENEW), ("heartbeat", _HEARTBEAT))}
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _guarded(method: _F) -> _F:
+    """Run a PrefixIndex method through the index's breaker (RedisUnavailable at once while it is open)."""
+    @functools.wraps(method)
+    def call(self: PrefixIndex, *args: Any, **kwargs: Any) -> Any:
+        return self.breaker.call(lambda: method(self, *args, **kwargs))
+    return call  # type: ignore[return-value]
 
 
 class PrefixIndex:
-    """Key schema, TTLs and Lua scripts of the prefix index; workers write their own entries, routers read."""
+    """Key schema, TTLs and Lua scripts of the prefix index; workers write their own entries, routers read.
 
-    def __init__(self, client: redis.Redis, prefix: str = "pdc") -> None:
+    Every call goes through `breaker` (cluster/redis_breaker.py): a slow or full Redis fails fast after a few calls.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str = "pdc", breaker: RedisBreaker | None = None) -> None:
         self.client = client
         self.prefix = prefix
+        self.breaker = breaker or RedisBreaker(prefix)
 
     # ---- keys ----
     def _epoch_key(self, worker: str) -> str:
@@ -186,6 +228,7 @@ class PrefixIndex:
         return f"{self.prefix}:hits"
 
     # ---- worker side (the only writers of block entries) ----
+    @_guarded
     def register_worker(self, worker: str) -> int:
         """Start a new epoch for `worker`, dropping every block entry of the previous one; the new epoch."""
         keys = (self._epoch_key(worker), self._wblk_key(worker))
@@ -196,8 +239,11 @@ class PrefixIndex:
 
         `removed` is applied after `stored`: a hash in both ends up absent, so pass the net change.
         """
-        if not stored and not removed:
-            return True
+        # NOTE: here, not in the guarded call: a call that never reaches Redis must not count as a success
+        return True if not stored and not removed else self._publish(worker, epoch, stored, removed)
+
+    @_guarded
+    def _publish(self, worker: str, epoch: int, stored: Sequence[bytes], removed: Sequence[bytes]) -> bool:
         keys = (self._epoch_key(worker), self._wblk_key(worker))
         args: list[str | int] = [worker, str(int(epoch)), f"{self.prefix}:blk:", BLOCK_TTL_S, len(stored)]
         args += [h.hex() for h in stored]
@@ -207,20 +253,42 @@ class PrefixIndex:
             log.debug("ignored publish of %s under stale epoch %d", worker, epoch)
         return written
 
+    @_guarded
     def heartbeat(self, worker: str, epoch: int, role: str, address: str, load: WorkerLoad,
-                  *, ttl_s: float | None = None, metrics_port: int = 0) -> None:
-        """Say `worker` is alive for HEARTBEAT_TTL_S (or `ttl_s`) more seconds, with its load numbers."""
+                  *, ttl_s: float | None = None, metrics_port: int = 0) -> bool:
+        """Say `worker` is alive for HEARTBEAT_TTL_S (or `ttl_s`) more seconds, with its load numbers.
+
+        False (nothing written) when `epoch` is not the worker's current epoch: a newer incarnation registered
+        (this one is a zombie and must not overwrite its address), or Redis lost the epoch (register again).
+        """
         ttl_ms = int((HEARTBEAT_TTL_S if ttl_s is None else ttl_s) * 1000)
         # NOTE: numeric, as the load fields: a reader of an older version turns every other field into a float
         fields: dict[str, str | float] = {"role": str(role), "epoch": int(epoch), "address": address,
                                           "updated": time.time(), "metrics_port": int(metrics_port)}
         fields.update(load.as_fields())
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(self._hb_key(worker), mapping=fields)  # type: ignore[arg-type]
-        pipe.pexpire(self._hb_key(worker), ttl_ms)
-        pipe.sadd(f"{self.prefix}:workers", worker)
-        pipe.execute()
+        keys = (self._epoch_key(worker), self._hb_key(worker), f"{self.prefix}:workers")
+        args: list[str | int] = [worker, str(int(epoch)), ttl_ms]
+        for k, v in fields.items():
+            args += [k, repr(v) if isinstance(v, float) else str(v)]
+        written = int(_SCRIPTS["heartbeat"](self.client, keys, args))
+        if written != 1:
+            log.debug("ignored heartbeat of %s under %s epoch %d", worker, "lost" if written < 0 else "stale", epoch)
+        return written == 1
 
+    @_guarded
+    def renew_epoch(self, worker: str, epoch: int) -> int | None:
+        """A new epoch for `worker` (its entries dropped) unless a newer incarnation than `epoch` registered: None."""
+        keys = (self._epoch_key(worker), self._wblk_key(worker))
+        new = int(_SCRIPTS["renew"](self.client, keys, (worker, f"{self.prefix}:blk:", str(int(epoch)))))
+        return new or None
+
+    @_guarded
+    def current_epoch(self, worker: str) -> int | None:
+        """`worker`'s current epoch; None when it never registered (or Redis lost it)."""
+        raw = self.client.get(self._epoch_key(worker))
+        return None if raw is None else int(raw)  # type: ignore[arg-type]
+
+    @_guarded
     def count_hits(self, worker: str, requested_tokens: int, cached_tokens: int) -> None:
         """Add one request's requested and prefix-cached token counts to the totals and to `worker`'s."""
         pipe = self.client.pipeline(transaction=False)
@@ -230,6 +298,7 @@ class PrefixIndex:
         pipe.hincrby(self._hits_key, f"cached_tokens:{worker}", cached_tokens)
         pipe.execute()
 
+    @_guarded
     def unregister_worker(self, worker: str, epoch: int) -> bool:
         """Graceful shutdown: drop `worker`'s blocks and heartbeat and retire `epoch`; False when it was stale."""
         # NOTE: retiring the epoch (INCR) makes a late publish from a still-running thread fail the epoch check.
@@ -237,6 +306,7 @@ class PrefixIndex:
         return bool(_SCRIPTS["unregister"](self.client, keys, (worker, str(int(epoch)), f"{self.prefix}:blk:")))
 
     # ---- router side ----
+    @_guarded
     def purge_worker(self, worker: str) -> int:
         """A worker that died without unregistering (its node was lost): drop its blocks and heartbeat and retire its
         epoch, so a late publish of it fails; the number of blocks dropped."""
@@ -247,11 +317,15 @@ class PrefixIndex:
 
     def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each live worker, how many leading blocks of `hashes` it holds; one round trip, 0s omitted."""
-        if not hashes:
-            return {}
+        # NOTE: a prompt shorter than a block asks nothing of Redis, and must not count as a success of it
+        return self._lookup(hashes) if hashes else {}
+
+    @_guarded
+    def _lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
         flat = _SCRIPTS["lookup"](self.client, [self._blk_key(h) for h in hashes], (self.prefix,))
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
+    @_guarded
     def workers(self) -> list[WorkerStatus]:
         """Live workers (those with a heartbeat key), sorted by name."""
         # NOTE: the names come from a small set, not a SCAN: routers ask 4 times a second, and a SCAN would walk
@@ -274,6 +348,7 @@ class PrefixIndex:
                                     load=WorkerLoad.from_fields({k: float(v) for k, v in fields.items()})))
         return out
 
+    @_guarded
     def hit_counts(self) -> HitCounts:
         """The prefix-cache hit counters."""
         raw: dict[bytes, bytes] = self.client.hgetall(self._hits_key)  # type: ignore[assignment]

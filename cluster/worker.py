@@ -109,6 +109,10 @@ class _Started:
     started: float = 0.0
 
 
+class Superseded(RuntimeError):
+    """A newer incarnation of this worker (same name, higher epoch) registered: this one is a zombie."""
+
+
 class Worker:
     """Engine + loop + prefix-index publishing; subclasses add the request path of their role."""
 
@@ -134,11 +138,15 @@ class Worker:
         self.epoch = 0
         if spec.redis_url:
             from cluster.prefix_index import PrefixIndex
+            from cluster.redis_breaker import RedisBreaker
             from cluster.redis_client import connect
 
-            self.index = PrefixIndex(connect(spec.redis_url, spec.redis_auth), spec.key_prefix)
+            self.index = PrefixIndex(connect(spec.redis_url, spec.redis_auth), spec.key_prefix,
+                                     RedisBreaker(spec.name))
+            self.metrics.registry.register(self.index.breaker)
             self.epoch = self.index.register_worker(spec.name)
         self._resync = False
+        self._superseded = False  # a newer incarnation of this worker registered: this one writes no more
         self._publisher = threading.Thread(target=self._publish_loop, daemon=True, name=f"{spec.name}-publisher")
         self._publisher.start()
 
@@ -219,7 +227,7 @@ class Worker:
     def _publish_loop(self) -> None:
         last_beat, failing = 0.0, False
         while not self._closed.wait(PUBLISH_INTERVAL_S):
-            if self.index is None:
+            if self.index is None or self._superseded:
                 continue
             with self.loop.lock:
                 stored, removed = self.engine.block_manager.pool.drain_events()
@@ -229,6 +237,10 @@ class Worker:
             now = time.monotonic()
             try:
                 self._publish(stored, removed, hits, beat=now - last_beat >= HEARTBEAT_INTERVAL_S)
+            except Superseded as e:
+                log.error("%s: %s; this process stops writing to the prefix index", self.name, e)
+                self._superseded = True
+                continue
             except Exception as e:  # noqa: BLE001 - Redis down: keep serving, resync when it is back
                 if not failing:
                     log.warning("%s: prefix index unreachable (%s); will resync", self.name, e)
@@ -248,17 +260,26 @@ class Worker:
         if self._resync:
             # NOTE: events drained while Redis was away are lost; a new epoch drops every entry of the old one
             # (evicted blocks included), and `stored` is then the whole cache
-            self.epoch = self.index.register_worker(self.name)
+            self._renew_epoch()
         if stored or removed:
             if not self.index.publish(self.name, self.epoch, stored, removed):
                 # NOTE: our epoch is no longer current (Redis was emptied): take a new one and republish all
-                self.epoch = self.index.register_worker(self.name)
+                self._renew_epoch()
                 raise RuntimeError("epoch was stale; registered again")
         if hits[0]:
             self.index.count_hits(self.name, hits[0], hits[1])
-        if beat:
-            self.index.heartbeat(self.name, self.epoch, self.spec.role, self.kv_address, self.load(),
-                                 metrics_port=self.metrics.port)
+        if beat and not self.index.heartbeat(self.name, self.epoch, self.spec.role, self.kv_address, self.load(),
+                                             metrics_port=self.metrics.port):
+            self._renew_epoch()
+            raise RuntimeError("heartbeat epoch was stale; registered again")
+
+    def _renew_epoch(self) -> None:
+        """A new epoch, unless a newer incarnation of this worker registered since ours (Superseded)."""
+        assert self.index is not None
+        epoch = self.index.renew_epoch(self.name, self.epoch)
+        if epoch is None:
+            raise Superseded(f"a newer incarnation of {self.name} registered after our epoch {self.epoch}")
+        self.epoch = epoch
 
     def debug_hang(self, seconds: float) -> threading.Event:
         """Fault injection (tests, `bench soak --hang-at`): hold the engine loop for `seconds`, as a hung engine.

@@ -35,9 +35,11 @@ def make_router(cluster: Cluster) -> Router:
     """
     cfg = cluster.config
     tracing.configure(cfg.tracing.settings(), "router")
-    return Router(cluster.handles(), cluster.index(),
-                  cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport),
-                  RouterMetrics(model_name=cfg.served_model_name))
+    index, metrics = cluster.index(), RouterMetrics(model_name=cfg.served_model_name)
+    index.breaker.client_name = "router"
+    metrics.registry.register(index.breaker)  # NOTE: pdcluster_redis_breaker_open and the error counts by kind
+    return Router(cluster.handles(), index, cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport),
+                  metrics)
 
 
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:

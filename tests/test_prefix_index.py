@@ -230,7 +230,7 @@ def test_workers_round_trip_heartbeat_fields(index: PrefixIndex) -> None:
 
 
 def test_heartbeat_load_fields_stay_apart_and_unknown_ones_are_ignored(index: PrefixIndex) -> None:
-    index.heartbeat("w1", 1, "prefill", "a:1", WorkerLoad(running=2))
+    assert index.heartbeat("w1", index.register_worker("w1"), "prefill", "a:1", WorkerLoad(running=2))
     assert {"role", "epoch", "address", "updated"}.isdisjoint(WorkerLoad().as_fields())
     index.client.hset(f"{index.prefix}:hb:w1", "a_field_of_a_newer_worker", 7)  # a neighbouring version wrote it
     (w1,) = index.workers()
