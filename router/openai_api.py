@@ -2,7 +2,11 @@
 
 Life of a request:
 1. `/v1/*` needs `Authorization: Bearer <key>` when API keys are set (401 otherwise; a key is never logged);
-2. the JSON body is validated as a pydantic model (router/openai_models.py: unknown fields are ignored with one
+2. the body is bounded before it costs the event loop (router/http_limits.py: 413 on a declared size over the
+   limit, 408 on a slow body; a large body parsed off the loop, the size limits checked on the raw JSON; at most
+   `max_connections` connections, idle or header-less ones closed after `keepalive_timeout_s`), a request past
+   the router's admission limit is refused (429) before it is parsed or tokenized, and the JSON body is validated
+   as a pydantic model (router/openai_models.py: unknown fields are ignored with one
    warning per name, unimplemented ones accepted at their neutral value only) and becomes a `PromptRequest` /
    `MessagesRequest`, checked by the same `RequestValidator` as gRPC (a 400 names the OpenAI parameter: `top_p`,
    `prompt`, `messages[1].role`); a client's `X-Request-Id` is the request id and comes back as a header;
@@ -23,22 +27,23 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 
 from cluster.logs import REQUEST_ID
 from engine.errors import InvalidRequestError
+from router import http_limits as limits
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
 from router.core import Router
-from router.errors import Status, status_of, unwrap
+from router.errors import Overloaded, Status, status_of, unwrap
 from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
 from router.openai_params import chat_turns, openai_param, prompt_of, sampling_fields
 from router.results import Chunk, Timeline, Usage
 from router.validate import Checked, MessagesRequest, PromptRequest, RequestValidator
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 16 << 20  # as the gRPC server's max message; a prompt may be 1 Mi characters of JSON-escaped text
 HTTP_OF = {Status.INVALID_ARGUMENT: (400, "invalid_request_error"),  # status → HTTP status and OpenAI error type
            Status.UNAUTHENTICATED: (401, "authentication_error"),
            Status.NOT_FOUND: (404, "invalid_request_error"),
@@ -87,6 +92,9 @@ class OpenAIFront:
         self.validator = RequestValidator(router.info)
         self._keys = api_keys
         self._ignored = IgnoredFieldLog()
+        # NOTE: its own threads: large bodies and tokenizing never queue ahead of the router's Redis lookups
+        # (asyncio.to_thread's default pool), and at most two run at once
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-parse")
 
     @web.middleware
     async def guard(self, request: web.Request,
@@ -131,7 +139,7 @@ class OpenAIFront:
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, rid = await self._open(request, CompletionRequest)
+        body, rid, _ = await self._open(request, CompletionRequest)
         req = PromptRequest(request_id=rid)
         prompt = prompt_of(body)
         if isinstance(prompt, str):
@@ -140,18 +148,19 @@ class OpenAIFront:
             req.prompt_token_ids = prompt
         req.sampling = sampling_fields(body, body.max_tokens)
         # NOTE: validation tokenizes: off the event loop, as in the gRPC service
-        checked = await asyncio.to_thread(self.validator.prompt, req)
+        checked = await asyncio.get_running_loop().run_in_executor(self.executor, self.validator.prompt, req)
         return await self._answer(request, body, checked, f"cmpl-{checked.request_id}", chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body, rid = await self._open(request, ChatCompletionRequest)
+        body, rid, size = await self._open(request, ChatCompletionRequest)
         limit = body.max_completion_tokens  # NOTE: OpenAI's successor of max_tokens
         key = "max_tokens" if limit is None else "max_completion_tokens"
         limit = body.max_tokens if limit is None else limit
-        req = MessagesRequest(request_id=rid, messages=chat_turns(body.messages))
+        turns = await limits.off_loop_if_large(size, self.executor, chat_turns, body.messages)
+        req = MessagesRequest(request_id=rid, messages=turns)
         req.sampling = sampling_fields(body, limit, key)
         try:
-            checked = await asyncio.to_thread(self.validator.chat, req)
+            checked = await asyncio.get_running_loop().run_in_executor(self.executor, self.validator.chat, req)
         except InvalidRequestError as e:  # name the limit as the client spelled it
             if e.field != "sampling.max_tokens":
                 raise
@@ -160,24 +169,28 @@ class OpenAIFront:
             checked.params.max_tokens = self.router.info.max_model_len - len(checked.token_ids)
         return await self._answer(request, body, checked, f"chatcmpl-{checked.request_id}", chat=True)
 
-    async def _open(self, request: web.Request, kind: type[Any]) -> tuple[Any, str]:
-        """The body as a `kind` model and the request id (the client's X-Request-Id, if any); a wrong model is 404."""
+    async def _open(self, request: web.Request, kind: type[Any]) -> tuple[Any, str, int]:
+        """The body as a `kind` model, the request id (the client's X-Request-Id, if any) and the body's size in
+        bytes; a wrong model is 404, a router at its admission limit 429 (before the body is read)."""
         rid = request.headers.get(REQUEST_ID_HEADER, "")
         if rid:
             REQUEST_ID.set(rid)
             request[RID_KEY] = rid
-        try:
-            raw = json.loads(await request.read())
-        except ValueError as e:
-            raise InvalidRequestError("body", f"is not valid JSON ({e})") from None
-        body = parse(kind, raw)
+        if self.router.inflight >= self.router.max_inflight:  # NOTE: Router.stream admits for real; this is early
+            raise Overloaded(f"the router has {self.router.inflight} requests in flight (router.max_inflight)", rid)
+        data = await limits.read_body(request)
+        body = await limits.off_loop_if_large(len(data), self.executor, self._decode, data, kind)
         for name in ignored_fields(body):
             self.router.metrics.ignored_field(self._ignored.note(name))
         if body.model is not None and body.model != self.model_name:
             raise ApiError(Status.NOT_FOUND, f"The model `{body.model}` does not exist (this server serves "
                            f"`{self.model_name}`).", "model", "model_not_found")
         # NOTE: as vLLM: the header wins over the body's request_id; with neither, the validator makes one
-        return body, rid or body.request_id or ""
+        return body, rid or body.request_id or "", len(data)
+
+    def _decode(self, data: bytes, kind: type[Any]) -> Any:
+        """JSON → size limits on the raw value → a `kind` model (on the executor for a large body)."""
+        return parse(kind, limits.load_json(data, self.router.info.max_model_len))
 
     async def _chunks(self, checked: Checked, arrived: float, traceparent: str) -> AsyncGenerator[Chunk, None]:
         """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
@@ -279,7 +292,11 @@ async def send(resp: web.StreamResponse, head: dict[str, Any], choice: dict[str,
 def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset()) -> web.Application:
     """The HTTP API: /health (readiness), /live (liveness), /v1/models, /v1/completions, /v1/chat/completions."""
     front = OpenAIFront(router, model_name, api_keys)
-    app = web.Application(middlewares=[front.guard], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[front.guard], client_max_size=limits.MAX_BODY_BYTES)
+
+    async def stop_executor(app: web.Application) -> None:
+        front.executor.shutdown(wait=False, cancel_futures=True)
+    app.on_cleanup.append(stop_executor)
     app.router.add_get("/health", front.health)
     app.router.add_get("/live", front.live)
     app.router.add_get("/v1/models", front.models)
@@ -289,18 +306,22 @@ def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = froz
 
 
 async def start_http(router: Router, *, host: str, port: int, model_name: str, api_keys: frozenset[str] = frozenset(),
-                     ssl_context: ssl.SSLContext | None = None,
-                     allow_unauthenticated: bool = False) -> tuple[web.AppRunner, int]:
+                     ssl_context: ssl.SSLContext | None = None, allow_unauthenticated: bool = False,
+                     max_connections: int = limits.MAX_CONNECTIONS,
+                     keepalive_timeout_s: float = limits.KEEPALIVE_TIMEOUT_S) -> tuple[web.AppRunner, int]:
     """A started HTTP server (HTTPS with `ssl_context`); returns its runner (`await runner.cleanup()`) and port.
 
-    A non-loopback `host` needs `api_keys` or `allow_unauthenticated` (ExposureError otherwise).
+    A non-loopback `host` needs `api_keys` or `allow_unauthenticated` (ExposureError otherwise). At most
+    `max_connections` at once; one without a complete request for `keepalive_timeout_s` is closed.
     """
     check_exposure(host, api_keys, allow_unauthenticated, "http.host")
     # NOTE: handler_cancellation: a client that disconnects cancels its handler even while no token is being
     # written (a long prefill), so the request is aborted at once.
     router.start_health()
-    runner = web.AppRunner(make_app(router, model_name=model_name, api_keys=api_keys), handler_cancellation=True)
+    runner = web.AppRunner(make_app(router, model_name=model_name, api_keys=api_keys), handler_cancellation=True,
+                           keepalive_timeout=keepalive_timeout_s)
     await runner.setup()
+    limits.cap_connections(runner, max_connections)
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:
         await site.start()

@@ -9,7 +9,6 @@ import pathlib
 import stat
 import subprocess
 import sys
-from typing import Any
 
 import psutil
 import pytest
@@ -21,25 +20,10 @@ from pdcluster.cli import build_parser, read_api_key_file
 from pdcluster.config import ClusterConfig
 from pdcluster.redis_server import EmbeddedRedis, connect, embedded_password, password_file
 from router import auth
+from tests.unit_router import unit_router
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-
-def unit_router(loaded: Any) -> Any:
-    """A real Router and its validator over `loaded`'s tokenizer, for requests that never reach a worker (actors:
-    None; no Redis)."""
-    from cluster.messages import Role, WorkerInfo
-    from router.core import Router
-    from router.policy import WorkerView
-    from router.pools import WorkerHandle
-    from router.settings import RouterSettings
-
-    handles = []
-    for name, role in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)):
-        info = WorkerInfo(name, role, 1, "tiny", "tiny", 16, 1000, 2048, loaded.config.vocab_size, 8,
-                          loaded.tokenizer.to_json(), f"{name}:1")
-        handles.append(WorkerHandle(name, role, None, info, WorkerView(name, 1000, 8)))
-    return Router(handles, None, RouterSettings(model="tiny", mode="disaggregated"))
 
 # ---- the embedded Redis (item 12) ----
 
