@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource
 PREFIX = "PDCLUSTER_"
 DELIMITER = "__"
 # NOTE: variables of the client and the launcher that share the prefix but are no config field
-NOT_FIELDS = frozenset({"PDCLUSTER_API_KEY"})
+NOT_FIELDS = frozenset({"PDCLUSTER_API_KEY", "PDCLUSTER_API_KEYS"})  # the client's key; the keys deploy/ names
 
 
 def overrides(config_cls: type[BaseModel]) -> dict[str, Any]:

@@ -113,7 +113,8 @@ def test_a_redis_outage_fails_no_request_and_the_index_comes_back_empty_and_curr
     time.sleep(3)
     during = served[0]
     assert not status(server).redis_ok
-    c.redis = EmbeddedRedis(port=port).start()  # ... and comes back empty on the same port
+    # ... and comes back empty on the same port (with the password the cluster was started with)
+    c.redis = EmbeddedRedis(port=port, password=c.redis_auth.password).start()
     time.sleep(4)
     done.set()
     for t in threads:
