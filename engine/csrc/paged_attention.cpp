@@ -43,9 +43,10 @@ struct Cache {
   int64_t block_size;
 };
 
-// NOTE: kLanes independent partial sums the compiler keeps in one vector register; a plain `dot += ...` reduction
-// compiled to a scalar add chain per key.
+// NOTE: kLanes independent partial sums the compiler keeps in one vector register, folded by halves (a short
+// vector tree); a plain `dot += ...` reduction compiled to a chain of 16 dependent scalar adds per key.
 constexpr int64_t kLanes = 16;
+constexpr int64_t kTransposeMin = 8;  // queries per unit from which a block's keys are transposed
 
 template <typename cache_t>
 inline float dot(const float* q, const cache_t* k, int64_t d) {
@@ -55,10 +56,32 @@ inline float dot(const float* q, const cache_t* k, int64_t d) {
 #pragma omp simd
     for (int64_t l = 0; l < kLanes; ++l) part[l] += q[i + l] * load(k[i + l]);
   }
-  float total = 0.f;
+  for (int64_t w = kLanes / 2; w > 0; w /= 2) {
+#pragma omp simd
+    for (int64_t l = 0; l < w; ++l) part[l] += part[l + w];
+  }
+  float total = part[0];
   for (; i < d; ++i) total += q[i] * load(k[i]);
-  for (int64_t l = 0; l < kLanes; ++l) total += part[l];
   return total;
+}
+
+// exp for the softmax weights (arguments <= 0): Cephes' expf (range reduction by ln 2, degree-5 polynomial, within
+// 2 ulp), written so `omp simd` loops vectorize it; std::exp stays a scalar libm call per key.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: below that the weight is nothing anyway
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return y * scale;
 }
 
 template <typename cache_t>
@@ -76,7 +99,8 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
   const int64_t row_off = m[0], blk_off = m[2], kv_lo = m[3], kv_hi = m[4], causal = m[5];
   const bool direct = m[6] != 0;
   const int64_t g = num_heads / kv_heads, nq = (u.r1 - u.r0) * g, bs = kc.block_size;
-  std::vector<float> qb(nq * d), acc(nq * d, 0.f), mx(nq, kNegInf), sum(nq, 0.f), s(bs);
+  std::vector<float> qb(nq * d), acc(nq * d, 0.f), mx(nq, kNegInf), sum(nq, 0.f), s(bs), p(bs);
+  std::vector<float> kt(nq >= kTransposeMin ? d * bs : 0);  // [D, bs]: one block's keys, transposed
   for (int64_t j = u.r0; j < u.r1; ++j) {
     const scalar_t* qr = q + rows[row_off + j] * q_s0;
     for (int64_t h = 0; h < g; ++h) {
@@ -103,16 +127,47 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
       std::memcpy(&ks, kb + bs * kc.s_row, sizeof(float));
       std::memcpy(&vs, vb + bs * vc.s_row, sizeof(float));
     }
+    // NOTE: with many queries per unit (a shared prefix, a prefill tile) the block's keys are transposed once,
+    // [D, bs], so each query's scores are bs-wide vector FMAs with no horizontal sums; a decode unit's G queries
+    // would not pay the transpose back and take one dot product per key.
+    const bool transposed = nq >= kTransposeMin;
+    if (transposed) {
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        const cache_t* kr = kb + t * kc.s_row;
+        for (int64_t i = 0; i < d; ++i) kt[i * bs + t] = load(kr[i]);
+      }
+    }
     for (int64_t qi = 0; qi < nq; ++qi) {
       const int64_t j = u.r0 + qi / g;
       const int64_t lim = std::min(t_hi, std::min(kv_hi, causal + j + 1) - b * bs);
       if (lim <= t_lo) continue;
       const float* qv = qb.data() + qi * d;
       float bmax = kNegInf;
-      for (int64_t t = t_lo; t < lim; ++t) {
-        const cache_t* kr = kb + t * kc.s_row;
-        s[t] = dot(qv, kr, d) * ks;
-        bmax = std::max(bmax, s[t]);
+      if (transposed) {
+        // NOTE: kLanes keys at a time in a local array (one vector register) over all of D: scores kept in
+        // memory across D were a store-to-load chain per FMA.
+        for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
+          float s16[kLanes] = {};
+          const int64_t w = std::min(kLanes, bs - t0);
+          if (w == kLanes) {
+            for (int64_t i = 0; i < d; ++i) {
+              const float qs = qv[i];
+              const float* kr = kt.data() + i * bs + t0;
+#pragma omp simd
+              for (int64_t l = 0; l < kLanes; ++l) s16[l] += qs * kr[l];
+            }
+          } else {
+            for (int64_t i = 0; i < d; ++i)
+              for (int64_t l = 0; l < w; ++l) s16[l] += qv[i] * kt[i * bs + t0 + l];
+          }
+          for (int64_t l = 0; l < w; ++l) s[t0 + l] = s16[l] * ks;
+        }
+        for (int64_t t = t_lo; t < lim; ++t) bmax = std::max(bmax, s[t]);
+      } else {
+        for (int64_t t = t_lo; t < lim; ++t) {
+          s[t] = dot(qv, kb + t * kc.s_row, d) * ks;
+          bmax = std::max(bmax, s[t]);
+        }
       }
       float* a = acc.data() + qi * d;
       const float new_max = std::max(mx[qi], bmax);
@@ -123,14 +178,29 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
         for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
       }
       mx[qi] = new_max;
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
       for (int64_t t = t_lo; t < lim; ++t) {
-        const float p = std::exp(s[t] - new_max);
-        sum[qi] += p;
-        const float pv = p * vs;
-        const cache_t* vr = vb + t * vc.s_row;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] += pv * load(vr[i]);
+        p[t] = fast_exp(s[t] - new_max);
+        block_sum += p[t];
       }
+      sum[qi] += block_sum;
+      // NOTE: d-chunk outer, keys inner: the chunk of the accumulator stays in a register across the block's keys
+      // (keys outer kept it in memory: a store-to-load chain per key).
+      int64_t i = 0;
+      for (; i + kLanes <= d; i += kLanes) {
+        float a16[kLanes];
+        for (int64_t l = 0; l < kLanes; ++l) a16[l] = a[i + l];
+        for (int64_t t = t_lo; t < lim; ++t) {
+          const cache_t* vr = vb + t * vc.s_row + i;
+          const float pt = p[t] * vs;
+#pragma omp simd
+          for (int64_t l = 0; l < kLanes; ++l) a16[l] += pt * load(vr[l]);
+        }
+        for (int64_t l = 0; l < kLanes; ++l) a[i + l] = a16[l];
+      }
+      for (; i < d; ++i)
+        for (int64_t t = t_lo; t < lim; ++t) a[i] += p[t] * vs * load(vb[t * vc.s_row + i]);
     }
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
