@@ -69,7 +69,10 @@ class Serve:
         self.log = log_dir / f"serve-{transport}.log"
         env = {**os.environ, **NET, "PYTHONPATH": str(ROOT), "PDCLUSTER_REDIS__URL": REDIS_URL,
                "PDCLUSTER_TRANSFER__TRANSPORT": transport, "PDCLUSTER_SECURITY__API_KEYS_ENV": "PDC_MT_KEYS",
-               "PDC_MT_KEYS": API_KEY, "PDCLUSTER_METRICS__PORT": "0", "PDCLUSTER_HTTP__PORT": "0"}
+               "PDC_MT_KEYS": API_KEY, "PDCLUSTER_METRICS__PORT": "0", "PDCLUSTER_HTTP__PORT": "0",
+               # NOTE: every request takes the prefill -> decode handoff across nodes: no decode step is short
+               # enough for the router to prefill a short prompt on the decode worker (router.slo_itl_ms)
+               "PDCLUSTER_ROUTER__SLO_ITL_MS": "0.001"}
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(["bash", str(SCRIPT), "exec", "head", sys.executable, "-m", "pdcluster",
                                           "serve", "--config", "deploy/cpu-multinode.yaml"],
