@@ -39,7 +39,7 @@ grep "pdcluster ready" "$LOG"
 "$PYTHON" -m pdcluster status --addr $ROUTER
 
 step "a request from outside the cluster: prefill on n1, KV over the network to a decode node"
-"$PYTHON" -m pdcluster generate --addr $ROUTER --stream --max-tokens 40 "Explain in two sentences why the sea is salty."
+"$PYTHON" -m pdcluster generate --addr $ROUTER --stream --max-tokens 40 "The three main reasons the sea is salty are"
 
 step "pdcluster scale --decode 3: a third decode worker registers, warms up and takes requests"
 "$PYTHON" -m pdcluster scale --addr $ROUTER --decode 3
@@ -57,7 +57,11 @@ sleep 6
 bash $MN kill n3
 wait $(jobs -p | grep -v "^$SERVE_PID$") 2>/dev/null || true
 for i in 1 2 3 4; do
-  "$PYTHON" -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print(f"stream {sys.argv[2]}: {r[\"usage\"][\"completion_tokens\"]} tokens, finished on {r[\"timeline\"][\"decode_worker\"]}")' "$LOG.$i" "$i"
+  "$PYTHON" - "$LOG.$i" "$i" <<'EOF'
+import json, sys
+r = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+print(f"stream {sys.argv[2]}: {r['usage']['completion_tokens']} tokens, finished on {r['timeline']['decode_worker']}")
+EOF
 done
 grep -E "does not answer|is lost|continuing elsewhere" "$LOG" | sed 's/^.*WARNING router //' | head -8 || true
 sleep 15   # Ray declares the lost node's actors dead; the router then forgets the worker and purges its index entries
