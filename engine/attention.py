@@ -2,8 +2,9 @@
 
 `paged_attention` is the one kernel seam. Two backends behind it:
 - the compiled kernel (engine/csrc/, planned by engine/attention_inplace.py): reads K/V in place from the paged
-  cache for decode and for prefill chunks with cached context, and attends prefixes that several decode entries
-  share once for all of them (cascade, engine/attention_cascade.py). It handles float32/bf16/fp16 and int8 caches.
+  cache for decode and for short prefill chunks with cached context (long ones: gather + SDPA), and attends
+  prefixes that several decode entries share once for all of them (cascade, engine/attention_cascade.py). It
+  handles float32/bf16/fp16 and int8 caches.
 - the pure-torch gather path (this module): gathers each sequence's blocks into fresh tensors, then SDPA. Used when
   the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
 Prefill chunks that start their sequence attend their own new K/V with SDPA in both.
@@ -20,7 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.attention_inplace import KernelPlan, build_plan
+from engine.attention_inplace import KernelPlan, build_plan, in_place
 from engine.kernels import attention_kernel
 from engine.kv_quant import gather_dequantized, write_quantized
 
@@ -39,6 +40,7 @@ class PrefillSpan:
     block_table: torch.Tensor  # [num_blocks] long
     has_context: bool  # False when the chunk starts the sequence (its own K/V are all it attends to)
     masks: list[torch.Tensor]  # per query chunk of PREFILL_CHUNK rows: [rows, keys up to its horizon] bool
+    in_plan: bool = False  # attended by the kernel's plan (then `masks` is empty)
 
 
 @dataclass
@@ -89,9 +91,10 @@ class AttentionMetadata:
         prefills: list[PrefillSpan] = []
         q_start = num_decode
         for table, start, n in zip(tables[num_decode:], starts[num_decode:], num_new[num_decode:]):
-            # NOTE: the kernel's plan covers chunks with context; SDPA masks are only needed for the others.
-            masks = [] if plan is not None and start > 0 else _chunk_masks(start, n)
-            prefills.append(PrefillSpan(q_start, n, start + n, table, start > 0, masks))
+            # NOTE: SDPA masks only for the chunks the kernel's plan does not cover.
+            planned = plan is not None and in_place(start, n)
+            masks = [] if planned else _chunk_masks(start, n)
+            prefills.append(PrefillSpan(q_start, n, start + n, table, start > 0, masks, planned))
             q_start += n
         return AttentionMetadata(torch.cat(slots), num_decode, groups, prefills, plan)
 
@@ -177,15 +180,22 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of every query token over its sequence's cached context."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    if meta.plan is not None:
-        meta.plan.run(q, k_cache, v_cache, scale, out)
-        for span in meta.prefills:
-            if not span.has_context:
-                _prefill_own(q, k, v, span, scale, out)
-        return out
     h = q.shape[1]
     kvh, d = k.shape[1:]
-    for g in meta.decode_groups:
+    if meta.plan is not None:
+        meta.plan.run(q, k_cache, v_cache, scale, out)
+    for span in meta.prefills:
+        if span.in_plan:
+            continue
+        if not span.has_context:
+            _prefill_own(q, k, v, span, scale, out)
+            continue
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        ks = _gather(k_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
+        vs = _gather(v_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
+        o = _causal_chunks(q[rows].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), span.masks, scale)
+        out[rows] = o.transpose(0, 1)
+    for g in meta.decode_groups:  # gather path only (the plan holds the kernel's decode entries)
         n = len(g.rows)
         bt = g.block_tables.view(-1)
         # NOTE: index_select on the flat block axis is 5x faster than advanced indexing k_cache[tables] here.
@@ -195,15 +205,6 @@ def paged_attention(
         qd = q.index_select(0, g.rows).view(n, kvh, h // kvh, d)  # [n, KVH, G, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         out.index_copy_(0, g.rows, o.reshape(n, h, d))
-    for span in meta.prefills:
-        if not span.has_context:
-            _prefill_own(q, k, v, span, scale, out)
-            continue
-        rows = slice(span.q_start, span.q_start + span.q_len)
-        ks = _gather(k_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
-        vs = _gather(v_cache, span.block_table, q.dtype).view(-1, kvh, d)[: span.context_len]
-        o = _causal_chunks(q[rows].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), span.masks, scale)
-        out[rows] = o.transpose(0, 1)
     return out
 
 

@@ -14,6 +14,12 @@ import torch
 
 from engine.attention_cascade import SharedPrefix, shared_prefixes
 
+# NOTE: prefill chunks with context of more rows than this go to gather + SDPA: there the gathered context is
+# amortized over many rows and SDPA's matrix products beat the kernel's per-row dot products (a 104-row chunk over
+# 1,000 cached tokens: 8.3 vs 10.7 ms per layer here); short ones (speculative verification, small chunks) and
+# decode read in place.
+PREFILL_IN_PLACE_MAX_ROWS = 32
+
 # meta columns, as the kernel reads them
 ROW_OFF, ROW_CNT, BLK_OFF, KV_LO, KV_HI, CAUSAL, DIRECT = range(7)
 
@@ -36,10 +42,15 @@ class KernelPlan:
             self.kernel.attend(q, k_cache, v_cache, self.meta, self.rows, self.blocks, self.block_size, scale, out)
 
 
+def in_place(start: int, num_new: int) -> bool:
+    """Whether the kernel attends this prefill chunk (it has cached context and few rows)."""
+    return start > 0 and num_new <= PREFILL_IN_PLACE_MAX_ROWS
+
+
 def build_plan(kernel: ModuleType, tables: list[list[int]], starts: list[int], num_new: list[int], num_decode: int,
                block_size: int, cascade: bool = True) -> KernelPlan:
-    """Items for the decode entries (with shared prefixes grouped when `cascade`) and the prefill chunks that have
-    cached context; prefill chunks that start their sequence are left to the caller (they attend their own K/V)."""
+    """Items for the decode entries (with shared prefixes grouped when `cascade`) and the short prefill chunks with
+    cached context (`in_place`); the other prefill chunks are left to the caller."""
     meta: list[list[int]] = []
     rows: list[int] = []
     blocks: list[int] = []
@@ -61,7 +72,7 @@ def build_plan(kernel: ModuleType, tables: list[list[int]], starts: list[int], n
     q_start = num_decode
     for i in range(num_decode, len(tables)):
         start, n = starts[i], num_new[i]
-        if start > 0:
+        if in_place(start, n):
             meta.append([len(rows), n, offsets[i], 0, start + n, start, 1])
             rows.extend(range(q_start, q_start + n))
         q_start += n

@@ -25,17 +25,19 @@ ENV = "PDCLUSTER_ATTENTION"
 BACKENDS = ("auto", "kernel", "gather")
 # NOTE: built on the machine that runs it (the install step), so -march=native is safe there and pays for
 # AVX-512 on the dot products; a compiler that rejects it gets a portable retry (see build()).
-# -fopenmp-simd: the `omp simd` hints only; threads come from torch's pool (no second OpenMP runtime).
-NATIVE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
+# NOTE: -fopenmp because at::parallel_for (torch's thread pool) is an inline `omp parallel` in ATen's headers:
+# without it the kernel ran on one thread. It links libgomp.so.1, the soname torch has already loaded.
+NATIVE_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+PORTABLE_FLAGS = ["-O3", "-fopenmp"]
 
 _loaded: ModuleType | None = None
 _tried = False
 
 
 def module_name() -> str:
-    """Extension name: a hash of the kernel sources, so edited sources never load an old build."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    """Extension name: a hash of the kernel sources and flags, so edited sources never load an old build."""
+    flags = " ".join(NATIVE_FLAGS + PORTABLE_FLAGS).encode()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + flags).hexdigest()[:12]
     return f"pdcluster_attention_{digest}"
 
 
@@ -48,7 +50,7 @@ def build(verbose: bool = False) -> Path:
     last: Exception | None = None
     for flags in (NATIVE_FLAGS, PORTABLE_FLAGS):
         try:
-            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags,
+            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                build_directory=str(BUILD_DIR), verbose=verbose)
             return BUILD_DIR / f"{name}.so"
         except Exception as e:  # noqa: BLE001 (compiler errors come as several types; retry portable, then raise)

@@ -75,7 +75,7 @@ def _mixed_batch(nb: int, shared_blocks: int) -> tuple[list[list[int]], list[int
         tables.append(take(-(-total // BS)))
         starts.append(total - 1)
         num_new.append(1)
-    for start, n in ((70, 40), (300, 200), (0, 30)):
+    for start, n in ((70, 40), (90, 20), (300, 200), (0, 30)):  # (90, 20): short enough for the kernel
         tables.append(take(-(-(start + n) // BS)))
         starts.append(start)
         num_new.append(n)
@@ -107,6 +107,7 @@ def test_kernel_matches_gather_path(kernel, q_dtype, kv_dtype, tol, cascade) -> 
     gather = AttentionMetadata.build(tables, starts, num_new, BS, kernel=None)
     inplace = AttentionMetadata.build(tables, starts, num_new, BS, kernel=kernel, cascade=cascade)
     assert inplace.plan is not None
+    assert [s.in_plan for s in inplace.prefills] == [False, True, False, False]
     assert [g.members for g in inplace.plan.groups] == ([[0, 1, 2, 3]] if cascade else [])
     ref = paged_attention(q, k, v, k_cache, v_cache, gather, 0.125)
     out = paged_attention(q, k, v, k_cache, v_cache, inplace, 0.125)

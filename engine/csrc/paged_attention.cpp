@@ -286,7 +286,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t n = static_cast<int64_t>(units.size());
   // NOTE: torch's own thread pool (at::parallel_for), one task per thread, each taking the next unit from a shared
-  // counter: dynamic balance without a second OpenMP runtime (two pools spinning on 2 cores cost 5x here).
+  // counter: dynamic balance with the threads torch.set_num_threads gave the engine.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
