@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from cluster import tracing
+from cluster import faults, tracing
 from cluster.messages import Role, WorkerInfo, WorkerLoad
 from cluster.redis_client import RedisAuth
 from cluster.tracing import TracingSettings
@@ -38,9 +38,6 @@ log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 0.5
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
-# fault injection for tests: a worker actor that Ray restarts sleeps this many seconds first (the launcher passes
-# every PDC_FAULT_* variable of its environment to the workers)
-RESTART_DELAY_ENV = "PDC_FAULT_RESTART_DELAY_S"
 
 
 class RequestAborted(EngineError):
@@ -282,19 +279,8 @@ class Worker:
         self.epoch = epoch
 
     def debug_hang(self, seconds: float) -> threading.Event:
-        """Fault injection (tests, `bench soak --hang-at`): hold the engine loop for `seconds`, as a hung engine.
-
-        NOTE: the real loop stops: no step runs, its requests get no token, and the heartbeat (which reads the load
-        under the same lock) stops too; the actor itself still answers pings. Set once the hang has begun.
-        """
-        begun = threading.Event()
-
-        def hang(engine: object) -> None:
-            begun.set()
-            log.warning("%s: fault injection: the engine loop hangs for %.1f s", self.name, seconds)
-            time.sleep(seconds)
-        threading.Thread(target=self.loop.call, args=(hang,), daemon=True, name=f"{self.name}-hang").start()
-        return begun
+        """Fault injection (tests, `bench soak --hang-at`): the engine loop hangs for `seconds` (cluster/faults.py)."""
+        return faults.hang_loop(self.loop, self.name, seconds)
 
     def close(self) -> None:
         self._closed.set()
@@ -324,14 +310,7 @@ class WorkerActor:
         logs.configure(spec.name, spec.log_level, spec.log_format)
         if spec.cpus:
             pin_cpus(spec.cpus)
-        delay = float(os.environ.get(RESTART_DELAY_ENV) or 0)
-        if delay > 0:
-            import ray
-
-            if ray.get_runtime_context().was_current_actor_reconstructed:
-                # NOTE: fault injection for tests: a restart as slow as a model load on a busy node
-                log.warning("%s: fault injection: restart delayed by %.1f s (%s)", spec.name, delay, RESTART_DELAY_ENV)
-                time.sleep(delay)
+        faults.delay_restart(spec.name)
 
     async def ping(self) -> int:
         """The worker's epoch, from the actor's event loop: it answers at once while the actor is up."""

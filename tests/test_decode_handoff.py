@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from cluster.worker import RESTART_DELAY_ENV
+from cluster.faults import RESTART_DELAY_ENV
 from engine import SamplingParams
 from router.v1 import inference_pb2 as pb
 from router.validate import Checked
