@@ -37,8 +37,10 @@ def cluster(ray_session):
 
     os.environ[RESTART_DELAY_ENV] = str(RESTART_DELAY_S)  # NOTE: read by the launcher when it starts the actors
     try:
+        # NOTE: every request crosses the handoff: no prefix skip, and no SLO rule that has the decode worker
+        # prefill a short prompt itself
         c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0,
-                                       skip_prefill_max_uncached_tokens=0)
+                                       skip_prefill_max_uncached_tokens=0, slo_itl_ms=None)
     finally:
         del os.environ[RESTART_DELAY_ENV]
     yield c, server
@@ -72,8 +74,9 @@ def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, sm
             if 1 in running_seen and load.running == 0:
                 break
             await asyncio.sleep(0.02)
-        rest = [t async for chunk in chunks for t in chunk.token_ids]
-        return first.token_ids + rest, running_seen
+        rest = [chunk async for chunk in chunks]
+        assert rest[-1].timeline is not None and rest[-1].timeline.prefill_worker == "prefill-0"  # the handoff
+        return first.token_ids + [t for chunk in rest for t in chunk.token_ids], running_seen
 
     tokens, running_seen = asyncio.run_coroutine_threadsafe(run(), server.loop).result(120)
     assert 1 in running_seen, "the decode worker never ran the request while the router held its stream"
