@@ -62,6 +62,9 @@ def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, sm
     want = reference(smollm2, [text], 40)[0]
     prompt = make_engine(smollm2, num_blocks=64).tokenize(text, "t")
     decode = c.actors["decode-0"]
+    deadline = time.monotonic() + 60  # NOTE: both workers up (heartbeat and ping) first, or the route may skip one
+    while not all(server.router.pools.is_up(n) for n in ("prefill-0", "decode-0")) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
     async def run() -> tuple[list[int], list[int]]:
         chunks = server.router.stream(Checked(f"handoff-{time.monotonic_ns()}", prompt,
