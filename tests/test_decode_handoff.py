@@ -59,7 +59,9 @@ def reference(smollm2, texts: list[str], max_tokens: int) -> list[list[int]]:
 def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, smollm2, ray_session):
     c, server = cluster
     text = f"A handoff that nobody waits for ({time.monotonic_ns()}): the river runs to the sea, and"
-    want = reference(smollm2, [text], 40)[0]
+    # NOTE: long enough that the decode worker is seen running it: on an idle machine 40 tokens could be done
+    # before the router even had the first one (which also shows the point, but no poll would see it)
+    want = reference(smollm2, [text], 200)[0]
     prompt = make_engine(smollm2, num_blocks=64).tokenize(text, "t")
     decode = c.actors["decode-0"]
     deadline = time.monotonic() + 60  # NOTE: both workers up (heartbeat and ping) first, or the route may skip one
@@ -68,7 +70,7 @@ def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, sm
 
     async def run() -> tuple[list[int], list[int]]:
         chunks = server.router.stream(Checked(f"handoff-{time.monotonic_ns()}", prompt,
-                                              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))
+                                              SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)))
         first = await anext(chunks)  # the prefill worker's token; the router reads nothing more for now
         running_seen, deadline = [], time.monotonic() + 60
         while time.monotonic() < deadline:  # the decode worker runs the request and finishes it on its own
