@@ -2,10 +2,10 @@
 
 What a decode worker does after a failover (`add_request(..., output_token_ids=..., sent_chars=...)`): it is
 given the tokens generated so far and how many characters of their text the client already has. (The handoff's own
-path, `commit_kv(..., sent_chars)` after a KV transfer, is tested through the cluster in test_text_integrity.py.) For every split
-point of every answer — inside a multi-byte character, inside a stop string or the characters held back for one —
-the text sent before the split plus the text the second engine streams must equal the undisturbed text, with the
-same finish reason.
+path, after a KV transfer, is tested through the cluster in test_text_integrity.py and test_decode_handoff.py.)
+For every split point of every answer — inside a multi-byte character, inside a stop string or the characters held
+back for one — the text sent before the split plus the text the second engine streams must equal the undisturbed
+text, with the same finish reason.
 """
 
 from __future__ import annotations
