@@ -140,18 +140,24 @@ def test_a_redis_outage_fails_no_request_and_the_index_comes_back_empty_and_curr
 
 
 def test_a_deadline_that_cannot_be_met_is_refused_at_once(cluster):
-    """With the prefill pool's queue far beyond the client's deadline, the request is shed before it runs."""
+    """With the prefill pool's queue far beyond the client's deadline, the request is shed before it runs: by the
+    router's admission limit (router.max_predicted_ttft_ms), and with that limit off by the request's own deadline."""
     _, server = cluster
     views = [w.view for w in server.router.prefill] + [w.view for w in server.router.decode]
+    settings = server.router.settings
+    limit = settings.max_predicted_ttft_ms
     for v in views:
         v.pending_tokens += 10**9  # as if a billion prompt tokens were queued everywhere
     try:
-        with pytest.raises(grpc.RpcError) as e:
-            server.stub().Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4)),
-                                   timeout=30)
-        # refused up front (a timeout would be DEADLINE_EXCEEDED after 30 s)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "deadline" in e.value.details()
+        for max_predicted_ttft_ms, reason in ((limit, "router.max_predicted_ttft_ms"), (0, "deadline")):
+            settings.max_predicted_ttft_ms = max_predicted_ttft_ms  # 0: no admission limit
+            with pytest.raises(grpc.RpcError) as e:
+                server.stub().Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4)),
+                                       timeout=30)
+            # refused up front (a timeout would be DEADLINE_EXCEEDED after 30 s)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in e.value.details()
     finally:
+        settings.max_predicted_ttft_ms = limit
         for v in views:
             v.pending_tokens -= 10**9
     ok = server.stub().Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4)),
