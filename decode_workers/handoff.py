@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from engine.output import stop_holdback
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_transfer.state import TransferState
@@ -27,8 +28,7 @@ def first_token_chars(tokenizer: Tokenizer, token_ids: list[int], params: Sampli
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
     for tok in token_ids:
         detok.add(tok)
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    return max(0, len(detok.text) - holdback)
+    return max(0, len(detok.text) - stop_holdback(params))
 
 
 class KVWaiters:

@@ -5,8 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    """Characters of the generated text held back from the stream: as many as a stop string could still need.
+
+    NOTE: so streamed text never contains (part of) a stop string that later matches. A decode worker that takes
+    over a request after its first token computes what the prefill worker streamed with this same rule.
+    """
+    return max((len(s) for s in params.stop), default=1) - 1
 
 
 @dataclass
@@ -54,9 +64,7 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
         for tok in seq.output_token_ids:
             detok.add(tok)
-        # NOTE: hold back as many characters as a stop string could still need to complete, so streamed
-        # text never contains (part of) a stop string that later matches.
-        holdback = max((len(s) for s in p.stop), default=1) - 1
+        holdback = stop_holdback(p)
         stream = self._streams[seq.request_id] = _Stream(detok, holdback)
         stream.emitted = min(sent_chars, len(detok.text))
 
