@@ -1,4 +1,4 @@
-"""The prefix index: the one module that owns the cluster's Redis key schema, its TTLs and its Lua scripts.
+"""The prefix index: the one module that owns the cluster's Redis key schema and TTLs (its Lua: prefix_scripts.py).
 
 Workers (prefill/decode actors) are the only writers of block entries; routers only read (and lazily purge).
 Block hashes are 32-byte sha256 digests, hex-encoded in keys. `{p}` is the cluster's prefix (default "pdc"), so
@@ -25,7 +25,6 @@ NOTE: the scripts touch keys they build from the prefix, so this needs a single 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,111 +34,13 @@ from typing import Any, TypeVar
 import redis
 
 from cluster.messages import WorkerLoad
+from cluster.prefix_scripts import SCRIPTS
 from cluster.redis_breaker import RedisBreaker
 
 log = logging.getLogger(__name__)
 
 BLOCK_TTL_S = 3600
 HEARTBEAT_TTL_S = 5.0
-
-# KEYS: epoch, wblk. ARGV: worker, blk key prefix. Returns the new epoch.
-_REGISTER = """
-local epoch = redis.call('INCR', KEYS[1])
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', ARGV[2] .. h, ARGV[1]) end
-redis.call('DEL', KEYS[2])
-return epoch
-"""
-
-# KEYS: epoch, wblk. ARGV: worker, epoch, blk key prefix, ttl, #stored, stored hex..., removed hex...
-# Returns 1 when written, 0 when the epoch is stale.
-_PUBLISH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
-local n = tonumber(ARGV[5])
-for i = 6, 5 + n do
-  local k = ARGV[3] .. ARGV[i]
-  redis.call('HSET', k, ARGV[1], ARGV[2])
-  redis.call('EXPIRE', k, ARGV[4])
-  redis.call('SADD', KEYS[2], ARGV[i])
-end
-for i = 6 + n, #ARGV do
-  redis.call('HDEL', ARGV[3] .. ARGV[i], ARGV[1])
-  redis.call('SREM', KEYS[2], ARGV[i])
-end
-if n > 0 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
-return 1
-"""
-
-# KEYS: epoch, wblk. ARGV: worker, blk key prefix, the caller's epoch. A new epoch (entries dropped), or 0 when a
-# newer incarnation registered since (the caller is a zombie and must not take the name back).
-_RENEW = """
-local cur = redis.call('GET', KEYS[1])
-if cur and tonumber(cur) > tonumber(ARGV[3]) then return 0 end
-local epoch = redis.call('INCR', KEYS[1])
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', ARGV[2] .. h, ARGV[1]) end
-redis.call('DEL', KEYS[2])
-return epoch
-"""
-
-# KEYS: epoch, hb, workers. ARGV: worker, epoch, ttl ms, field, value, ... Returns 1 when written, 0 when `epoch`
-# is not current (NOTE: a zombie must not overwrite a restarted worker's address), -1 when the epoch key is gone.
-_HEARTBEAT = """
-local cur = redis.call('GET', KEYS[1])
-if not cur then return -1 end
-if cur ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 4))
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-redis.call('SADD', KEYS[3], ARGV[1])
-return 1
-"""
-
-# KEYS: epoch, wblk, hb. ARGV: worker, epoch, blk key prefix. Returns 1 when purged, 0 when the epoch is stale.
-_UNREGISTER = """
-if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', ARGV[3] .. h, ARGV[1]) end
-redis.call('DEL', KEYS[2], KEYS[3])
-redis.call('INCR', KEYS[1])
-return 1
-"""
-
-# KEYS: epoch, wblk, hb. ARGV: worker, blk key prefix. Purges whatever epoch is current; returns the blocks dropped.
-_PURGE = """
-local blocks = redis.call('SMEMBERS', KEYS[2])
-for _, h in ipairs(blocks) do redis.call('HDEL', ARGV[2] .. h, ARGV[1]) end
-redis.call('DEL', KEYS[2], KEYS[3])
-redis.call('INCR', KEYS[1])
-return #blocks
-"""
-
-# KEYS: the blk keys in prompt order. ARGV: prefix. Returns {worker, leading blocks, ...}.
-_LOOKUP = """
-local p = ARGV[1]
-local epochs, live, counts = {}, {}, {}
-local active = nil
-for i, key in ipairs(KEYS) do
-  local flat = redis.call('HGETALL', key)
-  local nxt, any = {}, false
-  for j = 1, #flat, 2 do
-    local w, e = flat[j], flat[j + 1]
-    if epochs[w] == nil then
-      epochs[w] = redis.call('GET', p .. ':epoch:' .. w)
-      live[w] = redis.call('EXISTS', p .. ':hb:' .. w) == 1
-    end
-    if e ~= epochs[w] then
-      redis.call('HDEL', key, w)
-    elseif live[w] and (i == 1 or active[w]) then
-      nxt[w] = true
-      counts[w] = i
-      any = true
-    end
-  end
-  if not any then break end
-  active = nxt
-end
-local out = {}
-for w, c in pairs(counts) do out[#out + 1] = w; out[#out + 1] = c end
-return out
-"""
-
 
 @dataclass
 class WorkerStatus:
@@ -166,26 +67,6 @@ class HitCounts:
     def hit_rate(self) -> float:
         """cached / requested tokens; 0.0 when nothing was requested."""
         return self.cached_tokens / self.requested_tokens if self.requested_tokens else 0.0
-
-
-class _Script:
-    """A Lua script run by EVALSHA, falling back to EVAL (which also caches it) on NOSCRIPT."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        # NOTE: the sha is computed here rather than asked of SCRIPT LOAD: the same digest, no round trip.
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:  # a restarted or flushed Redis
-            return client.eval(self.source, len(keys), *keys, *args)
-
-
-_SCRIPTS = {name: _Script(src) for name, src in
-            (("register", _REGISTER), ("publish", _PUBLISH), ("unregister", _UNREGISTER), ("lookup", _LOOKUP),
-             ("purge", _PURGE), ("renew", _RENEW), ("heartbeat", _HEARTBEAT))}
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -232,7 +113,7 @@ class PrefixIndex:
     def register_worker(self, worker: str) -> int:
         """Start a new epoch for `worker`, dropping every block entry of the previous one; the new epoch."""
         keys = (self._epoch_key(worker), self._wblk_key(worker))
-        return int(_SCRIPTS["register"](self.client, keys, (worker, f"{self.prefix}:blk:")))
+        return int(SCRIPTS["register"](self.client, keys, (worker, f"{self.prefix}:blk:")))
 
     def publish(self, worker: str, epoch: int, stored: Sequence[bytes], removed: Sequence[bytes]) -> bool:
         """Record blocks `worker` stored and evicted; False (nothing written) when `epoch` is no longer current.
@@ -248,7 +129,7 @@ class PrefixIndex:
         args: list[str | int] = [worker, str(int(epoch)), f"{self.prefix}:blk:", BLOCK_TTL_S, len(stored)]
         args += [h.hex() for h in stored]
         args += [h.hex() for h in removed]
-        written = bool(_SCRIPTS["publish"](self.client, keys, args))
+        written = bool(SCRIPTS["publish"](self.client, keys, args))
         if not written:
             log.debug("ignored publish of %s under stale epoch %d", worker, epoch)
         return written
@@ -270,7 +151,7 @@ class PrefixIndex:
         args: list[str | int] = [worker, str(int(epoch)), ttl_ms]
         for k, v in fields.items():
             args += [k, repr(v) if isinstance(v, float) else str(v)]
-        written = int(_SCRIPTS["heartbeat"](self.client, keys, args))
+        written = int(SCRIPTS["heartbeat"](self.client, keys, args))
         if written != 1:
             log.debug("ignored heartbeat of %s under %s epoch %d", worker, "lost" if written < 0 else "stale", epoch)
         return written == 1
@@ -279,7 +160,7 @@ class PrefixIndex:
     def renew_epoch(self, worker: str, epoch: int) -> int | None:
         """A new epoch for `worker` (its entries dropped) unless a newer incarnation than `epoch` registered: None."""
         keys = (self._epoch_key(worker), self._wblk_key(worker))
-        new = int(_SCRIPTS["renew"](self.client, keys, (worker, f"{self.prefix}:blk:", str(int(epoch)))))
+        new = int(SCRIPTS["renew"](self.client, keys, (worker, f"{self.prefix}:blk:", str(int(epoch)))))
         return new or None
 
     @_guarded
@@ -303,7 +184,7 @@ class PrefixIndex:
         """Graceful shutdown: drop `worker`'s blocks and heartbeat and retire `epoch`; False when it was stale."""
         # NOTE: retiring the epoch (INCR) makes a late publish from a still-running thread fail the epoch check.
         keys = (self._epoch_key(worker), self._wblk_key(worker), self._hb_key(worker))
-        return bool(_SCRIPTS["unregister"](self.client, keys, (worker, str(int(epoch)), f"{self.prefix}:blk:")))
+        return bool(SCRIPTS["unregister"](self.client, keys, (worker, str(int(epoch)), f"{self.prefix}:blk:")))
 
     # ---- router side ----
     @_guarded
@@ -313,7 +194,7 @@ class PrefixIndex:
         # NOTE: the one write a router makes: the dead worker cannot, and its entries would mislead routing until
         # their TTL (blocks: an hour)
         keys = (self._epoch_key(worker), self._wblk_key(worker), self._hb_key(worker))
-        return int(_SCRIPTS["purge"](self.client, keys, (worker, f"{self.prefix}:blk:")))
+        return int(SCRIPTS["purge"](self.client, keys, (worker, f"{self.prefix}:blk:")))
 
     def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each live worker, how many leading blocks of `hashes` it holds; one round trip, 0s omitted."""
@@ -322,7 +203,7 @@ class PrefixIndex:
 
     @_guarded
     def _lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        flat = _SCRIPTS["lookup"](self.client, [self._blk_key(h) for h in hashes], (self.prefix,))
+        flat = SCRIPTS["lookup"](self.client, [self._blk_key(h) for h in hashes], (self.prefix,))
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     @_guarded
