@@ -325,6 +325,39 @@ class TransferSection(BaseModel):
 KV_SHAPE_KEYS = ("dtype", "block_size", "kv_cache_dtype", "max_model_len")
 
 
+class AutoscalerConfig(BaseModel):
+    """Pools sized while serving by the planner's simulator from the live traffic (pdcluster/autoscale.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(default=False, description="resize the prefill and decode pools from the live traffic")
+    interval_s: float = Field(default=10.0, gt=0, description="seconds between two evaluations")
+    window_s: float = Field(default=30.0, gt=0, description="the sliding window of traffic an evaluation reads")
+    max_workers: int = Field(default=4, ge=2, description="prefill + decode workers at most")
+    min_prefill: int = Field(default=1, ge=1, description="prefill workers at least")
+    min_decode: int = Field(default=1, ge=1, description="decode workers at least")
+    attainment: float = Field(default=0.9, gt=0, le=1, description="share of requests that must meet both "
+                                                                   "router SLOs (slo_ttft_ms, slo_itl_ms as TPOT)")
+    up_evaluations: int = Field(default=2, ge=1, description="evaluations in a row that must ask for more workers "
+                                                             "before any pool grows")
+    down_evaluations: int = Field(default=6, ge=1, description="evaluations in a row that must ask for fewer "
+                                                               "workers before any pool shrinks (slower than up)")
+    cooldown_s: float = Field(default=30.0, ge=0, description="no evaluation for this long after a change (the "
+                                                              "window then shows the new pools)")
+    min_requests: int = Field(default=8, ge=1, description="arrivals in the window below which nothing changes")
+    profile: str | None = Field(default=None, min_length=1, description="a `plan profile` JSON whose step model "
+                                "is scaled to the workers' measured step costs; null: the measured costs alone")
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalerConfig:
+        if self.min_prefill + self.min_decode > self.max_workers:
+            raise _RuleError("max_workers", f"must be at least min_prefill + min_decode "
+                                            f"({self.min_prefill + self.min_decode}), got {self.max_workers}")
+        if self.down_evaluations < self.up_evaluations:
+            raise _RuleError("down_evaluations", "must be at least up_evaluations (shrink slower than grow)")
+        return self
+
+
 class ClusterConfig(BaseModel):
     """A whole deployment: model, mode, Ray, Redis, router, KV transfer and the worker pools."""
 
@@ -344,6 +377,7 @@ class ClusterConfig(BaseModel):
     tracing: TracingConfig = TracingConfig()
     security: SecurityConfig = SecurityConfig()
     logging: LoggingConfig = LoggingConfig()
+    autoscaler: AutoscalerConfig = AutoscalerConfig()
     prefill: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the prompt workers")
     decode: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the token workers")
     colocated: PoolConfig = Field(default=PoolConfig(replicas=0), description="colocated mode: the only workers")
@@ -377,7 +411,23 @@ class ClusterConfig(BaseModel):
                                                            "must be 'cuda' (or use torch_backend 'gloo')")
         if self.mode == "disaggregated":
             self._check_pools_agree()
+        if self.autoscaler.enabled:
+            self._check_autoscaler()
         return self
+
+    def _check_autoscaler(self) -> None:
+        a = self.autoscaler
+        # NOTE: the planner sizes a prefill:decode split; a colocated cluster has one pool to size, which the
+        # autoscaler does not do (yet): refused rather than ignored
+        if self.mode != "disaggregated":
+            raise _RuleError("autoscaler.enabled", "needs mode 'disaggregated' (it sizes the prefill:decode split)")
+        start = self.prefill.replicas + self.decode.replicas
+        if start > a.max_workers:
+            raise _RuleError("autoscaler.max_workers", f"the pools start with {start} workers (prefill.replicas + "
+                                                       f"decode.replicas), more than max_workers {a.max_workers}")
+        for pool, least in (("prefill", a.min_prefill), ("decode", a.min_decode)):
+            if getattr(self, pool).replicas < least:
+                raise _RuleError(f"{pool}.replicas", f"below autoscaler.min_{pool} ({least})")
 
     def _check_pools_agree(self) -> None:
         # NOTE: the decode worker takes the prefill worker's KV as it is: pools that disagree on the KV's shape or

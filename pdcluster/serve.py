@@ -80,6 +80,12 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
     server, port = await start_server(router, cfg.router.host, cfg.router.port, api_keys=keys,
                                       credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok,
                                       scaler=scaler)
+    autoscaler = None
+    if cfg.autoscaler.enabled and not cluster.attached:
+        from pdcluster.autoscale_loop import AutoscaleLoop
+
+        autoscaler = AutoscaleLoop(cfg, router, scaler)  # NOTE: only the process that starts workers resizes pools
+        autoscaler.start()
     endpoints = {"grpc": f"{cfg.router.host}:{port}"}
     runners = []
     try:
@@ -116,6 +122,8 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
         await server.stop(grace=SHUTDOWN_GRACE_S)
         for runner in runners:
             await runner.cleanup()
+        if autoscaler is not None:
+            await autoscaler.close()
         await scaler.close()
         await router.close()
         tracing.shutdown()

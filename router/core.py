@@ -38,6 +38,7 @@ from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
 from router.stall import StallClock
+from router.traffic import TrafficWindow
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Router:
         self._answering: set[str] | None = None  # workers whose actor answered the last ping; None: none yet
         self._pinger: asyncio.Task[None] | None = None
         self.health_listeners: list[Callable[[bool], None]] = []  # called when `healthy()` changes
+        self.traffic = TrafficWindow(settings.slo_ttft_ms, settings.slo_itl_ms)  # what an autoscaler reads
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -102,8 +104,11 @@ class Router:
         """
         arrived = arrived or time.monotonic()
         REQUEST_ID.set(req.request_id)
+        self.traffic.arrived(len(req.token_ids), req.params.max_tokens)
+        ended = False
         if self.inflight >= self.max_inflight:
             self.metrics.rejected("inflight")
+            self.traffic.failed()
             raise Overloaded(f"the router has {self.inflight} requests in flight (router.max_inflight)",
                              req.request_id)
         self.inflight += 1
@@ -159,10 +164,13 @@ class Router:
                                 held = None
                         last_at = now
                     if chunk.finish_reason:
+                        ended = True
                         self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived,
                                       req.request_id)
                     yield chunk
         finally:
+            if not ended:
+                self.traffic.failed()
             if held is not None:
                 held.pending_tokens -= route.decode_prefill_tokens
             tracing.end(span)
@@ -199,6 +207,7 @@ class Router:
                  usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, timeline.first_token_ms,
                  timeline.total_ms, last.finish_reason)
         self.metrics.observe_latency(ttft, gaps, e2e, request_id)
+        self.traffic.finished(ttft, sum(gaps) / len(gaps) if gaps else None)
         self.metrics.finished(last.finish_reason)
         self.metrics.observe_phases(timeline.queue_ms / 1e3, timeline.prefill_ms / 1e3,
                                     None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
