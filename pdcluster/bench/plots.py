@@ -72,6 +72,29 @@ def attainment_vs_rate(runs: Sequence[dict[str, Any]], path: str, title: str) ->
     return _save(fig, plt, path)
 
 
+def attainment_per_minute(runs: Sequence[dict[str, Any]], path: str, title: str, mark_s: float | None = None) -> str:
+    """SLO attainment of the requests sent in each minute, one line per run (e.g. autoscaler on vs off);
+    `mark_s`: a vertical line where the traffic shifts."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for run in runs:
+        pts = run["summary"].get("slo_attainment_per_minute", [])
+        overall = 100 * run["summary"]["slo_attainment"]
+        ax.plot([p["minute"] + 0.5 for p in pts], [100 * p["slo_attainment"] for p in pts], marker="o",
+                label=f"{run['label']} @ {run['workload']['rate']:g} req/s ({overall:.0f}% overall)")
+    if mark_s is not None:
+        ax.axvline(mark_s / 60, color="grey", ls=":", lw=1, label="traffic shifts")
+    ax.axhline(100 * GOODPUT_ATTAINMENT, color="grey", ls="--", lw=0.8, label="90%")
+    ax.set_xlabel("minute of the run (requests by when they were sent)")
+    ax.set_ylabel("requests meeting both SLOs (%)")
+    ax.set_ylim(0, 102)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
 def _save(fig: Any, plt: Any, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -20,7 +20,7 @@ from pdcluster.bench.report import emit, log, machine
 from pdcluster.bench.runner import cluster_status
 from pdcluster.bench.stats import ITL_STATS, RequestRecord
 from pdcluster.bench.target import BACKENDS, Target
-from pdcluster.bench.workloads import WORKLOADS, Session, Workload, build
+from pdcluster.bench.workloads import SHIFTS, WORKLOADS, Session, Workload, build
 
 WARMUP_SALT = 10_000
 
@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the config)")
     add_workload_arguments(p)
     p.add_argument("--out", default="results/bench_serve.json")
+    p.add_argument("--plot-with", action="append", default=[], metavar="JSON",
+                   help="runs saved by another `bench serve` (e.g. the autoscaler off) drawn beside these on the "
+                        "per-minute SLO attainment plot")
 
 
 def rates_of(text: str, option: str = "--rates") -> list[float]:
@@ -157,6 +160,8 @@ def format_table(f: dict[str, Any]) -> str:
             f"{s['e2e_ms']['p50']:>8.0f} {s['e2e_ms']['p99']:>7.0f} {s['req_per_s']:>6.2f} "
             f"{s['output_tok_per_s']:>6.1f} {s['prefix_hit_rate']:>5.2f} {s['transfer_ms']['p50']:>8.1f} "
             f"{100 * s['slo_attainment']:>5.0f}")
+        if len(s.get("slo_attainment_per_minute", [])) > 1:
+            lines.append(f"  SLO attainment per minute: {format_minutes(s)}")
     for label, g in f.get("goodput", {}).items():
         lines.append(f"goodput {label}: {g['goodput_req_per_s']} req/s measured (estimate "
                      f"{g['goodput_estimate_req_per_s']}) at >= 90% of requests within TTFT {f['slo']['ttft_ms']:g} ms "
@@ -179,12 +184,40 @@ def finish(bench: str, runs: list[dict[str, Any]], args: argparse.Namespace, ext
         title = f"{args.workload} workload, {machine()['cores']} cores"
         figures["plots"] = [plots.latency_cdfs(runs, stem + "_cdf.png", title),
                             plots.attainment_vs_rate(runs, stem + "_slo.png", title)]
+        beside = [r for path in getattr(args, "plot_with", []) for r in _saved_runs(path)]
+        if any(len(r["summary"].get("slo_attainment_per_minute", [])) > 1 for r in runs):
+            figures["plots"].append(plots.attainment_per_minute(runs + beside, stem + "_per_minute.png", title,
+                                                                _shift_s(runs[0])))
     md = os.path.splitext(args.out)[0] + ".md"
     os.makedirs(os.path.dirname(os.path.abspath(md)), exist_ok=True)
     with open(md, "w") as f:
         f.write(markdown.render(figures))
     log(bench, f"saved {md}")
     return emit(bench, figures, args.out, args.json, format_table)
+
+
+def _saved_runs(path: str) -> list[dict[str, Any]]:
+    """The runs of a JSON `bench serve` saved (for --plot-with)."""
+    import json
+
+    try:
+        with open(path) as f:
+            return list(json.load(f)["runs"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--plot-with: cannot read runs from {path}: {e}") from None
+
+
+def _shift_s(run: dict[str, Any]) -> float | None:
+    """When a shifting workload's second half starts (the first request of it was sent), else None."""
+    if run["workload"]["name"] not in SHIFTS:
+        return None
+    reqs = sorted(run["requests"], key=lambda r: r["session"])
+    half = reqs[len(reqs) // 2:]
+    return min(r["sent_s"] for r in half) if half else None
+
+
+def format_minutes(s: dict[str, Any]) -> str:
+    return " ".join(f"{100 * m['slo_attainment']:.0f}%" for m in s.get("slo_attainment_per_minute", []))
 
 
 def check_target_args(args: argparse.Namespace) -> None:
@@ -205,6 +238,8 @@ def check_target_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for path in args.plot_with:
+        _saved_runs(path)  # NOTE: a bad file fails before the run, not after it
     rates_of(args.rates)  # NOTE: bad input fails here, before a cluster is started for it
     check_target_args(args)
     if args.backend == "openai":

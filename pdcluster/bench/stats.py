@@ -115,7 +115,17 @@ def summarize(records: Sequence[RequestRecord], elapsed_s: float, slo: Slo) -> d
         "prefix_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else 0.0,
         "prefill_skipped": sum(r.prefill_skipped for r in ok),
         "slo_attainment": round(sum(meets(r, slo) for r in records) / len(records), 3) if records else 0.0,
+        "slo_attainment_per_minute": per_minute(records, slo),
     }
+
+
+def per_minute(records: Sequence[RequestRecord], slo: Slo, bucket_s: float = 60.0) -> list[dict[str, Any]]:
+    """SLO attainment of the requests sent in each minute of the run (bucketed by when they were sent)."""
+    by: dict[int, list[bool]] = {}
+    for r in records:
+        by.setdefault(int(r.sent_s // bucket_s), []).append(meets(r, slo))
+    return [{"minute": m, "requests": len(v), "slo_attainment": round(sum(v) / len(v), 3)}
+            for m, v in sorted(by.items())]
 
 
 def goodput(points: Sequence[tuple[float, float]], target: float = GOODPUT_ATTAINMENT) -> dict[str, float | None]:

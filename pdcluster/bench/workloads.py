@@ -14,7 +14,9 @@ Workloads (`WORKLOADS`):
 - `shared_prompt`: many users behind one long system prompt (1,024 tokens), 4 turns each, short messages;
 - `mixed`: 80% short chat turns and 20% long documents (1,000-1,500 tokens): prefills that stall colocated decode;
 - `system_prompt`: one 900-token system prompt in front of every request, then a short question (~32 tokens) and
-  a short answer (~64): single turns, so each request's new work is the question alone when the prefix is cached.
+  a short answer (~64): single turns, so each request's new work is the question alone when the prefix is cached;
+- `chat_to_documents`: a shift halfway: the first half of the requests are `sharegpt` chat, the second half
+  `summarization` documents (long prompts, short answers); what an autoscaler must follow (pdcluster/autoscale.py).
 `input_scale` / `output_scale` stretch the lengths (a 2-core laptop needs shorter answers than a GPU).
 """
 
@@ -149,7 +151,9 @@ MIXED_LONG_FRACTION = 0.2
 
 _Builder = Callable[[_Draw, int, float, tuple[int, ...]], Session]
 WORKLOADS: dict[str, _Builder] = {"sharegpt": _sharegpt, "summarization": _summarization,
-                                  "shared_prompt": _shared_prompt, "mixed": _mixed, "system_prompt": _system_prompt}
+                                  "shared_prompt": _shared_prompt, "mixed": _mixed, "system_prompt": _system_prompt,
+                                  "chat_to_documents": _sharegpt}  # NOTE: `build` switches to documents halfway
+SHIFTS: dict[str, tuple[_Builder, _Builder]] = {"chat_to_documents": (_sharegpt, _summarization)}
 _TURNS = {"shared_prompt": SHARED_PROMPT_TURNS}
 _SHARED_LEN = {"shared_prompt": SHARED_PROMPT_LEN, "system_prompt": SYSTEM_PROMPT_LEN}
 
@@ -170,9 +174,11 @@ def build(name: str, rate: float, num_requests: int, seed: int = 0, vocab: tuple
     shared = d.tokens(round(_SHARED_LEN[name] * input_scale)) if name in _SHARED_LEN else ()
     arrivals = random.Random(seed + 1)
     sessions, t = [], 0.0
-    for sid in range(math.ceil(num_requests / turns)):
+    n = math.ceil(num_requests / turns)
+    for sid in range(n):
         # NOTE: sessions arrive at rate / turns, so turns reach the cluster at about `rate` per second.
         t += arrivals.expovariate(rate / turns)
-        sessions.append(WORKLOADS[name](d, sid, t, shared))
+        builder = SHIFTS[name][sid >= n // 2] if name in SHIFTS else WORKLOADS[name]
+        sessions.append(builder(d, sid, t, shared))
     params = {"input_scale": input_scale, "output_scale": output_scale, "seed": seed, "salt": salt}
     return Workload(name, rate, tuple(sessions), params)
