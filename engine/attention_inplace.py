@@ -19,6 +19,9 @@ from engine.attention_cascade import SharedPrefix, shared_prefixes
 # 1,000 cached tokens: 8.3 vs 10.7 ms per layer here); short ones (speculative verification, small chunks) and
 # decode read in place.
 PREFILL_IN_PLACE_MAX_ROWS = 32
+# NOTE: against prefill="flash" (gather + one fused SDPA call, engine/attention.py) the kernel wins only below ~4 rows
+# on one thread (900 cached tokens: 2 rows 0.20 vs 0.32 ms per layer, 5 rows 0.64 vs 0.38, 32 rows 3.4 vs 1.2).
+PREFILL_IN_PLACE_MAX_ROWS_FLASH = 3
 
 # meta columns, as the kernel reads them
 ROW_OFF, ROW_CNT, BLK_OFF, KV_LO, KV_HI, CAUSAL, DIRECT = range(7)
@@ -42,13 +45,14 @@ class KernelPlan:
             self.kernel.attend(q, k_cache, v_cache, self.meta, self.rows, self.blocks, self.block_size, scale, out)
 
 
-def in_place(start: int, num_new: int) -> bool:
-    """Whether the kernel attends this prefill chunk (it has cached context and few rows)."""
-    return start > 0 and num_new <= PREFILL_IN_PLACE_MAX_ROWS
+def in_place(start: int, num_new: int, flash: bool = True) -> bool:
+    """Whether the kernel attends this prefill chunk (it has cached context and few rows); `flash`: the other
+    chunks take prefill="flash" (else the older chunked SDPA path)."""
+    return start > 0 and num_new <= (PREFILL_IN_PLACE_MAX_ROWS_FLASH if flash else PREFILL_IN_PLACE_MAX_ROWS)
 
 
 def build_plan(kernel: ModuleType, tables: list[list[int]], starts: list[int], num_new: list[int], num_decode: int,
-               block_size: int, cascade: bool = True) -> KernelPlan:
+               block_size: int, cascade: bool = True, flash: bool = True) -> KernelPlan:
     """Items for the decode entries (with shared prefixes grouped when `cascade`) and the short prefill chunks with
     cached context (`in_place`); the other prefill chunks are left to the caller."""
     meta: list[list[int]] = []
@@ -72,7 +76,7 @@ def build_plan(kernel: ModuleType, tables: list[list[int]], starts: list[int], n
     q_start = num_decode
     for i in range(num_decode, len(tables)):
         start, n = starts[i], num_new[i]
-        if in_place(start, n):
+        if in_place(start, n, flash):
             meta.append([len(rows), n, offsets[i], 0, start + n, start, 1])
             rows.extend(range(q_start, q_start + n))
         q_start += n

@@ -90,9 +90,10 @@ class DecoderLayer:
         cfg = self.cfg
         t = h.shape[0]
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [T, (H + 2 KVH) D]
-        q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), *rope)
-        k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), *rope)
+        qk, v = self.qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)  # [T, (H + 2 KVH) D]
+        # NOTE: one rotary over q and k together (the same per-element math as two calls, half the ops per layer)
+        qk = apply_rotary(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D] (strided views)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]

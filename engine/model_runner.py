@@ -6,6 +6,7 @@ The runner makes no scheduling decisions: it computes what the scheduler picked.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -59,6 +60,7 @@ class ModelRunner:
         # so every step of this engine takes the same path.
         self.attn_kernel = attention_kernel()
         self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
+        self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention.py PREFILL_MODES
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -87,7 +89,7 @@ class ModelRunner:
                 sampling.append(i)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
                                        self.block_size, kernel=self.attn_kernel,
-                                       cascade=self.attn_cascade)
+                                       cascade=self.attn_cascade, prefill=self.attn_prefill)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
                             layer_hook)
         out: list[list[int]] = [[] for _ in batch.seqs]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import DECODE_PAD_RATIO, AttentionMetadata, paged_attention
+from engine.attention import DECODE_PAD_RATIO, PREFILL_MODES, AttentionMetadata, paged_attention, write_kv
 from engine.attention_cascade import shared_prefixes
 from engine.kernels import ensure_built
 from engine.kv_quant import write_quantized
@@ -105,7 +105,8 @@ def test_kernel_matches_gather_path(kernel, q_dtype, kv_dtype, tol, cascade) -> 
     q, k, v = torch.randn(t, H, D, dtype=q_dtype), torch.randn(t, KVH, D, dtype=q_dtype), torch.randn(
         t, KVH, D, dtype=q_dtype)
     gather = AttentionMetadata.build(tables, starts, num_new, BS, kernel=None)
-    inplace = AttentionMetadata.build(tables, starts, num_new, BS, kernel=kernel, cascade=cascade)
+    # NOTE: prefill="chunked" keeps the kernel on prefill chunks with context of up to 32 rows (flash: up to 3)
+    inplace = AttentionMetadata.build(tables, starts, num_new, BS, kernel=kernel, cascade=cascade, prefill="chunked")
     assert inplace.plan is not None
     assert [s.in_plan for s in inplace.prefills] == [False, True, False, False]
     assert [g.members for g in inplace.plan.groups] == ([[0, 1, 2, 3]] if cascade else [])
@@ -165,3 +166,43 @@ def test_without_a_built_kernel_the_engine_logs_and_uses_the_gather_path(tiny, m
     monkeypatch.setenv(kernels.ENV, "kernel")  # asked for explicitly: an error, not a silent fallback
     with pytest.raises(RuntimeError, match="not built"):
         kernels.attention_kernel()
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("q_dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_flash_prefill_matches_chunked_path_and_plain_attention(kernel, use_kernel, q_dtype, tol) -> None:
+    """prefill="flash" (one fused SDPA call per chunk) = the 128-row chunked path = causal softmax attention of each
+    prefill chunk over its cached context plus itself, on a mixed batch (decode entries, chunks with context, a
+    chunk of 200 rows over 300 cached tokens, one starting its sequence)."""
+    torch.manual_seed(3)
+    nb = 400
+    k_cache, v_cache = _caches(nb, q_dtype)
+    tables, starts, num_new = _mixed_batch(nb, shared_blocks=10)
+    used = {b for table in tables for b in table}
+    free = [b for b in range(nb) if b not in used]
+    tables += [free[:19], free[19:51]]  # a 300-row chunk starting its sequence; 2 rows over 500 (kernel if flash)
+    starts += [0, 500]
+    num_new += [300, 2]
+    t = sum(num_new)
+    q, k, v = (torch.randn(t, heads, D, dtype=q_dtype) for heads in (H, KVH, KVH))
+    slots = AttentionMetadata.build(tables, starts, num_new, BS, kernel=None).slot_mapping
+    write_kv(k_cache, v_cache, k, v, slots)  # NOTE: as the model does: this step's K/V are in the cache first
+    metas = {mode: AttentionMetadata.build(tables, starts, num_new, BS, kernel=kernel if use_kernel else None,
+                                           prefill=mode) for mode in PREFILL_MODES}
+    assert [s.flash for s in metas["flash"].prefills] == [True] * 6
+    assert [s.flash for s in metas["chunked"].prefills] == [False] * 6
+    assert [s.in_plan for s in metas["flash"].prefills] == [False] * 5 + [use_kernel]
+    assert [s.in_plan for s in metas["chunked"].prefills] == [False, use_kernel, False, False, False, use_kernel]
+    outs = {mode: paged_attention(q, k, v, k_cache, v_cache, m, 0.125) for mode, m in metas.items()}
+    torch.testing.assert_close(outs["flash"].float(), outs["chunked"].float(), rtol=tol, atol=tol)
+    row = num_new.count(1)  # the first prefill row (decode entries come first)
+    for table, start, n in zip(tables, starts, num_new):
+        if n == 1:
+            continue
+        ks = k_cache[table].reshape(-1, KVH, D)[: start + n].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+        vs = v_cache[table].reshape(-1, KVH, D)[: start + n].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+        mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+        ref = F.scaled_dot_product_attention(q[row : row + n].transpose(0, 1).float(), ks.float(), vs.float(),
+                                             attn_mask=mask, scale=0.125).transpose(0, 1)
+        torch.testing.assert_close(outs["flash"][row : row + n].float(), ref, rtol=tol, atol=tol)
+        row += n

@@ -4,12 +4,14 @@ Reports prefill and decode tok/s at several batch sizes with the ratio ours/tran
 bound of batch-1 decode (weight bytes ÷ read bandwidth measured in this run) with our fraction of it.
 Definitions (identical for both): prefill tok/s = B × prompt_len ÷ time to the first token of all B prompts;
 decode tok/s = B × (N − 1) ÷ (time for N tokens − time for the first). Best of --repeats runs, fresh prompts each.
-Then (unless --no-attention) one decode step at long context with the gather path against the in-place
-attention kernel and its cascade over a shared prefix (pdcluster/bench/engine_attention.py). Then (unless
---no-variants) the decode-bound options in the same run: decode tok/s at batch 1 and 8 for float32, int8 weights
-and int8 weights + int8 KV, with their quality against float32 (teacher-forced top-1 agreement over 32 greedy tokens
-of varied prompts, perplexity on a fixed text); and n-gram speculation on a repetitive task (copying an edited text)
-against the same engine without it, with the acceptance rate.
+Then (unless --no-step) the per-core step case, one torch thread, the engine's older paths against its
+current ones (pdcluster/bench/engine_step.py). Then (unless --no-attention) one decode step at long context with
+the gather path against the in-place attention kernel and its cascade over a shared prefix
+(pdcluster/bench/engine_attention.py). Then (unless --no-variants) the decode-bound options in the same run:
+decode tok/s at batch 1 and 8 for float32, int8 weights and int8 weights + int8 KV, with their quality against
+float32 (teacher-forced top-1 agreement over 32 greedy tokens of varied prompts, perplexity on a fixed text); and
+n-gram speculation on a repetitive task (copying an edited text) against the same engine without it,
+with the acceptance rate.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 
 from pdcluster.bench.engine_attention import add_arguments as add_attention_arguments
 from pdcluster.bench.engine_attention import format_attention, measure_attention
+from pdcluster.bench.engine_step import add_arguments as add_step_arguments
+from pdcluster.bench.engine_step import format_step, measure_step
 from pdcluster.bench.report import emit, log, machine
 
 DEFAULT_OUT = "results/bench_engine.json"
@@ -46,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-variants", action="store_true", help="skip the quantization and speculation comparison")
     p.add_argument("--variant-batches", default="1,8", help="batch sizes of the variant comparison")
     add_attention_arguments(p)
+    add_step_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -174,6 +179,7 @@ def measure(args: argparse.Namespace) -> dict:
                       "ours_fraction_of_bound": (ours_b1 / bound) if ours_b1 else None},
         **({} if args.no_variants else {"variants": measure_variants(args, loaded)}),
         **({} if args.no_attention else {"decode_attention": measure_attention(args, loaded)}),
+        **({} if args.no_step else {"step": measure_step(args, loaded)}),
     }
 
 
@@ -193,6 +199,8 @@ def format_table(r: dict) -> str:
         lines.append(format_variants(r["variants"]))
     if "decode_attention" in r:
         lines.append(format_attention(r["decode_attention"]))
+    if "step" in r:
+        lines.append(format_step(r["step"]))
     return "\n".join(lines)
 
 

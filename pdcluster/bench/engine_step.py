@@ -1,0 +1,102 @@
+"""`pdcluster bench engine`, per-core step case: one engine on one torch thread (as each worker of
+deploy/bench-disagg.yaml runs), the engine's older paths ("before") against its current ones ("after").
+
+Cases: prefill of a 96-token and a 1,000-token prompt alone (time to the first token, reported as prompt tokens/s),
+32 new tokens behind a 900-token prompt the prefix cache holds (time to the first token), and one decode step at
+batch 8 over 128-token prompts. Each case runs under both settings in interleaved rounds, so load from other
+processes falls on both alike; the median of the rounds is kept, and the ratio before/after is printed and saved.
+"before" = the switches of engine/model_runner.py at their old values (`attn_prefill="chunked"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+SETTINGS = ("before", "after")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step-threads", type=int, default=1, help="per-core step case: torch threads of the engine")
+    p.add_argument("--step-rounds", type=int, default=5, help="per-core step case: interleaved rounds (median)")
+    p.add_argument("--no-step", action="store_true", help="skip the per-core step case")
+
+
+def _apply(engine: Any, setting: str) -> None:
+    engine.runner.attn_prefill = "chunked" if setting == "before" else "flash"
+
+
+def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
+    """Median ms per case and setting, over interleaved rounds, on `--step-threads` threads."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = loaded.config.vocab_size
+    engine = LLMEngine(loaded, EngineConfig(num_threads=args.step_threads, max_num_batched_tokens=2048,
+                                            max_num_seqs=16, enable_prefix_caching=True))
+    count = [0]
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(100, vocab, (n,), generator=gen).tolist()
+
+    def first_token(prompt: list[int]) -> float:
+        count[0] += 1
+        engine.add_request(f"s{count[0]}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - t
+
+    def decode_step(batch: int = 8, steps: int = 4) -> float:
+        for _ in range(batch):
+            count[0] += 1
+            engine.add_request(f"s{count[0]}", rand(128),
+                               SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+        engine.step()  # the prompts (one step: 8 x 128 tokens fit the budget)
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = (time.perf_counter() - t) / steps
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    context = rand(900)
+    first_token(context)  # cached from now on (896 tokens: 56 full blocks)
+    cases: dict[str, tuple[int, Callable[[], float]]] = {
+        "prefill 96": (96, lambda: first_token(rand(96))),
+        "prefill 1000": (1000, lambda: first_token(rand(1000))),
+        "32 over 900 cached": (32, lambda: first_token(context + rand(32))),
+        "decode step, batch 8": (8, decode_step),
+    }
+    for _, fn in cases.values():  # warm-up
+        fn()
+    times: dict[str, dict[str, list[float]]] = {c: {s: [] for s in SETTINGS} for c in cases}
+    for _ in range(args.step_rounds):
+        for case, (_, fn) in cases.items():
+            for setting in SETTINGS:
+                _apply(engine, setting)
+                times[case][setting].append(fn())
+    _apply(engine, "after")
+    torch.set_num_threads(args.threads)
+    out: dict[str, Any] = {"threads": args.step_threads, "rounds": args.step_rounds, "cases": {}}
+    for case, (tokens, _) in cases.items():
+        ms = {s: statistics.median(times[case][s]) * 1e3 for s in SETTINGS}
+        out["cases"][case] = {"tokens": tokens, "ms": ms, "tok_s": {s: tokens / ms[s] * 1e3 for s in SETTINGS},
+                              "speedup": ms["before"] / ms["after"]}
+    return out
+
+
+def format_step(r: dict[str, Any]) -> str:
+    lines = ["", f"per-core step, {r['threads']} torch thread(s): median ms of {r['rounds']} interleaved rounds "
+                 "(before = attn_prefill chunked)",
+             f"{'case':24}{'before ms':>11}{'after ms':>10}{'before tok/s':>14}{'after tok/s':>13}{'ratio':>8}"]
+    for case, c in r["cases"].items():
+        lines.append(f"{case:24}{c['ms']['before']:11.1f}{c['ms']['after']:10.1f}{c['tok_s']['before']:14.1f}"
+                     f"{c['tok_s']['after']:13.1f}{c['speedup']:7.2f}x")
+    return "\n".join(lines)
