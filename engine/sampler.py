@@ -21,16 +21,27 @@ def step_seed(seed: int, index: int) -> int:
     return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) & _MASK64
 
 
+# NOTE: top-p looks for its cut among this many top tokens first (torch.topk, ~0.1 ms over a 49k vocabulary) and sorts
+# the whole vocabulary (~3.5 ms on one core) only when they hold less than top_p of the mass. The rule is the same.
+TOP_P_CANDIDATES = 256
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:  # [V] → [V]
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token once the mass before it already reaches top_p (the top token always stays).
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+        probs = logits.softmax(-1)  # [V]
+        top, order = torch.topk(probs, min(TOP_P_CANDIDATES, probs.shape[-1]))  # descending
+        cum = top.cumsum(-1)
+        if float(cum[-1]) < top_p and len(top) < probs.shape[-1]:  # the cut lies further down: every token counts
+            sorted_logits, order = torch.sort(logits, descending=True)
+            top = sorted_logits.softmax(-1)
+            cum = top.cumsum(-1)
+        # Drop a token once the mass before it already reaches top_p (the top token always stays); tokens beyond
+        # the candidates are dropped (the mass before them is at least cum[-1] >= top_p).
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order, (cum - top) < top_p)
+        logits = logits.masked_fill(~keep, float("-inf"))
     return logits
 
 
@@ -47,7 +58,15 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], output_index:
             continue
         probs = filtered_probs(logits[i], p)
         gen = torch.Generator().manual_seed(step_seed(p.seed or 0, output_index[i] + p.output_offset))
-        # Exponential-race sampling: argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        tokens[i] = int((probs / noise).argmax())
+        tokens[i] = race(probs, gen)
     return tokens
+
+
+def race(probs: torch.Tensor, gen: torch.Generator) -> int:  # probs: [V]
+    """Exponential-race sampling: argmax(p / E), E ~ Exp(1) drawn from `gen`, is index i with probability p_i.
+
+    NOTE: E = -log(U), U uniform in [0, 1): torch.rand + log is ~5x faster than Tensor.exponential_ on CPU (0.19 vs
+    0.93 ms over a 49k vocabulary, per sampled row per step). U = 0 gives E = inf and p / E = 0, never NaN.
+    """
+    noise = torch.rand(probs.shape, generator=gen).log_().neg_()
+    return int((probs / noise).argmax())

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.sampler import filtered_probs, step_seed
+from engine.sampler import filtered_probs, race, step_seed
 from engine.sampling_params import SamplingParams
 
 
@@ -73,7 +73,6 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, outpu
             if float(probs.sum()) <= 0.0:  # NOTE: p was (numerically) all on the draft token: keep it
                 out.append(draft[j])
                 break
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        out.append(int((probs / noise).argmax()))
+        out.append(race(probs, gen))
         break
     return out

@@ -3,9 +3,11 @@ deploy/bench-disagg.yaml runs), the engine's older paths ("before") against its 
 
 Cases: prefill of a 96-token and a 1,000-token prompt alone (time to the first token, reported as prompt tokens/s),
 32 new tokens behind a 900-token prompt the prefix cache holds (time to the first token), and one decode step at
-batch 8 over 128-token prompts. Each case runs under both settings in interleaved rounds, so load from other
-processes falls on both alike; the median of the rounds is kept, and the ratio before/after is printed and saved.
-"before" = the switches of engine/model_runner.py at their old values (`attn_prefill="chunked"`).
+batch 8 over 128-token prompts, greedy and sampled (temperature 0.8, top-p 0.95). Each case runs under both
+settings in interleaved rounds, so load from other processes falls on both alike; the median of the rounds is
+kept, and the ratio before/after is printed and saved. "before" = the switches of engine/model_runner.py at their
+old values (`attn_prefill="chunked"`) and the sampler it replaced (`_sample_before`: top-p by sorting the whole
+vocabulary, the race's noise by Tensor.exponential_).
 """
 
 from __future__ import annotations
@@ -27,8 +29,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-step", action="store_true", help="skip the per-core step case")
 
 
+def _sample_before(logits: torch.Tensor, params: Any, output_index: Any) -> list[int]:
+    """engine.sampler.sample as it was before the top-p candidates and the -log(U) noise (the baseline only)."""
+    from engine.sampler import step_seed
+
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        x = logits[i] / p.temperature
+        if 0 < p.top_k < x.shape[-1]:
+            x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            sp = sorted_x.softmax(-1)
+            drop = (sp.cumsum(-1) - sp) >= p.top_p
+            x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        probs = x.softmax(-1)
+        gen = torch.Generator().manual_seed(step_seed(p.seed or 0, output_index[i] + p.output_offset))
+        tokens[i] = int((probs / torch.empty_like(probs).exponential_(generator=gen)).argmax())
+    return tokens
+
+
 def _apply(engine: Any, setting: str) -> None:
+    import engine.model_runner as runner_module
+    from engine.sampler import sample
+
     engine.runner.attn_prefill = "chunked" if setting == "before" else "flash"
+    runner_module.sample = _sample_before if setting == "before" else sample  # type: ignore[attr-defined]
 
 
 def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
@@ -52,11 +80,12 @@ def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
             engine.step()
         return time.perf_counter() - t
 
-    def decode_step(batch: int = 8, steps: int = 4) -> float:
+    def decode_step(batch: int = 8, steps: int = 4, temperature: float = 0.0) -> float:
         for _ in range(batch):
             count[0] += 1
-            engine.add_request(f"s{count[0]}", rand(128),
-                               SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+            engine.add_request(f"s{count[0]}", rand(128), SamplingParams(
+                max_tokens=steps + 2, temperature=temperature, top_p=0.95 if temperature else 1.0, seed=count[0],
+                ignore_eos=True))
         engine.step()  # the prompts (one step: 8 x 128 tokens fit the budget)
         t = time.perf_counter()
         for _ in range(steps):
@@ -73,6 +102,7 @@ def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
         "prefill 1000": (1000, lambda: first_token(rand(1000))),
         "32 over 900 cached": (32, lambda: first_token(context + rand(32))),
         "decode step, batch 8": (8, decode_step),
+        "  sampled, top-p 0.95": (8, lambda: decode_step(temperature=0.8)),
     }
     for _, fn in cases.values():  # warm-up
         fn()
@@ -94,7 +124,7 @@ def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
 
 def format_step(r: dict[str, Any]) -> str:
     lines = ["", f"per-core step, {r['threads']} torch thread(s): median ms of {r['rounds']} interleaved rounds "
-                 "(before = attn_prefill chunked)",
+                 "(before = attn_prefill chunked, the sampler before)",
              f"{'case':24}{'before ms':>11}{'after ms':>10}{'before tok/s':>14}{'after tok/s':>13}{'ratio':>8}"]
     for case, c in r["cases"].items():
         lines.append(f"{case:24}{c['ms']['before']:11.1f}{c['ms']['after']:10.1f}{c['tok_s']['before']:14.1f}"
