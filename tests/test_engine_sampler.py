@@ -34,9 +34,11 @@ def test_top_p_over_candidates_equals_the_full_sort(spread: float, top_p: float)
         kept = int(got.isfinite().sum())
         assert kept >= 1
         if spread == 0.5 and top_p >= 0.5:
-            assert kept > TOP_P_CANDIDATES  # this case takes the full-sort fallback
+            assert kept > TOP_P_CANDIDATES[-1]  # this case takes the full-sort fallback
+        if spread == 3.0 and top_p == 0.9:
+            assert TOP_P_CANDIDATES[0] < kept < TOP_P_CANDIDATES[-1]  # the second round of candidates
         if spread == 12.0:
-            assert kept < TOP_P_CANDIDATES
+            assert kept < TOP_P_CANDIDATES[0]
 
 
 def test_top_p_after_top_k_and_on_a_small_vocabulary() -> None:
