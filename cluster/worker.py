@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from cluster import faults, tracing
 from cluster.messages import Role, WorkerInfo, WorkerLoad
+from cluster.process import pin_cpus, process_info, set_nice
 from cluster.redis_client import RedisAuth
 from cluster.tracing import TracingSettings
 from cluster.worker_metrics import PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S, LinearCost, WorkerMetrics
@@ -60,6 +61,7 @@ class WorkerSpec:
     log_format: str = "text"  # or "json"
     redis_auth: RedisAuth | None = None
     cpus: tuple[int, ...] = ()  # pin the actor's process to these cores (empty: not pinned)
+    nice: int | None = None  # CPU priority of the actor's process (None: as Ray started it)
     served_model_name: str = ""  # the `model_name` label of this worker's metrics (empty: `model`)
     metrics_host: str = "127.0.0.1"  # where this worker's own /metrics listens
     metrics_port: int | None = None  # its port (0: a free one, advertised in the heartbeat); None: not served
@@ -82,19 +84,6 @@ def node_address(host: str) -> str:
     import ray.util
 
     return str(ray.util.get_node_ip_address())
-
-
-def pin_cpus(cpus: tuple[int, ...]) -> None:
-    """Pin every thread of this process (and so the threads it starts later) to `cpus` (Linux)."""
-    # NOTE: sched_setaffinity(0) pins only the calling thread; Ray's and gRPC's threads already run.
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:
-            pass  # a thread that just ended
-        except OSError as e:
-            raise ValueError(f"cpu_affinity: cannot pin to cores {list(cpus)} on this node "
-                             f"(it has {sorted(os.sched_getaffinity(0))}): {e}") from None
 
 
 @dataclass
@@ -310,6 +299,8 @@ class WorkerActor:
         logs.configure(spec.name, spec.log_level, spec.log_format)
         if spec.cpus:
             pin_cpus(spec.cpus)
+        if spec.nice is not None:
+            set_nice(spec.nice)
         faults.delay_restart(spec.name)
 
     async def ping(self) -> int:
@@ -318,6 +309,11 @@ class WorkerActor:
 
     async def info(self) -> WorkerInfo:
         return self.worker.info()
+
+    async def process(self) -> dict[str, object]:
+        """This actor's process: pid, cores, nice values of its threads, torch threads (cluster/worker.process_info)."""
+        # NOTE: from a fresh thread, as the engine loop's own: its OpenMP pool size is the one such a thread gets
+        return await asyncio.to_thread(process_info)
 
     async def load(self) -> WorkerLoad:
         return self.worker.load()

@@ -67,6 +67,12 @@ class PoolConfig(BaseModel):
     torch_threads: int = Field(default=1, gt=0, description="torch intra-op threads per actor")
     cpu_affinity: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
         default=None, description="cores per actor (actor i: entry i mod len), e.g. [[0], [1]]; null: not pinned")
+    nice: int | None = Field(
+        default=None, ge=-20, le=19, description="CPU priority of the actor's process (Linux nice: lower runs first; "
+        "below the current value needs CAP_SYS_NICE); null: as Ray started it")
+    env_vars: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
+        default_factory=dict, description="environment of the actor's process on top of the launcher's, e.g. "
+        "{GOMP_SPINCOUNT: '0'}; OMP_NUM_THREADS comes from torch_threads")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the actor computes ('cuda': num_gpus > 0)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights and KV dtype")
     num_kv_blocks: int | None = Field(default=None, gt=0, description="KV blocks; null: sized from kv_cache_memory_gb")
@@ -91,6 +97,8 @@ class PoolConfig(BaseModel):
             raise _RuleError("num_gpus", "device 'cuda' needs num_gpus > 0 (Ray must reserve a GPU for the actor)")
         if self.cpu_affinity is not None and not all(self.cpu_affinity):
             raise _RuleError("cpu_affinity", "each entry lists at least one core, e.g. [[0], [1]]")
+        if "OMP_NUM_THREADS" in self.env_vars:
+            raise _RuleError("env_vars", "OMP_NUM_THREADS: set torch_threads instead (the engine's pool size)")
         reserved = sorted({"CPU", "GPU"} & set(self.resources))
         if reserved:
             # NOTE: Ray refuses CPU/GPU inside `resources`; they have their own fields here too.

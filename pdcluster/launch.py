@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER_START_TIMEOUT_S = 600.0
 
 
-def worker_env(torch_threads: int) -> dict[str, str]:
+def worker_env(torch_threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of a worker process: our code importable, one thread pool of the configured size."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     # NOTE: PASSIVE: idle OpenMP threads sleep instead of spinning; two busy-waiting pools on 2 cores thrash.
@@ -43,7 +43,7 @@ def worker_env(torch_threads: int) -> dict[str, str]:
     faults = {k: v for k, v in os.environ.items() if k.startswith("PDC_FAULT_")}  # NOTE: tests' fault injection
     return {"PYTHONPATH": path, "OMP_NUM_THREADS": str(torch_threads), "OMP_WAIT_POLICY": "PASSIVE",
             "RAY_USAGE_STATS_ENABLED": "0", "GRPC_VERBOSITY": "ERROR",
-            "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30), **faults}
+            "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30), **(extra or {}), **faults}
 
 
 def use_ray_token() -> None:
@@ -181,7 +181,7 @@ class Cluster:
         spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
-                          cpus=pool.cpus(index), served_model_name=cfg.served_model_name,
+                          cpus=pool.cpus(index), nice=pool.nice, served_model_name=cfg.served_model_name,
                           metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
                           metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
                           if cfg.metrics.workers else None)
@@ -192,7 +192,7 @@ class Cluster:
             # NOTE: as Ray Serve places replicas: a pool's workers on as many nodes as can take them, so losing
             # a node loses as few of them as possible
             scheduling_strategy="SPREAD",
-            runtime_env={"env_vars": worker_env(pool.torch_threads)}).remote(spec)
+            runtime_env={"env_vars": worker_env(pool.torch_threads, pool.env_vars)}).remote(spec)
 
     def _check_resources(self, available: dict[str, float]) -> None:
         """Fail early, naming the pools, when Ray cannot place every actor (it would wait forever)."""

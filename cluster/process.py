@@ -1,0 +1,50 @@
+"""What a worker's process runs with: its cores, its CPU priority, and a report of both (all threads, Linux).
+
+A pool's `cpu_affinity` and `nice` (pdcluster/config.py) are applied by the actor at start, before the engine
+starts its threads, so every thread the process ever has runs with them.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> None:
+    """Pin every thread of this process (and so the threads it starts later) to `cpus` (Linux)."""
+    # NOTE: sched_setaffinity(0) pins only the calling thread; Ray's and gRPC's threads already run.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # a thread that just ended
+        except OSError as e:
+            raise ValueError(f"cpu_affinity: cannot pin to cores {list(cpus)} on this node "
+                             f"(it has {sorted(os.sched_getaffinity(0))}): {e}") from None
+
+
+def set_nice(nice: int) -> None:
+    """Give every thread of this process (and so the threads they start later) CPU priority `nice` (Linux)."""
+    # NOTE: on Linux a nice value belongs to a thread (setpriority(PRIO_PROCESS, tid)); a new thread inherits its
+    # creator's, so the engine loop and torch's OpenMP pool, started after this, run at `nice` too.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except ProcessLookupError:
+            pass  # a thread that just ended
+        except OSError as e:
+            raise ValueError(f"nice: cannot set {nice} (below the current "
+                             f"{os.getpriority(os.PRIO_PROCESS, 0)} needs CAP_SYS_NICE): {e}") from None
+
+
+def process_info() -> dict[str, object]:
+    """What this process runs with: pid, cores, each thread's nice value, torch's thread count."""
+    import torch
+
+    nices = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            nices.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except (ProcessLookupError, OSError):
+            pass
+    return {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "nice": sorted(nices),
+            "torch_threads": torch.get_num_threads()}
