@@ -21,6 +21,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ class KVSender(ABC):
         self.started = self.finished_at = 0.0
         self._deadline = 0.0
         self._sending = False  # the first layer was queued: the deadline runs from then on, no more keep-alives
+        self._committing = False  # the commit was asked: the receiver may be DONE
         self._queue: queue.Queue[object] = queue.Queue()
         self._next_token_ids: list[int] = []
         self._num_cached_tokens = 0
@@ -157,6 +159,11 @@ class KVSender(ABC):
         """Hook for transports that set something up after the handshake (torch: the pair group)."""
         return None
 
+    def _watch(self) -> AbstractContextManager[object]:
+        """Hook for transports whose data plane may hang on a dead receiver: a watch of it while the data moves
+        and the commit is asked (torch: `liveness.PeerWatch`)."""
+        return nullcontext()
+
     @abstractmethod
     def _send_layers(self, layers: Iterator[Layer]) -> None:
         """Move every layer the iterator yields to the receiver; raise TransferError on failure.
@@ -222,12 +229,15 @@ class KVSender(ABC):
 
     def _run(self) -> None:
         try:
-            # NOTE: also when the transfer ended before its first layer: a transport may owe its peer a word (torch)
-            self._send_layers(self._layers(self._first_item()))
-            if self.state.finished:
-                return
-            received = self.control.commit(Commit(self.transfer_id, self._next_token_ids, self._num_cached_tokens),
-                                           self.remaining())
+            first = self._first_item()
+            with self._watch():
+                # NOTE: also when the transfer ended before its first layer: a transport may owe its peer a word
+                self._send_layers(self._layers(first))
+                if self.state.finished:
+                    return
+                self._committing = True
+                received = self.control.commit(Commit(self.transfer_id, self._next_token_ids,
+                                                      self._num_cached_tokens), self.remaining())
             log.debug("KV of %s sent: %d bytes in %.3f s", self.request_id, received, self.seconds)
             self._finish(None)
         except TransferError as e:

@@ -21,16 +21,12 @@ the order of their tags, on both sides (NCCL ignores tags; both sides post in th
 
 from __future__ import annotations
 
-import itertools
 import logging
-import socket
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -39,89 +35,28 @@ import torch.distributed as dist
 
 from engine.errors import EngineError
 from kv_transfer import payload
+from kv_transfer.liveness import PeerWatch
 from kv_transfer.messages import Chunk, Prepared, PrepareRequest, TorchRendezvous
 from kv_transfer.receiver import Inbound, KVReceiver
 from kv_transfer.sender import KVSender, Layer
 from kv_transfer.state import TransferError, TransferState
+from kv_transfer.torch_pairs import (
+    QUEUED_WAIT_S,
+    RECEIVER,
+    SENDER,
+    Pair,
+    address_towards,
+    make_group,
+    retire,
+    wait_all,
+)
 
 log = logging.getLogger(__name__)
 
-SENDER, RECEIVER = 0, 1
 # NOTE: 4 layers of a 2k-token prompt are ~12 MB: enough to keep the socket busy while one is checked and written
 IN_FLIGHT_LAYERS = 4
-ANY_ADDRESS = ("0.0.0.0", "::", "")  # a bind-all host names no address a peer could connect to
 HEADER = 5  # int64 [layer, first_block, num_blocks, crc32c of K, crc32c of V]
 FILLER = -1  # header first_block of a layer the sender did not send (the transfer stopped): dropped
-# NOTE: a transfer's turn may wait for its prompt's prefill (keep-alives hold it meanwhile) and a gloo wait that
-# times out closes the pair, so waits for a turn and its intro are long; a dead peer ends them sooner (TCP close).
-QUEUED_WAIT_S = 600.0
-
-
-def wait_all(works: list[Any], deadline: float) -> None:
-    """Wait for torch.distributed work items until `deadline` (time.monotonic())."""
-    for w in works:
-        w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-
-
-def address_towards(host: str) -> str:
-    """This machine's address on the interface that reaches `host` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return str(s.getsockname()[0])
-
-
-def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: float, local_host: str) -> Any:
-    """A two-rank process group under `key` (blocks until both ranks joined or `timeout` passes); this rank's gloo
-    device listens on `local_host`, the address the other rank connects to."""
-    prefixed = dist.PrefixStore(f"pdcluster/kv/{key}", store)
-    if backend == "gloo":
-        # NOTE: gloo's default device binds the address the hostname resolves to, often 127.0.0.1: a peer on
-        # another node then connects to its own loopback (tests/test_multinode.py found it)
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._timeout = timedelta(seconds=timeout)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host) if local_host not in ANY_ADDRESS
-                         else dist.ProcessGroupGloo.create_default_device()]
-        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timedelta(seconds=timeout)
-    return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
-
-
-@dataclass
-class _Pair:
-    """One end of a pair group, with its transfers in tag order."""
-
-    key: str
-    group: Future[Any] = field(default_factory=Future)
-    tags: Iterator[int] = field(default_factory=lambda: itertools.count(1))
-    turn: int = 1  # the tag whose data may move now
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    broken: bool = False
-
-    def wait_turn(self, tag: int, timeout: float = QUEUED_WAIT_S) -> None:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while self.turn != tag:
-                if self.broken or not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise TransferError("pair group broke or timed out before this transfer's turn", retryable=True)
-
-    def end_turn(self, tag: int) -> None:
-        with self.cond:
-            self.turn = max(self.turn, tag + 1)
-            self.cond.notify_all()
-
-    def breaks(self) -> None:
-        with self.cond:
-            self.broken = True
-            self.cond.notify_all()
-
-
-def retire(pair: _Pair, pairs: dict, lock: threading.Lock) -> None:  # type: ignore[type-arg]
-    """Break `pair` and drop it from `pairs` (whatever its key), so the next transfer makes a fresh group."""
-    pair.breaks()
-    with lock:
-        for key in [k for k, p in pairs.items() if p is pair]:
-            del pairs[key]
 
 
 class TorchEndpoint:
@@ -134,8 +69,8 @@ class TorchEndpoint:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=group_timeout_s))
         self.port = self.store.port
-        self._pairs: dict[str, _Pair] = {}
-        self._pair_of: dict[str, _Pair] = {}  # transfer id → its pair
+        self._pairs: dict[str, Pair] = {}
+        self._pair_of: dict[str, Pair] = {}  # transfer id → its pair
         self._lock = threading.Lock()
         receiver.on_prepare = self.prepare
 
@@ -143,7 +78,7 @@ class TorchEndpoint:
         with self._lock:
             pair = self._pairs.get(req.sender_id)
             if pair is None or pair.broken:
-                pair = self._pairs[req.sender_id] = _Pair(f"{req.sender_id}/{uuid.uuid4().hex[:12]}")
+                pair = self._pairs[req.sender_id] = Pair(f"{req.sender_id}/{uuid.uuid4().hex[:12]}")
                 threading.Thread(target=self._make, args=(pair,), daemon=True, name="kv-torch-group").start()
             tag = next(pair.tags)
             self._pair_of[t.transfer_id] = pair
@@ -151,10 +86,10 @@ class TorchEndpoint:
                          name=f"kv-torch-recv-{t.request_id}").start()
         return TorchRendezvous(self.host, self.port, pair.key, self.backend, tag, self.device)
 
-    def _retire(self, pair: _Pair) -> None:
+    def _retire(self, pair: Pair) -> None:
         retire(pair, self._pairs, self._lock)
 
-    def _make(self, pair: _Pair) -> None:
+    def _make(self, pair: Pair) -> None:
         try:
             pair.group.set_result(make_group(self.backend, self.store, pair.key, RECEIVER, self.group_timeout_s,
                                              self.host))
@@ -162,11 +97,11 @@ class TorchEndpoint:
             pair.breaks()
             pair.group.set_exception(e)
 
-    def _receive(self, pair: _Pair, tag: int, t: Inbound) -> None:
+    def _receive(self, pair: Pair, tag: int, t: Inbound) -> None:
         self.receiver.set_receiving(t, True)
         try:
             pair.wait_turn(tag)
-            group = pair.group.result(timeout=self.group_timeout_s + 5)
+            group = pair.wait_group(self.group_timeout_s + 5)
             intro = torch.empty(1, dtype=torch.int64, device=self.device)
             wait_all([group.recv([intro], SENDER, tag)], time.monotonic() + QUEUED_WAIT_S)
             if intro.item():
@@ -214,7 +149,7 @@ class TorchEndpoint:
                 posted.append(post(layer + depth))
 
 
-_pairs: dict[tuple[str, str], _Pair] = {}  # sender side: (receiver address, group key) → pair
+_pairs: dict[tuple[str, str], Pair] = {}  # sender side: (receiver address, group key) → pair
 _pairs_lock = threading.Lock()
 
 
@@ -231,11 +166,11 @@ class TorchKVSender(KVSender):
         with _pairs_lock:
             pair = _pairs.get((rv.host, rv.group_key))
             if pair is None:
-                pair = _pairs[(rv.host, rv.group_key)] = _Pair(rv.group_key)
+                pair = _pairs[(rv.host, rv.group_key)] = Pair(rv.group_key)
                 threading.Thread(target=self._make, args=(pair, rv), daemon=True, name="kv-torch-group").start()
         self._pair = pair
 
-    def _make(self, pair: _Pair, rv: TorchRendezvous) -> None:
+    def _make(self, pair: Pair, rv: TorchRendezvous) -> None:
         try:
             store = dist.TCPStore(rv.host, rv.port, is_master=False, timeout=timedelta(seconds=self.remaining()))
             pair.group.set_result(make_group(rv.backend, store, rv.group_key, SENDER, self.remaining(),
@@ -244,11 +179,23 @@ class TorchKVSender(KVSender):
             pair.breaks()
             pair.group.set_exception(e)
 
+    def _watch(self) -> PeerWatch:
+        # NOTE: gloo may wait on a dead receiver until its own timeout: its control plane is watched meanwhile;
+        # once the commit is asked, the receiver may be DONE and say it no longer holds the transfer
+        return PeerWatch(self.control.keep_alive, self.transfer_id, self._lost, answers=lambda: not self._committing)
+
+    def _lost(self, err: TransferError, unreachable: bool) -> None:
+        """The receiver dropped the transfer (the pair keeps step: the rest goes as fillers) or is gone (the pair is
+        retired: transfers waiting for its group or their turn fail now, the next one makes a fresh group)."""
+        self.abort_after(TransferError(err.reason, self.request_id, retryable=err.retryable))
+        if unreachable:
+            self._retire(self._pair)
+
     def _send_layers(self, layers: Iterator[Layer]) -> None:
         pair, tag = self._pair, self._tag
         try:
             pair.wait_turn(tag)
-            group = pair.group.result(timeout=QUEUED_WAIT_S)
+            group = pair.wait_group()
             go = not self.state.finished
             intro = torch.tensor([int(go)], dtype=torch.int64).to(self._device)
             in_flight: deque[tuple[list[Any], tuple[torch.Tensor, ...]]] = deque()  # works, and what they read
@@ -302,5 +249,5 @@ class TorchKVSender(KVSender):
         """Until when a send may wait: the transfer's deadline, or (stopped, only keeping the pair in step) anew."""
         return self._deadline if not self.state.finished else time.monotonic() + self.config.deadline_s
 
-    def _retire(self, pair: _Pair) -> None:
+    def _retire(self, pair: Pair) -> None:
         retire(pair, _pairs, _pairs_lock)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 
@@ -183,3 +184,30 @@ def test_a_killed_receiver_fails_the_sender_fast_and_the_prefill_side_is_idle(ti
     assert sender.wait(10) is TransferState.FAILED
     assert time.monotonic() - killed[0] < 5, "the sender should not wait for its 30 s deadline"
     assert free_blocks(a) == baseline
+
+
+def test_a_frozen_receiver_fails_a_torch_sender_long_before_its_deadline(tiny):
+    """A receiver that stops answering (SIGSTOP: a hung host, a node gone without a TCP reset) leaves gloo and the
+    commit waiting; the sender's watch of the receiver's control plane fails the transfer instead."""
+    child = Child(_receiver_child, "tiny")
+    _, address, _ = child.recv()
+    a = LLMEngine(tiny, _config("tiny"))
+    baseline = free_blocks(a)
+    prompt = random_prompts(1, [90], vocab=1000, seed=6)[0]
+    sender = open_kv_sender("torch", address, a, "frozen", prompt, deadline_s=120.0)
+    send = layer_sender(a, sender, prompt)
+
+    def freeze_after_the_first_layer(layer: int) -> None:
+        send(layer)
+        if layer == 0:
+            time.sleep(0.5)  # the first layer is through (and the pair group exists)
+            os.kill(child.proc.pid, signal.SIGSTOP)
+
+    try:
+        prefill_layerwise(a, sender, prompt, FIRST, layers=freeze_after_the_first_layer)
+        assert sender.wait(60) is TransferState.FAILED, "the sender waited for its 120 s deadline"
+        assert sender.error is not None and sender.error.retryable and "unreachable" in sender.error.reason
+        assert free_blocks(a) == baseline
+    finally:
+        os.kill(child.proc.pid, signal.SIGCONT)
+        child.kill()
