@@ -2,7 +2,8 @@
 
 One evaluation (`Autoscaler.evaluate`, plain and synchronous; pdcluster/autoscale_loop.py runs it while serving):
 1. the traffic of the window (router/traffic.py: arrival rate, the prompt and output lengths asked for, measured
-   SLO attainment) becomes a workload: Poisson arrivals at the measured rate, lengths drawn from the window's;
+   SLO attainment) becomes a workload: Poisson arrivals at the measured rate, lengths drawn from the window's,
+   behind the prompts queued for prefill now (the queue depth);
 2. a profile is calibrated from the workers' measured step costs (`calibrate`): the simulator's steps cost what
    this cluster's steps cost now;
 3. the planner (pdcluster/plan/search.py) finds the cheapest split within `max_workers` that meets the router's SLOs
@@ -76,15 +77,26 @@ def calibrate(costs: StepCosts, base: Profile | None = None) -> Profile:
                    gpus_per_worker=1, source="autoscaler")
 
 
-def workload_of(snap: TrafficSnapshot, seed: int = 0) -> Workload:
-    """Poisson arrivals at the window's rate for HORIZON_S (at most MAX_SIM_REQUESTS), lengths drawn from it."""
+def workload_of(snap: TrafficSnapshot, backlog_tokens: int = 0, seed: int = 0) -> Workload:
+    """Poisson arrivals at the window's rate for HORIZON_S (at most MAX_SIM_REQUESTS), lengths drawn from it,
+    behind the prompt tokens queued for prefill now (`backlog_tokens`, as prompts of the window's mean length).
+
+    NOTE: the backlog is where the cluster starts from: a burst that one prefill worker has not worked off yet
+    shows there before the window's mean rate shows it.
+    """
     rng = random.Random(seed)
     n = max(1, min(MAX_SIM_REQUESTS, round(snap.rate * max(HORIZON_S, snap.window_s))))
     pairs = list(zip(snap.prompt_lens, snap.output_lens))
+    mean_out = max(1, round(snap.output_mean))
+    queued = [(max(1, round(snap.prompt_mean)), mean_out)] * min(MAX_SIM_REQUESTS,
+                                                                  round(backlog_tokens / max(1.0, snap.prompt_mean)))
     sessions, t = [], 0.0
-    for sid in range(n):
-        t += rng.expovariate(snap.rate)
-        prompt, out = rng.choice(pairs)
+    for sid in range(len(queued) + n):
+        if sid < len(queued):
+            prompt, out = queued[sid]
+        else:
+            t += rng.expovariate(snap.rate)
+            prompt, out = rng.choice(pairs)
         tokens = tuple(rng.randrange(*VOCAB) for _ in range(max(1, prompt)))  # NOTE: unique: no prefix hits
         sessions.append(Session(sid, t, (Turn(tokens, max(1, out)),)))
     return Workload("live", snap.rate, tuple(sessions), {"seed": seed})
@@ -101,7 +113,7 @@ class Plan:
     reason: str
 
 
-def plan_split(cfg: ClusterConfig, snap: TrafficSnapshot, profile: Profile,
+def plan_split(cfg: ClusterConfig, snap: TrafficSnapshot, profile: Profile, backlog_tokens: int = 0,
                log: Callable[[str], None] = lambda m: None) -> Plan:
     """The cheapest split within autoscaler.max_workers meeting the router's SLOs on the window's traffic."""
     a = cfg.autoscaler
@@ -109,9 +121,9 @@ def plan_split(cfg: ClusterConfig, snap: TrafficSnapshot, profile: Profile,
     disagg.prefill.replicas = disagg.decode.replicas = 1
     shape = ClusterShape.from_config(disagg, profile)
     slo = Slo(ttft_ms=cfg.router.slo_ttft_ms, itl_ms=cfg.router.slo_itl_ms or 1e9, attainment=a.attainment)
-    planner = Planner(shape, None, profile, Overheads(), workload_of(snap), slo, a.max_workers, log)
+    planner = Planner(shape, None, profile, Overheads(), workload_of(snap, backlog_tokens), slo, a.max_workers, log)
     traffic = (f"{snap.rate:.2f} req/s, prompt mean {snap.prompt_mean:.0f}, output mean {snap.output_mean:.0f} "
-               f"tokens")
+               f"tokens, {backlog_tokens} queued for prefill")
     best = planner.cheapest()
     if best is not None and best.prefill >= a.min_prefill and best.decode >= a.min_decode:
         return Plan(best.prefill, best.decode, best.attainment, True,

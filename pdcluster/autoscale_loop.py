@@ -2,7 +2,8 @@
 
 Life of one tick (`AutoscaleLoop.tick`):
 1. skipped within `cooldown_s` of the last change, or while fewer than `min_requests` arrived in the window;
-2. on the serving loop: the traffic window (router/traffic.py) and the workers' measured step costs are read;
+2. on the serving loop: the traffic window (router/traffic.py), the prompt tokens queued for prefill and the
+   workers' measured step costs are read;
 3. in a thread (the simulation is plain Python; the loop keeps serving): calibrate, plan, judge with hysteresis
    (pdcluster/autoscale.py);
 4. a change goes through the scale path every operator uses (router/scaling.py `PoolScaler.scale`: new workers
@@ -93,7 +94,8 @@ class AutoscaleLoop:
             self.metrics.decisions.labels("skipped").inc()
             return None
         current, costs = self.scaler.counts(), self.step_costs()
-        decision = await asyncio.to_thread(self.evaluate, current, snap, costs)
+        backlog = round(sum(w.view.queued_tokens() for w in self.router.pools.prefill))
+        decision = await asyncio.to_thread(self.evaluate, current, snap, costs, backlog)
         self.decisions.append(decision)
         self.metrics.decisions.labels(decision.action).inc()
         if decision.plan is not None:
@@ -113,10 +115,11 @@ class AutoscaleLoop:
         self.last_change = time.monotonic()
         return decision
 
-    def evaluate(self, current: tuple[int, int], snap: TrafficSnapshot, costs: StepCosts) -> Decision:
+    def evaluate(self, current: tuple[int, int], snap: TrafficSnapshot, costs: StepCosts,
+                 backlog_tokens: int = 0) -> Decision:
         """Plan for the window and judge it against the pools now (plain; runs in a thread)."""
         profile = calibrate(costs, self.base)
-        plan = plan_split(self.cfg, snap, profile)
+        plan = plan_split(self.cfg, snap, profile, backlog_tokens)
         return self.hysteresis.judge(current, plan, snap.attainment)
 
     async def close(self) -> None:

@@ -140,3 +140,10 @@ def test_the_shifting_workload_is_chat_then_documents_and_reports_per_minute():
     assert per == [{"minute": 0, "requests": 2, "slo_attainment": 1.0},
                    {"minute": 1, "requests": 2, "slo_attainment": 0.5},
                    {"minute": 2, "requests": 1, "slo_attainment": 1.0}]
+
+
+def test_a_prefill_backlog_asks_for_more_prefill_workers_before_the_rate_shows_it():
+    cfg, profile = config(), calibrate(COSTS)
+    assert plan_split(cfg, CHAT, profile).prefill == 1
+    queued = plan_split(cfg, CHAT, profile, backlog_tokens=12_000)  # ~40 s of prompts for one worker
+    assert queued.prefill >= 2 and "12000 queued" in queued.reason
