@@ -147,3 +147,12 @@ def test_a_prefill_backlog_asks_for_more_prefill_workers_before_the_rate_shows_i
     assert plan_split(cfg, CHAT, profile).prefill == 1
     queued = plan_split(cfg, CHAT, profile, backlog_tokens=12_000)  # ~40 s of prompts for one worker
     assert queued.prefill >= 2 and "12000 queued" in queued.reason
+
+
+def test_the_shifting_workload_is_seeded_and_plot_with_names_its_option(tmp_path):
+    a, b = build("chat_to_documents", 0.6, 30, seed=2), build("chat_to_documents", 0.6, 30, seed=2)
+    assert a == b
+    from pdcluster.bench.serve import _saved_runs
+
+    with pytest.raises(ValueError, match="--plot-with"):
+        _saved_runs(str(tmp_path / "missing.json"))
