@@ -33,6 +33,7 @@ from engine.block_hash import hash_prompt_blocks
 from router.errors import Overloaded
 from router.flow import RequestRun
 from router.metrics import RouterMetrics
+from router.pinger import Ping, Pinger
 from router.policy import WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, ClusterStatus, WorkerStatus
@@ -46,11 +47,11 @@ LOAD_REFRESH_S = 0.25
 # NOTE: a worker is live while its last heartbeat (every 0.5 s) is younger than the heartbeat key's TTL. Not less:
 # a worker beats between engine steps, and one long step on a loaded machine must not make it look dead.
 HEALTH_STALE_S = HEARTBEAT_TTL_S
-# NOTE: ... and it must answer a ping: a killed actor's heartbeat stays fresh for up to the TTL, and Ray may restart
-# it within that time; while it is dead or restarting, a call to it fails at once or waits, so a ping that is not back
-# within PING_TIMEOUT_S marks it down at once (an actor's event loop answers in milliseconds while it is up).
-PING_EVERY_S = 1.0
-PING_TIMEOUT_S = 1.0
+# NOTE: ... and it must answer a ping (router/pinger.py, every 0.5 s): a killed actor's heartbeat stays fresh for up
+# to the TTL, and Ray may restart it within that time; while it is dead or restarting, a call to it fails at once or
+# waits, so a ping not answered within LIVE_PING_S marks it down at once (an actor's event loop answers in
+# milliseconds while it is up).
+LIVE_PING_S = 1.0
 
 
 class Router:
@@ -70,7 +71,8 @@ class Router:
         self._refresher: asyncio.Task[None] | None = None
         self._live: set[str] | None = None  # workers with a fresh heartbeat; None: not known yet (or no Redis)
         self._answering: set[str] | None = None  # workers whose actor answered the last ping; None: none yet
-        self._pinger: asyncio.Task[None] | None = None
+        self.pinger = Pinger(self.pools)  # the one ping loop: this router's liveness and the scaler's watch read it
+        self.pinger.listen(self._on_pings)
         self.health_listeners: list[Callable[[bool], None]] = []  # called when `healthy()` changes
         self.traffic = TrafficWindow(settings.slo_ttft_ms, settings.slo_itl_ms)  # what an autoscaler reads
 
@@ -237,8 +239,8 @@ class Router:
     def _ensure_refresher(self) -> None:
         if self.index is not None and (self._refresher is None or self._refresher.done()):
             self._refresher = asyncio.create_task(self._refresh_loads())
-        if self.index is not None and (self._pinger is None or self._pinger.done()):
-            self._pinger = asyncio.create_task(self._ping_loop())
+        if self.index is not None:
+            self.pinger.start()
 
     async def _refresh_loads(self) -> None:
         """Keep the heartbeat loads (written by every worker, read by every router) a quarter second fresh."""
@@ -253,23 +255,9 @@ class Router:
                 log.debug("heartbeat refresh failed: %s", e)
             await asyncio.sleep(LOAD_REFRESH_S)
 
-    async def _ping_loop(self) -> None:
-        """Every PING_EVERY_S, which workers' actors answer (on its own task: a slow ping never delays loads)."""
-        while True:
-            self._answering = await self._ping_all()
-            await asyncio.sleep(PING_EVERY_S)
-
-    async def _ping_all(self) -> set[str]:
-        """The workers whose actor answers within PING_TIMEOUT_S (all pinged at once)."""
-        async def answers(worker: WorkerHandle) -> bool:
-            try:
-                await asyncio.wait_for(worker.actor.ping.remote(), PING_TIMEOUT_S)
-                return True
-            except Exception:  # noqa: BLE001 - dead, restarting or too slow: not live now
-                return False
-        workers = list(self.pools.by_name.values())
-        results = await asyncio.gather(*(answers(w) for w in workers))
-        return {w.name for w, ok in zip(workers, results) if ok}
+    async def _on_pings(self, pings: list[Ping]) -> None:
+        """The workers whose actor answered this round within LIVE_PING_S."""
+        self._answering = {p.worker.name for p in pings if not p.error and p.seconds <= LIVE_PING_S}
 
     # ---- health ----------------------------------------------------------------------------------------------
     def start_health(self) -> None:
@@ -324,6 +312,6 @@ class Router:
 
     async def close(self) -> None:
         """Stop the load refresher and the pinger."""
-        for task in (self._refresher, self._pinger):
-            if task is not None:
-                task.cancel()
+        self.pinger.close()
+        if self._refresher is not None:
+            self._refresher.cancel()

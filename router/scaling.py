@@ -8,14 +8,16 @@ Life of a scale request (`PoolScaler.scale`, one at a time):
 3. `drain`: each surplus worker (the least busy, the newest first) is held from new requests; its running ones
    finish, or past `drain_timeout_s` move to another worker through the run's failover (router/flow.py). Then it is
    closed (it unregisters its prefix-index entries; its KV blocks go with its process) and its actor killed.
-Alongside, `watch()` pings every worker twice a second: one whose actor is gone for good (its node was lost, and
-Ray will not restart it) leaves the pools and its index entries are purged at once; one that stops answering is
-held from new requests until it answers again. Neither ever empties the decode pool (requests would have no route).
+Alongside, the watch reads the router's one ping loop (router/pinger.py, every worker twice a second): a worker whose
+actor is gone for good (its node was lost, and Ray will not restart it) leaves the pools and its index entries are
+purged at once; one that stops answering is held from new requests until it answers again. Neither ever empties the
+decode pool (requests would have no route).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -26,14 +28,13 @@ from typing import TYPE_CHECKING, Protocol
 from cluster.messages import DecodeRequest, PrefillRequest, Role
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from router.pinger import Ping
 from router.pools import WorkerHandle
 
 if TYPE_CHECKING:
     from router.core import Router
 
 log = logging.getLogger(__name__)
-WATCH_EVERY_S = 0.5
-PING_TIMEOUT_S = 2.0
 MISSED_PINGS_TO_HOLD = 2  # timeouts in a row before a worker is held (one slow ping on a loaded machine is not enough)
 DRAIN_POLL_S = 0.25
 IDLE_CHECKS = 3  # a draining worker must look idle this many polls in a row (heartbeats lag by up to 0.5 s)
@@ -82,7 +83,6 @@ class PoolScaler:
         self.lost: list[str] = []  # removed because their actor died (newest last)
         self._missed: dict[str, int] = {}
         self._lock = asyncio.Lock()
-        self._watcher: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[ScaleResult], None]] = []  # told after each scale (the autoscaler)
 
     # ---- the pools' sizes ------------------------------------------------------------------------------------
@@ -201,28 +201,15 @@ class PoolScaler:
 
     # ---- lost workers ----------------------------------------------------------------------------------------
     def start_watch(self) -> None:
-        """Follow the workers from now on (call on the serving loop)."""
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.create_task(self.watch())
+        """Follow the workers from now on (call on the serving loop): a listener of the router's ping loop."""
+        self.router.pinger.listen(self.on_pings)
+        self.router.pinger.start()
 
-    async def watch(self) -> None:
-        while True:
-            await asyncio.sleep(WATCH_EVERY_S)
-            workers = [w for n, w in self.pools.by_name.items() if n not in self.draining]
-            errors = await asyncio.gather(*(self._ping(w) for w in workers))
-            for w, error in zip(workers, errors):
-                if self._judge(w, error):
-                    await self._remove_lost(w)
-
-    async def _ping(self, worker: WorkerHandle) -> str:
-        """'' when the actor answered, else the name of what went wrong."""
-        try:
-            await asyncio.wait_for(worker.actor.ping.remote(), PING_TIMEOUT_S)
-            return ""
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - classified by name in `_judge`
-            return type(e).__name__
+    async def on_pings(self, pings: list[Ping]) -> None:
+        """One round of the router's pings: hold, release or remove each worker by its answer."""
+        for p in pings:
+            if self._judge(p.worker, p.error):
+                await self._remove_lost(p.worker)
 
     def _judge(self, worker: WorkerHandle, error: str) -> bool:
         """Hold or release the worker by its last ping; True when it is lost for good."""
@@ -268,5 +255,5 @@ class PoolScaler:
                     purged)
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        with contextlib.suppress(ValueError):
+            self.router.pinger.listeners.remove(self.on_pings)
