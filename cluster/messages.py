@@ -49,6 +49,7 @@ class WorkerLoad:
     rss_bytes: int = 0  # resident memory of the worker's process
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
     spec_accepted_tokens: int = 0  # of those, accepted
+    computed_tokens: int = 0  # tokens run through the model since start (prefill chunks + decode steps)
     # measured engine steps (cluster.worker_metrics.LinearCost over recent steps): step time ≈ base + tokens × cost
     step_base_us: int = 0  # fixed cost of a step (µs); 0: not measured yet
     step_token_ns: int = 0  # cost per token computed in a step (ns); 0: not measured yet

@@ -157,7 +157,7 @@ class Worker:
                           pending_prefill_tokens=pending, prompt_tokens=s.prompt_tokens,
                           cached_prompt_tokens=s.cached_prompt_tokens, rss_bytes=rss_bytes(),
                           spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
-                          step_base_us=measured and round(cost.base_s * 1e6),
+                          computed_tokens=s.computed_tokens, step_base_us=measured and round(cost.base_s * 1e6),
                           step_token_ns=measured and max(1, round(cost.per_token_s * 1e9)),
                           max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
                           shortest_first=int(self.engine.config.prefill_order == "shortest_first"))
