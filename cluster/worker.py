@@ -107,6 +107,7 @@ class Worker:
         self.name = spec.name
         tracing.configure(spec.tracing, spec.name)
         self.engine = LLMEngine(loaded or load_model(spec.model), spec.engine)
+        self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step)

@@ -122,6 +122,17 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def warm_up(self) -> None:
+        """Run one throwaway request of less than a block and undo its counters: a fresh process's first steps pay
+        one-time costs (weight packing, allocator growth) that belong to no user's first token nor step-cost fit."""
+        counters = self._prompt_tokens, self._cached_tokens, self._computed_tokens
+        n = max(1, self.config.block_size // 2)  # NOTE: prompt + output within one block: nothing is cached
+        self.add_request("pdcluster-warm-up", [i % self.model_config.vocab_size for i in range(1000, 1000 + n)],
+                         SamplingParams(max_tokens=2, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        self._prompt_tokens, self._cached_tokens, self._computed_tokens = counters
+
     def tokenize(self, prompt: str | Seq[int], request_id: str | None = None) -> list[int]:
         """Token ids of a prompt (text or ids), checked against the vocabulary and the context length."""
         if isinstance(prompt, str):
