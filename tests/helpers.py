@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -219,3 +222,31 @@ def self_signed_cert(directory: Any) -> tuple[str, str]:
         f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()))
     return cert_path, key_path
+
+
+def greedy_reference(loaded: LoadedModel, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Token ids of an undisturbed greedy run of each text prompt (one in-process engine, EOS ignored)."""
+    return generate_ids(make_engine(loaded, num_blocks=1024), texts, greedy(max_tokens))  # type: ignore[arg-type]
+
+
+def stream_greedy(server: Any, texts: list[str], max_tokens: int, tag: str,
+                  started: threading.Event | None = None) -> list[tuple[list[int], Any]]:
+    """Stream every text at once through the router's gRPC GenerateStream (greedy, EOS ignored, unique request ids);
+    each stream's token ids and last chunk. `started` is set once any stream has 4 tokens."""
+    from router.v1 import inference_pb2 as pb
+
+    stub = server.stub()
+
+    def one(i: int) -> tuple[list[int], Any]:
+        ids: list[int] = []
+        last = None
+        req = pb.GenerateRequest(request_id=f"{tag}-{time.monotonic_ns()}-{i}", prompt=texts[i],
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        for chunk in stub.GenerateStream(req, timeout=300):
+            ids += chunk.token_ids
+            last = chunk
+            if started is not None and len(ids) >= 4:
+                started.set()
+        return ids, last
+    with ThreadPoolExecutor(len(texts)) as pool:
+        return list(pool.map(one, range(len(texts))))

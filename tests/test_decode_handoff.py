@@ -15,15 +15,13 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 
 from cluster.faults import RESTART_DELAY_ENV
 from engine import SamplingParams
-from router.v1 import inference_pb2 as pb
 from router.validate import Checked
-from tests.helpers import make_engine, run_to_completion, start_test_cluster
+from tests.helpers import greedy_reference, make_engine, start_test_cluster, stream_greedy
 
 pytestmark = pytest.mark.slow
 NS = "test-handoff"
@@ -48,18 +46,10 @@ def cluster(ray_session):
     c.stop()
 
 
-def reference(smollm2, texts: list[str], max_tokens: int) -> list[list[int]]:
-    engine = make_engine(smollm2, num_blocks=1024)
-    for i, t in enumerate(texts):
-        engine.add_request(f"r{i}", t, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    out = run_to_completion(engine)
-    return [out[f"r{i}"].token_ids for i in range(len(texts))]
-
-
 def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, smollm2, ray_session):
     c, server = cluster
     text = f"A handoff that nobody waits for ({time.monotonic_ns()}): the river runs to the sea, and"
-    want = reference(smollm2, [text], 200)[0]
+    want = greedy_reference(smollm2, [text], 200)[0]
     prompt = make_engine(smollm2, num_blocks=64).tokenize(text, "t")
     decode = c.actors["decode-0"]
     deadline = time.monotonic() + 60  # NOTE: both workers up (heartbeat and ping) first, or the route may skip one
@@ -91,30 +81,13 @@ def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, sm
     assert tokens == want  # the relayed stream is an undisturbed greedy run, every token once
 
 
-def stream_all(server, texts: list[str], max_tokens: int, started: threading.Event) -> list[tuple[list[int], Any]]:
-    stub = server.stub()
-
-    def one(i: int) -> tuple[list[int], Any]:
-        ids, last = [], None
-        req = pb.GenerateRequest(request_id=f"slow-{time.monotonic_ns()}-{i}", prompt=texts[i],
-                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        for chunk in stub.GenerateStream(req, timeout=300):
-            ids += chunk.token_ids
-            last = chunk
-            if len(ids) >= 4:
-                started.set()
-        return ids, last
-    with ThreadPoolExecutor(len(texts)) as pool:
-        return list(pool.map(one, range(len(texts))))
-
-
 def test_a_failover_waits_for_the_only_decode_worker_to_restart(cluster, smollm2, ray_session):
     c, server = cluster
     texts = [f"Slow restart {i}: the keeper lit the lamp and watched the ships until" for i in range(4)]
-    want = reference(smollm2, texts, 48)
+    want = greedy_reference(smollm2, texts, 48)
     started = threading.Event()
     with ThreadPoolExecutor(1) as bg:
-        fut = bg.submit(stream_all, server, texts, 48, started)
+        fut = bg.submit(stream_greedy, server, texts, 48, "slow", started)
         assert started.wait(120)
         ray_session.kill(ray_session.get_actor("decode-0", namespace=NS), no_restart=False)
         killed = time.monotonic()

@@ -11,13 +11,10 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 
-from engine import SamplingParams
-from router.v1 import inference_pb2 as pb
-from tests.helpers import make_engine, run_to_completion, start_test_cluster
+from tests.helpers import greedy_reference, start_test_cluster, stream_greedy
 
 pytestmark = pytest.mark.slow
 NS = "test-stall"
@@ -36,40 +33,14 @@ def cluster(ray_session):
     c.stop()
 
 
-def reference(smollm2, texts: list[str], max_tokens: int) -> list[list[int]]:
-    engine = make_engine(smollm2, num_blocks=1024)
-    for i, t in enumerate(texts):
-        engine.add_request(f"r{i}", t, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    out = run_to_completion(engine)
-    return [out[f"r{i}"].token_ids for i in range(len(texts))]
-
-
-def stream_all(server, texts: list[str], max_tokens: int,
-               started: threading.Event | None = None) -> list[tuple[list[int], Any]]:
-    stub = server.stub()
-
-    def one(i: int) -> tuple[list[int], Any]:
-        ids, last = [], None
-        req = pb.GenerateRequest(request_id=f"stall-{time.monotonic_ns()}-{i}", prompt=texts[i],
-                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        for chunk in stub.GenerateStream(req, timeout=300):
-            ids += chunk.token_ids
-            last = chunk
-            if started is not None and len(ids) >= 4:
-                started.set()
-        return ids, last
-    with ThreadPoolExecutor(len(texts)) as pool:
-        return list(pool.map(one, range(len(texts))))
-
-
 def test_a_hung_decode_worker_is_failed_over_and_avoided_until_it_beats_again(cluster, smollm2, ray_session):
     c, server = cluster
     pools = server.router.pools
     texts = [f"Stall {i}: the lighthouse keeper climbed the stairs, lit the lamp, and" for i in range(6)]
-    want = reference(smollm2, texts, 48)
+    want = greedy_reference(smollm2, texts, 48)
     started = threading.Event()
     with ThreadPoolExecutor(1) as bg:
-        fut = bg.submit(stream_all, server, texts, 48, started)
+        fut = bg.submit(stream_greedy, server, texts, 48, "stall", started)
         assert started.wait(120)
         running = {n: ray_session.get(c.actors[n].load.remote(), timeout=30).running for n in ("decode-0", "decode-1")}
         victim = max(running, key=running.get)
@@ -84,7 +55,7 @@ def test_a_hung_decode_worker_is_failed_over_and_avoided_until_it_beats_again(cl
 
     # while it hangs, new requests go to the other decode worker
     fresh = [f"After the stall {i} ({time.monotonic_ns()}): the ships passed the rocks and" for i in range(4)]
-    later = stream_all(server, fresh, 8)
+    later = stream_greedy(server, fresh, 8, tag="stall")
     assert not pools.is_up(victim) and time.monotonic() - hung_at < HANG_S  # NOTE: these ran during the hang
     assert all(last.timeline.decode_worker != victim for _, last in later)
 
