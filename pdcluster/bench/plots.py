@@ -61,15 +61,7 @@ def attainment_vs_rate(runs: Sequence[dict[str, Any]], path: str, title: str) ->
     for label, pts in by_label.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=label)
-    ax.axhline(100 * GOODPUT_ATTAINMENT, color="grey", ls="--", lw=0.8, label="goodput threshold (90%)")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("requests meeting both SLOs (%)")
-    ax.set_ylim(0, 102)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, plt, path)
+    return _save_attainment(fig, ax, plt, path, title, "request rate (req/s)", "goodput threshold (90%)")
 
 
 def attainment_per_minute(runs: Sequence[dict[str, Any]], path: str, title: str, mark_s: float | None = None) -> str:
@@ -84,8 +76,13 @@ def attainment_per_minute(runs: Sequence[dict[str, Any]], path: str, title: str,
                 label=f"{run['label']} @ {run['workload']['rate']:g} req/s ({overall:.0f}% overall)")
     if mark_s is not None:
         ax.axvline(mark_s / 60, color="grey", ls=":", lw=1, label="traffic shifts")
-    ax.axhline(100 * GOODPUT_ATTAINMENT, color="grey", ls="--", lw=0.8, label="90%")
-    ax.set_xlabel("minute of the run (requests by when they were sent)")
+    return _save_attainment(fig, ax, plt, path, title, "minute of the run (requests by when they were sent)", "90%")
+
+
+def _save_attainment(fig: Any, ax: Any, plt: Any, path: str, title: str, xlabel: str, goal_label: str) -> str:
+    """The common frame of an SLO-attainment plot (the 90% goodput line, axes, legend), saved to `path`."""
+    ax.axhline(100 * GOODPUT_ATTAINMENT, color="grey", ls="--", lw=0.8, label=goal_label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("requests meeting both SLOs (%)")
     ax.set_ylim(0, 102)
     ax.grid(True, alpha=0.3)
