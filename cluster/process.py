@@ -7,44 +7,44 @@ starts its threads, so every thread the process ever has runs with them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+
+def _each_thread(apply: Callable[[int], None]) -> None:
+    """`apply(tid)` to every thread of this process; a thread that ends meanwhile is skipped."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            apply(int(tid))
+        except ProcessLookupError:
+            pass
 
 
 def pin_cpus(cpus: tuple[int, ...]) -> None:
     """Pin every thread of this process (and so the threads it starts later) to `cpus` (Linux)."""
     # NOTE: sched_setaffinity(0) pins only the calling thread; Ray's and gRPC's threads already run.
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:
-            pass  # a thread that just ended
-        except OSError as e:
-            raise ValueError(f"cpu_affinity: cannot pin to cores {list(cpus)} on this node "
-                             f"(it has {sorted(os.sched_getaffinity(0))}): {e}") from None
+    try:
+        _each_thread(lambda tid: os.sched_setaffinity(tid, cpus))
+    except OSError as e:
+        raise ValueError(f"cpu_affinity: cannot pin to cores {list(cpus)} on this node "
+                         f"(it has {sorted(os.sched_getaffinity(0))}): {e}") from None
 
 
 def set_nice(nice: int) -> None:
     """Give every thread of this process (and so the threads they start later) CPU priority `nice` (Linux)."""
     # NOTE: on Linux a nice value belongs to a thread (setpriority(PRIO_PROCESS, tid)); a new thread inherits its
     # creator's, so the engine loop and torch's OpenMP pool, started after this, run at `nice` too.
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except ProcessLookupError:
-            pass  # a thread that just ended
-        except OSError as e:
-            raise ValueError(f"nice: cannot set {nice} (below the current "
-                             f"{os.getpriority(os.PRIO_PROCESS, 0)} needs CAP_SYS_NICE): {e}") from None
+    try:
+        _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
+    except OSError as e:
+        raise ValueError(f"nice: cannot set {nice} (below the current "
+                         f"{os.getpriority(os.PRIO_PROCESS, 0)} needs CAP_SYS_NICE): {e}") from None
 
 
 def process_info() -> dict[str, object]:
     """What this process runs with: pid, cores, each thread's nice value, torch's thread count."""
     import torch
 
-    nices = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            nices.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
-        except (ProcessLookupError, OSError):
-            pass
+    nices: set[int] = set()
+    _each_thread(lambda tid: nices.add(os.getpriority(os.PRIO_PROCESS, tid)))
     return {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "nice": sorted(nices),
             "torch_threads": torch.get_num_threads()}

@@ -73,13 +73,12 @@ class AutoscaleLoop:
 
     def step_costs(self) -> StepCosts:
         """The measured (fixed s, s per token) of each worker that has measured its steps, and the KV tail."""
-        costs = StepCosts()
-        for w in self.router.pools.by_name.values():
-            load = w.view.load
-            if load is not None and load.step_token_ns > 0:
-                (costs.prefill if w.role is Role.PREFILL else costs.decode).append(w.view.step_cost())
+        measured = [w for w in self.router.pools.by_name.values()
+                    if w.view.load is not None and w.view.load.step_token_ns > 0]
         t = self.router.pools.policy.transfer
-        return StepCosts(costs.prefill, costs.decode, (t.base_s, t.per_token_s) if t.observed else None)
+        return StepCosts([w.view.step_cost() for w in measured if w.role is Role.PREFILL],
+                         [w.view.step_cost() for w in measured if w.role is not Role.PREFILL],
+                         (t.base_s, t.per_token_s) if t.observed else None)
 
     async def tick(self) -> Decision | None:
         """One evaluation (and the change it decides, applied); None when skipped."""

@@ -81,7 +81,10 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
                                       credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok,
                                       scaler=scaler)
     autoscaler = None
-    if cfg.autoscaler.enabled and not cluster.attached:
+    if cfg.autoscaler.enabled and cluster.attached:
+        log.warning("autoscaler.enabled: this router joined workers another process started; that process runs "
+                    "the autoscaler (only the process that starts workers resizes pools)")
+    elif cfg.autoscaler.enabled:
         from pdcluster.autoscale_loop import AutoscaleLoop
 
         autoscaler = AutoscaleLoop(cfg, router, scaler)  # NOTE: only the process that starts workers resizes pools
