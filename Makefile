@@ -6,7 +6,7 @@ CONFIG ?= deploy/local.yaml
 .PHONY: install demo demo-multinode serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak \
         bench-serve bench-compare bench-vllm
 
-.install-stamp: pyproject.toml scripts/install.sh engine/kernels.py $(wildcard engine/csrc/*.cpp)
+.install-stamp: pyproject.toml scripts/install.sh engine/kernels.py $(wildcard engine/csrc/*.cpp engine/csrc/*.h)
 	bash scripts/install.sh
 	touch $@
 

@@ -1,9 +1,11 @@
-"""The compiled attention kernel (engine/csrc/): built once by the install step, loaded by the engine if present.
+"""The compiled kernels (engine/csrc/): paged attention and the float32 linear layer, one extension module built
+once by the install step and loaded by the engine if present.
 
 `python -m engine.kernels build` compiles it with torch's cpp_extension (scripts/install.sh runs it); at run time
-`attention_kernel()` imports the built module, or returns None (the engine then uses the pure-torch gather path,
-and says so once in the log). The module's name carries a hash of the sources, so a stale build is never loaded.
-`PDCLUSTER_ATTENTION=gather` forces the fallback; `=kernel` makes a missing kernel an error instead.
+`attention_kernel()` / `linear_kernel()` import the built module, or return None (the engine then uses the pure-torch
+gather attention and oneDNN's linear, and says so once in the log). The module's name carries a hash of the sources,
+so a stale build is never loaded. `PDCLUSTER_ATTENTION=gather` / `PDCLUSTER_LINEAR=onednn` force a fallback;
+`=kernel` makes a missing kernel an error instead.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_attention.cpp", CSRC / "linear.cpp"]
+HEADERS = [CSRC / "kernels.h"]
 BUILD_DIR = Path(os.environ.get("PDCLUSTER_KERNEL_DIR", CSRC / "build"))
 ENV = "PDCLUSTER_ATTENTION"
 BACKENDS = ("auto", "kernel", "gather")
+LINEAR_ENV = "PDCLUSTER_LINEAR"
+LINEAR_BACKENDS = ("auto", "kernel", "onednn")
 # NOTE: built on the machine that runs it (the install step), so -march=native is safe there and pays for
 # AVX-512 on the dot products; a compiler that rejects it gets a portable retry (see build()).
 # NOTE: -fopenmp because at::parallel_for (torch's thread pool) is an inline `omp parallel` in ATen's headers:
@@ -37,8 +42,8 @@ _tried = False
 def module_name() -> str:
     """Extension name: a hash of the kernel sources and flags, so edited sources never load an old build."""
     flags = " ".join(NATIVE_FLAGS + PORTABLE_FLAGS).encode()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + flags).hexdigest()[:12]
-    return f"pdcluster_attention_{digest}"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + flags).hexdigest()[:12]
+    return f"pdcluster_kernels_{digest}"
 
 
 def build(verbose: bool = False) -> Path:
@@ -55,8 +60,8 @@ def build(verbose: bool = False) -> Path:
             return BUILD_DIR / f"{name}.so"
         except Exception as e:  # noqa: BLE001 (compiler errors come as several types; retry portable, then raise)
             last = e
-            log.warning("attention kernel build with %s failed: %s", " ".join(flags), e)
-    raise RuntimeError(f"attention kernel build failed: {last}") from last
+            log.warning("kernel build with %s failed: %s", " ".join(flags), e)
+    raise RuntimeError(f"kernel build failed: {last}") from last
 
 
 def _import(path: Path) -> ModuleType:
@@ -69,31 +74,54 @@ def _import(path: Path) -> ModuleType:
     return mod
 
 
-def backend_choice() -> str:
-    """The requested backend from PDCLUSTER_ATTENTION: auto (default), kernel or gather."""
-    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"{ENV} must be one of {BACKENDS}, got {choice!r}")
+def _choice(env: str, backends: tuple[str, ...]) -> str:
+    choice = os.environ.get(env, "auto").strip().lower() or "auto"
+    if choice not in backends:
+        raise ValueError(f"{env} must be one of {backends}, got {choice!r}")
     return choice
 
 
-def attention_kernel() -> ModuleType | None:
-    """The built kernel module, or None when it is not built (logged once) or PDCLUSTER_ATTENTION=gather."""
+def backend_choice() -> str:
+    """The requested attention backend from PDCLUSTER_ATTENTION: auto (default), kernel or gather."""
+    return _choice(ENV, BACKENDS)
+
+
+def linear_choice() -> str:
+    """The requested linear backend from PDCLUSTER_LINEAR: auto (default), kernel or onednn."""
+    return _choice(LINEAR_ENV, LINEAR_BACKENDS)
+
+
+def _module() -> ModuleType | None:
     global _loaded, _tried
-    choice = backend_choice()
-    if choice == "gather":
-        return None
     if not _tried:
         _tried = True
         path = BUILD_DIR / f"{module_name()}.so"
         try:
             _loaded = _import(path)
         except (ImportError, OSError) as e:
-            log.warning("attention kernel not available (%s: %s); using the pure-torch gather path. Build it with "
-                        "`python -m engine.kernels build` (scripts/install.sh does).", path, e)
-    if _loaded is None and choice == "kernel":
-        raise RuntimeError(f"{ENV}=kernel but the attention kernel is not built (python -m engine.kernels build)")
+            log.warning("compiled kernels not available (%s: %s); attention uses the pure-torch gather path and linear "
+                        "layers oneDNN's. Build them with `python -m engine.kernels build` (scripts/install.sh does).",
+                        path, e)
     return _loaded
+
+
+def _pick(env: str, choice: str, fallback: str) -> ModuleType | None:
+    if choice == fallback:
+        return None
+    mod = _module()
+    if mod is None and choice == "kernel":
+        raise RuntimeError(f"{env}=kernel but the kernels are not built (python -m engine.kernels build)")
+    return mod
+
+
+def attention_kernel() -> ModuleType | None:
+    """The built module for attention, or None when it is not built (logged once) or PDCLUSTER_ATTENTION=gather."""
+    return _pick(ENV, backend_choice(), "gather")
+
+
+def linear_kernel() -> ModuleType | None:
+    """The built module for linear layers, or None when it is not built (logged once) or PDCLUSTER_LINEAR=onednn."""
+    return _pick(LINEAR_ENV, linear_choice(), "onednn")
 
 
 def ensure_built() -> ModuleType:
@@ -111,10 +139,10 @@ def main(argv: list[str]) -> int:
     try:
         path = build(verbose="-v" in argv)
     except RuntimeError as e:
-        # NOTE: not fatal for the install: the engine runs on the gather path without the kernel.
-        print(f"WARNING: {e}\nthe engine will use the pure-torch attention path", file=sys.stderr)
+        # NOTE: not fatal for the install: the engine runs on the gather path and oneDNN without the kernels.
+        print(f"WARNING: {e}\nthe engine will use the pure-torch attention path and oneDNN's linear", file=sys.stderr)
         return 1
-    print(f"attention kernel built: {path}")
+    print(f"kernels built: {path}")
     return 0
 
 

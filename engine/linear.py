@@ -1,18 +1,23 @@
-"""The matmul kernel seam: `x @ W.T` with weights prepacked for oneDNN on CPU, plain F.linear elsewhere, or
-weight-only int8 (per-output-channel scales) for `quantization="int8"`.
+"""The matmul kernel seam: `x @ W.T` with the weight blocked once at load time for the compiled linear kernel
+(engine/csrc/linear.cpp), prepacked for oneDNN when the kernel is not built, plain F.linear elsewhere, or weight-only
+int8 (per-output-channel scales) for `quantization="int8"`.
 
 NOTE: on this project's 2-core CPU, MKL's sgemm (F.linear) is far from the memory bound at the small M of decode
-(1-16 rows); in a development microbenchmark oneDNN with a prepacked weight was clearly faster at every M we use,
-and `pdcluster bench engine` shows the effect end to end. The op is internal to torch (inductor's CPU path uses it), so
-we probe it once and fall back to F.linear if it is missing or fails.
+(1-16 rows), and oneDNN with a prepacked weight only part of the way (8-15 GB/s of the ~34 GB/s one core reads); the
+compiled kernel reads the weight at ~25 GB/s at M = 1-2 and matches oneDNN's FMA peak at prefill's M
+(`pdcluster bench engine`, linear case). oneDNN's op is internal to torch (inductor's CPU path uses it), so we probe
+it once and fall back to F.linear if it is missing or fails.
 """
 
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import linear_kernel
 
 _PACK_HINT = 512  # batch-size hint for the packed layout; measured to serve M = 1..4096 well
 
@@ -31,17 +36,27 @@ def onednn_available() -> bool:
 
 
 class PackedLinear:
-    """A frozen linear layer; the weight is reordered once, at load time, for the fastest kernel at hand."""
+    """A frozen linear layer; the weight is reordered once, at load time, for the fastest kernel at hand:
+    "kernel" (the compiled one), "onednn" or "torch" (F.linear: other devices and dtypes)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.onednn = weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()
-        # NOTE: the packed tensor's memory layout is opaque; never read it as a plain [out, in] matrix.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT) if self.onednn else weight
+        cpu_f32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.kernel: ModuleType | None = linear_kernel() if cpu_f32 else None
+        self.backend = "kernel" if self.kernel is not None else "onednn" if cpu_f32 and onednn_available() else "torch"
+        # NOTE: the packed tensors' layouts are not [out, in]; never read them as a plain matrix (see dequantized()).
+        if self.kernel is not None:
+            self.weight = self.kernel.pack_linear(weight)
+        elif self.backend == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] → [T, out]
-        if self.onednn:
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.weight, self.out_features, self.bias)
+        if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

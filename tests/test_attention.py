@@ -150,7 +150,8 @@ def test_shared_prefixes_group_only_identical_leading_blocks() -> None:
     assert shared_prefixes(tables[:2], ctx[:2], block_size=16, min_blocks=4) == []
 
 
-def test_without_a_built_kernel_the_engine_logs_and_uses_the_gather_path(tiny, monkeypatch, tmp_path, caplog) -> None:
+def test_without_built_kernels_the_engine_logs_and_uses_the_gather_path_and_onednn(tiny, monkeypatch, tmp_path,
+                                                                                   caplog) -> None:
     from engine import kernels
     from tests.helpers import generate_ids, greedy, make_engine
 
@@ -158,14 +159,19 @@ def test_without_a_built_kernel_the_engine_logs_and_uses_the_gather_path(tiny, m
     monkeypatch.setattr(kernels, "_loaded", None)
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.delenv(kernels.LINEAR_ENV, raising=False)
     with caplog.at_level(logging.WARNING, logger="engine.kernels"):
         engine = make_engine(tiny)
     assert engine.runner.attn_kernel is None
-    assert "using the pure-torch gather path" in caplog.text
+    assert {layer.qkv.backend for layer in engine.runner.model.layers} == {"onednn"}
+    assert "attention uses the pure-torch gather path and linear layers oneDNN's" in caplog.text
     assert len(generate_ids(engine, [[5, 6, 7, 8]], greedy(4))[0]) == 4
     monkeypatch.setenv(kernels.ENV, "kernel")  # asked for explicitly: an error, not a silent fallback
     with pytest.raises(RuntimeError, match="not built"):
         kernels.attention_kernel()
+    monkeypatch.setenv(kernels.LINEAR_ENV, "kernel")
+    with pytest.raises(RuntimeError, match="not built"):
+        kernels.linear_kernel()
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])

@@ -11,6 +11,8 @@
 // query head of its rows (GQA: the G query heads of a KV head share every K/V row read).
 // int8 caches (engine/kv_quant.py): a block has block_size token rows plus one scale row holding a float32 per KV
 // head; values are dequantized as they are read (k = scale * int8).
+#include "kernels.h"
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -310,6 +312,10 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   }
 }
 
+}  // namespace
+
+namespace pdcluster {
+
 // q [T, H, D]; k_cache/v_cache [num_blocks, rows, KVH, D]; meta [I, 7] int64; rows [R] int64; blocks [B] int64;
 // out [T, H, D] contiguous: only the rows named by the items are written.
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& meta,
@@ -337,8 +343,4 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "Paged attention over work items, reading the KV cache in place");
-}
+}  // namespace pdcluster

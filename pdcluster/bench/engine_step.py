@@ -3,11 +3,12 @@ deploy/bench-disagg.yaml runs), the engine's older paths ("before") against its 
 
 Cases: prefill of a 96-token and a 1,000-token prompt alone (time to the first token, reported as prompt tokens/s),
 32 new tokens behind a 900-token prompt the prefix cache holds (time to the first token), and one decode step at
-batch 8 over 128-token prompts, greedy and sampled (temperature 0.8, top-p 0.95). Each case runs under both
-settings in interleaved rounds, so load from other processes falls on both alike; the median of the rounds is
-kept, and the ratio before/after is printed and saved. "before" = the switches of engine/model_runner.py at their
-old values (`attn_prefill="chunked"`) and the sampler it replaced (`_sample_before`: top-p by sorting the whole
-vocabulary, the race's noise by Tensor.exponential_).
+batch 1, 4 and 8 over 128-token prompts, greedy, and at batch 8 sampled (temperature 0.8, top-p 0.95). Each case runs
+under both settings in interleaved rounds, so load from other processes falls on both alike; the median of the
+rounds is kept, and the ratio before/after is printed and saved. "before" = the switches of engine/model_runner.py at
+their old values (`attn_prefill="chunked"`), the sampler it replaced (`_sample_before`: top-p by sorting the whole
+vocabulary, the race's noise by Tensor.exponential_) and the linear layers on oneDNN's prepacked kernel instead of
+the compiled one (engine/csrc/linear.cpp; the same weights, reordered for oneDNN once, before the rounds).
 """
 
 from __future__ import annotations
@@ -51,12 +52,35 @@ def _sample_before(logits: torch.Tensor, params: Any, output_index: Any) -> list
     return tokens
 
 
-def _apply(engine: Any, setting: str) -> None:
+def _linears(engine: Any) -> list[Any]:
+    model = engine.runner.model
+    return [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+
+
+def _linear_settings(engine: Any) -> dict[str, list[tuple[Any, Any, Any]]]:
+    """(layer, kernel module or None, weight) per setting: "after" as loaded, "before" on oneDNN's prepacked weight."""
+    from engine.linear import _PACK_HINT
+
+    settings: dict[str, list[tuple[Any, Any, Any]]] = {"before": [], "after": []}
+    for lin in _linears(engine):
+        settings["after"].append((lin, lin.kernel, lin.weight))
+        plain = lin.weight
+        if lin.kernel is not None:  # blocked [N/16, K, 16] back to [N, K]
+            plain = lin.weight.transpose(1, 2).reshape(-1, lin.in_features)[: lin.out_features].contiguous()
+            plain = torch.ops.mkldnn._reorder_linear_weight(plain, _PACK_HINT)
+        settings["before"].append((lin, None, plain))
+    return settings
+
+
+def _apply(engine: Any, setting: str, linears: dict[str, list[tuple[Any, Any, Any]]]) -> None:
     import engine.model_runner as runner_module
     from engine.sampler import sample
 
     engine.runner.attn_prefill = "chunked" if setting == "before" else "flash"
     runner_module.sample = _sample_before if setting == "before" else sample  # type: ignore[attr-defined]
+    for lin, kernel, weight in linears[setting]:
+        lin.kernel, lin.weight = kernel, weight
+        lin.backend = "kernel" if kernel is not None else "onednn"
 
 
 def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
@@ -101,18 +125,21 @@ def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
         "prefill 96": (96, lambda: first_token(rand(96))),
         "prefill 1000": (1000, lambda: first_token(rand(1000))),
         "32 over 900 cached": (32, lambda: first_token(context + rand(32))),
+        "decode step, batch 1": (1, lambda: decode_step(batch=1)),
+        "decode step, batch 4": (4, lambda: decode_step(batch=4)),
         "decode step, batch 8": (8, decode_step),
         "  sampled, top-p 0.95": (8, lambda: decode_step(temperature=0.8)),
     }
+    linears = _linear_settings(engine)
     for _, fn in cases.values():  # warm-up
         fn()
     times: dict[str, dict[str, list[float]]] = {c: {s: [] for s in SETTINGS} for c in cases}
     for _ in range(args.step_rounds):
         for case, (_, fn) in cases.items():
             for setting in SETTINGS:
-                _apply(engine, setting)
+                _apply(engine, setting, linears)
                 times[case][setting].append(fn())
-    _apply(engine, "after")
+    _apply(engine, "after", linears)
     torch.set_num_threads(args.threads)
     out: dict[str, Any] = {"threads": args.step_threads, "rounds": args.step_rounds, "cases": {}}
     for case, (tokens, _) in cases.items():
@@ -124,7 +151,7 @@ def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
 
 def format_step(r: dict[str, Any]) -> str:
     lines = ["", f"per-core step, {r['threads']} torch thread(s): median ms of {r['rounds']} interleaved rounds "
-                 "(before = attn_prefill chunked, the sampler before)",
+                 "(before = attn_prefill chunked, the sampler before, oneDNN linears)",
              f"{'case':24}{'before ms':>11}{'after ms':>10}{'before tok/s':>14}{'after tok/s':>13}{'ratio':>8}"]
     for case, c in r["cases"].items():
         lines.append(f"{case:24}{c['ms']['before']:11.1f}{c['ms']['after']:10.1f}{c['tok_s']['before']:14.1f}"
