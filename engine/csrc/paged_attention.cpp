@@ -93,6 +93,93 @@ inline void prefetch_rows(const cache_t* base, int64_t row_stride, int64_t rows,
     for (int64_t i = 0; i < d; i += line) __builtin_prefetch(base + t * row_stride + i);
 }
 
+typedef float v16 __attribute__((vector_size(64)));  // kLanes floats: one zmm with AVX-512, two ymm with AVX2
+constexpr int64_t kQueryTile = 8;  // queries a transposed block is read for at once
+
+template <typename cache_t>
+inline v16 load16(const cache_t* x) {
+  v16 r;
+  if constexpr (std::is_same_v<cache_t, float>) {
+    std::memcpy(&r, x, sizeof(v16));
+  } else {
+    for (int64_t l = 0; l < kLanes; ++l) r[l] = load(x[l]);
+  }
+  return r;
+}
+
+// One block of a transposed unit for its queries [q0, q0 + QN): kt holds the block's keys as [D, bsp] (bsp = bs
+// rounded up to kLanes), lim[j] the keys query j may see. Each key vector read feeds QN FMAs (scores), each value
+// vector read QN FMAs (output); one query at a time read every vector once per query.
+// NOTE: per query the math and its order are those of the one-query loop: scores over D in order, the running max
+// and sum, weights by fast_exp, values over the keys in order (a key past a query's horizon adds 0 * v).
+template <int64_t QN, typename cache_t>
+void tile_block(const float* qb, int64_t q0, int64_t d, const float* kt, int64_t bsp, const cache_t* vb,
+                int64_t v_row, float ks, float vs, int64_t t_lo, const int64_t* lim, float* acc, float* mx,
+                float* sum, float* p) {
+  for (int64_t t0 = 0; t0 < bsp; t0 += kLanes) {
+    v16 sc[QN];
+    for (int64_t j = 0; j < QN; ++j) sc[j] = v16{};
+    for (int64_t i = 0; i < d; ++i) {
+      v16 kv;
+      std::memcpy(&kv, kt + i * bsp + t0, sizeof(v16));
+      for (int64_t j = 0; j < QN; ++j) sc[j] += qb[(q0 + j) * d + i] * kv;
+    }
+    for (int64_t j = 0; j < QN; ++j) {
+      const v16 x = sc[j] * ks;
+      std::memcpy(p + j * bsp + t0, &x, sizeof(v16));
+    }
+  }
+  int64_t lim_max = t_lo;
+  for (int64_t j = 0; j < QN; ++j) {
+    float* pj = p + j * bsp;
+    const int64_t lj = std::max(lim[j], t_lo), qi = q0 + j;
+    for (int64_t t = lj; t < bsp; ++t) pj[t] = 0.f;
+    if (lj == t_lo) continue;
+    lim_max = std::max(lim_max, lj);
+    float bmax = kNegInf;
+    for (int64_t t = t_lo; t < lj; ++t) bmax = std::max(bmax, pj[t]);
+    float* a = acc + qi * d;
+    const float new_max = std::max(mx[qi], bmax);
+    if (new_max > mx[qi] && mx[qi] != kNegInf) {
+      const float alpha = std::exp(mx[qi] - new_max);
+      sum[qi] *= alpha;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+    }
+    mx[qi] = new_max;
+    float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t t = t_lo; t < lj; ++t) {
+      pj[t] = fast_exp(pj[t] - new_max);
+      block_sum += pj[t];
+    }
+    sum[qi] += block_sum;
+  }
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    v16 a[QN];
+    for (int64_t j = 0; j < QN; ++j) std::memcpy(&a[j], acc + (q0 + j) * d + i, sizeof(v16));
+    for (int64_t t = t_lo; t < lim_max; ++t) {
+      const v16 vt = load16(vb + t * v_row + i);
+      for (int64_t j = 0; j < QN; ++j) {
+        if constexpr (std::is_same_v<cache_t, int8_t>) {
+          a[j] += (p[j * bsp + t] * vs) * vt;
+        } else {
+          a[j] += p[j * bsp + t] * vt;  // vs is 1 (the same product, one multiply fewer)
+        }
+      }
+    }
+    for (int64_t j = 0; j < QN; ++j) std::memcpy(acc + (q0 + j) * d + i, &a[j], sizeof(v16));
+  }
+  for (; i < d; ++i)
+    for (int64_t j = 0; j < QN; ++j)
+      for (int64_t t = t_lo; t < lim_max; ++t) acc[(q0 + j) * d + i] += p[j * bsp + t] * vs * load(vb[t * v_row + i]);
+}
+
+template <typename cache_t>
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const cache_t*, int64_t, float, float,
+                        int64_t, const int64_t*, float*, float*, float*, float*);
+
 template <typename scalar_t, typename cache_t>
 void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int64_t* blocks, const scalar_t* q,
               int64_t q_s0, int64_t q_s1, const Cache& kc, const Cache& vc, int64_t num_heads, int64_t kv_heads,
@@ -101,8 +188,14 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
   const int64_t row_off = m[0], blk_off = m[2], kv_lo = m[3], kv_hi = m[4], causal = m[5];
   const bool direct = m[6] != 0;
   const int64_t g = num_heads / kv_heads, nq = (u.r1 - u.r0) * g, bs = kc.block_size;
+  const bool transposed = nq >= kTransposeMin;
+  const int64_t bsp = (bs + kLanes - 1) / kLanes * kLanes;
   std::vector<float> qb(nq * d), acc(nq * d, 0.f), mx(nq, kNegInf), sum(nq, 0.f), s(bs), p(bs);
-  std::vector<float> kt(nq >= kTransposeMin ? d * bs : 0);  // [D, bs]: one block's keys, transposed
+  std::vector<float> kt(transposed ? d * bsp : 0), pt(transposed ? kQueryTile * bsp : 0);  // [D, bsp]: keys^T
+  static constexpr TileFn<cache_t> kTiles[kQueryTile + 1] = {
+      nullptr,                tile_block<1, cache_t>, tile_block<2, cache_t>, tile_block<3, cache_t>,
+      tile_block<4, cache_t>, tile_block<5, cache_t>, tile_block<6, cache_t>, tile_block<7, cache_t>,
+      tile_block<8, cache_t>};
   for (int64_t j = u.r0; j < u.r1; ++j) {
     const scalar_t* qr = q + rows[row_off + j] * q_s0;
     for (int64_t h = 0; h < g; ++h) {
@@ -129,15 +222,23 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
       std::memcpy(&ks, kb + bs * kc.s_row, sizeof(float));
       std::memcpy(&vs, vb + bs * vc.s_row, sizeof(float));
     }
-    // NOTE: with many queries per unit (a shared prefix, a prefill tile) the block's keys are transposed once,
-    // [D, bs], so each query's scores are bs-wide vector FMAs with no horizontal sums; a decode unit's G queries
-    // would not pay the transpose back and take one dot product per key.
-    const bool transposed = nq >= kTransposeMin;
     if (transposed) {
+      // NOTE: with many queries per unit (a shared prefix, a prefill tile) the block's keys are transposed once,
+      // [D, bsp], so scores are kLanes-wide vector FMAs with no horizontal sums, kQueryTile queries per vector read;
+      // a decode unit's G queries would not pay the transpose back and take one dot product per key (below).
       for (int64_t t = t_lo; t < t_hi; ++t) {
         const cache_t* kr = kb + t * kc.s_row;
-        for (int64_t i = 0; i < d; ++i) kt[i * bs + t] = load(kr[i]);
+        for (int64_t i = 0; i < d; ++i) kt[i * bsp + t] = load(kr[i]);
       }
+      for (int64_t q0 = 0; q0 < nq; q0 += kQueryTile) {
+        const int64_t qn = std::min(kQueryTile, nq - q0);
+        int64_t lim[kQueryTile];
+        for (int64_t j = 0; j < qn; ++j)
+          lim[j] = std::min(t_hi, std::min(kv_hi, causal + u.r0 + (q0 + j) / g + 1) - b * bs);
+        kTiles[qn](qb.data(), q0, d, kt.data(), bsp, vb, vc.s_row, ks, vs, t_lo, lim, acc.data(), mx.data(),
+                   sum.data(), pt.data());
+      }
+      continue;
     }
     for (int64_t qi = 0; qi < nq; ++qi) {
       const int64_t j = u.r0 + qi / g;
@@ -145,31 +246,9 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
       if (lim <= t_lo) continue;
       const float* qv = qb.data() + qi * d;
       float bmax = kNegInf;
-      if (transposed) {
-        // NOTE: kLanes keys at a time in a local array (one vector register) over all of D: scores kept in
-        // memory across D were a store-to-load chain per FMA.
-        for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {
-          float s16[kLanes] = {};
-          const int64_t w = std::min(kLanes, bs - t0);
-          if (w == kLanes) {
-            for (int64_t i = 0; i < d; ++i) {
-              const float qs = qv[i];
-              const float* kr = kt.data() + i * bs + t0;
-#pragma omp simd
-              for (int64_t l = 0; l < kLanes; ++l) s16[l] += qs * kr[l];
-            }
-          } else {
-            for (int64_t i = 0; i < d; ++i)
-              for (int64_t l = 0; l < w; ++l) s16[l] += qv[i] * kt[i * bs + t0 + l];
-          }
-          for (int64_t l = 0; l < w; ++l) s[t0 + l] = s16[l] * ks;
-        }
-        for (int64_t t = t_lo; t < lim; ++t) bmax = std::max(bmax, s[t]);
-      } else {
-        for (int64_t t = t_lo; t < lim; ++t) {
-          s[t] = dot(qv, kb + t * kc.s_row, d) * ks;
-          bmax = std::max(bmax, s[t]);
-        }
+      for (int64_t t = t_lo; t < lim; ++t) {
+        s[t] = dot(qv, kb + t * kc.s_row, d) * ks;
+        bmax = std::max(bmax, s[t]);
       }
       float* a = acc.data() + qi * d;
       const float new_max = std::max(mx[qi], bmax);
