@@ -93,6 +93,27 @@ inline void prefetch_rows(const cache_t* base, int64_t row_stride, int64_t rows,
     for (int64_t i = 0; i < d; i += line) __builtin_prefetch(base + t * row_stride + i);
 }
 
+// The online softmax's step for one query over keys [t_lo, lim) of a block whose highest score is bmax: weights
+// p[t] = exp(s[t] - max) (p may be s), the accumulator a [D] and the running sum rescaled when the max grows.
+inline void softmax_step(const float* s, float* p, int64_t t_lo, int64_t lim, float bmax, float* a, int64_t d,
+                         float& mx, float& sum) {
+  const float new_max = std::max(mx, bmax);
+  if (new_max > mx && mx != kNegInf) {
+    const float alpha = std::exp(mx - new_max);
+    sum *= alpha;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+  }
+  mx = new_max;
+  float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+  for (int64_t t = t_lo; t < lim; ++t) {
+    p[t] = fast_exp(s[t] - new_max);
+    block_sum += p[t];
+  }
+  sum += block_sum;
+}
+
 typedef float v16 __attribute__((vector_size(64)));  // kLanes floats: one zmm with AVX-512, two ymm with AVX2
 constexpr int64_t kQueryTile = 8;  // queries a transposed block is read for at once
 
@@ -138,22 +159,7 @@ void tile_block(const float* qb, int64_t q0, int64_t d, const float* kt, int64_t
     lim_max = std::max(lim_max, lj);
     float bmax = kNegInf;
     for (int64_t t = t_lo; t < lj; ++t) bmax = std::max(bmax, pj[t]);
-    float* a = acc + qi * d;
-    const float new_max = std::max(mx[qi], bmax);
-    if (new_max > mx[qi] && mx[qi] != kNegInf) {
-      const float alpha = std::exp(mx[qi] - new_max);
-      sum[qi] *= alpha;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
-    }
-    mx[qi] = new_max;
-    float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-    for (int64_t t = t_lo; t < lj; ++t) {
-      pj[t] = fast_exp(pj[t] - new_max);
-      block_sum += pj[t];
-    }
-    sum[qi] += block_sum;
+    softmax_step(pj, pj, t_lo, lj, bmax, acc + qi * d, d, mx[qi], sum[qi]);
   }
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
@@ -251,21 +257,7 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
         bmax = std::max(bmax, s[t]);
       }
       float* a = acc.data() + qi * d;
-      const float new_max = std::max(mx[qi], bmax);
-      if (new_max > mx[qi] && mx[qi] != kNegInf) {
-        const float alpha = std::exp(mx[qi] - new_max);
-        sum[qi] *= alpha;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
-      }
-      mx[qi] = new_max;
-      float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-      for (int64_t t = t_lo; t < lim; ++t) {
-        p[t] = fast_exp(s[t] - new_max);
-        block_sum += p[t];
-      }
-      sum[qi] += block_sum;
+      softmax_step(s.data(), p.data(), t_lo, lim, bmax, a, d, mx[qi], sum[qi]);
       // NOTE: d-chunk outer, keys inner: the chunk of the accumulator stays in a register across the block's keys
       // (keys outer kept it in memory: a store-to-load chain per key).
       int64_t i = 0;
