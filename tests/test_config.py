@@ -255,9 +255,9 @@ def test_pools_that_agree_load_and_a_colocated_config_ignores_the_idle_pools():
 
 def test_the_measured_config_carries_its_slo_and_the_router_gets_it():
     cfg = ClusterConfig.from_yaml(os.path.join(REPO, "deploy", "bench-disagg.yaml"))
-    assert (cfg.router.slo_ttft_ms, cfg.router.slo_itl_ms) == (5000, 250)
+    assert (cfg.router.slo_ttft_ms, cfg.router.slo_itl_ms) == (5000, 100)
     settings = cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport)
-    assert (settings.slo_ttft_ms, settings.slo_itl_ms, settings.admission_ttft_ms()) == (5000, 250, 20000)
-    assert settings.policy(16).slo_itl_s == 0.25
+    assert (settings.slo_ttft_ms, settings.slo_itl_ms, settings.admission_ttft_ms()) == (5000, 100, 20000)
+    assert settings.policy(16).slo_itl_s == 0.1
     colocated = ClusterConfig.from_yaml_text(lines("mode: colocated", "colocated:", "  replicas: 1"))
     assert colocated.router.router_settings("m", "colocated", "grpc").policy(16).slo_itl_s is None  # one pool
