@@ -3,10 +3,10 @@
 int8 (per-output-channel scales) for `quantization="int8"`.
 
 NOTE: on this project's 2-core CPU, MKL's sgemm (F.linear) is far from the memory bound at the small M of decode
-(1-16 rows), and oneDNN with a prepacked weight only part of the way (8-15 GB/s of the ~34 GB/s one core reads); the
-compiled kernel reads the weight at ~25 GB/s at M = 1-2 and matches oneDNN's FMA peak at prefill's M
-(`pdcluster bench engine`, linear case). oneDNN's op is internal to torch (inductor's CPU path uses it), so we probe
-it once and fall back to F.linear if it is missing or fails.
+(1-16 rows), and oneDNN with a prepacked weight only part of the way; the compiled kernel took a batch-1 decode step
+on one core from 44 to 27 ms and matches oneDNN at prefill's M (`pdcluster bench engine`, per-core step case).
+oneDNN's op is internal to torch (inductor's CPU path uses it), so we probe it once and fall back to F.linear if it
+is missing or fails.
 """
 
 from __future__ import annotations
@@ -36,22 +36,34 @@ def onednn_available() -> bool:
 
 
 class PackedLinear:
-    """A frozen linear layer; the weight is reordered once, at load time, for the fastest kernel at hand:
-    "kernel" (the compiled one), "onednn" or "torch" (F.linear: other devices and dtypes)."""
+    """A frozen linear layer; the weight is reordered once, at load time, for `backend`: "kernel" (the compiled one),
+    "onednn" or "torch" (F.linear: other devices and dtypes). None: the fastest at hand for the weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         cpu_f32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.kernel: ModuleType | None = linear_kernel() if cpu_f32 else None
-        self.backend = "kernel" if self.kernel is not None else "onednn" if cpu_f32 and onednn_available() else "torch"
-        # NOTE: the packed tensors' layouts are not [out, in]; never read them as a plain matrix (see dequantized()).
-        if self.kernel is not None:
+        self.kernel: ModuleType | None = linear_kernel() if cpu_f32 and backend in (None, "kernel") else None
+        if backend is None:
+            backend = "kernel" if self.kernel is not None else "onednn" if cpu_f32 and onednn_available() else "torch"
+        self.backend = backend
+        # NOTE: the packed tensors' layouts are not [out, in]; never read them as a plain matrix (see plain_weight()).
+        if backend == "kernel":
+            if self.kernel is None:
+                raise RuntimeError("the compiled linear kernel is not built, or PDCLUSTER_LINEAR=onednn")
             self.weight = self.kernel.pack_linear(weight)
-        elif self.backend == "onednn":
+        elif backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
         else:
             self.weight = weight
+
+    def plain_weight(self) -> torch.Tensor:
+        """The weight as [out, in] (the kernel's blocks undone); oneDNN's opaque layout has no way back."""
+        if self.backend == "kernel":  # [ceil(out / 16), in, 16] -> [out, in]
+            return self.weight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
+        if self.backend == "onednn":
+            raise ValueError("a oneDNN-packed weight cannot be read back as [out, in]")
+        return self.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] → [T, out]
         if self.kernel is not None:

@@ -51,6 +51,7 @@ def test_packed_linear_picks_the_kernel_and_honours_the_env(kernel, monkeypatch)
     assert PackedLinear(w).backend in ("onednn", "torch")
     torch.testing.assert_close(on_kernel(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
     assert PackedLinear(w.to(torch.bfloat16)).backend == "torch"  # the kernel is float32 only
+    assert torch.equal(on_kernel.plain_weight(), w)  # the blocks undone (what bench engine repacks for oneDNN)
 
 
 def test_engine_on_the_kernel_gives_the_tokens_of_the_engine_on_onednn(kernel, smollm2, monkeypatch) -> None:

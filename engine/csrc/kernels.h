@@ -5,6 +5,11 @@
 
 namespace pdcluster {
 
+// 16 floats the compiler keeps in one register (one zmm with AVX-512, two ymm with AVX2): GCC vector extensions, so
+// a portable build still compiles.
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
 // paged_attention.cpp: attention over work items, reading the paged KV cache in place.
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& meta,
             const at::Tensor& rows, const at::Tensor& blocks, int64_t block_size, double scale, at::Tensor out);

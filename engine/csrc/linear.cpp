@@ -2,12 +2,12 @@
 //
 // W is blocked once at load time as [ceil(N/16)][K][16]: the 16 outputs of a block are one 64-byte vector per k, so
 // a block is one sequential stream the prefetcher follows, and each vector read feeds one FMA per input row.
-// A pass reads 4 blocks side by side and keeps up to 6 rows x 64 outputs of accumulators in registers (GCC vector
-// extensions: one zmm each with AVX-512, two ymm with AVX2), walking k once, so each input value read from memory
-// feeds 4 vector FMAs; more rows take more passes over the same blocks while they are in L1/L2.
-// NOTE: on this project's 2-core AMD EPYC the oneDNN/MKL kernels torch calls read the weight at 8-15 GB/s at decode's
-// M = 1..8 (the core streams ~34 GB/s); this loop reads it at ~25 GB/s at M = 1-2 and stays compute-bound at the
-// core's FMA peak from M ~ 8 up through prefill's M = 256 (`pdcluster bench engine`, linear case).
+// A pass reads 4 blocks side by side and keeps up to 6 rows x 64 outputs of accumulators in registers (v16, one per
+// row and block), walking k once, so each input value read from memory feeds 4 vector FMAs; more rows take more
+// passes over the same blocks while they are in L1/L2.
+// NOTE: on this project's 2-core AMD EPYC the oneDNN/MKL kernels torch calls read the weight far under what one core
+// streams at decode's M = 1..8; with this loop a batch-1 decode step on one core went from 44 to 27 ms, and prefill's
+// M stays at the oneDNN speed (`pdcluster bench engine`, per-core step case; BENCHMARKS.md).
 // Each output is a plain float32 sum over k in order: the same math as F.linear, in a different summation order.
 #include "kernels.h"
 
@@ -17,8 +17,8 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+using pdcluster::kLanes;
+using pdcluster::v16;
 constexpr int64_t kGroup = 4;    // blocks a pass reads side by side: each input value read feeds 4 vector FMAs
 constexpr int64_t kGroupRows = 6;  // rows per grouped pass: 6 x 4 accumulators (24 of AVX-512's 32 registers)
 constexpr int64_t kMaxRows = 8;  // rows per single-block pass (the blocks left over after the groups)

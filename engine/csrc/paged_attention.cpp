@@ -47,7 +47,8 @@ struct Cache {
 
 // NOTE: kLanes independent partial sums the compiler keeps in one vector register, folded by halves (a short
 // vector tree); a plain `dot += ...` reduction compiled to a chain of 16 dependent scalar adds per key.
-constexpr int64_t kLanes = 16;
+using pdcluster::kLanes;
+using pdcluster::v16;
 constexpr int64_t kTransposeMin = 8;  // queries per unit from which a block's keys are transposed
 
 template <typename cache_t>
@@ -114,7 +115,6 @@ inline void softmax_step(const float* s, float* p, int64_t t_lo, int64_t lim, fl
   sum += block_sum;
 }
 
-typedef float v16 __attribute__((vector_size(64)));  // kLanes floats: one zmm with AVX-512, two ymm with AVX2
 constexpr int64_t kQueryTile = 8;  // queries a transposed block is read for at once
 
 template <typename cache_t>
@@ -196,7 +196,8 @@ void run_unit(const Unit& u, const int64_t* meta, const int64_t* rows, const int
   const int64_t g = num_heads / kv_heads, nq = (u.r1 - u.r0) * g, bs = kc.block_size;
   const bool transposed = nq >= kTransposeMin;
   const int64_t bsp = (bs + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> qb(nq * d), acc(nq * d, 0.f), mx(nq, kNegInf), sum(nq, 0.f), s(bs), p(bs);
+  std::vector<float> qb(nq * d), acc(nq * d, 0.f), mx(nq, kNegInf), sum(nq, 0.f);
+  std::vector<float> s(transposed ? 0 : bs), p(transposed ? 0 : bs);  // one query's scores and weights
   std::vector<float> kt(transposed ? d * bsp : 0), pt(transposed ? kQueryTile * bsp : 0);  // [D, bsp]: keys^T
   static constexpr TileFn<cache_t> kTiles[kQueryTile + 1] = {
       nullptr,                tile_block<1, cache_t>, tile_block<2, cache_t>, tile_block<3, cache_t>,

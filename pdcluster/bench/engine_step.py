@@ -52,35 +52,28 @@ def _sample_before(logits: torch.Tensor, params: Any, output_index: Any) -> list
     return tokens
 
 
-def _linears(engine: Any) -> list[Any]:
+def _linear_settings(engine: Any) -> dict[str, list[tuple[Any, str, Any]]]:
+    """(owner, attribute, layer) for every linear layer of the model, per setting: "after" the layers as loaded,
+    "before" the same weights on oneDNN's prepacked kernel (built once, here)."""
+    from engine.linear import PackedLinear
+
     model = engine.runner.model
-    return [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+    slots = [(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+    slots.append((model, "lm_head"))
+    after = [(owner, name, getattr(owner, name)) for owner, name in slots]
+    before = [(owner, name, lin if lin.backend == "onednn" else PackedLinear(lin.plain_weight(), lin.bias, "onednn"))
+              for owner, name, lin in after]
+    return {"before": before, "after": after}
 
 
-def _linear_settings(engine: Any) -> dict[str, list[tuple[Any, Any, Any]]]:
-    """(layer, kernel module or None, weight) per setting: "after" as loaded, "before" on oneDNN's prepacked weight."""
-    from engine.linear import _PACK_HINT
-
-    settings: dict[str, list[tuple[Any, Any, Any]]] = {"before": [], "after": []}
-    for lin in _linears(engine):
-        settings["after"].append((lin, lin.kernel, lin.weight))
-        plain = lin.weight
-        if lin.kernel is not None:  # blocked [N/16, K, 16] back to [N, K]
-            plain = lin.weight.transpose(1, 2).reshape(-1, lin.in_features)[: lin.out_features].contiguous()
-            plain = torch.ops.mkldnn._reorder_linear_weight(plain, _PACK_HINT)
-        settings["before"].append((lin, None, plain))
-    return settings
-
-
-def _apply(engine: Any, setting: str, linears: dict[str, list[tuple[Any, Any, Any]]]) -> None:
+def _apply(engine: Any, setting: str, linears: dict[str, list[tuple[Any, str, Any]]]) -> None:
     import engine.model_runner as runner_module
     from engine.sampler import sample
 
     engine.runner.attn_prefill = "chunked" if setting == "before" else "flash"
     runner_module.sample = _sample_before if setting == "before" else sample  # type: ignore[attr-defined]
-    for lin, kernel, weight in linears[setting]:
-        lin.kernel, lin.weight = kernel, weight
-        lin.backend = "kernel" if kernel is not None else "onednn"
+    for owner, name, lin in linears[setting]:
+        setattr(owner, name, lin)
 
 
 def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
