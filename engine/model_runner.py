@@ -60,7 +60,7 @@ class ModelRunner:
         # so every step of this engine takes the same path.
         self.attn_kernel = attention_kernel()
         self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
-        self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention.py PREFILL_MODES
+        self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention/paged.py PREFILL_MODES
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[list[int]]:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import DECODE_PAD_RATIO, PREFILL_MODES, AttentionMetadata, paged_attention, write_kv
-from engine.attention_cascade import shared_prefixes
+from engine.attention.cascade import shared_prefixes
 from engine.kernels import ensure_built
 from engine.kv_quant import write_quantized
 

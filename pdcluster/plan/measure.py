@@ -114,7 +114,7 @@ def features(batch: Any) -> dict[str, float]:
             dec_n, dec_max, dec_sum = dec_n + 1, max(dec_max, start + 1), dec_sum + start + 1
         else:
             pairs += prefill_pairs(n, start)
-    # NOTE: the engine attends decode entries in groups padded to at most 2x their shortest (engine/attention.py),
+    # NOTE: the engine attends decode entries in groups padded to at most 2x their shortest (engine/attention/paged.py),
     # so their keys cost about their sum; the padded count is kept for reference
     return {"tokens": tokens, "samples": samples, "dec_keys": dec_sum, "dec_keys_padded": dec_n * dec_max,
             "pre_pairs": pairs}

@@ -12,15 +12,15 @@ from types import ModuleType
 
 import torch
 
-from engine.attention_cascade import SharedPrefix, shared_prefixes
+from engine.attention.cascade import SharedPrefix, shared_prefixes
 
 # NOTE: prefill chunks with context of more rows than this go to gather + SDPA: there the gathered context is
 # amortized over many rows and SDPA's matrix products beat the kernel's per-row dot products (a 104-row chunk over
 # 1,000 cached tokens: 8.3 vs 10.7 ms per layer here); short ones (speculative verification, small chunks) and
 # decode read in place.
 PREFILL_IN_PLACE_MAX_ROWS = 32
-# NOTE: against prefill="flash" (gather + one fused SDPA call, engine/attention.py) the kernel wins only below ~4 rows
-# on one thread (900 cached tokens: 2 rows 0.20 vs 0.32 ms per layer, 5 rows 0.64 vs 0.38, 32 rows 3.4 vs 1.2).
+# NOTE: against prefill="flash" (gather + one fused SDPA call, engine/attention/paged.py) the kernel wins only below
+# ~4 rows on one thread (900 cached tokens: 2 rows 0.20 vs 0.32 ms per layer, 5 rows 0.64 vs 0.38, 32 rows 3.4 vs 1.2).
 PREFILL_IN_PLACE_MAX_ROWS_FLASH = 3
 
 # meta columns, as the kernel reads them

@@ -1,9 +1,9 @@
 """Attention over paged KV blocks, for a flat batch of decode tokens and variable-length prefill chunks.
 
 `paged_attention` is the one kernel seam. Two backends behind it:
-- the compiled kernel (engine/csrc/, planned by engine/attention_inplace.py): reads K/V in place from the paged
+- the compiled kernel (engine/csrc/, planned by engine/attention/inplace.py): reads K/V in place from the paged
   cache for decode and for short prefill chunks with cached context (long ones: gather + SDPA), and attends
-  prefixes that several decode entries share once for all of them (cascade, engine/attention_cascade.py). It
+  prefixes that several decode entries share once for all of them (cascade, engine/attention/cascade.py). It
   handles float32/bf16/fp16 and int8 caches.
 - the pure-torch gather path (this module): gathers each sequence's blocks into fresh tensors, then SDPA. Used when
   the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.attention_inplace import KernelPlan, build_plan, in_place
+from engine.attention.inplace import KernelPlan, build_plan, in_place
 from engine.kernels import attention_kernel
 from engine.kv_quant import gather_dequantized, write_quantized
 
