@@ -1,6 +1,9 @@
 """Owns the model and the KV memory; turns a scheduled batch into tensors, runs it and samples.
 
 The runner makes no scheduling decisions: it computes what the scheduler picked.
+One step on any device: every per-step tensor (token ids, positions, the rows that need logits, the attention
+metadata) is built on the host once, pinned on CUDA, and copied with one non_blocking transfer; layers only read
+them. The sampled ids are the step's one sync with the host (the single `.tolist()` below).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Literal
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig, torch_dtype
+from engine.config import EngineConfig, ModelConfig
 from engine.errors import InvalidRequestError
 from engine.kernels import attention_kernel
 from engine.kv_quant import int8_block_rows
@@ -23,7 +26,7 @@ from engine.spec_decode import verify
 
 def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
     """How KV is stored: int8 for kv_cache_dtype="int8", else the engine's dtype."""
-    return torch.int8 if engine_cfg.kv_cache_dtype == "int8" else torch_dtype(engine_cfg.dtype)
+    return torch.int8 if engine_cfg.kv_cache_dtype == "int8" else engine_cfg.torch_dtype
 
 
 def kv_block_rows(block_size: int, dtype: torch.dtype) -> int:
@@ -45,16 +48,17 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
                  num_blocks: int, max_model_len: int) -> None:
         self.cfg = cfg
-        self.dtype = torch_dtype(engine_cfg.dtype)
+        self.device = engine_cfg.resolved_device()
+        self.dtype = engine_cfg.torch_dtype
         self.kv_dtype = kv_cache_dtype(engine_cfg)
         self.block_size = engine_cfg.block_size
-        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len, engine_cfg.quantization)
+        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len, engine_cfg.quantization, self.device)
         if self.kv_dtype == torch.int8 and cfg.head_dim < 4:
             raise InvalidRequestError("kv_cache_dtype", f"int8 KV needs head_dim >= 4 (its scale row), got "
                                       f"{cfg.head_dim}")
         rows = kv_block_rows(self.block_size, self.kv_dtype)
         shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.kv_dtype)
+        self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         # NOTE: None = the pure-torch gather path (kernel not built, or PDCLUSTER_ATTENTION=gather); read once here
         # so every step of this engine takes the same path.
@@ -90,19 +94,21 @@ class ModelRunner:
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
                                        self.block_size, kernel=self.attn_kernel,
                                        cascade=self.attn_cascade, prefill=self.attn_prefill)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
-                            layer_hook)
-        out: list[list[int]] = [[] for _ in batch.seqs]
-        if not sample_rows and not verifying:
-            return out
         # NOTE: one head matmul for every row that needs logits: the head is the largest weight read of a step.
         rows = sample_rows + [r + j for i, r in verifying for j in range(len(batch.seqs[i].spec_token_ids) + 1)]
-        logits = self.model.logits(hidden[rows]).float()  # [N, vocab]
+        ids_t, pos_t, rows_t = self.to_device(input_ids, positions, rows)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta, layer_hook)
+        out: list[list[int]] = [[] for _ in batch.seqs]
+        if not rows:
+            return out
+        logits = self.model.logits(hidden.index_select(0, rows_t)).float()  # [N, vocab]
         if sample_rows:
             tokens = sample(logits[: len(sample_rows)], [batch.seqs[i].params for i in sampling],
                             [batch.seqs[i].num_output_tokens for i in sampling])
-            for i, tok in zip(sampling, tokens):
-                out[i] = [tok]
+            # NOTE: the sampler keeps the draws on the logits' device; this is the step's one sync with the host
+            token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+            for i, tok in zip(sampling, token_list):
+                out[i] = [int(tok)]
         first = len(sample_rows)
         for i, _ in verifying:
             seq = batch.seqs[i]
@@ -111,13 +117,26 @@ class ModelRunner:
             first += k + 1
         return out
 
+    def to_device(self, *parts: list[int]) -> list[torch.Tensor]:
+        """int64 lists as tensors on the runner's device: one host buffer (pinned on CUDA), one non_blocking copy,
+        then views of it (on the CPU, the host buffer's views themselves)."""
+        lengths = [len(p) for p in parts]
+        host = torch.tensor([x for p in parts for x in p], dtype=torch.long)  # [sum(lengths)]
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            host = host.to(self.device)
+        return list(host.split(lengths))
+
     @torch.inference_mode()
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D] (int8: with the scale row)."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        return self.kv[layer, 0, idx], self.kv[layer, 1, idx]  # advanced indexing copies
+        """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D] (int8: with the scale row), on
+        the runner's device."""
+        (idx,) = self.to_device(block_ids)
+        return self.kv[layer, 0].index_select(0, idx), self.kv[layer, 1].index_select(0, idx)
 
     @torch.inference_mode()
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Store K (which=0) or V (1), [n, block_size, KVH, D], into `block_ids` of `layer`."""
-        self.kv[layer, which].index_copy_(0, torch.tensor(block_ids, dtype=torch.long), kv.to(self.kv_dtype))
+        """Store K (which=0) or V (1), [n, block_size, KVH, D] from any device, into `block_ids` of `layer`."""
+        (idx,) = self.to_device(block_ids)
+        self.kv[layer, which].index_copy_(0, idx, kv.to(device=self.device, dtype=self.kv_dtype))
