@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, select_backend
 from engine.config import EngineConfig, ModelConfig, torch_dtype
 from engine.errors import InvalidRequestError
 from engine.kernels import attention_kernel
@@ -58,7 +58,8 @@ class ModelRunner:
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         # NOTE: None = the pure-torch gather path (kernel not built, or PDCLUSTER_ATTENTION=gather); read once here
         # so every step of this engine takes the same path.
-        self.attn_kernel = attention_kernel()
+        self.attn_backend = select_backend(self.kv.device, self.kv_dtype)  # engine/attention/backend.py
+        self.attn_kernel = attention_kernel() if self.attn_backend == "kernel" else None
         self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
         self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention/paged.py PREFILL_MODES
 
@@ -89,7 +90,8 @@ class ModelRunner:
                 sampling.append(i)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
                                        self.block_size, kernel=self.attn_kernel,
-                                       cascade=self.attn_cascade, prefill=self.attn_prefill)
+                                       cascade=self.attn_cascade, prefill=self.attn_prefill,
+                                       backend=self.attn_backend, device=self.kv.device)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
                             layer_hook)
         out: list[list[int]] = [[] for _ in batch.seqs]
