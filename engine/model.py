@@ -99,7 +99,7 @@ class DecoderLayer:
         qk = apply_rotary(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D] (strided views)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta)  # the backend's write (a Triton kernel on CUDA)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         h = h + self.o(attn.view(t, self.q_size))
         x = F.rms_norm(h, (cfg.hidden_size,), self.post_attn_norm, cfg.rms_norm_eps)

@@ -13,7 +13,8 @@ from typing import Literal
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, select_backend
+from engine.attention.pack import pack
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import InvalidRequestError
 from engine.kernels import attention_kernel
@@ -62,7 +63,8 @@ class ModelRunner:
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         # NOTE: None = the pure-torch gather path (kernel not built, or PDCLUSTER_ATTENTION=gather); read once here
         # so every step of this engine takes the same path.
-        self.attn_kernel = attention_kernel()
+        self.attn_backend = select_backend(self.kv.device, self.kv_dtype)  # engine/attention/backend.py
+        self.attn_kernel = attention_kernel() if self.attn_backend == "kernel" else None
         self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
         self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention/paged.py PREFILL_MODES
 
@@ -93,7 +95,8 @@ class ModelRunner:
                 sampling.append(i)
         meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
                                        self.block_size, kernel=self.attn_kernel,
-                                       cascade=self.attn_cascade, prefill=self.attn_prefill)
+                                       cascade=self.attn_cascade, prefill=self.attn_prefill,
+                                       backend=self.attn_backend, device=self.kv.device)
         # NOTE: one head matmul for every row that needs logits: the head is the largest weight read of a step.
         rows = sample_rows + [r + j for i, r in verifying for j in range(len(batch.seqs[i].spec_token_ids) + 1)]
         ids_t, pos_t, rows_t = self.to_device(input_ids, positions, rows)
@@ -122,11 +125,7 @@ class ModelRunner:
         then views of it (on the CPU, the host buffer's views themselves)."""
         lengths = [len(p) for p in parts]
         host = torch.tensor([x for p in parts for x in p], dtype=torch.long)  # [sum(lengths)]
-        if self.device.type == "cuda":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        elif self.device.type != "cpu":
-            host = host.to(self.device)
-        return list(host.split(lengths))
+        return list(pack([host], self.device).tensors[0].split(lengths))
 
     @torch.inference_mode()
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,17 +1,19 @@
 """Attention over paged KV blocks, for a flat batch of decode tokens and variable-length prefill chunks.
 
-`paged_attention` is the one kernel seam. Two backends behind it:
+`paged_attention` is the one kernel seam. Three backends behind it (engine.attention.select_backend picks one):
 - the compiled kernel (engine/csrc/, planned by engine/attention/inplace.py): reads K/V in place from the paged
   cache for decode and for short prefill chunks with cached context (long ones: gather + SDPA), and attends
   prefixes that several decode entries share once for all of them (cascade, engine/attention/cascade.py). It
   handles float32/bf16/fp16 and int8 caches.
-- the pure-torch gather path (this module): gathers each sequence's blocks into fresh tensors, then SDPA. Used when
-  the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
+- the pure-torch gather path (this module): gathers each sequence's blocks into fresh tensors, then SDPA, on any
+  device. Used when the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
+- the Triton kernels (engine/attention/triton_backend.py): paged decode with split-KV, varlen prefill over a cached
+  context, the KV write; the default on CUDA.
 Prefill chunks that start their sequence attend their own new K/V with SDPA in both: one fused (flash) SDPA call
 per chunk with GQA (`prefill="flash"`, the default), or the older 128-row chunks through SDPA's math path
 (`prefill="chunked"`, kept as the measured baseline of `pdcluster bench engine`).
-Everything that depends only on the batch (slots, plans, padded block tables, masks) is built once per step in
-`AttentionMetadata` and shared by all layers.
+Everything that depends only on the batch (slots, plans, padded block tables, masks) is built on the host once per
+step in `AttentionMetadata`, moved to the device with one copy (engine/attention/pack.py) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from engine.attention import triton_backend
+from engine.attention.backend import RESOLVED, select_backend
 from engine.attention.inplace import KernelPlan, build_plan, in_place
+from engine.attention.pack import Packed, pack
+from engine.attention.triton_backend import TritonMetadata, build_triton
 from engine.kernels import attention_kernel
 from engine.kv_quant import gather_dequantized, write_quantized
 
@@ -69,46 +75,131 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]  # gather path only
     prefills: list[PrefillSpan]
     plan: KernelPlan | None = None  # kernel path: every decode entry and prefill chunk with context
+    backend: str = "gather"  # "kernel", "gather" or "triton" (engine/attention/backend.py)
+    triton: TritonMetadata | None = None  # triton path only
+    packed: Packed | None = None  # the one buffer the device tensors above view (None: CPU gather/kernel paths)
 
     @staticmethod
     def build(
         block_tables: list[list[int]], starts: list[int], num_new: list[int], block_size: int,
         kernel: ModuleType | None | Literal["auto"] = "auto", cascade: bool = True,
-        prefill: Literal["flash", "chunked"] = "flash",
+        prefill: Literal["flash", "chunked"] = "flash", *, device: torch.device | str = "cpu",
+        backend: str | None = None, pad_rows: int = 0, pad_blocks: int = 0, pad_block: int = 0,
+        out: AttentionMetadata | None = None,
     ) -> AttentionMetadata:
         """Lay out a step: sequence i computes tokens [starts[i], starts[i] + num_new[i]) (decode entries first).
 
-        `kernel`: the compiled kernel module, None for the gather path, "auto" for whatever engine/kernels.py
-        provides. `cascade`: attend shared prefixes of decode entries once per group (kernel path). `prefill`: how
-        prefill chunks the plan does not cover run SDPA (PREFILL_MODES).
+        `backend`: "kernel", "gather" or "triton"; None: "kernel" when `kernel` is a module, "gather" when it is
+        None, select_backend(device) when "auto". `kernel`: the compiled kernel module for the kernel path ("auto":
+        whatever engine/kernels.py provides). `cascade`: attend shared prefixes of decode entries once per group
+        (kernel path). `prefill`: how prefill chunks the plan does not cover run SDPA (PREFILL_MODES). `device`:
+        where the layers run; the metadata is built on the host and copied there once.
+        Triton only (CUDA graphs, see engine/attention/__init__.py): `pad_rows` pads a decode-only batch to that
+        many rows and `pad_blocks` its block tables to that many columns, padding with block `pad_block`; `out`
+        copies the result into that preallocated metadata of the same shapes and returns it.
         """
-        if kernel == "auto":
+        dev = torch.device(device)
+        if backend is None:
+            backend = select_backend(dev) if kernel == "auto" else "gather" if kernel is None else "kernel"
+        if backend not in RESOLVED:
+            raise ValueError(f"attention backend must be one of {RESOLVED}, got {backend!r}")
+        if backend == "kernel" and kernel in ("auto", None):
             kernel = attention_kernel()
-        slots: list[torch.Tensor] = []
+            if kernel is None:
+                raise RuntimeError("attention backend 'kernel' but the kernels are not built")
+        if backend == "kernel" and dev.type != "cpu":
+            raise ValueError(f"the compiled attention kernel runs on the CPU, not on {dev}")
         num_decode = 0
         while num_decode < len(num_new) and num_new[num_decode] == 1:
             num_decode += 1
-        tables = [torch.tensor(t, dtype=torch.long) for t in block_tables]
-        for table, start, n in zip(tables, starts, num_new):
-            pos = torch.arange(start, start + n)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if (pad_rows > num_decode or out is not None) and (backend != "triton" or num_decode < len(num_new)):
+            raise ValueError("pad_rows / out: only for decode-only batches on the triton backend (CUDA graphs)")
+        slots = _slots(block_tables, starts, num_new, block_size)
+        if pad_rows > num_decode:  # NOTE: padded rows write their (unused) K/V into block `pad_block`'s first slot
+            slots = torch.cat([slots, torch.full((pad_rows - num_decode,), pad_block * block_size, dtype=torch.long)])
+        if backend == "triton":
+            tmeta = build_triton(block_tables, starts, num_new, num_decode, block_size, pad_rows, pad_blocks,
+                                 pad_block)
+            spans = _spans(block_tables, starts, num_new, num_decode, prefill, None, masks=False)
+            meta = AttentionMetadata(slots, max(num_decode, pad_rows), [], spans, None, backend, tmeta)
+            return meta._to(dev, out)
         plan = None
-        if kernel is not None:
+        groups: list[DecodeGroup] = []
+        if backend == "kernel":
+            assert isinstance(kernel, ModuleType)
             plan = build_plan(kernel, block_tables, starts, num_new, num_decode, block_size, cascade,
                               prefill == "flash")
-            groups = []
         else:
-            groups = _decode_groups(tables[:num_decode], starts[:num_decode], block_size)
-        prefills: list[PrefillSpan] = []
-        q_start = num_decode
-        for table, start, n in zip(tables[num_decode:], starts[num_decode:], num_new[num_decode:]):
-            # NOTE: SDPA masks only for the chunks the kernel's plan does not cover.
-            flash = prefill == "flash"
-            planned = plan is not None and in_place(start, n, flash)
-            masks = [] if planned else _flash_mask(start, n) if flash else _chunk_masks(start, n)
-            prefills.append(PrefillSpan(q_start, n, start + n, table, start > 0, masks, planned, flash))
-            q_start += n
-        return AttentionMetadata(torch.cat(slots), num_decode, groups, prefills, plan)
+            tables = [torch.tensor(t, dtype=torch.long) for t in block_tables[:num_decode]]
+            groups = _decode_groups(tables, starts[:num_decode], block_size)
+        spans = _spans(block_tables, starts, num_new, num_decode, prefill, plan, masks=True)
+        meta = AttentionMetadata(slots, num_decode, groups, spans, plan, backend)
+        return meta if dev.type == "cpu" else meta._to(dev, None)
+
+    def _fields(self) -> list[torch.Tensor]:
+        """Every tensor of the metadata, in one fixed order (packing and copying)."""
+        ts = [self.slot_mapping]
+        for g in self.decode_groups:
+            ts += [g.rows, g.block_tables, g.mask]
+        for s in self.prefills:
+            ts += [s.block_table, *s.masks]
+        return ts + (self.triton.tensors() if self.triton is not None else [])
+
+    def _to(self, device: torch.device, out: AttentionMetadata | None) -> AttentionMetadata:
+        """This metadata with its tensors on `device` (one copy), or copied into `out`."""
+        if out is not None:
+            out.copy_from(self)
+            return out
+        packed = pack(self._fields(), device)
+        it = iter(packed.tensors)
+        self.slot_mapping = next(it)
+        for g in self.decode_groups:
+            g.rows, g.block_tables, g.mask = next(it), next(it), next(it)
+        for s in self.prefills:
+            s.block_table = next(it)
+            s.masks = [next(it) for _ in s.masks]
+        if self.triton is not None:
+            self.triton = self.triton.with_tensors(list(it))
+        self.packed = packed
+        return self
+
+    def copy_from(self, other: AttentionMetadata) -> None:
+        """Copy `other`'s tensors into this metadata's (a static one a CUDA graph reads): one non-blocking copy of
+        the packed buffer (from `other`'s pinned host pack when it has one). The shapes must be equal."""
+        if self.packed is None:
+            raise ValueError("copy_from: this metadata has no packed buffer (built for the CPU gather/kernel path)")
+        layout = [(tuple(t.shape), t.dtype) for t in other._fields()]
+        if layout != self.packed.layout or other.num_decode != self.num_decode or other.prefills or self.prefills:
+            raise ValueError(f"copy_from: shapes differ (static {self.packed.layout}, this step {layout}); pad the "
+                             "step to the static metadata's rows and block-table width (pad_rows, pad_blocks)")
+        src = other.packed.host if other.packed is not None else pack(other._fields(), torch.device("cpu"),
+                                                                     pin=self.packed.buffer.is_cuda).host
+        self.packed.buffer.copy_(src, non_blocking=True)
+
+
+def _slots(block_tables: list[list[int]], starts: list[int], num_new: list[int], block_size: int) -> torch.Tensor:
+    """[T] long: the cache slot of every new token."""
+    slots = [torch.empty(0, dtype=torch.long)]
+    for table, start, n in zip(block_tables, starts, num_new):
+        pos = torch.arange(start, start + n)
+        slots.append(torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(slots)
+
+
+def _spans(block_tables: list[list[int]], starts: list[int], num_new: list[int], num_decode: int, prefill: str,
+           plan: KernelPlan | None, masks: bool) -> list[PrefillSpan]:
+    """The prefill chunks (with their SDPA masks when `masks` and the kernel's plan does not cover them)."""
+    spans: list[PrefillSpan] = []
+    q_start = num_decode
+    for table, start, n in zip(block_tables[num_decode:], starts[num_decode:], num_new[num_decode:]):
+        # NOTE: SDPA masks only for the chunks the kernel's plan does not cover.
+        flash = prefill == "flash"
+        planned = plan is not None and in_place(start, n, flash)
+        m = [] if planned or not masks else _flash_mask(start, n) if flash else _chunk_masks(start, n)
+        spans.append(PrefillSpan(q_start, n, start + n, torch.tensor(table, dtype=torch.long), start > 0, m, planned,
+                                 flash))
+        q_start += n
+    return spans
 
 
 # NOTE: a padded decode call costs (entries x longest context); one 1,500-token context among short ones would
@@ -163,8 +254,17 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: list[torch.
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their slots of the paged cache."""
+             slots: torch.Tensor | AttentionMetadata) -> None:
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their slots of the paged cache.
+
+    `slots`: the step's metadata (its backend's write: a Triton kernel on the triton backend) or its slot mapping.
+    """
+    if isinstance(slots, AttentionMetadata):
+        if slots.backend == "triton":
+            triton_backend.write(k_cache, v_cache, k, v, slots.slot_mapping)
+            return
+        slots = slots.slot_mapping
+    slot_mapping = slots
     if k_cache.dtype == torch.int8:
         write_quantized(k_cache, k, slot_mapping)
         write_quantized(v_cache, v, slot_mapping)
@@ -181,7 +281,7 @@ def _causal_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: lis
     kvh = k.shape[0]
     qg = q.view(kvh, h // kvh, n, d)  # GQA: query heads grouped under their KV head
     kb, vb = k.unsqueeze(1), v.unsqueeze(1)  # [KVH, 1, L, D], broadcast over the group
-    out = torch.empty(kvh, h // kvh, n, d, dtype=q.dtype)
+    out = torch.empty(kvh, h // kvh, n, d, dtype=q.dtype, device=q.device)
     for i, mask in enumerate(masks):
         c, horizon = i * PREFILL_CHUNK, mask.shape[1]
         rows = slice(c, c + mask.shape[0])
@@ -207,7 +307,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of every query token over its sequence's cached context."""
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.triton is not None:
+        triton_backend.attend(q, k, v, k_cache, v_cache, meta.triton, scale, out)
+        return out
     h = q.shape[1]
     kvh, d = k.shape[1:]
     if meta.plan is not None:
