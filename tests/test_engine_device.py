@@ -4,6 +4,7 @@ and the CUDA-graph bookkeeping that runs without a GPU. GPU behaviour itself: te
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -228,3 +229,18 @@ def test_the_runner_keeps_a_spare_block_outside_the_block_manager(tiny):
     engine = make_engine(tiny, num_blocks=16)
     assert (len(engine.block_manager.pool.blocks), engine.runner.spare_block, engine.runner.kv.shape[2]) == (16, 16, 17)
 
+
+
+# ---- the device bench runs anywhere ------------------------------------------------------------------------------
+
+def test_the_device_bench_runs_on_the_cpu_and_reports_its_limits(tmp_path):
+    from pdcluster.bench.engine_device import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--model", "tiny", "--device-batches", "1,2", "--context", "16",
+                 "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "1", "--no-reference",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["decode"]) == {"1", "2"} and r["decode"]["1"]["ours_eager_tok_s"] > 0
+    assert r["limits"]["copy_bandwidth_gb_s"] > 0 and r["limits"]["decode_batch1_share_of_bound"] > 0
+    assert r["cuda_graphs"] is False and r["dtype"] == "float32"
