@@ -11,16 +11,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +30,9 @@ def kv_budget_bytes(total: int, utilization: float, other_processes: int, peak: 
 
 
 @torch.inference_mode()
-def profile_num_blocks(runner: ModelRunner, engine_cfg: EngineConfig, max_blocks: int | None) -> int:
-    """Blocks of the KV pool on the runner's CUDA device (see the module docstring); `max_blocks` caps it."""
+def profile_num_blocks(runner: Any, engine_cfg: EngineConfig, max_blocks: int | None) -> int:
+    """Blocks of the KV pool on `runner`'s CUDA device (an engine.model_runner.ModelRunner with its model built, its
+    KV not yet; see the module docstring); `max_blocks` caps it."""
     device = runner.device
     if device.type != "cuda":
         raise InvalidRequestError("num_blocks", f"sizing the KV pool by profiling needs CUDA (device {device}); "

@@ -4,6 +4,12 @@ The runner makes no scheduling decisions: it computes what the scheduler picked.
 One step on any device: every per-step tensor (token ids, positions, the rows that need logits, the attention
 metadata) is built on the host once, pinned on CUDA, and copied with one non_blocking transfer; layers only read
 them. The sampled ids are the step's one sync with the host (the single `.tolist()` below).
+
+Seeded sampling across devices: a request's random stream is a pure function of (seed, output index)
+(engine/sampler.py), so a request resumed on another worker of the same device type draws the same tokens. A CPU and
+a GPU worker derive the same per-token seeds, but their generators (the CPU's Mersenne Twister, CUDA's Philox) turn
+them into different draws: one seeded request gives different, equally distributed, samples on a CPU worker and on a
+GPU worker (greedy requests agree up to near-ties: pdcluster/bench/engine_gpu.py).
 """
 
 from __future__ import annotations

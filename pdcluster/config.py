@@ -387,8 +387,9 @@ class ClusterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(default="smollm2", min_length=1, description="'smollm2', 'tiny', a .gguf file or a Hugging "
-                                                                   "Face directory (same path on every node)")
+    model: str = Field(default="smollm2", min_length=1, description="'smollm2', 'tiny', 'random:<arch>' (random "
+                       "weights of a real shape: random:llama-3.1-8b, random:qwen2.5-7b, random:smollm2-135m), a .gguf "
+                       "file or a Hugging Face directory (same path on every node)")
     mode: Literal["disaggregated", "colocated"] = Field(
         default="disaggregated", description="'disaggregated': prefill and decode pools; 'colocated': one pool")
     # NOTE: pydantic copies a model default for each instance, so two configs never share a section.

@@ -27,6 +27,7 @@ import torch
 
 from pdcluster.bench.engine_attention import add_arguments as add_attention_arguments
 from pdcluster.bench.engine_attention import format_attention, measure_attention
+from pdcluster.bench.engine_device import DEFAULT_OUT as DEFAULT_DEVICE_OUT
 from pdcluster.bench.engine_device import add_arguments as add_device_arguments
 from pdcluster.bench.engine_device import format_device, measure_device
 from pdcluster.bench.engine_step import add_arguments as add_step_arguments
@@ -34,7 +35,6 @@ from pdcluster.bench.engine_step import format_step, measure_step
 from pdcluster.bench.report import emit, log, machine
 
 DEFAULT_OUT = "results/bench_engine.json"
-DEFAULT_DEVICE_OUT = "results/bench_engine_device.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

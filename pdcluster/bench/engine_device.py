@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from pdcluster.bench.report import log, machine
+from pdcluster.bench.report import emit, log, machine
+
+DEFAULT_OUT = "results/bench_engine_device.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -232,16 +234,20 @@ def format_device(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdcluster.bench.engine_device --device cuda ...`: the device bench without the CLI's imports (a GPU
-    node without Ray, pydantic or redis: scripts/gpu-check.sh)."""
-    from pdcluster.bench import engine
-
+    node without Ray, pydantic or redis: scripts/gpu-check.sh). The flags are `pdcluster bench engine`'s."""
     p = argparse.ArgumentParser(prog="python -m pdcluster.bench.engine_device", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    engine.add_arguments(p)
+    p.add_argument("--model", default="random:llama-3.1-8b")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per sequence when decoding")
+    p.add_argument("--repeats", type=int, default=2, help="runs per figure; the best is kept")
+    p.add_argument("--no-reference", action="store_true", help="skip transformers (ours only)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
+    add_arguments(p)
     args = p.parse_args(argv)
     if args.device is None:
         p.error("--device is required here ('cuda', 'cuda:N' or 'cpu')")
-    return engine.run(args)
+    return emit("engine", measure_device(args), args.out, args.json, format_device)
 
 
 if __name__ == "__main__":
