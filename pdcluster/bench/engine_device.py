@@ -16,6 +16,7 @@ With --device cpu and tiny settings it runs anywhere (the CI smoke test); only t
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from typing import Any
@@ -164,6 +165,7 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
         figures.setdefault("cuda_graphs", ours.engine.runner.graphs is not None and name == "graphs")
         _measure_ours(ours, name, batches if name == main else [1], name == main, args, prompts, figures)
         del ours
+        gc.collect()  # NOTE: the runner and its graphs refer to each other: only the collector frees them
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if not args.no_reference:
