@@ -220,3 +220,58 @@ def test_gather_path_runs_on_another_device_without_host_tensors() -> None:
             write_kv(kc, vc, k, v, meta)
             out = paged_attention(q, k, v, kc, vc, meta, 0.25)
         assert out.shape == (37, 4, 16) and out.device == dev
+
+
+def _run_engine(loaded, backend: str, monkeypatch, first: list[int], rest: list[list[int]], n: int,
+                **cfg: object) -> tuple[list[list[int]], object]:
+    """Greedy tokens of `first` (alone until its prompt is computed, so its blocks are cached), then `rest` joining."""
+    import dataclasses
+
+    from tests.helpers import greedy, make_engine, run_to_completion
+
+    monkeypatch.setenv(ENV, backend)
+    engine = make_engine(loaded, **cfg)
+    assert engine.runner.attn_backend == backend
+    params = greedy(n)
+    engine.add_request("first", first, dataclasses.replace(params))
+    while engine.stats().computed_tokens < len(first):
+        engine.step()
+    for i, p in enumerate(rest):
+        engine.add_request(f"r{i}", p, dataclasses.replace(params))
+    final = run_to_completion(engine)
+    return [final["first"].token_ids] + [final[f"r{i}"].token_ids for i in range(len(rest))], engine.stats()
+
+
+@pytest.mark.parametrize("case", ["prefix_cache", "chunked_prefill_preemption"])
+def test_engine_gives_the_gather_paths_greedy_tokens(tiny, monkeypatch, case) -> None:
+    """The tiny model end to end with PDCLUSTER_ATTENTION=triton (interpreted on the CPU): the same greedy tokens as
+    the gather path, with prompts behind a cached shared prefix, and with 24-token steps (chunks over their cached
+    context) in 12 blocks (preemption and recompute)."""
+    from tests.helpers import random_prompts
+
+    calls = {"decode": 0, "prefill": 0}
+    for name in calls:
+        real = getattr(tk, name)
+
+        def spy(*args: object, _real=real, _name=name, **kwargs: object) -> None:
+            calls[_name] += 1
+            _real(*args, **kwargs)
+
+        monkeypatch.setattr(tk, name, spy)
+    vocab = tiny.config.vocab_size
+    if case == "prefix_cache":
+        shared = random_prompts(1, [40], vocab=vocab, seed=7)[0]
+        tails = random_prompts(3, [5, 9, 17], vocab=vocab, seed=8)
+        first, rest, n, cfg = shared + tails[0], [shared + t for t in tails[1:]], 8, {}
+    else:
+        prompts = random_prompts(3, [45, 38, 50], vocab=vocab, seed=9)
+        first, rest, n = prompts[0], prompts[1:], 24
+        cfg = dict(num_blocks=12, max_num_batched_tokens=24, enable_prefix_caching=False)
+    ref, _ = _run_engine(tiny, "gather", monkeypatch, first, rest, n, **cfg)
+    out, stats = _run_engine(tiny, "triton", monkeypatch, first, rest, n, **cfg)
+    assert out == ref and all(len(t) == n for t in out)
+    assert calls["decode"] > 0 and calls["prefill"] > 0  # the kernels computed it (chunks with context included)
+    if case == "prefix_cache":
+        assert stats.cached_prompt_tokens >= 2 * 32  # the followers' first two blocks came from the cache
+    else:
+        assert stats.num_preemptions > 0
