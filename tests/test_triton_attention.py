@@ -33,6 +33,7 @@ else:
 
 from engine.attention import AttentionMetadata, num_kv_splits, paged_attention, select_backend, write_kv  # noqa: E402
 from engine.kernels import ENV  # noqa: E402
+from engine.llm_engine import EngineStats  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 BS = 16
@@ -223,7 +224,7 @@ def test_gather_path_runs_on_another_device_without_host_tensors() -> None:
 
 
 def _run_engine(loaded, backend: str, monkeypatch, first: list[int], rest: list[list[int]], n: int,
-                **cfg: object) -> tuple[list[list[int]], object]:
+                **cfg: object) -> tuple[list[list[int]], EngineStats]:
     """Greedy tokens of `first` (alone until its prompt is computed, so its blocks are cached), then `rest` joining."""
     import dataclasses
 
