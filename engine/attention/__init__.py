@@ -29,7 +29,8 @@ How a runner uses it:
 1. reserve one spare KV block `S` that no sequence ever gets (the runner's, out of the block manager);
 2. at capture, per bucket of `rows` rows: `static = AttentionMetadata.build([[S]] * rows, [0] * rows, [1] * rows,
    block_size, device=dev, backend="triton", pad_blocks=max_blocks, pad_block=S)` (max_blocks = the widest table
-   the graph must take, e.g. cdiv(max_model_len, block_size)), then capture the forward with `static`;
+   the graph must take, e.g. cdiv(max_model_len, block_size)), run the forward with `static` once outside the
+   capture (Triton compiles a kernel on its first launch, which a capture must not see), then capture it;
 3. per step, a decode-only batch of B <= rows: `AttentionMetadata.build(tables, starts, [1] * B, block_size,
    device=dev, backend="triton", pad_rows=rows, pad_blocks=max_blocks, pad_block=S, out=static)` packs on the host
    and copies once (non-blocking, pinned) into `static`'s buffer (`static.copy_from(meta)` does the same for a
@@ -38,6 +39,7 @@ How a runner uses it:
 Padded rows are harmless: each writes its K/V into slot S * block_size (block S's first slot) and attends that one
 slot (seq_len 1, block table row all S), so they never touch a real sequence's blocks; their output rows are
 ignored. Table columns past a row's length hold S and are never read (loads are masked by seq_len).
+tests/test_triton_attention.py::test_a_cuda_graph_replays_decode_over_the_static_metadata follows this recipe (gpu).
 """
 
 from engine.attention.backend import select_backend, triton_interpreting
