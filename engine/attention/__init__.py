@@ -5,15 +5,16 @@ backends, chosen once per engine by `select_backend(device, kv_dtype)` from `PDC
 - `kernel`: the compiled CPU kernel (engine/csrc/), planned by `inplace.py` / `cascade.py`: reads KV blocks in
   place, attends prefixes shared by several decode entries once per group; CPU only, float and int8 caches;
 - `gather`: the pure-torch path in `paged.py` (gather blocks + SDPA) on any device, the reference every backend is
-  tested against;
+  tested against (`paged.py` also holds the seam's two functions);
 - `triton`: the Triton kernels (`triton_kernels.py`, glue in `triton_backend.py`): split-KV paged decode with GQA,
   varlen prefill over a cached context, the KV write; any device (on the CPU only under TRITON_INTERPRET=1, set
   before the kernels are imported: tests).
 
-The step's metadata: `AttentionMetadata.build(block_tables, starts, num_new, block_size, device=..., backend=...)`
-lays the flat batch out (decode rows first, then prefill chunks), builds every tensor on the host (pinned for CUDA)
-and moves them with one non-blocking copy (`pack.py`); layers only read it (`write_kv(..., meta)`,
-`paged_attention(..., meta, scale)`), nothing in them creates a host tensor or syncs.
+The step's metadata (`metadata.py`):
+`AttentionMetadata.build(block_tables, starts, num_new, block_size, device=..., backend=...)` lays the flat batch
+out (decode rows first, then prefill chunks), builds every tensor on the host (pinned for CUDA) and moves them with
+one non-blocking copy (`pack.py`); layers only read it (`write_kv(..., meta)`, `paged_attention(..., meta, scale)`),
+nothing in them creates a host tensor or syncs.
 
 CUDA graphs (decode-only steps, triton backend). For a decode-only batch of B rows the metadata's tensors have
 shapes that depend only on (B, max_blocks), the block-table width:
@@ -43,16 +44,15 @@ tests/test_triton_attention.py::test_a_cuda_graph_replays_decode_over_the_static
 """
 
 from engine.attention.backend import select_backend, triton_interpreting
-from engine.attention.paged import (
+from engine.attention.metadata import (
     DECODE_PAD_RATIO,
     PREFILL_CHUNK,
     PREFILL_MODES,
     AttentionMetadata,
     DecodeGroup,
     PrefillSpan,
-    paged_attention,
-    write_kv,
 )
+from engine.attention.paged import paged_attention, write_kv
 from engine.attention.triton_backend import TritonMetadata, num_kv_splits
 
 __all__ = ["DECODE_PAD_RATIO", "PREFILL_CHUNK", "PREFILL_MODES", "AttentionMetadata", "DecodeGroup", "PrefillSpan",
