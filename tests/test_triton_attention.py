@@ -32,6 +32,7 @@ else:
     os.environ["TRITON_INTERPRET"] = _saved
 
 from engine.attention import AttentionMetadata, num_kv_splits, paged_attention, select_backend, write_kv  # noqa: E402
+from engine.attention.triton_backend import SDPA_MIN_ROWS  # noqa: E402
 from engine.kernels import ENV  # noqa: E402
 from engine.llm_engine import EngineStats  # noqa: E402
 
@@ -97,14 +98,15 @@ def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, head
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_over_a_cached_context_in_a_mixed_batch(dtype) -> None:
     """Decode rows, chunks whose cached context ends before / at / after a block boundary (speculative-verification
-    sized and longer than one 32-row tile), and a chunk that starts its sequence (SDPA), in one step."""
+    sized and longer than one 32-row tile), a short chunk that starts its sequence (the same varlen launch) and a
+    long one (SDPA), in one step."""
     h, kvh, d, nb = 9, 3, 64, 64
-    starts = [40, 7, 1, BS - 1, BS, BS + 1, 100, 0]
-    num_new = [1, 1, 3, 2, 17, 40, 70, 33]
+    starts = [40, 7, 1, BS - 1, BS, BS + 1, 100, 0, 0]
+    num_new = [1, 1, 3, 2, 17, 40, 70, 33, SDPA_MIN_ROWS + 4]
     tables = _tables([s + n for s, n in zip(starts, num_new)], nb, seed=2)
     q, k, v, kc, vc = _data(sum(num_new), h, kvh, d, nb, dtype)
     meta = AttentionMetadata.build(tables, starts, num_new, BS, backend="triton", device=DEV)
-    assert meta.triton is not None and meta.triton.own == [(sum(num_new[:-1]), 33)]
+    assert meta.triton is not None and meta.triton.own == [(sum(num_new[:-1]), SDPA_MIN_ROWS + 4)]
     assert meta.triton.q_lens.tolist() == num_new[2:-1] and meta.triton.max_q_len == 70
     write_kv(kc, vc, k, v, meta)  # as the model does: this step's K/V are in the cache first
     out = paged_attention(q, k, v, kc, vc, meta, 0.125)

@@ -9,9 +9,9 @@
   device. Used when the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
 - the Triton kernels (engine/attention/triton_backend.py): paged decode with split-KV, varlen prefill over a cached
   context, the KV write; the default on CUDA.
-Prefill chunks that start their sequence attend their own new K/V with SDPA in all three: one fused (flash) SDPA call
-per chunk with GQA (`prefill="flash"`, the default), or the older 128-row chunks through SDPA's math path
-(`prefill="chunked"`, kept as the measured baseline of `pdcluster bench engine`).
+Prefill chunks that start their sequence attend their own new K/V with SDPA (the Triton backend: only long ones):
+one fused (flash) SDPA call per chunk with GQA (`prefill="flash"`, the default), or the older 128-row chunks through
+SDPA's math path (`prefill="chunked"`, kept as the measured baseline of `pdcluster bench engine`).
 Everything that depends only on the batch (slots, plans, padded block tables, masks) is built on the host once per
 step in `AttentionMetadata` (engine/attention/metadata.py), moved to the device with one copy and shared by all
 layers.
