@@ -32,6 +32,7 @@ else:
     os.environ["TRITON_INTERPRET"] = _saved
 
 from engine.attention import AttentionMetadata, num_kv_splits, paged_attention, select_backend, write_kv  # noqa: E402
+from engine.attention.triton_backend import SDPA_MIN_ROWS  # noqa: E402
 from engine.kernels import ENV  # noqa: E402
 from engine.llm_engine import EngineStats  # noqa: E402
 
@@ -97,14 +98,15 @@ def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, head
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_over_a_cached_context_in_a_mixed_batch(dtype) -> None:
     """Decode rows, chunks whose cached context ends before / at / after a block boundary (speculative-verification
-    sized and longer than one 32-row tile), and a chunk that starts its sequence (SDPA), in one step."""
+    sized and longer than one 32-row tile), a short chunk that starts its sequence (the same varlen launch) and a
+    long one (SDPA), in one step."""
     h, kvh, d, nb = 9, 3, 64, 64
-    starts = [40, 7, 1, BS - 1, BS, BS + 1, 100, 0]
-    num_new = [1, 1, 3, 2, 17, 40, 70, 33]
+    starts = [40, 7, 1, BS - 1, BS, BS + 1, 100, 0, 0]
+    num_new = [1, 1, 3, 2, 17, 40, 70, 33, SDPA_MIN_ROWS + 4]
     tables = _tables([s + n for s, n in zip(starts, num_new)], nb, seed=2)
     q, k, v, kc, vc = _data(sum(num_new), h, kvh, d, nb, dtype)
     meta = AttentionMetadata.build(tables, starts, num_new, BS, backend="triton", device=DEV)
-    assert meta.triton is not None and meta.triton.own == [(sum(num_new[:-1]), 33)]
+    assert meta.triton is not None and meta.triton.own == [(sum(num_new[:-1]), SDPA_MIN_ROWS + 4)]
     assert meta.triton.q_lens.tolist() == num_new[2:-1] and meta.triton.max_q_len == 70
     write_kv(kc, vc, k, v, meta)  # as the model does: this step's K/V are in the cache first
     out = paged_attention(q, k, v, kc, vc, meta, 0.125)
@@ -276,3 +278,40 @@ def test_engine_gives_the_gather_paths_greedy_tokens(tiny, monkeypatch, case) ->
         assert stats.cached_prompt_tokens >= 2 * 32  # the followers' first two blocks came from the cache
     else:
         assert stats.num_preemptions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_cuda_graph_replays_decode_over_the_static_metadata() -> None:
+    """The runner's recipe (engine/attention/__init__.py): one warm-up step, capture write + attention over a static
+    metadata of 8 rows, then per step build(..., out=static) and replay; each replay matches the reference."""
+    h, kvh, d, nb, spare, width, rows = 9, 3, 64, 64, 63, 8, 8
+    kc, vc = torch.randn(2, nb, BS, kvh, d, device=DEV, dtype=torch.bfloat16)
+    static = AttentionMetadata.build([[spare]] * rows, [0] * rows, [1] * rows, BS, backend="triton", device=DEV,
+                                     pad_blocks=width, pad_block=spare)
+    q, k, v = (torch.zeros(rows, n, d, device=DEV, dtype=torch.bfloat16) for n in (h, kvh, kvh))
+
+    def step() -> torch.Tensor:
+        write_kv(kc, vc, k, v, static)
+        return paged_attention(q, k, v, kc, vc, static, 0.125)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # NOTE: Triton compiles on the first launch, which must not happen during capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed, lengths in ((5, [3, BS, 100]), (6, [BS + 1, 1, 40, 7, 120, 2])):
+        tables = _tables(lengths, nb - 1, seed=seed)
+        starts = [n - 1 for n in lengths]
+        AttentionMetadata.build(tables, starts, [1] * len(lengths), BS, backend="triton", device=DEV, pad_rows=rows,
+                                pad_blocks=width, pad_block=spare, out=static)
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, device=DEV, generator=g))
+        graph.replay()
+        n = len(lengths)
+        ref = _reference(q[:n], k[:n], v[:n], kc, vc, tables, starts, [1] * n)
+        torch.testing.assert_close(out[:n].float(), ref, rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])

@@ -5,15 +5,16 @@ backends, chosen once per engine by `select_backend(device, kv_dtype)` from `PDC
 - `kernel`: the compiled CPU kernel (engine/csrc/), planned by `inplace.py` / `cascade.py`: reads KV blocks in
   place, attends prefixes shared by several decode entries once per group; CPU only, float and int8 caches;
 - `gather`: the pure-torch path in `paged.py` (gather blocks + SDPA) on any device, the reference every backend is
-  tested against;
+  tested against (`paged.py` also holds the seam's two functions);
 - `triton`: the Triton kernels (`triton_kernels.py`, glue in `triton_backend.py`): split-KV paged decode with GQA,
   varlen prefill over a cached context, the KV write; any device (on the CPU only under TRITON_INTERPRET=1, set
   before the kernels are imported: tests).
 
-The step's metadata: `AttentionMetadata.build(block_tables, starts, num_new, block_size, device=..., backend=...)`
-lays the flat batch out (decode rows first, then prefill chunks), builds every tensor on the host (pinned for CUDA)
-and moves them with one non-blocking copy (`pack.py`); layers only read it (`write_kv(..., meta)`,
-`paged_attention(..., meta, scale)`), nothing in them creates a host tensor or syncs.
+The step's metadata (`metadata.py`):
+`AttentionMetadata.build(block_tables, starts, num_new, block_size, device=..., backend=...)` lays the flat batch
+out (decode rows first, then prefill chunks), builds every tensor on the host (pinned for CUDA) and moves them with
+one non-blocking copy (`pack.py`); layers only read it (`write_kv(..., meta)`, `paged_attention(..., meta, scale)`),
+nothing in them creates a host tensor or syncs.
 
 CUDA graphs (decode-only steps, triton backend). For a decode-only batch of B rows the metadata's tensors have
 shapes that depend only on (B, max_blocks), the block-table width:
@@ -29,7 +30,8 @@ How a runner uses it:
 1. reserve one spare KV block `S` that no sequence ever gets (the runner's, out of the block manager);
 2. at capture, per bucket of `rows` rows: `static = AttentionMetadata.build([[S]] * rows, [0] * rows, [1] * rows,
    block_size, device=dev, backend="triton", pad_blocks=max_blocks, pad_block=S)` (max_blocks = the widest table
-   the graph must take, e.g. cdiv(max_model_len, block_size)), then capture the forward with `static`;
+   the graph must take, e.g. cdiv(max_model_len, block_size)), run the forward with `static` once outside the
+   capture (Triton compiles a kernel on its first launch, which a capture must not see), then capture it;
 3. per step, a decode-only batch of B <= rows: `AttentionMetadata.build(tables, starts, [1] * B, block_size,
    device=dev, backend="triton", pad_rows=rows, pad_blocks=max_blocks, pad_block=S, out=static)` packs on the host
    and copies once (non-blocking, pinned) into `static`'s buffer (`static.copy_from(meta)` does the same for a
@@ -38,19 +40,19 @@ How a runner uses it:
 Padded rows are harmless: each writes its K/V into slot S * block_size (block S's first slot) and attends that one
 slot (seq_len 1, block table row all S), so they never touch a real sequence's blocks; their output rows are
 ignored. Table columns past a row's length hold S and are never read (loads are masked by seq_len).
+tests/test_triton_attention.py::test_a_cuda_graph_replays_decode_over_the_static_metadata follows this recipe (gpu).
 """
 
 from engine.attention.backend import select_backend, triton_interpreting
-from engine.attention.paged import (
+from engine.attention.metadata import (
     DECODE_PAD_RATIO,
     PREFILL_CHUNK,
     PREFILL_MODES,
     AttentionMetadata,
     DecodeGroup,
     PrefillSpan,
-    paged_attention,
-    write_kv,
 )
+from engine.attention.paged import paged_attention, write_kv
 from engine.attention.triton_backend import TritonMetadata, num_kv_splits
 
 __all__ = ["DECODE_PAD_RATIO", "PREFILL_CHUNK", "PREFILL_MODES", "AttentionMetadata", "DecodeGroup", "PrefillSpan",

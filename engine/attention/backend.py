@@ -22,7 +22,8 @@ def triton_interpreting() -> bool:
 def select_backend(device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None) -> str:
     """The attention backend for an engine on `device` with KV stored as `kv_dtype`: "kernel", "gather" or "triton".
 
-    auto: "triton" on CUDA (the gather path for an int8 KV cache, which the Triton kernels do not read), on the CPU
+    auto: "triton" on CUDA (the gather path for an int8 KV cache, which the Triton kernels do not read, or without
+    triton installed), on the CPU
     the compiled kernel when built, else "gather". An explicit choice that cannot run raises, naming the variable.
     """
     dev = torch.device(device)
@@ -30,7 +31,7 @@ def select_backend(device: torch.device | str = "cpu", kv_dtype: torch.dtype | N
     int8 = kv_dtype == torch.int8
     if choice == "auto":
         if dev.type == "cuda":
-            return "gather" if int8 else "triton"
+            return "gather" if int8 or importlib.util.find_spec("triton") is None else "triton"
         return "kernel" if dev.type == "cpu" and attention_kernel() is not None else "gather"
     if choice == "kernel":
         if dev.type != "cpu":

@@ -3,8 +3,9 @@ that launches engine/attention/triton_kernels.py.
 
 A step's flat batch is `num_decode` decode rows (one query each) and then prefill chunks. Decode rows go to the
 split-KV decode kernel and its log-sum-exp merge; prefill chunks with cached context (chunked prefill, speculative
-verification) to the varlen prefill kernel; chunks that start their sequence to SDPA over their own K/V (flash on
-CUDA). The kernels module imports Triton, so it is imported on first use only.
+verification) and short chunks that start their sequence to the varlen prefill kernel, all in one launch; long
+chunks that start their sequence to SDPA over their own K/V (flash on CUDA). The kernels module imports Triton, so
+it is imported on first use only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import torch.nn.functional as F
 SPLIT_MIN_TOKENS = 256  # no split shorter than this (its partial result and merge would cost more than it saves)
 SPLIT_TARGET_PROGRAMS = 128  # rows x splits aimed at (x KV heads: enough programs to fill an H100's 132 SMs)
 MAX_SPLITS = 16
+# NOTE: a chunk that starts its sequence goes to SDPA (flash) from this many rows: one call per chunk, which pays
+# for long prompts (flash's tiling); shorter ones join the one varlen launch (a batch of many short prompts would
+# otherwise cost a call each per layer).
+SDPA_MIN_ROWS = 256
 
 
 def num_kv_splits(rows: int, max_blocks: int, block_size: int) -> int:
@@ -36,12 +41,12 @@ class TritonMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32: decode rows' block tables, padded with `pad_block`
     seq_lens: torch.Tensor  # [B] int32: tokens each decode row attends (its context, the new token included)
     num_splits: int  # key ranges per decode row (num_kv_splits of the shapes above)
-    q_start: torch.Tensor  # [P] int32: flat row of the first query of each prefill chunk with cached context
+    q_start: torch.Tensor  # [P] int32: flat row of the first query of each chunk the varlen kernel attends
     q_lens: torch.Tensor  # [P] int32: its query rows
     ctx_lens: torch.Tensor  # [P] int32: tokens with KV after this step (cached context + the chunk)
     ctx_block_tables: torch.Tensor  # [P, max_ctx_blocks] int32
-    max_q_len: int  # longest chunk with context (the prefill kernel's grid; 0 when none)
-    own: list[tuple[int, int]]  # (first flat row, rows) of prefill chunks that start their sequence (SDPA)
+    max_q_len: int  # longest of those chunks (the prefill kernel's grid; 0 when none)
+    own: list[tuple[int, int]]  # (first flat row, rows) of chunks that start their sequence, >= SDPA_MIN_ROWS (SDPA)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors in packing order (engine/attention/pack.py)."""
@@ -72,7 +77,7 @@ def build_triton(block_tables: list[list[int]], starts: list[int], num_new: list
     own: list[tuple[int, int]] = []
     q_start = num_decode
     for i in range(num_decode, len(num_new)):
-        if starts[i] > 0:
+        if starts[i] > 0 or num_new[i] < SDPA_MIN_ROWS:
             ctx.append(i)
         else:
             own.append((q_start, num_new[i]))

@@ -79,8 +79,9 @@ def _decode_kernel(
     safe_l = tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log(safe_l), float("-inf"))
     o = acc / safe_l[:, None]
+    # NOTE: an empty range stores only its lse (the merge reads no partial result behind a -inf)
     tl.store(mid_o_ptr + row * stride_mot + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :], o,
-             mask=g_mask[:, None] & d_mask[None, :])
+             mask=g_mask[:, None] & d_mask[None, :] & has[:, None])
     tl.store(mid_lse_ptr + row * stride_mlt + heads * stride_mlh + split, lse, mask=g_mask)
 
 
@@ -98,8 +99,9 @@ def _merge_kernel(
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(mid_lse_ptr + row * stride_mlt + head * stride_mlh + offs_s, mask=s_mask, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    filled = s_mask & (lse > float("-inf"))
     o = tl.load(mid_o_ptr + row * stride_mot + head * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [S_PAD, D_PAD]
+                mask=filled[:, None] & d_mask[None, :], other=0.0)  # [S_PAD, D_PAD]
     res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
