@@ -59,11 +59,11 @@ def graphs_wanted(device: torch.device, backend: str, enforce_eager: bool) -> bo
 class _Graph:
     """One captured bucket: its graph and the static tensors it reads and writes."""
 
-    def __init__(self, rows: int, ids: torch.Tensor, meta: AttentionMetadata) -> None:
+    def __init__(self, rows: int, ids: torch.Tensor, meta: AttentionMetadata, cuda: bool) -> None:
         self.rows = rows
         self.ids_pos = ids  # [2, rows] int64: input ids, then positions
         self.meta = meta
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph() if cuda else None
         self.hidden: torch.Tensor | None = None  # [rows, d], written by every replay
 
 
@@ -87,18 +87,31 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (smaller ones then reuse the pool's memory)."""
+        """Capture every bucket, largest first (smaller ones then reuse the pool's memory).
+
+        NOTE: on a device without CUDA graphs (the CPU, with Triton's interpreter: the tests) only the static buffers
+        are made, and `run` computes the forward over them eagerly: the same padding and copies, no graph.
+        """
         pool = None
+        cuda = self.device.type == "cuda"
         for rows in sorted(self.buckets, reverse=True):
             ids_pos = torch.zeros(2, rows, dtype=torch.long, device=self.device)
-            g = _Graph(rows, ids_pos, self._static_meta(rows))
-            self.forward(ids_pos[0], ids_pos[1], g.meta)  # NOTE: eager warm-up: Triton compiles outside the capture
-            torch.cuda.synchronize(self.device)
-            with torch.cuda.graph(g.graph, pool=pool):
-                g.hidden = self.forward(ids_pos[0], ids_pos[1], g.meta)
-            pool = g.graph.pool()
+            g = _Graph(rows, ids_pos, self._static_meta(rows), cuda)
+            if cuda:
+                # NOTE: the warm-up launch on a side stream: Triton compiles on a kernel's first launch, which must
+                # not happen during capture (engine/attention/__init__.py)
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self.forward(ids_pos[0], ids_pos[1], g.meta)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                assert g.graph is not None
+                with torch.cuda.graph(g.graph, pool=pool):
+                    g.hidden = self.forward(ids_pos[0], ids_pos[1], g.meta)
+                pool = g.graph.pool()
             self.graphs[rows] = g
-        torch.cuda.synchronize(self.device)
+        if cuda:
+            torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def run(self, ids: list[int], positions: list[int], tables: list[list[int]],
@@ -112,9 +125,12 @@ class DecodeGraphs:
                                 backend="triton", pad_rows=rows, pad_blocks=self.max_blocks,
                                 pad_block=self.spare_block, out=g.meta)
         padded_ids, padded_pos = pad_decode(ids, positions, rows)
-        host = pack([torch.tensor([padded_ids, padded_pos], dtype=torch.long)], torch.device("cpu"),
-                    pin=True).host
-        g.ids_pos.view(-1).view(torch.uint8).copy_(host, non_blocking=True)
-        g.graph.replay()
+        cuda = g.graph is not None
+        host = pack([torch.tensor([padded_ids, padded_pos], dtype=torch.long)], torch.device("cpu"), pin=cuda).host
+        g.ids_pos.view(-1).view(torch.uint8).copy_(host, non_blocking=cuda)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.hidden = self.forward(g.ids_pos[0], g.ids_pos[1], g.meta)
         assert g.hidden is not None
         return g.hidden[: len(ids)]
