@@ -90,12 +90,12 @@ PY
 
 export PY SITE OUTDIR
 export -f setup
-step setup 40 bash -c setup  # NOTE: timeout runs programs, not shell functions
+step setup 30 bash -c setup  # NOTE: timeout runs programs, not shell functions
 step correctness 90 "$PY" -m pdcluster.bench.engine_gpu --device cuda --out "$OUTDIR/correctness.json"
 GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
 # NOTE: the two correctness tests repeat step 2 (its JSON has the figures); the files without gpu tests are not
 # collected at all (they import ray, pydantic or redis, which the GPU image lacks).
-step gpu_tests 140 "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 90 -o addopts="" --junitxml "$OUTDIR/pytest.xml" \
+step gpu_tests 130 "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 90 -o addopts="" --junitxml "$OUTDIR/pytest.xml" \
   -k "not equals_the_cpu and not matches_transformers" $GPU_TESTS
 step bench 110 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 1 \
   --out "$OUTDIR/bench_engine_device.json"

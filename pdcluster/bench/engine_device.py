@@ -129,11 +129,13 @@ def _measure_ours(ours: _Ours, name: str, batches: list[int], prefill: bool, arg
     for b in batches:
         log("engine", f"ours ({name}): decode batch {b}, {n_dec} tokens after {ctx}")
         first, total = _best(args.repeats, lambda b=b: ours.run(prompts(b, ctx), n_dec))
-        figures["decode"].setdefault(str(b), {})[f"ours_{name}_tok_s"] = b * (n_dec - 1) / (total - first)
+        tok_s = figures["decode"].setdefault(str(b), {})[f"ours_{name}_tok_s"] = b * (n_dec - 1) / (total - first)
+        log("engine", f"  {tok_s:.1f} tok/s")  # NOTE: each figure in the log as it comes (a run cut short keeps it)
     if prefill:
         log("engine", f"ours: prefill {n_pre} tokens")
         (first,) = _best(args.repeats, lambda: (ours.run(prompts(1, n_pre), 1)[0],))
         figures["prefill"][str(n_pre)] = {"ours_tok_s": n_pre / first}
+        log("engine", f"  {n_pre / first:.1f} tok/s")
 
 
 def measure_device(args: argparse.Namespace) -> dict[str, Any]:
@@ -178,11 +180,13 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
             row = figures["decode"][str(b)]
             row["transformers_tok_s"] = b * (n_dec - 1) / (t_all - t_one)
             row["ratio"] = row[f"ours_{main}_tok_s"] / row["transformers_tok_s"]
+            log("engine", f"  {row['transformers_tok_s']:.1f} tok/s (ours {row['ratio']:.2f}x)")
         log("engine", f"transformers: prefill {n_pre}")
         (t_pre,) = _best(args.repeats, lambda: (ref.run(prompts(1, n_pre), 1),))
         row = figures["prefill"][str(n_pre)]
         row["transformers_tok_s"] = n_pre / t_pre
         row["ratio"] = row["ours_tok_s"] / row["transformers_tok_s"]
+        log("engine", f"  {row['transformers_tok_s']:.1f} tok/s (ours {row['ratio']:.2f}x)")
         del ref
     # limits measured here
     cuda = device.type == "cuda"
