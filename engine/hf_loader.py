@@ -159,7 +159,9 @@ def load_hf_dir(path: str, name: str, device: str | torch.device = "cpu",
     weights: Weights = {}
     for file in _weight_files(path):
         try:
-            with safe_open(file, framework="pt") as f:
+            # NOTE: a CUDA target reads each tensor straight onto the GPU (then converts it there)
+            where = str(device) if torch.device(device).type == "cuda" else "cpu"
+            with safe_open(file, framework="pt", device=where) as f:
                 for key in f.keys():
                     if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config; old checkpoints saved it
                         continue

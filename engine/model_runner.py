@@ -14,6 +14,7 @@ GPU worker (greedy requests agree up to near-ties: pdcluster/bench/engine_gpu.py
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -100,7 +101,16 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graphs_wanted(self.device, self.attn_backend, engine_cfg.enforce_eager):
             width = -(-min(max_model_len, num_blocks * self.block_size) // self.block_size)
-            self.graphs = DecodeGraphs(self._forward_graphed, self.device, self.block_size, self.spare_block, width,
+            # NOTE: the graphs call back into the runner through a weak reference, so an engine that is dropped
+            # frees its GPU memory at once (a runner <-> graphs cycle would wait for the garbage collector)
+            runner = weakref.ref(self)
+
+            def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                r = runner()
+                assert r is not None, "the runner of these graphs is gone"
+                return r._forward_graphed(ids, positions, meta)
+
+            self.graphs = DecodeGraphs(forward, self.device, self.block_size, self.spare_block, width,
                                        graph_buckets(engine_cfg.max_num_seqs))
 
     def _allocate_kv(self, num_blocks: int) -> None:
