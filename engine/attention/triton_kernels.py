@@ -23,8 +23,15 @@ from engine.attention.backend import triton_interpreting
 INTERPRETED = triton_interpreting()
 FP32_PRECISION = "ieee"  # float32 dots: exact fp32 products (a GPU's default would be tf32); "tf32" for speed
 DECODE_BLOCK_N = 64  # keys per decode tile
-PREFILL_BLOCK_M = 32  # query rows per prefill program
-PREFILL_BLOCK_N = 64  # keys per prefill tile
+# query rows per prefill program, keys per prefill tile: 64 x 64 for 16-bit tiles; float32 tiles take twice the
+# shared memory per element, so 32 x 32 keeps the pipelined K/V tiles well inside an H100's 227 KiB per block
+PREFILL_TILES = {torch.float32: (32, 32)}
+PREFILL_TILES_16BIT = (64, 64)
+
+
+def prefill_tiles(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill kernel for q/K/V of `dtype`."""
+    return PREFILL_TILES.get(dtype, PREFILL_TILES_16BIT)
 
 
 @triton.jit
@@ -239,13 +246,14 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_sta
     q_lens[i]..) over their paged context (block_tables [P, W] int32) into out's rows."""
     _check(q, k_cache, v_cache, out)
     p, (h, d), kvh = q_lens.shape[0], q.shape[1:], k_cache.shape[2]
-    grid = (p, h, triton.cdiv(max_q_len, PREFILL_BLOCK_M))
+    block_m, block_n = prefill_tiles(q.dtype)
+    grid = (p, h, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, q_start, q_lens, ctx_lens, block_tables, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
-        GROUP=h // kvh, HEAD_DIM=d, D_PAD=_pad(d), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=PREFILL_BLOCK_N, UPCAST=INTERPRETED, PRECISION=_precision(q.dtype, precision))
+        GROUP=h // kvh, HEAD_DIM=d, D_PAD=_pad(d), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=INTERPRETED, PRECISION=_precision(q.dtype, precision))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
