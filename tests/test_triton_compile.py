@@ -49,7 +49,8 @@ def compile_all(dtype: str, precision: str, group: int, d: int) -> None:
     shared = _compile(tk._prefill_kernel, {
         "q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
         "q_start_ptr": "*i32", "q_lens_ptr": "*i32", "ctx_lens_ptr": "*i32", "block_tables_ptr": "*i32",
-    }, tiles | dict(zip(("BLOCK_M", "BLOCK_N"), tk.prefill_tiles(torch_dtype))))
+    }, tiles | dict(zip(("BLOCK_M", "BLOCK_N"), tk.prefill_tiles(torch_dtype)),
+                    BLOCK_Q=tk.prefill_tiles(torch_dtype)[0] // group))
     assert 0 < shared <= MAX_SHARED, shared
     _compile(tk._merge_kernel, {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": f"*{dtype}"},
              dict(NUM_SPLITS=3, S_PAD=4, HEAD_DIM=d, D_PAD=tk._pad(d)))
