@@ -1,6 +1,7 @@
 """The Triton attention kernels against the pure-torch gather path, number by number: split-KV decode with GQA,
 block boundaries, prefill chunks over a cached context, the KV write, padded rows and the static metadata a CUDA
-graph reads. Without CUDA they run under Triton's interpreter on CPU tensors (the same kernels a GPU compiles).
+graph reads. Without CUDA they run under Triton's interpreter on CPU tensors (the same kernels a GPU compiles); the
+kernel tests are also marked gpu, so scripts/gpu-check.sh (pytest -m gpu) runs them compiled on the device.
 
 Tolerances: float32 kernels use input_precision="ieee" (exact fp32 products), so they differ from the reference only
 by summation order (~1e-6). bfloat16: the output is rounded to bf16 (one ulp = 2^-7 relative, 0.016 at |x| ~ 2) and,
@@ -75,6 +76,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tens
     return paged_attention(f[0], f[1], f[2], f[3], f[4], meta, 0.125)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16)])
 @pytest.mark.parametrize("splits", [None, 1, 3])
@@ -95,6 +97,7 @@ def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, head
     torch.testing.assert_close(out.float(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_over_a_cached_context_in_a_mixed_batch(dtype) -> None:
     """Decode rows, chunks whose cached context ends before / at / after a block boundary (speculative-verification
@@ -114,6 +117,7 @@ def test_prefill_chunks_over_a_cached_context_in_a_mixed_batch(dtype) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_write_stores_exactly_what_index_copy_does(dtype) -> None:
     t, kvh, d, nb = 37, 3, 64, 8
@@ -133,6 +137,7 @@ def test_kv_write_stores_exactly_what_index_copy_does(dtype) -> None:
     assert torch.equal(kc.view(-1, kvh, d)[slots[1::2]], k[1::2]) and int(kc.ne(0).sum()) == k[1::2].numel()
 
 
+@pytest.mark.gpu
 def test_padded_rows_and_the_static_metadata_of_a_graph() -> None:
     """A decode batch of 3 padded to 8 rows and to the static table width, copied into a static metadata: the real
     rows match the reference, padded rows write and read only the spare block, and other shapes are refused."""
@@ -245,6 +250,7 @@ def _run_engine(loaded, backend: str, monkeypatch, first: list[int], rest: list[
     return [final["first"].token_ids] + [final[f"r{i}"].token_ids for i in range(len(rest))], engine.stats()
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreted engine on the CPU; on a GPU pdcluster.bench.engine_gpu compares")
 @pytest.mark.parametrize("case", ["prefix_cache", "chunked_prefill_preemption"])
 def test_engine_gives_the_gather_paths_greedy_tokens(tiny, monkeypatch, case) -> None:
     """The tiny model end to end with PDCLUSTER_ATTENTION=triton (interpreted on the CPU): the same greedy tokens as

@@ -23,8 +23,16 @@ from engine.attention.backend import triton_interpreting
 INTERPRETED = triton_interpreting()
 FP32_PRECISION = "ieee"  # float32 dots: exact fp32 products (a GPU's default would be tf32); "tf32" for speed
 DECODE_BLOCK_N = 64  # keys per decode tile
-PREFILL_BLOCK_M = 32  # query rows per prefill program
-PREFILL_BLOCK_N = 64  # keys per prefill tile
+# tile rows per prefill program (query tokens x their GQA group), keys per tile: 64 x 64 for 16-bit tiles; float32
+# tiles take twice the shared memory per element, so 32 x 32 keeps the pipelined K/V tiles well inside an H100's
+# 227 KiB per block
+PREFILL_TILES = {torch.float32: (32, 32)}
+PREFILL_TILES_16BIT = (64, 64)
+
+
+def prefill_tiles(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill kernel for q/K/V of `dtype`."""
+    return PREFILL_TILES.get(dtype, PREFILL_TILES_16BIT)
 
 
 @triton.jit
@@ -112,30 +120,33 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """BLOCK_M query rows of one prefill chunk x one query head, over the chunk's cached context and itself (the
-    chunk's K/V are already in the cache), causal: the query at position p sees keys 0..p."""
+    """BLOCK_Q query tokens of one prefill chunk x one KV head's GQA group (tile row i: token i // GROUP, query head
+    i % GROUP, BLOCK_Q * GROUP <= BLOCK_M rows), over the chunk's cached context and itself (the chunk's K/V are
+    already in the cache), causal: the query at position p sees keys 0..p. Each K/V tile is read once per group."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    mb = tl.program_id(2)
-    kvh = head // GROUP
+    kvh = tl.program_id(1)
+    qb = tl.program_id(2)
     q0 = tl.load(q_start_ptr + seq)
     q_len = tl.load(q_lens_ptr + seq)
     ctx_len = tl.load(ctx_lens_ptr + seq)
     first_pos = ctx_len - q_len  # position of the chunk's first query
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_i = tl.arange(0, BLOCK_M)
+    tok = qb * BLOCK_Q + offs_i // GROUP  # [BLOCK_M]: the query token of each tile row
+    heads = kvh * GROUP + offs_i % GROUP
     offs_d = tl.arange(0, D_PAD)
-    m_mask = offs_m < q_len
+    m_mask = (offs_i < BLOCK_Q * GROUP) & (tok < q_len)
     d_mask = offs_d < HEAD_DIM
-    rows = (q0 + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    rows = (q0 + tok).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, D_PAD]
     if UPCAST:
         q = q.to(tl.float32)
-    pos = first_pos + offs_m
-    # NOTE: the last row of this tile sees up to first_pos + (mb + 1) * BLOCK_M - 1; a tile past the chunk reads none
-    kv_end = tl.where(mb * BLOCK_M < q_len, tl.minimum(ctx_len, first_pos + (mb + 1) * BLOCK_M), 0)
+    pos = first_pos + tok
+    # NOTE: the last token of this tile sees up to first_pos + (qb + 1) * BLOCK_Q - 1; a tile past the chunk reads none
+    kv_end = tl.where(qb * BLOCK_Q < q_len, tl.minimum(ctx_len, first_pos + (qb + 1) * BLOCK_Q), 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -162,7 +173,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -239,13 +250,17 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_sta
     q_lens[i]..) over their paged context (block_tables [P, W] int32) into out's rows."""
     _check(q, k_cache, v_cache, out)
     p, (h, d), kvh = q_lens.shape[0], q.shape[1:], k_cache.shape[2]
-    grid = (p, h, triton.cdiv(max_q_len, PREFILL_BLOCK_M))
+    group = h // kvh
+    block_m, block_n = prefill_tiles(q.dtype)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group  # query tokens per program (their GROUP heads fill the tile's rows)
+    grid = (p, kvh, triton.cdiv(max_q_len, block_q))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, q_start, q_lens, ctx_lens, block_tables, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
-        GROUP=h // kvh, HEAD_DIM=d, D_PAD=_pad(d), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=PREFILL_BLOCK_N, UPCAST=INTERPRETED, PRECISION=_precision(q.dtype, precision))
+        GROUP=group, HEAD_DIM=d, D_PAD=_pad(d), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=block_n, UPCAST=INTERPRETED, PRECISION=_precision(q.dtype, precision))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
