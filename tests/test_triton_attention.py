@@ -99,11 +99,12 @@ def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, head
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_chunks_over_a_cached_context_in_a_mixed_batch(dtype) -> None:
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16)])
+def test_prefill_chunks_over_a_cached_context_in_a_mixed_batch(dtype, heads, kv_heads, head_dim) -> None:
     """Decode rows, chunks whose cached context ends before / at / after a block boundary (speculative-verification
     sized and longer than one 32-row tile), a short chunk that starts its sequence (the same varlen launch) and a
-    long one (SDPA), in one step."""
-    h, kvh, d, nb = 9, 3, 64, 64
+    long one (SDPA), in one step; GQA (a group of 3 in 64-row tiles: 21 tokens each) and plain multi-head."""
+    h, kvh, d, nb = heads, kv_heads, head_dim, 64
     starts = [40, 7, 1, BS - 1, BS, BS + 1, 100, 0, 0]
     num_new = [1, 1, 3, 2, 17, 40, 70, 33, SDPA_MIN_ROWS + 4]
     tables = _tables([s + n for s, n in zip(starts, num_new)], nb, seed=2)
