@@ -2,7 +2,8 @@
 
 Life of a worker:
 1. load the model, build the engine and its loop, register with the prefix index (a new epoch: entries of a
-   previous life of this worker name are purged);
+   previous life of this worker name are purged); with Redis down the worker starts anyway and the publisher
+   thread registers it, retrying with backoff, once Redis is back (a restart during an outage must not fail);
 2. a publisher thread sends the prefix cache's stored/evicted block events, prefix-hit counts and a heartbeat
    with the load (and the port of this worker's own /metrics, cluster/worker_metrics.py) to Redis, off the request
    path; a Redis outage is logged and the index resynced when it is back;
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 0.5
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
+REGISTER_BACKOFF_S = (0.2, 5.0)  # first and largest wait between registration attempts while Redis is down
 
 
 class RequestAborted(EngineError):
@@ -131,7 +133,12 @@ class Worker:
             self.index = PrefixIndex(connect(spec.redis_url, spec.redis_auth), spec.key_prefix,
                                      RedisBreaker(spec.name))
             self.metrics.registry.register(self.index.breaker)
-            self.epoch = self.index.register_worker(spec.name)
+        self._registered = False
+        self._register_wait = REGISTER_BACKOFF_S[0]
+        self._register_at = 0.0  # monotonic time of the next registration attempt
+        # NOTE: one attempt here, so a worker that starts with Redis up answers `info` with its epoch; with Redis
+        # down the constructor must not raise (Ray would mark the actor dead for good): the publisher retries
+        self._try_register()
         self._resync = False
         self._superseded = False  # a newer incarnation of this worker registered: this one writes no more
         self._publisher = threading.Thread(target=self._publish_loop, daemon=True, name=f"{spec.name}-publisher")
@@ -211,11 +218,36 @@ class Worker:
             raise RequestAborted("the request was aborted before it reached this worker", request_id)
 
     # ---- publishing ---------------------------------------------------------------------------------------
+    def _try_register(self) -> bool:
+        """Register with the prefix index (a new epoch) once; on failure schedule the next try with backoff."""
+        if self.index is None or self._registered:
+            return True
+        now = time.monotonic()
+        if now < self._register_at:
+            return False
+        try:
+            self.epoch = self.index.register_worker(self.name)
+        except Exception as e:  # noqa: BLE001 - Redis down or refusing: serve anyway, register later
+            if self._register_wait == REGISTER_BACKOFF_S[0]:
+                log.warning("%s: cannot register with the prefix index (%s); serving without it, retrying", self.name,
+                            e)
+            self._register_at = now + self._register_wait
+            self._register_wait = min(REGISTER_BACKOFF_S[1], self._register_wait * 2)
+            return False
+        if self._register_wait != REGISTER_BACKOFF_S[0]:
+            log.warning("%s: registered with the prefix index (epoch %d)", self.name, self.epoch)
+        self._registered = True
+        return True
+
     def _publish_loop(self) -> None:
         last_beat, failing = 0.0, False
         while not self._closed.wait(PUBLISH_INTERVAL_S):
             if self.index is None or self._superseded:
                 continue
+            if not self._registered:
+                if not self._try_register():
+                    continue
+                self._resync = True  # NOTE: the whole cache goes to the index (events drained meanwhile are lost)
             with self.loop.lock:
                 stored, removed = self.engine.block_manager.pool.drain_events()
                 if self._resync:
@@ -278,7 +310,7 @@ class Worker:
         self.loop.close()
         self.metrics.close()
         tracing.flush()
-        if self.index is not None:
+        if self.index is not None and self._registered:
             try:
                 self.index.unregister_worker(self.name, self.epoch)
             except Exception as e:  # noqa: BLE001 - Redis may already be gone at shutdown

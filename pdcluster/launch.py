@@ -76,7 +76,8 @@ class Cluster:
 
         cfg = self.config
         if self.redis_url is None:
-            self.redis = EmbeddedRedis(password=self.redis_auth.password).start()
+            # NOTE: supervised: restarted on the same port with the same password if it dies
+            self.redis = EmbeddedRedis(password=self.redis_auth.password).start().supervise()
             # NOTE: the password (the configured one, or one made for this start) travels in RedisAuth (never
             # printed), not in the URL workers are given
             self.redis_auth = dataclasses.replace(self.redis_auth, password=self.redis.password)

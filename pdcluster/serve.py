@@ -72,6 +72,8 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
 async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None) -> None:
     cfg = cluster.config
     router = make_router(cluster)
+    # NOTE: /live answers 503 (restart this process) once the embedded Redis cannot be restarted
+    router.fatal_checks.append(lambda: cluster.redis.failure if cluster.redis is not None else None)
     keys, tls = security.api_keys(cfg), security.ssl_context(cfg)
     open_ok = cfg.security.allow_unauthenticated
     # NOTE: an extra router (attached) follows lost workers too, but only the process that started the workers
