@@ -126,12 +126,13 @@ class Worker:
         self.index = None
         self.epoch = 0
         if spec.redis_url:
-            from cluster.prefix_index import PrefixIndex
+            from cluster.prefix_index import PrefixIndex, heartbeat_key
             from cluster.redis_breaker import RedisBreaker
             from cluster.redis_client import connect
 
+            # NOTE: heartbeats signed with the cluster token: a reader trusts no KV address a stranger wrote
             self.index = PrefixIndex(connect(spec.redis_url, spec.redis_auth), spec.key_prefix,
-                                     RedisBreaker(spec.name))
+                                     RedisBreaker(spec.name), heartbeat_key(spec.transfer.cluster_token))
             self.metrics.registry.register(self.index.breaker)
         self._registered = False
         self._register_wait = REGISTER_BACKOFF_S[0]
@@ -350,6 +351,12 @@ class WorkerActor:
 
     async def load(self) -> WorkerLoad:
         return self.worker.load()
+
+    async def heartbeat_key(self) -> bytes | None:
+        """The key this worker signs its heartbeats with (an extra router checks them with it)."""
+        from cluster.prefix_index import heartbeat_key
+
+        return heartbeat_key(self.worker.spec.transfer.cluster_token)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.to_thread(self.worker.abort, request_id)

@@ -280,6 +280,8 @@ class SecurityConfig(BaseModel):
                                      "keys clients must send (comma-separated); unset: no key needed")
     cluster_token_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
                                           "token KV transfer peers must present; unset: a random one per start")
+    admin_api_keys_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
+                                           "keys of admin calls (Scale), comma-separated; unset: api_keys open them")
     # NOTE: as Redis's protected mode: a router bound to a non-loopback address (router.host / http.host) without
     # API keys is refused at start unless this says so (pdcluster/security.py, check_exposure)
     allow_unauthenticated: bool = Field(default=False, description="serve other machines without API keys "

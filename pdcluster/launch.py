@@ -19,7 +19,7 @@ import pathlib
 from typing import Any
 
 from cluster.messages import Role, WorkerInfo
-from cluster.prefix_index import PrefixIndex
+from cluster.prefix_index import PrefixIndex, heartbeat_key
 from cluster.worker import WorkerSpec
 from pdcluster import security
 from pdcluster.config import ClusterConfig
@@ -64,6 +64,7 @@ class Cluster:
         self.redis_url = config.redis.url
         self.redis_auth = security.redis_auth(config)
         self.cluster_token = security.cluster_token(config)
+        self.heartbeat_key = heartbeat_key(self.cluster_token)  # what the router checks heartbeats with
         self.kv_tls = security.kv_tls(config)
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, WorkerInfo] = {}
@@ -121,6 +122,9 @@ class Cluster:
         names = [f"{role}-{i}" for role, pool in cfg.pools().items() for i in range(pool.replicas)]
         self.actors = {n: ray.get_actor(n, namespace=cfg.ray.namespace) for n in names}
         self.infos = dict(zip(names, ray.get([self.actors[n].info.remote() for n in names], timeout=60)))
+        # NOTE: the workers' token may be a random one of the serving process: its heartbeat key comes from a
+        # worker, over Ray (whoever can call the actors can run code in them anyway)
+        self.heartbeat_key = ray.get(self.actors[names[0]].heartbeat_key.remote(), timeout=60)
         self._attached = True
         return self
 
@@ -229,7 +233,8 @@ class Cluster:
 
     def index(self) -> PrefixIndex:
         assert self.redis_url is not None
-        return PrefixIndex(connect(self.redis_url, self.redis_auth), self.config.redis.key_prefix)
+        return PrefixIndex(connect(self.redis_url, self.redis_auth), self.config.redis.key_prefix,
+                           signing_key=self.heartbeat_key)
 
     def handles(self) -> list[WorkerHandle]:
         """One WorkerHandle per worker (fresh load views) for a Router."""

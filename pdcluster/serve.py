@@ -81,7 +81,7 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
     scaler = PoolScaler(router, None if cluster.attached else cluster)
     server, port = await start_server(router, cfg.router.host, cfg.router.port, api_keys=keys,
                                       credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok,
-                                      scaler=scaler)
+                                      scaler=scaler, admin_keys=security.admin_api_keys(cfg))
     autoscaler = None
     if cfg.autoscaler.enabled and cluster.attached:
         log.warning("autoscaler.enabled: this router joined workers another process started; that process runs "

@@ -37,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "multinode.sh"
 SUBNET = "10.78.0"  # NOTE: not the demo's 10.77.0, so a demo left running never meets the tests
 NET = {"PDC_MN_PREFIX": "pdcmt", "PDC_MN_SUBNET": SUBNET, "PDC_MN_PORT": "26479", "PDC_MN_DIR": "/tmp/pdcmt",
+       "PDCLUSTER_REDIS_PASSWORD": "multinode-test-redis-pw",  # deploy/cpu-multinode.yaml's redis.password_env
        "PDC_MN_NODES": "prefill decode decode"}
 NODE_OF_IP = {f"{SUBNET}.2": "n1", f"{SUBNET}.3": "n2", f"{SUBNET}.4": "n3"}
 ROUTER = f"{SUBNET}.1:50051"
