@@ -7,7 +7,9 @@ Life of a worker:
 2. a publisher thread sends the prefix cache's stored/evicted block events, prefix-hit counts and a heartbeat
    with the load (and the port of this worker's own /metrics, cluster/worker_metrics.py) to Redis, off the request
    path; a Redis outage is logged and the index resynced when it is back;
-3. the subclasses (prefill, decode/colocated) take requests; `close()` unregisters and stops everything.
+3. the subclasses (prefill, decode/colocated) take requests; a request whose lease no live router renews is aborted
+   (cluster/leases.py: a router killed with `kill -9` leaves nothing running);
+4. `close()` unregisters and stops everything.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from cluster import faults, tracing
+from cluster.leases import RequestLeases
 from cluster.messages import Role, WorkerInfo, WorkerLoad
 from cluster.process import pin_cpus, process_info, set_nice
 from cluster.redis_client import RedisAuth
@@ -41,6 +44,7 @@ PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 0.5
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
 REGISTER_BACKOFF_S = (0.2, 5.0)  # first and largest wait between registration attempts while Redis is down
+LEASE_CHECK_S = 0.5  # how often running requests' leases are checked (cluster/leases.py)
 
 
 class RequestAborted(EngineError):
@@ -118,6 +122,7 @@ class Worker:
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
         self._aborted: dict[str, float] = {}  # request id → when an abort for it came (under the loop lock)
         self._closed = threading.Event()
+        self.leases = RequestLeases()  # NOTE: on once a router renews; a dead router's requests are aborted
         self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load)
         if spec.metrics_port is not None:
             host = node_address(spec.metrics_host)
@@ -240,9 +245,29 @@ class Worker:
         self._registered = True
         return True
 
+    def renew_leases(self, request_ids: list[str], lease_s: float) -> None:
+        """A live router still wants these requests (cluster/leases.py)."""
+        self.leases.renew(request_ids, lease_s)
+
+    def _expire_leases(self) -> None:
+        """Abort every running request whose lease no live router renewed (its blocks are freed)."""
+        with self.loop.lock:
+            scheduler = self.engine.scheduler
+            running = [seq.request_id for seq in (*scheduler.running, *scheduler.waiting)]
+        for rid in self.leases.expired(running):
+            log.warning("%s: no live router renewed the lease of %s for %.0f s: aborting it", self.name, rid,
+                        self.leases.lease_s or 0.0)
+            self.abort(rid, "its router is gone (lease expired)")
+
     def _publish_loop(self) -> None:
-        last_beat, failing = 0.0, False
+        last_beat, failing, leases_at = 0.0, False, 0.0
         while not self._closed.wait(PUBLISH_INTERVAL_S):
+            if time.monotonic() - leases_at >= LEASE_CHECK_S:
+                leases_at = time.monotonic()
+                try:
+                    self._expire_leases()
+                except Exception:  # noqa: BLE001 - a bug here must not stop the heartbeats
+                    log.exception("%s: checking request leases failed", self.name)
             if self.index is None or self._superseded:
                 continue
             if not self._registered:
@@ -351,6 +376,18 @@ class WorkerActor:
 
     async def load(self) -> WorkerLoad:
         return self.worker.load()
+
+    async def renew_leases(self, request_ids: list[str], lease_s: float) -> None:
+        """A router's one renewal per period for all its requests in flight (router/leases.py)."""
+        self.worker.renew_leases(request_ids, lease_s)
+
+    async def prove_token(self, nonce: bytes) -> bytes:
+        """HMAC of `nonce` with this worker's cluster token: a `serve` re-attaches only to workers of its cluster."""
+        import hashlib
+        import hmac
+
+        return hmac.new(self.worker.spec.transfer.cluster_token.encode(), b"pdcluster attach " + nonce,
+                        hashlib.sha256).digest()
 
     async def heartbeat_key(self) -> bytes | None:
         """The key this worker signs its heartbeats with (an extra router checks them with it)."""

@@ -79,6 +79,10 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
     # NOTE: an extra router (attached) follows lost workers too, but only the process that started the workers
     # may start and stop them
     scaler = PoolScaler(router, None if cluster.attached else cluster)
+    if cluster.attached:  # NOTE: a restarted `serve` may replace the workers: follow them by name
+        from router.reattach import Reattacher
+
+        router.pinger.listen(Reattacher(router.pools, cluster.resolve, router.index).on_pings)
     server, port = await start_server(router, cfg.router.host, cfg.router.port, api_keys=keys,
                                       credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok,
                                       scaler=scaler, admin_keys=security.admin_api_keys(cfg))

@@ -32,6 +32,7 @@ from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
 from router.errors import Overloaded
 from router.flow import RequestRun
+from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.pinger import Ping, Pinger
 from router.policy import WorkerView
@@ -77,6 +78,7 @@ class Router:
         self.fatal_checks: list[Callable[[], str | None]] = []  # each: why this process cannot recover, or None
         self._dead: set[str] = set()  # workers whose actor Ray reported dead for good (no restart left)
         self.traffic = TrafficWindow(settings.slo_ttft_ms, settings.slo_itl_ms)  # what an autoscaler reads
+        self.leases = LeaseKeeper(self.pools, settings.lease_s)  # NOTE: workers abort what no live router renews
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -117,6 +119,7 @@ class Router:
                              req.request_id)
         self.inflight += 1
         self.metrics.set_inflight(self.inflight)
+        self.leases.hold(req.request_id)
         self._ensure_refresher()
         last_at, first_at, gaps = arrived, 0.0, []
         held: WorkerView | None = None
@@ -178,6 +181,7 @@ class Router:
             if held is not None:
                 held.pending_tokens -= route.decode_prefill_tokens
             tracing.end(span)
+            self.leases.release(req.request_id)
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
 
@@ -327,7 +331,8 @@ class Router:
         return out
 
     async def close(self) -> None:
-        """Stop the load refresher and the pinger."""
+        """Stop the load refresher, the pinger and the lease renewals."""
         self.pinger.close()
+        await self.leases.close()
         if self._refresher is not None:
             self._refresher.cancel()

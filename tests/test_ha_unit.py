@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster.leases import RequestLeases
 from cluster.messages import WorkerLoad
 from cluster.prefix_index import PrefixIndex, heartbeat_key
 from cluster.redis_client import RedisAuth
@@ -141,3 +142,15 @@ def test_the_multi_node_yamls_take_the_redis_password_from_the_environment(name:
         security.redis_auth(config)  # not set: refused at start, naming the field and the variable
     monkeypatch.setenv("PDCLUSTER_REDIS_PASSWORD", "pw-1")
     assert security.redis_auth(config).password == "pw-1"
+
+
+def test_a_lease_runs_out_one_period_after_the_last_renewal_of_the_request_or_its_attempts() -> None:
+    leases = RequestLeases()
+    assert leases.expired(["r1"], now=0.0) == [] and leases.expired(["r1"], now=100.0) == []  # off: no router
+    leases.renew(["r1", "r2"], lease_s=5.0, now=100.0)
+    running = ["r1~a1b2c3d4", "r2", "direct"]  # an attempt of r1, r2 itself, one no router sent
+    assert leases.expired(running, now=100.0) == [] and leases.expired(running, now=104.9) == []
+    leases.renew(["r1"], lease_s=5.0, now=104.9)  # r2's router is gone; r1's renews
+    assert leases.expired(running, now=105.5) == ["r2", "direct"]  # "direct": covered from when first seen
+    assert leases.expired(running, now=110.0) == ["r1~a1b2c3d4", "r2", "direct"]
+    assert leases.expired(["r3"], now=110.0) == []  # a request seen for the first time gets a whole period
