@@ -203,6 +203,7 @@ def test_a_router_killed_with_8_streams_in_flight_frees_every_block_and_a_new_se
         assert {n: e for n, (e, _, _) in _blocks(index).items()} == {n: e for n, (e, _, _) in before.items()}
         # a new `serve` (keeping its workers when stopped) re-attaches to the same processes, prefix caches and all
         second, endpoints = start_serve("--config", str(config), "--keep-workers")
+        extra = None
         try:
             stub = pb_grpc.InferenceStub(grpc.insecure_channel(endpoints["grpc"]))
             again = stub.Generate(pb.GenerateRequest(prompt=WARM_PROMPT, sampling=pb.SamplingParams(
@@ -211,16 +212,40 @@ def test_a_router_killed_with_8_streams_in_flight_frees_every_block_and_a_new_se
             assert again.usage.cached_prompt_tokens > 0, again.usage
             st = stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30)
             assert {w.name: w.epoch for w in st.workers} == {n: e for n, (e, _, _) in before.items()}
+            # an extra router, on ports of its own (the README's recipe)
+            extra, extra_endpoints = start_serve("--config", str(config), "--ray", ray_head, "--redis",
+                                                 f"127.0.0.1:{redis_server.port}", "--port", "0", "--http-port", "0",
+                                                 "--metrics-port", "0", command="router")
         finally:
             second.send_signal(signal.SIGTERM)
             assert second.wait(60) == 0
-        time.sleep(1.0)  # two heartbeats
-        assert {n: e for n, (e, _, _) in _blocks(index).items()} == {n: e for n, (e, _, _) in before.items()}
-        # without --keep-workers, a `serve` stopped by a signal stops what it runs, re-attached workers too
-        third, _ = start_serve("--config", str(config))
-        third.send_signal(signal.SIGTERM)
-        assert third.wait(60) == 0
-        assert index.workers() == []  # unregistered: closed, not merely expired
+        try:
+            time.sleep(1.0)  # two heartbeats
+            assert {n: e for n, (e, _, _) in _blocks(index).items()} == {n: e for n, (e, _, _) in before.items()}
+            # a `serve` of another cluster token cannot adopt the running workers: it replaces them (same names),
+            # and the extra router finds the new ones instead of answering 503 forever
+            monkeypatch.setenv("PDC_HA_TOKEN", token + "-rotated")
+            third, _ = start_serve("--config", str(config))
+            try:
+                extra_stub = pb_grpc.InferenceStub(grpc.insecure_channel(extra_endpoints["grpc"]))
+                deadline, served = time.monotonic() + 60, None
+                while served is None and time.monotonic() < deadline:
+                    try:
+                        served = extra_stub.Generate(pb.GenerateRequest(prompt="Again", sampling=pb.SamplingParams(
+                            max_tokens=4)), timeout=30)
+                    except grpc.RpcError:
+                        time.sleep(0.5)
+                assert served is not None and served.usage.completion_tokens == 4
+                assert {n: e for n, (e, _, _) in _blocks(index).items()} != {n: e for n, (e, _, _) in before.items()}
+            finally:
+                # without --keep-workers, a `serve` stopped by a signal stops what it runs
+                third.send_signal(signal.SIGTERM)
+                assert third.wait(60) == 0
+            assert index.workers() == []  # unregistered: closed, not merely expired
+        finally:
+            if extra is not None:
+                extra.send_signal(signal.SIGTERM)
+                extra.wait(60)
 
 
 def test_a_decode_worker_restarted_while_redis_is_down_serves_a_minute_later(outage) -> None:
