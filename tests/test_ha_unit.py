@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 
@@ -23,8 +24,10 @@ from decode_workers.worker import DecodeWorker
 from engine import EngineConfig
 from kv_transfer.state import TransferConfig
 from pdcluster import security
-from pdcluster.config import ClusterConfig
+from pdcluster.config import ClusterConfig, ConfigError
 from pdcluster.redis_server import EmbeddedRedis, _free_port, connect
+from router.openai_api import start_http
+from router.pinger import Ping
 from router.service import start_server
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
@@ -154,3 +157,50 @@ def test_a_lease_runs_out_one_period_after_the_last_renewal_of_the_request_or_it
     assert leases.expired(running, now=105.5) == ["r2", "direct"]  # "direct": covered from when first seen
     assert leases.expired(running, now=110.0) == ["r1~a1b2c3d4", "r2", "direct"]
     assert leases.expired(["r3"], now=110.0) == []  # a request seen for the first time gets a whole period
+
+
+def test_live_answers_503_once_only_a_restart_helps_and_health_reads_pings_while_redis_is_down(tiny) -> None:
+    router = unit_router(tiny)
+    prefill, decode = router.pools.by_name["prefill-0"], router.pools.by_name["decode-0"]
+    redis_gone: list[str] = []
+    router.fatal_checks.append(lambda: redis_gone[0] if redis_gone else None)
+
+    async def probe() -> list[tuple[int, int]]:
+        runner, port = await start_http(router, host="127.0.0.1", port=0, model_name="tiny")
+        seen = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def codes() -> tuple[int, int]:
+                    out = []
+                    for path in ("/live", "/health"):
+                        async with http.get(f"http://127.0.0.1:{port}{path}") as r:
+                            out.append(r.status)
+                    return out[0], out[1]
+
+                seen.append(await codes())  # nothing known yet
+                await router._on_pings([Ping(prefill, "", 0.01), Ping(decode, "ActorUnavailableError", 0.01)])
+                router._set_live(set(router._answering or ()))  # NOTE: what the refresher does while Redis is down
+                seen.append(await codes())  # the decode worker restarting: not ready, but alive
+                await router._on_pings([Ping(prefill, "", 0.01), Ping(decode, "ActorDiedError", 0.01)])
+                seen.append(await codes())  # dead for good: only a restart of the process helps
+                await router._on_pings([Ping(prefill, "", 0.01), Ping(decode, "", 0.01)])
+                router._set_live(set(router._answering or ()))
+                redis_gone.append("the embedded Redis cannot be restarted")
+                seen.append(await codes())
+        finally:
+            await runner.cleanup()
+            await router.close()
+        return seen
+
+    assert asyncio.run(probe()) == [(200, 200), (200, 503), (503, 503), (503, 200)]
+
+
+@pytest.mark.parametrize("ray,security,field", [
+    ({"keep_workers": True}, {"cluster_token_env": "T"}, "ray.keep_workers"),  # a private Ray goes with serve
+    ({"keep_workers": True, "address": "auto"}, {}, "ray.keep_workers"),  # a random token: never re-attached
+])
+def test_keep_workers_needs_a_ray_that_outlives_serve_and_a_stable_cluster_token(ray, security, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        ClusterConfig.from_data({"ray": ray, "security": security}, "test")
+    ClusterConfig.from_data({"ray": {"keep_workers": True, "address": "auto"}, "security": {"cluster_token_env": "T"}},
+                            "test")

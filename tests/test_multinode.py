@@ -174,7 +174,8 @@ def node_of_worker(name: str, status: dict[str, Any]) -> str:
     """The node a worker runs on: a decode worker's KV address, or the node whose address serves its /metrics."""
     if status[name].address:
         return NODE_OF_IP[status[name].address.rsplit(":", 1)[0]]
-    port = int(redis.Redis.from_url(REDIS_URL).hget(f"pdc:hb:{name}", "metrics_port") or 0)
+    port = int(redis.Redis.from_url(REDIS_URL, password=NET["PDCLUSTER_REDIS_PASSWORD"]).hget(
+        f"pdc:hb:{name}", "metrics_port") or 0)
     for ip, node in NODE_OF_IP.items():
         try:
             with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=5) as r:
@@ -187,7 +188,7 @@ def node_of_worker(name: str, status: dict[str, Any]) -> str:
 
 def index_entries(name: str) -> int:
     """Prefix-index entries naming worker `name`: its block set, its heartbeat, and block keys naming it."""
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(REDIS_URL, password=NET["PDCLUSTER_REDIS_PASSWORD"])
     named = sum(1 for key in r.scan_iter(match="pdc:blk:*") if r.hexists(key, name))
     return named + r.exists(f"pdc:wblk:{name}", f"pdc:hb:{name}")
 
