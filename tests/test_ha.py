@@ -200,6 +200,7 @@ def test_a_router_killed_with_8_streams_in_flight_frees_every_block_and_a_new_se
                 break
             time.sleep(0.1)
         assert freed_after is not None and freed_after <= 10.0, (freed_after, _blocks(index))
+        print(f"every block back {freed_after:.1f} s after kill -9 (router.lease_s {LEASE_S:g})")
         assert {n: e for n, (e, _, _) in _blocks(index).items()} == {n: e for n, (e, _, _) in before.items()}
         # a new `serve` (keeping its workers when stopped) re-attaches to the same processes, prefix caches and all
         second, endpoints = start_serve("--config", str(config), "--keep-workers")
