@@ -118,8 +118,11 @@ def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int =
           cluster_token: str = "", kv_tls: tls.KVTls | None = None) -> tuple[grpc.Server, int]:
     """Start the KV service (callers must present `cluster_token` if one is set, and a client certificate with
     `kv_tls`); returns the server and its port."""
+    # NOTE: with TLS, the caller's certificate must also be issued for the cluster's name (kv_transfer/tls.py)
+    checks = [CheckToken(cluster_token)] if cluster_token else []
+    checks += [tls.CheckPeerName(kv_tls.server_name)] if kv_tls is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-grpc"),
-                         options=CHANNEL_OPTIONS, interceptors=[CheckToken(cluster_token)] if cluster_token else None)
+                         options=CHANNEL_OPTIONS, interceptors=checks or None)
     server.add_generic_rpc_handlers((KVTransferService(receiver).handler(),))
     port = (server.add_secure_port(address, tls.server_credentials(kv_tls)) if kv_tls is not None
             else server.add_insecure_port(address))

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="override http.served_model_name")
     serve.add_argument("--api-keys-env", default=None, metavar="NAME", help="override security.api_keys_env: the "
                        "environment variable with the keys clients must send (needed to serve a non-loopback --host)")
+    serve.add_argument("--keep-workers", action="store_true", default=None, help="set ray.keep_workers: leave the "
+                       "workers running on SIGINT/SIGTERM, for the next `serve` to re-attach to (needs a Ray that "
+                       "outlives this process and security.cluster_token_env)")
     rtr = sub.add_parser("router", help="an extra router for a running cluster (shares its state through Redis)",
                          formatter_class=fmt)
     rtr.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML")
@@ -110,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--ray", default=None, metavar="HOST:PORT",
                      help="the cluster's Ray (`serve` prints ray=HOST:PORT for its private one); default: ray.address")
     rtr.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
+    rtr.add_argument("--http-port", type=int, default=None, help="override http.port (0: any free port)")
+    rtr.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0: any free port)")
     demo = sub.add_parser("demo", help="start the embedded default, stream a few chats with timelines, stop",
                           formatter_class=fmt)
     demo.add_argument("--config", default="deploy/local.yaml", help="deploy YAML")
@@ -244,7 +249,7 @@ def apply_flags(config: Any, args: argparse.Namespace) -> Any:
                        ("metrics_port", "metrics.port"), ("prefill_replicas", "prefill.replicas"),
                        ("decode_replicas", "decode.replicas"), ("served_model_name", "http.served_model_name"),
                        ("host", "router.host"), ("host", "http.host"), ("host", "metrics.host"),
-                       ("api_keys_env", "security.api_keys_env")):
+                       ("api_keys_env", "security.api_keys_env"), ("keep_workers", "ray.keep_workers")):
         value = getattr(args, attr, None)
         if value is not None:
             *sections, key = path.split(".")

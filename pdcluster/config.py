@@ -150,6 +150,10 @@ class RayConfig(BaseModel):
                                                        "running cluster; or 'ray://host:port' / 'host:port'")
     namespace: str = Field(default="pdcluster", min_length=1, description="Ray namespace of the named actors")
     num_cpus: float | None = Field(default=None, gt=0, description="CPUs of a private Ray (address 'local' only)")
+    # NOTE: the workers are detached actors either way (a router that crashes leaves them serving); this says
+    # whether a `serve` stopped by a signal stops them too
+    keep_workers: bool = Field(default=False, description="`serve` leaves its workers running when stopped (a later "
+                               "`serve` re-attaches to them, prefix caches and all); needs security.cluster_token_env")
 
     @field_validator("address")
     @classmethod
@@ -160,6 +164,9 @@ class RayConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RayConfig:
+        if self.keep_workers and self.address == "local":
+            raise _RuleError("keep_workers", "a private Ray ('local') stops with `serve`, workers and all: join a Ray "
+                                             "that outlives it (address 'auto' or host:port, after `ray start --head`)")
         if self.num_cpus is not None and self.address != "local":
             raise _RuleError("num_cpus", f"only with address 'local'; the nodes of cluster {self.address!r} declare "
                                          "their own CPUs (`ray start --num-cpus`)")
@@ -211,6 +218,8 @@ class RouterConfig(BaseModel):
     stall_timeout_steps: float = Field(default=100.0, gt=0, description="a decode stream with no token for this many "
                                        "of its worker's usual steps fails over, as if the worker died")
     stall_timeout_min_s: float = Field(default=15.0, gt=0, description="... and never sooner than this (seconds)")
+    lease_s: float = Field(default=8.0, ge=1, description="a worker aborts a request (freeing its KV blocks) that no "
+                           "live router renewed for this long (a router renews every quarter of it)")
 
     def router_settings(self, model: str, mode: str, transport: str) -> RouterSettings:
         """The settings of a Router over a cluster of `model` in `mode` whose workers move KV over `transport`."""
@@ -221,7 +230,8 @@ class RouterConfig(BaseModel):
             skip_prefill_max_uncached_tokens=self.skip_prefill_max_uncached_tokens,
             request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s,
             slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms,
-            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s)
+            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s,
+            lease_s=self.lease_s)
 
 
 class HttpConfig(BaseModel):
@@ -296,6 +306,8 @@ class SecurityConfig(BaseModel):
                                      "keys clients must send (comma-separated); unset: no key needed")
     cluster_token_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
                                           "token KV transfer peers must present; unset: a random one per start")
+    admin_api_keys_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
+                                           "keys of admin calls (Scale), comma-separated; unset: api_keys open them")
     # NOTE: as Redis's protected mode: a router bound to a non-loopback address (router.host / http.host) without
     # API keys is refused at start unless this says so (pdcluster/security.py, check_exposure)
     allow_unauthenticated: bool = Field(default=False, description="serve other machines without API keys "
@@ -422,6 +434,11 @@ class ClusterConfig(BaseModel):
         for name in self.pools():
             if getattr(self, name).replicas < 1:
                 raise _RuleError(f"{name}.replicas", f"mode {self.mode!r} runs the {name} pool: needs >= 1 replica")
+        if self.ray.keep_workers and self.security.cluster_token_env is None:
+            # NOTE: the next `serve` re-attaches only to workers that prove its token; a random one per start
+            # would never match
+            raise _RuleError("ray.keep_workers", "kept workers are re-attached by a later `serve` only if they prove "
+                                                 "its cluster token: set security.cluster_token_env")
         if self.transfer.tls and self.security.tls_cert_file is None:
             raise _RuleError("transfer.tls", "KV TLS uses the cluster's certificate: set security.tls_cert_file "
                                              "and security.tls_key_file")
