@@ -145,8 +145,8 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Leading blocks of a new sequence already in the cache; at least one token is left to compute."""
-        if not self.pool.enable_prefix_caching:
-            return []
+        if not self.pool.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # NOTE: prompt logprobs need every prompt position's logits: nothing is skipped
         # NOTE: the last token is always recomputed: its logits are needed to sample the next one.
         return self.cached_prefix(seq.block_hashes((len(seq) - 1) // self.block_size), seq.token_ids)
 

@@ -216,7 +216,9 @@ class LLMEngine:
     def _propose(self, proposer: NgramProposer) -> None:
         """Draft tokens for every decoding sequence, within its max_tokens and the context length."""
         for seq in self.scheduler.running:
-            if seq.num_pending_tokens == 1:
+            # NOTE: drafts are verified outside the sampler's pipeline: requests that use more than temperature and
+            # top-k/top-p decode one token at a time
+            if seq.num_pending_tokens == 1 and not _needs_sampler(seq.params):
                 room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
                 seq.spec_token_ids = proposer.propose(seq.token_ids, room)
 
@@ -228,11 +230,17 @@ class LLMEngine:
             outs.append(self.outputs.process(seq, tok))
             if outs[-1].finished:
                 break
+        if seq.new_logprobs:
+            outs[0].new_logprobs, seq.new_logprobs = seq.new_logprobs, []
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(outs):  # the first output
+            outs[0].prompt_logprobs = seq.prompt_logprobs or [None]
         if len(outs) == 1:
             return outs[0]
         last = outs[-1]
         return dataclasses.replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
-                                   new_text="".join(o.new_text for o in outs))
+                                   new_text="".join(o.new_text for o in outs),
+                                   new_logprobs=[lp for o in outs for lp in o.new_logprobs],
+                                   prompt_logprobs=outs[0].prompt_logprobs)
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """Calls the watchers of the sequences whose prompt KV this step completes, after each layer."""
@@ -324,3 +332,8 @@ class LLMEngine:
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
                            self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted)
 
+
+
+def _needs_sampler(p: SamplingParams) -> bool:
+    """Whether a request uses the sampler's pipeline beyond temperature and top-k/top-p (no speculative drafts)."""
+    return p.has_penalties or bool(p.logit_bias) or p.min_p > 0.0 or p.logprobs is not None
