@@ -20,6 +20,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), the k most likely
+    rank: int | None = None  # 1 + tokens more likely than this one (prompt tokens only)
 
 
 def sampled_logprobs(tokens: list[int], logprobs: torch.Tensor | None, ids: torch.Tensor | None,
@@ -43,8 +44,11 @@ def prompt_rows(num_prompt_tokens: int, num_recorded: int, start: int, num_new: 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
     """logits [M, V] of M positions and the M tokens that followed them → their TokenLogprobs with the top k."""
     lp = logits.float().log_softmax(-1)  # [M, V]
-    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    picked = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1))  # [M, 1]
+    ranks = ((lp > picked).sum(1) + 1).tolist()
+    chosen = picked.squeeze(1).tolist()
     if k == 0:
-        return [TokenLogprobs(t, c) for t, c in zip(targets, chosen)]
+        return [TokenLogprobs(t, c, [], r) for t, c, r in zip(targets, chosen, ranks)]
     top, ids = lp.topk(k, dim=-1)
-    return [TokenLogprobs(t, c, list(zip(i, v))) for t, c, i, v in zip(targets, chosen, ids.tolist(), top.tolist())]
+    return [TokenLogprobs(t, c, list(zip(i, v)), r)
+            for t, c, i, v, r in zip(targets, chosen, ids.tolist(), top.tolist(), ranks)]
