@@ -35,7 +35,7 @@ def front(ray_session):
                                    slo_itl_ms=None)
     runner, port = server.run(start_http(server.router, host="127.0.0.1", port=0, model_name="smollm2"))
     try:
-        yield server, port
+        yield server, port, c
     finally:
         server.run(runner.cleanup())
         server.close()
@@ -90,7 +90,7 @@ def engine_run(engine, prompt: str | list[int], params: SamplingParams) -> list[
 
 
 def test_completion_echo_and_logprobs_equal_transformers(front, hf_smollm2):
-    server, port = front
+    server, port, _ = front
     resp = client(port).completions.create(
         model="smollm2", prompt=fresh("The old bridge over the river was built of"), max_tokens=6, temperature=0,
         logprobs=5, echo=True, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
@@ -114,7 +114,7 @@ def test_completion_echo_and_logprobs_equal_transformers(front, hf_smollm2):
 
 
 def test_streamed_chat_logprobs_equal_transformers(front, hf_smollm2):
-    server, port = front
+    server, port, _ = front
     messages = [{"role": "user", "content": fresh("Name three colours.")}]
     status, tok = post(port, "/tokenize", {"model": "smollm2", "messages": messages})
     assert status == 200 and tok["count"] == len(tok["tokens"])
@@ -141,12 +141,18 @@ def test_streamed_chat_logprobs_equal_transformers(front, hf_smollm2):
         assert max(abs(t.logprob - float(v)) for t, v in zip(e.top_logprobs, top.values)) < TOL
 
 
-def test_n_choices_with_a_seed_are_reproducible_and_differ(front, engine):
-    server, port = front
-    prompt = fresh("Once upon a time, in a small village,")
+def test_n_choices_with_a_seed_are_reproducible_and_differ(front, engine, ray_session):
+    server, port, c = front
+    prompt = fresh("Once upon a time, in a small village by the sea, there lived an old fisherman who every "
+                   "morning rowed out past the rocks to cast his nets, and every evening he")
+    prompt_len = len(engine.tokenize(prompt))
     args: dict[str, Any] = dict(model="smollm2", prompt=prompt, max_tokens=8, temperature=1.0, n=4, seed=123,
                                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=0)
+    computed = ray_session.get(c.actors["prefill-0"].load.remote(), timeout=30).computed_tokens
     unary = client(port).completions.create(**args)
+    computed = ray_session.get(c.actors["prefill-0"].load.remote(), timeout=30).computed_tokens - computed
+    # the prompt's full blocks are computed once; each other choice recomputes only its last, partial block
+    assert prompt_len + 3 <= computed <= prompt_len + 3 * 16, (computed, prompt_len)
     assert sorted(c.index for c in unary.choices) == [0, 1, 2, 3]
     assert unary.usage.completion_tokens == 32
     texts = {c.index: c.text for c in unary.choices}
@@ -163,7 +169,7 @@ def test_n_choices_with_a_seed_are_reproducible_and_differ(front, engine):
 
 
 def test_penalties_and_logit_bias_over_grpc_equal_the_engine(front, engine):
-    server, port = front
+    server, port, _ = front
     text = fresh("Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat")
     plain = engine_run(engine, text, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     params = dict(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
@@ -186,7 +192,7 @@ def test_penalties_and_logit_bias_over_grpc_equal_the_engine(front, engine):
 
 
 def test_tokenize_detokenize_and_models(front):
-    server, port = front
+    server, port, _ = front
     status, tok = post(port, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
     assert status == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) > 0
     assert tok["max_model_len"] == server.router.info.max_model_len
@@ -211,7 +217,7 @@ CHAT_STILL_REFUSED = [("tools", [{"type": "function", "function": {"name": "f"}}
 
 
 def test_every_field_refused_before_is_served_or_named(front):
-    server, port = front
+    server, port, _ = front
     base = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "temperature": 0.5, "seed": 1}
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for field, value in SERVED:
