@@ -146,6 +146,11 @@ class ModelRunner:
         return self.kv[layer, 0, idx], self.kv[layer, 1, idx]  # advanced indexing copies
 
     @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K and V in every layer (a forked sequence's copy-on-write block)."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    @torch.inference_mode()
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """Store K (which=0) or V (1), [n, block_size, KVH, D], into `block_ids` of `layer`."""
         self.kv[layer, which].index_copy_(0, torch.tensor(block_ids, dtype=torch.long), kv.to(self.kv_dtype))

@@ -105,3 +105,21 @@ def test_logprobs_equal_transformers_for_sampled_and_prompt_tokens(smollm2, hf_s
         assert abs(entry.logprob - float(ref[p - 1, prompt[p]])) < 1e-4
         assert [t for t, _ in entry.top] == ref[p - 1].topk(3).indices.tolist()
     assert run_to_completion(engine) == {}
+
+
+def test_n_choices_fork_from_one_prefill_and_equal_separate_runs(tiny):
+    prompt = random_prompts(1, [37], seed=83)[0]  # 3 blocks of 16: two shared, the third copied per choice
+    engine = make_engine(tiny)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True, n=3)
+    free = engine.block_manager.num_free_blocks
+    engine.add_request("n", prompt, params)
+    outs = {o.request_id: o for o in engine.step()}  # the prompt, and the fork
+    assert list(outs) == ["n"] and free - engine.block_manager.num_free_blocks == 3 + 2  # not 3 x 3
+    final = run_to_completion(engine)
+    assert sorted(final) == ["n", "n-1", "n-2"]
+    # the prompt computed once; each other choice recomputes its last prompt token, then decodes
+    assert engine.stats().computed_tokens == 37 + 5 + 2 * (1 + 5)
+    for i, rid in enumerate(["n", "n-1", "n-2"]):
+        alone = run_alone(tiny, prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i, ignore_eos=True))
+        assert final[rid].token_ids == alone, rid
+    assert len({tuple(o.token_ids) for o in final.values()}) == 3
