@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError
 from engine.gpu_memory import profile_num_blocks
 from engine.kernels import attention_kernel
 from engine.kv_quant import int8_block_rows
+from engine.logprobs import prompt_logprobs, prompt_rows, sampled_logprobs
 from engine.model import LlamaModel
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
@@ -64,6 +65,8 @@ class Step:
     # on the device (None when a CUDA graph takes the step: it copies into its own static buffers)
     meta: AttentionMetadata | None = None
     device_ids: list[torch.Tensor] | None = None  # input ids [T], positions [T], rows [N]
+    # prompt logprobs: (batch index, first position, count); their rows come last in `rows`
+    scoring: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -146,12 +149,18 @@ class ModelRunner:
         sample_rows: list[int] = []  # flat index of the last token of sequences that sample one token
         sampling: list[int] = []  # their index in the batch
         verifying: list[tuple[int, int]] = []  # (index in the batch, flat index of its first verified row)
+        scoring: list[tuple[int, int, int, int]] = []  # prompt logprobs: (batch index, first position, count, row)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             starts.append(start)
             positions.extend(range(start, start + n))
             draft = seq.spec_token_ids  # NOTE: n counts them: they follow the sequence's last (pending) token
+            base = len(input_ids)
             input_ids.extend([*seq.token_ids[start : start + n], *draft])
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+                first, count = prompt_rows(seq.num_prompt_tokens, len(seq.prompt_logprobs), start, n)
+                if count:
+                    scoring.append((i, first, count, base + first - start))
             if draft:
                 verifying.append((i, len(input_ids) - len(draft) - 1))
             elif start + n == len(seq):
@@ -159,8 +168,10 @@ class ModelRunner:
                 sampling.append(i)
         # NOTE: one head matmul for every row that needs logits: the head is the largest weight read of a step.
         rows = sample_rows + [r + j for i, r in verifying for j in range(len(batch.seqs[i].spec_token_ids) + 1)]
+        rows += [flat + j for _, _, count, flat in scoring for j in range(count)]  # prompt logprobs: after the rest
         decode_only = all(n == 1 for n in batch.num_new_tokens) and len(sampling) == len(batch.seqs)
-        step = Step(input_ids, positions, starts, rows, sampling, [i for i, _ in verifying], decode_only)
+        step = Step(input_ids, positions, starts, rows, sampling, [i for i, _ in verifying], decode_only,
+                    scoring=[(i, first, count) for i, first, count, _ in scoring])
         if not (graphed and decode_only and self.graphs is not None and self.graphs.graphs
                 and bucket_for(len(input_ids), self.graphs.buckets) is not None):
             step.meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
@@ -196,18 +207,30 @@ class ModelRunner:
         if logits is None:
             return out
         if step.sampling:
-            tokens = sample(logits[: len(step.sampling)], [batch.seqs[i].params for i in step.sampling],
-                            [batch.seqs[i].num_output_tokens for i in step.sampling])
+            seqs = [batch.seqs[i] for i in step.sampling]
+            sampled = sample(logits[: len(step.sampling)], seqs)
             # NOTE: the sampler keeps the draws on the logits' device; this is the step's one sync with the host
-            token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-            for i, tok in zip(step.sampling, token_list):
-                out[i] = [int(tok)]
+            tokens = sampled.token_ids.tolist()
+            lps = sampled_logprobs(tokens, sampled.logprobs, sampled.logprob_token_ids,
+                                   [s.params.logprobs for s in seqs])
+            for i, tok, lp in zip(step.sampling, tokens, lps):
+                out[i] = [tok]
+                if lp is not None:
+                    batch.seqs[i].new_logprobs.append(lp)
         first = len(step.sampling)
         for i in step.verifying:
             seq = batch.seqs[i]
             k = len(seq.spec_token_ids)
             out[i] = verify(logits[first : first + k + 1], seq.spec_token_ids, seq.params, seq.num_output_tokens)
             first += k + 1
+        for i, pos, count in step.scoring:  # prompt logprobs (params.prompt_logprobs): position p scores token p + 1
+            seq = batch.seqs[i]
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)
+            seq.prompt_logprobs.extend(prompt_logprobs(logits[first : first + count],
+                                                       seq.token_ids[pos + 1 : pos + 1 + count],
+                                                       seq.params.prompt_logprobs or 0))
+            first += count
         return out
 
     def to_device(self, *parts: list[int]) -> list[torch.Tensor]:
@@ -223,6 +246,11 @@ class ModelRunner:
         the runner's device."""
         (idx,) = self.to_device(block_ids)
         return self.kv[layer, 0].index_select(0, idx), self.kv[layer, 1].index_select(0, idx)
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K and V in every layer (a forked sequence's copy-on-write block)."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
 
     @torch.inference_mode()
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
