@@ -35,12 +35,12 @@ import torch.distributed as dist
 
 from engine.errors import EngineError
 from kv_transfer import payload
-from kv_transfer.liveness import PeerWatch
 from kv_transfer.messages import Chunk, Prepared, PrepareRequest, TorchRendezvous
 from kv_transfer.receiver import Inbound, KVReceiver
 from kv_transfer.sender import KVSender, Layer
-from kv_transfer.state import TransferError, TransferState
-from kv_transfer.torch_pairs import (
+from kv_transfer.state import TransferConfig, TransferError, TransferState
+from kv_transfer.transports.liveness import PeerWatch
+from kv_transfer.transports.torch_pairs import (
     QUEUED_WAIT_S,
     RECEIVER,
     SENDER,
@@ -72,7 +72,7 @@ class TorchEndpoint:
         self._pairs: dict[str, Pair] = {}
         self._pair_of: dict[str, Pair] = {}  # transfer id → its pair
         self._lock = threading.Lock()
-        receiver.on_prepare = self.prepare
+        receiver.on_prepare, receiver.transport = self.prepare, "torch"
 
     def prepare(self, req: PrepareRequest, t: Inbound) -> TorchRendezvous:
         with self._lock:
@@ -251,3 +251,8 @@ class TorchKVSender(KVSender):
 
     def _retire(self, pair: Pair) -> None:
         retire(pair, _pairs, _pairs_lock)
+
+
+def receiver_side(receiver: KVReceiver, config: TransferConfig, host: str) -> TorchEndpoint:
+    """The torch transport's receiving side (the registry's hook)."""
+    return TorchEndpoint(receiver, host, config.torch_backend, config.torch_device)
