@@ -53,7 +53,8 @@ def load() -> ModuleType:
         except ImportError as e:
             errors.append(f"{name}: {e}")
             continue
-        logging.getLogger(_module.__name__).setLevel(logging.WARNING)  # NOTE: it logs every agent and backend at INFO
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NOTE: it logs every agent and backend at INFO, on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         return _module
     raise ImportError("no NIXL package importable (" + "; ".join(errors) + "); scripts/install.sh installs nixl-cu12")
 
