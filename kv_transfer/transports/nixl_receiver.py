@@ -45,19 +45,23 @@ def unavailable() -> str | None:
     return nixl_agent.unavailable()
 
 
-def layer_check(kv: torch.Tensor, block_ids: np.ndarray, place: str, enabled: bool = True) -> str:
+def layer_check(kv: torch.Tensor, block_ids: np.ndarray, place: str, enabled: bool = True,
+                like: str | None = None) -> str:
     """The check of blocks `block_ids` of one layer's K or V (`kv`: [num_blocks, *block_shape]), in order.
 
     Host memory: CRC32C of `place`, continued over each run of consecutive blocks (views, no copy). GPU memory: "s"
     and the int64 sum of the blocks' 32-bit words (computed on the device; weaker than a CRC, catches lost or
-    misplaced blocks). "-" when checks are turned off (`TransferConfig.nixl_checksum`).
+    misplaced blocks). "-" when checks are turned off (`TransferConfig.nixl_checksum`). The receiver computes the
+    kind of check the sender sent (`like`), whichever memory its own pool is in.
     """
-    if not enabled:
+    if not enabled or like == "-":
         return "-"
-    if kv.device.type != "cpu":
+    if (like is None and kv.device.type != "cpu") or (like is not None and like.startswith("s")):
         words = kv[torch.as_tensor(block_ids, device=kv.device)].contiguous().view(torch.int32)
         return f"s{int(words.sum(dtype=torch.int64))}"
     value = payload.crc32c(place.encode())
+    if kv.device.type != "cpu":
+        return str(payload.crc32c(kv[torch.as_tensor(block_ids, device=kv.device)].cpu(), value))
     if len(block_ids):
         cuts = np.flatnonzero(np.diff(block_ids) != 1) + 1
         for run in np.split(block_ids, cuts):
@@ -186,7 +190,7 @@ class NixlEndpoint:
         ids = np.asarray(t.res.fresh_blocks, dtype=np.int64)
         kv = self.pool.kv
         bad = [which for which, theirs in ((0, check_k), (1, check_v))
-               if layer_check(kv[layer, which], ids, f"{tid}/{layer}/{which}", theirs != "-") != theirs]
+               if layer_check(kv[layer, which], ids, f"{tid}/{layer}/{which}", like=theirs) != theirs]
         if bad:
             self.receiver.fail(tid, f"checksum mismatch in layer {layer} {'KV'[bad[0]]} (nixl)", retryable=True)
         # NOTE: also for a failed transfer: this layer's write is no longer in flight (the fence counts layers)
