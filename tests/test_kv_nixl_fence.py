@@ -19,7 +19,7 @@ from engine import LLMEngine
 from engine.loader import load_model
 from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState
 from tests.helpers import free_blocks, greedy, open_kv_sender, random_prompts, run_to_completion
-from tests.test_kv_transfer_processes import FIRST, Child, _config, _receiver_child
+from tests.test_kv_transfer_processes import Child, _config, _receiver_child
 
 
 def _frozen_sender_child(conn, address: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -71,6 +71,8 @@ def test_a_frozen_sender_keeps_its_blocks_fenced_and_no_other_block_changes(tiny
         for i, p in enumerate(others):
             b.add_request(f"other-{i}", p, greedy(6))
         run_to_completion(b)
+        assert b.stats().num_reserved == 1 and ep.receiver.poll("frozen") is TransferState.FAILED, \
+            "the failed transfer's blocks were freed while its sender may still write"
         before = _others(b.runner.kv, kept)
         os.kill(child.proc.pid, signal.SIGCONT)
         child.conn.send("go")
@@ -99,7 +101,7 @@ def test_a_frozen_receiver_is_freed_by_the_deadline_on_both_sides(tiny):
         sender = open_kv_sender("nixl", address, a, "cold", prompt, deadline_s=1.5)
         sender.prepare()
         os.kill(child.proc.pid, signal.SIGSTOP)
-        a.add_request("cold", prompt, FIRST)
+        a.add_request("cold", prompt, greedy(2))  # NOTE: two tokens: it keeps its blocks after the first
         while not any(o.request_id == "cold" for o in a.step()):
             pass  # NOTE: run by hand (not prefill_layerwise): the request must hold its blocks while we send
         ids = a.kv_block_ids("cold", sender.cached_blocks, len(prompt))
