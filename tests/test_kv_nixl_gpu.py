@@ -104,3 +104,17 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl():
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kv_on_the_gpu_is_checked_where_it_lives():
+    """The torch transport from and into GPU pools checks layers on the device: same bytes, same check; one word
+    changed, another check (the NCCL path between two GPU pools itself needs two GPUs and the engine on CUDA)."""
+    from kv_transfer import payload
+
+    layer = torch.randn(8, 16, 3, 64, device="cuda")
+    same = layer.clone()
+    assert payload.checksum("t", 3, 0, 0, 8, layer) == payload.checksum("t", 3, 0, 0, 8, same)
+    same.view(-1)[100] += 1.0
+    assert payload.checksum("t", 3, 0, 0, 8, layer) != payload.checksum("t", 3, 0, 0, 8, same)
+    assert payload.checksum("t", 3, 0, 0, 8, layer) != payload.checksum("t", 4, 0, 0, 8, layer)

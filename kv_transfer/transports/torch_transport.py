@@ -16,7 +16,9 @@ Up to `IN_FLIGHT_LAYERS` layers are in flight: the sender waits for a layer's se
 are queued, and the receiver keeps that many layers' receives posted (into a ring of buffers) while it checks and
 writes the oldest into the reserved blocks. Transfers of one pair run one after another in
 the order of their tags, on both sides (NCCL ignores tags; both sides post in the same order). With
-`device="cuda"` the layers are staged from the CPU KV pool to the GPU, sent with NCCL, and staged back.
+`device="cuda"` the layers are staged from the CPU KV pool to the GPU, sent with NCCL, and staged back; when the
+engines' KV pools are on the GPU themselves, layers go from the sender's pool (a device gather) over NCCL into the
+receiver's pool with no host copy, checked by a word sum computed on the device (`payload.device_sum`).
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ class TorchEndpoint:
             if first == FILLER:
                 self.receiver.fail(t.transfer_id, "the sender stopped the transfer")
             elif t.state is TransferState.TRANSFERRING:
-                kv = buf.cpu() if buf.device.type != "cpu" else buf
+                # NOTE: into a GPU pool straight from the GPU buffer (no host copy); staged to a CPU pool
+                kv = buf if buf.device == self.receiver.engine.runner.kv.device else buf.cpu()
                 try:
                     self.receiver.on_tensor(Chunk(t.transfer_id, layer, 0, 0, n, crc_k), kv[0])
                     self.receiver.on_tensor(Chunk(t.transfer_id, layer, 1, 0, n, crc_v), kv[1])
