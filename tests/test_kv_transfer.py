@@ -208,7 +208,7 @@ def test_sender_abort_frees_the_receivers_reservation(tiny, endpoints, transport
 # (a live one keeps it with keep-alives while its prompt waits for prefill)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "nixl"])  # torch: a killed receiver process, test_kv_transfer_processes.py
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])  # torch: a killed receiver, test_kv_transfer_processes.py
 def test_receiver_gone_fails_the_sender_fast_and_the_prefill_side_is_idle(tiny, endpoints, transport):
     a, ep = engine(tiny), endpoints(transport)
     finished = threading.Event()

@@ -40,7 +40,7 @@ REFERENCE_OF = {"grpc": "tcp", "torch": "tcp", "local": "memcpy", "nixl": "tcp",
 # NOTE: "nixl-tcp" is nixl with UCX_TLS=tcp (as between hosts), run by a child bench process: UCX reads its
 # environment once per process, and both ends must use the same transports
 CHOICES = (*TRANSPORTS, "nixl-tcp")
-IDLE_S = 3.0  # how long each receiver process is watched idle, with its transport up
+IDLE_S = 3.0  # default of --idle-s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=int, default=TransferConfig.chunk_bytes, help="grpc: bytes per chunk")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="both ends' KV cache: the model's dtype, or int8 blocks with per-block-per-head scales")
+    p.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds each receiver process is watched idle, "
+                   "its transport up (0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -108,10 +110,10 @@ def tcp_figures(nbytes: int, warmup: int, repeat: int) -> dict[str, Any]:
     return _figures([r.seconds for r in runs[warmup:]], nbytes, runs[warmup:])
 
 
-def idle_core_pct(pid: int) -> float | None:
-    """% of one core process `pid` uses over `IDLE_S` while nothing is sent to it (its transport up)."""
+def idle_core_pct(pid: int, seconds: float) -> float | None:
+    """% of one core process `pid` uses over `seconds` while nothing is sent to it (its transport up)."""
     t0, c0 = time.perf_counter(), cpu_seconds(pid)
-    time.sleep(IDLE_S)
+    time.sleep(seconds)
     c1 = cpu_seconds(pid)
     return 100 * (c1 - c0) / (time.perf_counter() - t0) if c0 is not None and c1 is not None else None
 
@@ -126,7 +128,8 @@ def _child_nixl_tcp(args: argparse.Namespace, refs: dict[str, Any]) -> dict[str,
         out = f"{tmp}/nixl-tcp.json"
         cmd = [sys.executable, "-m", "pdcluster", "bench", "transfer", "--transports", "nixl", "--model", args.model,
                "--tokens", str(args.tokens), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
-               "--overlap-repeat", "0", "--kv-cache-dtype", args.kv_cache_dtype, "--out", out]
+               "--overlap-repeat", "0", "--kv-cache-dtype", args.kv_cache_dtype, "--idle-s", str(args.idle_s),
+               "--out", out]
         done = subprocess.run(cmd, env={**os.environ, "UCX_TLS": "tcp"}, stdout=subprocess.DEVNULL)
         if done.returncode != 0:
             raise BenchError(f"nixl-tcp: the child bench failed (exit {done.returncode})")
@@ -188,8 +191,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if name != "local" and args.overlap_repeat:
                 _log(f"{name}: layer-wise overlap, {args.overlap_repeat} round(s) of 3 prefills")
                 overlap[name] = sender.overlap(tc, peer, args.overlap_repeat)
-            if peer.pid is not None:
-                row["idle_core_pct"] = idle_core_pct(peer.pid)
+            if peer.pid is not None and args.idle_s > 0:
+                row["idle_core_pct"] = idle_core_pct(peer.pid, args.idle_s)
         finally:
             peer.close()
     return {
@@ -200,7 +203,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "block_size": sender.engine.config.block_size, "prefill_s": payload_prefill_s},
         "workload": {"repeat": args.repeat, "warmup": args.warmup, "overlap_repeat": args.overlap_repeat,
                      "prefill_threads": 1, "deadline_s": DEADLINE_S, "grpc_streams": args.grpc_streams,
-                     "chunk_bytes": args.chunk_bytes},
+                     "chunk_bytes": args.chunk_bytes, "idle_s": args.idle_s},
         "references": refs, "transports": results, "overlap": overlap,
         "runtime_s": time.perf_counter() - t_start,
     }
@@ -213,7 +216,7 @@ def format_table(r: dict[str, Any]) -> str:
              f"after {w['warmup']} warm-up; {r['machine']['cores']} cores, torch {r['machine']['torch']}",
              f"grpc: {w['grpc_streams']} streams, {w['chunk_bytes'] / 2**20:g} MiB chunks; CPU s/GB: CPU time of the "
              "sending / receiving process per GB (local: both in one process); idle %core: the receiver process's CPU "
-             f"over {IDLE_S:g} s with nothing sent; nixl-tcp: nixl with UCX_TLS=tcp (a child bench)",
+             f"over {r['workload']['idle_s']:g} s with nothing sent; nixl-tcp: nixl with UCX_TLS=tcp (a child bench)",
              f"{'':9}{'best GB/s':>10}{'median GB/s':>13}{'CPU s/GB':>10}{'':>6}{'ratio':>8}  {'of':<7}{'target':>8}"
              f"  met{'idle %core':>12}"]
     for name, row in [*r["references"].items(), *r["transports"].items()]:
