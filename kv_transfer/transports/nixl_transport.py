@@ -128,7 +128,9 @@ class NixlKVSender(KVSender):
         agent = nixl_agent.agent()
         self._pool = agent.pool(self.pool.kv)
         if _known.get(self.control.address) not in (None, target.agent):
-            _drop(self.control.address, _known[self.control.address])  # NOTE: the receiver restarted
+            # NOTE: the receiver restarted (a new agent at the same address): forget the old one; the Watch the
+            # handshake just used is the new process's already
+            agent.forget(_known.pop(self.control.address))
         layers = self.layout.num_layers
         try:
             self._peer = agent.peer(target.agent, target.metadata, target.kv_addr, layers * 2, target.pool_blocks,
