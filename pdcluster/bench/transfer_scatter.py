@@ -2,7 +2,7 @@
 
 The KV pools of the engine have small blocks (SmolLM2: 12 KiB) and a fresh receiver reserves contiguous runs, which
 NIXL merges into few large writes; this case is the other end: every block its own descriptor, both sides' block
-ids drawn at random from a 256-block pool per layer, one WRITE per layer with a notification (as the transport posts
+ids drawn at random from a 64-block pool per layer, one WRITE per layer with a notification (as the transport posts
 them), through the transport's own agent code (`kv_transfer.transports.nixl_agent`). Timed until the receiver has
 every layer's notification; no checksums (the data plane alone). Compared by the caller with raw TCP of the same
 bytes.
@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-LAYERS, POOL_BLOCKS, SENT, BLOCK = 30, 256, 32, 64 << 10  # the issue's case: 30 layers x 32 blocks of 64 KiB
+LAYERS, POOL_BLOCKS, SENT, BLOCK = 30, 64, 32, 64 << 10  # the issue's case: 30 layers x 32 blocks of 64 KiB
 SHAPE = (LAYERS, 2, POOL_BLOCKS, BLOCK // 4)  # float32 words
 
 
