@@ -134,8 +134,9 @@ class NixlEndpoint:
                 raise InvalidRequestError("nixl_agent", "is required for transport nixl", req.request_id)
             w.transfers.add(t.transfer_id)
             self._open[t.transfer_id] = (t, w)
-            self.receiver.fence(t)
-            self.receiver.set_receiving(t, True)
+            if t.num_blocks:  # NOTE: with every block cached there is nothing to write (and no notification)
+                self.receiver.fence(t)
+                self.receiver.set_receiving(t, True)
             self._cond.notify_all()
         pool = self.pool
         return NixlTarget(self.agent.name, b"" if req.nixl_known == self.agent.name else self.agent.metadata,

@@ -206,6 +206,8 @@ class NixlKVSender(KVSender):
         assert pool is not None and peer is not None
         kv = pool.kv
         src = np.asarray(layer.block_ids, dtype=np.int64)
+        if not len(src):
+            return  # NOTE: the receiver caches every block: nothing to write, nothing to notify
         checks = [layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
                               self.config.nixl_checksum) for which in (0, 1)]
         base_l, base_r = layer.index * 2 * pool.num_blocks, layer.index * 2 * peer.num_blocks
