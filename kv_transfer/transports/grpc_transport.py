@@ -257,7 +257,7 @@ class GrpcKVSender(KVSender):
 
     def _pieces(self, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """`t` ([n, *block_shape]) cut into even chunks of at most `chunk_bytes` (views, no copy)."""
-        t = t.contiguous()
+        t = t.contiguous().cpu()  # NOTE: a GPU pool's layer leaves through the host (gRPC sends bytes)
         n = t.shape[0]
         per_chunk = max(1, self.config.chunk_bytes // payload.block_nbytes(self.layout))
         step = -(-n // -(-n // per_chunk)) if n else 1

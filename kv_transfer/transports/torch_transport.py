@@ -141,8 +141,9 @@ class TorchEndpoint:
             if first == FILLER:
                 self.receiver.fail(t.transfer_id, "the sender stopped the transfer")
             elif t.state is TransferState.TRANSFERRING:
-                # NOTE: into a GPU pool straight from the GPU buffer (no host copy); staged to a CPU pool
-                kv = buf if buf.device == self.receiver.engine.runner.kv.device else buf.cpu()
+                # NOTE: checked on the wire buffer (the sender checked what it put on the wire), then written by the
+                # engine from wherever it is: a GPU pool straight from the GPU buffer, a CPU pool staged back
+                kv = buf
                 try:
                     self.receiver.on_tensor(Chunk(t.transfer_id, layer, 0, 0, n, crc_k), kv[0])
                     self.receiver.on_tensor(Chunk(t.transfer_id, layer, 1, 0, n, crc_v), kv[1])
@@ -230,7 +231,7 @@ class TorchKVSender(KVSender):
         works = [group.send([x], RECEIVER, self._tag) for x in out]
         # NOTE: K and V are on the wire while their checksums are computed; the header follows them
         crcs = [payload.checksum(self.transfer_id, layer.index, i, 0, k.shape[0], x) if first == 0 else 0
-                for i, x in enumerate((k, v))]
+                for i, x in enumerate(out)]
         header = torch.tensor([layer.index, first, k.shape[0], *crcs], dtype=torch.int64).to(self._device)
         works.append(group.send([header], RECEIVER, self._tag))
         in_flight.append((works, (k, v, *out, header)))
