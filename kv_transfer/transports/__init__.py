@@ -9,7 +9,7 @@ the receiver directly (same process).
 | --- | --- | --- |
 | `grpc` | `grpc_transport.py` | sealed 1 MiB chunks over parallel gRPC streams |
 | `torch` | `torch_transport.py` (+ `torch_pairs.py`, `liveness.py`) | torch.distributed send/recv per pair |
-| `nixl` | `nixl_transport.py` (+ `nixl_agent.py`, `nixl_fence.py`) | NIXL WRITE from the sender's KV pool (UCX) |
+| `nixl` | `nixl_transport.py` (+ `nixl_agent.py`, `nixl_receiver.py`) | NIXL WRITE from the sender's KV pool (UCX) |
 | `local` | `local.py` | a checked copy within one process |
 """
 
