@@ -308,6 +308,22 @@ class LLMEngine:
         n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
         return self.runner.read_blocks(layer, seq.block_table[skip_blocks:n_blocks])
 
+    def kv_block_ids(self, request_id: str, skip_blocks: int = 0, num_tokens: int | None = None) -> list[int]:
+        """The pool block ids `read_kv_layer` would copy (for transports that read the KV pool themselves)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.block_table:
+            raise UnknownRequestError("no KV held for this request", request_id)
+        n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
+        return list(seq.block_table[skip_blocks:n_blocks])
+
+    def pin_kv_blocks(self, block_ids: list[int]) -> None:
+        """One more reference on held blocks: they are not reused until `unpin_kv_blocks` (a transfer reads them)."""
+        for bid in block_ids:
+            self.block_manager.pool.acquire(bid)
+
+    def unpin_kv_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.pool.release(block_ids)
+
     def watch_layers(self, request_id: str, fn: Callable[[int], None]) -> None:
         """Call `fn(layer)` as soon as each layer's KV of the whole prompt is written (layer-wise sending).
 

@@ -48,7 +48,7 @@ the field to fix).
 BENCHES = {
     "engine": ("pdcluster.bench.engine", "our engine vs transformers: prefill/decode tok/s and the memory-bandwidth "
                                          "bound"),
-    "transfer": ("pdcluster.bench.transfer", "KV transports (grpc, torch, local) vs memcpy and raw TCP: GB/s and "
+    "transfer": ("pdcluster.bench.transfer", "KV transports (grpc, torch, local, nixl) vs memcpy and raw TCP: GB/s and "
                                              "layer-wise overlap"),
     "soak": ("pdcluster.bench.soak", "N streams for T minutes: requests failed, tokens lost/duplicated, KV blocks "
                                      "leaked, RSS growth"),

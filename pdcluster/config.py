@@ -8,6 +8,8 @@ A file has one section per concern (`ray`, `redis`, `router`, `transfer`) and on
 from __future__ import annotations
 
 import difflib
+import functools
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -327,7 +329,9 @@ class TransferSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # NOTE: kv_transfer also has "local" (an in-process copy), but pool workers are separate processes.
-    transport: Literal["grpc", "torch"] = Field(default="grpc", description="'grpc' or 'torch' (torch.distributed)")
+    transport: Literal["grpc", "torch", "nixl"] = Field(
+        default="grpc", description="'grpc', 'torch' (torch.distributed) or 'nixl' (NIXL WRITE from the KV pool over "
+        "UCX; falls back to grpc where NIXL cannot be imported)")
     torch_backend: Literal["gloo", "nccl"] = Field(default="gloo", description="torch: 'gloo' (CPU) or 'nccl' (GPU)")
     deadline_s: float = Field(default=30.0, gt=0, description="a transfer not committed by then fails, freeing blocks")
     chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20, description="grpc: bytes per chunk message")
@@ -337,13 +341,15 @@ class TransferSection(BaseModel):
                       "'auto': each worker's own node IP")
     tls: bool = Field(default=False, description="mutual TLS on the KV gRPC plane with security.tls_cert_file/"
                       "tls_key_file (peers checked against security.tls_ca_file); torch's data ports stay cleartext")
+    nixl_checksum: bool = Field(default=True, description="nixl: check every layer's blocks against the sender's "
+                                "checksum before commit (false: trust the link's own CRC, e.g. NVLink/InfiniBand)")
 
     @field_validator("transport", mode="before")
     @classmethod
     def _no_local(cls, v: Any) -> Any:
         if v == "local":
             raise ValueError("'local' (in-process copy) is not offered: workers are separate processes; "
-                             "use 'grpc' or 'torch'")
+                             "use 'grpc', 'torch' or 'nixl'")
         return v
 
     def transfer_config(self, device: str) -> TransferConfig:
@@ -352,9 +358,23 @@ class TransferSection(BaseModel):
 
         # NOTE: only nccl sends from CUDA; gloo's send/recv take CPU tensors, so it stays on the CPU for any pool.
         torch_device = device if self.torch_backend == "nccl" else "cpu"
-        return TransferConfig(transport=self.transport, deadline_s=self.deadline_s, chunk_bytes=self.chunk_bytes,
-                              grpc_streams=self.grpc_streams, torch_backend=self.torch_backend,
-                              torch_device=torch_device)
+        return TransferConfig(transport=_usable(self.transport), deadline_s=self.deadline_s,
+                              chunk_bytes=self.chunk_bytes, grpc_streams=self.grpc_streams,
+                              torch_backend=self.torch_backend, torch_device=torch_device,
+                              nixl_checksum=self.nixl_checksum)
+
+
+@functools.cache
+def _usable(transport: str) -> Any:
+    """`transport`, or grpc where it cannot run here (nixl not importable), said once in the log."""
+    from kv_transfer import transports
+
+    why = transports.unavailable(transport)
+    if why is None:
+        return transport
+    logging.getLogger(__name__).warning("transfer.transport: %s cannot run here (%s); KV moves over grpc", transport,
+                                        why)
+    return "grpc"
 
 
 # the pool keys the prefill and decode pools must agree on (the KV they hand over, and the context it lives in)
@@ -439,6 +459,9 @@ class ClusterConfig(BaseModel):
             # would never match
             raise _RuleError("ray.keep_workers", "kept workers are re-attached by a later `serve` only if they prove "
                                                  "its cluster token: set security.cluster_token_env")
+        if self.transfer.tls and self.transfer.transport == "nixl":
+            raise _RuleError("transfer.tls", "NIXL does not encrypt: transfer.tls needs transfer.transport 'grpc', "
+                                             "not 'nixl'")
         if self.transfer.tls and self.security.tls_cert_file is None:
             raise _RuleError("transfer.tls", "KV TLS uses the cluster's certificate: set security.tls_cert_file "
                                              "and security.tls_key_file")

@@ -193,7 +193,7 @@ def index_entries(name: str) -> int:
     return named + r.exists(f"pdc:wblk:{name}", f"pdc:hb:{name}")
 
 
-@pytest.mark.parametrize("transport", ["torch", "grpc"])
+@pytest.mark.parametrize("transport", ["torch", "nixl", "grpc"])  # NOTE: grpc last: the tests below serve on it
 def test_sixteen_requests_cross_nodes_token_exact(nodes, smollm2, transport):
     serve = serving(nodes, transport)
     texts = unique_prompts(transport, 16)

@@ -99,6 +99,22 @@ class KVTransferService:
         self.receiver.abort(wire.abort_from_proto(request))
         return pb.AbortResponse()
 
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchResponse]:  # noqa: N802
+        """nixl: held open by a sender while it may write into this receiver's pool; its end lifts the fence of the
+        transfers it prepared (the sender died, or gave the pair up)."""
+        if self.receiver.on_watch is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nixl is not enabled on this receiver")
+            return
+        ended = threading.Event()
+        if not context.add_callback(ended.set):
+            return  # NOTE: the call already ended
+        release = self.receiver.on_watch(request.agent)
+        try:
+            yield pb.WatchResponse()
+            ended.wait()  # NOTE: one server thread per sender process, for the life of the pair
+        finally:
+            release()
+
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods under their wire names; Push reads KVChunks with `wire.chunk_from_wire`."""
         def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
@@ -111,6 +127,8 @@ class KVTransferService:
                                                          pb.PushResponse.SerializeToString),
             "Commit": unary(self.Commit, pb.CommitRequest, pb.CommitResponse),
             "Abort": unary(self.Abort, pb.AbortRequest, pb.AbortResponse),
+            "Watch": grpc.unary_stream_rpc_method_handler(self.Watch, pb.WatchRequest.FromString,
+                                                          pb.WatchResponse.SerializeToString),
         })
 
 
@@ -242,7 +260,7 @@ class GrpcKVSender(KVSender):
 
     def _pieces(self, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """`t` ([n, *block_shape]) cut into even chunks of at most `chunk_bytes` (views, no copy)."""
-        t = t.contiguous()
+        t = t.contiguous().cpu()  # NOTE: a GPU pool's layer leaves through the host (gRPC sends bytes)
         n = t.shape[0]
         per_chunk = max(1, self.config.chunk_bytes // payload.block_nbytes(self.layout))
         step = -(-n // -(-n // per_chunk)) if n else 1
