@@ -77,11 +77,13 @@ import json, sys, importlib
 import torch
 env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
-for mod in ("triton", "transformers", "gguf", "crc32c", "nixl"):
+for mod in ("triton", "transformers", "gguf", "crc32c"):
     try:
         env[mod] = getattr(importlib.import_module(mod), "__version__", "present")
     except Exception as e:  # noqa: BLE001
         env[mod] = f"missing: {type(e).__name__}: {e}"
+from kv_transfer.transports import nixl_agent  # NOTE: the cu13 wheel's module is nixl_cu13; load() tries each name
+env["nixl"] = nixl_agent.unavailable() or "present"
 import engine, kv_transfer  # noqa: F401  (what the checks import: fails here rather than in every step)
 json.dump(env, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(env))
