@@ -13,7 +13,11 @@ Where the prompt is computed (`Policy.route`):
    none; with an idle prefill pool the prompt goes to that pool: the decode batch's steps are only lengthened when the
    prefill queue is what makes the user wait;
 3. else the prefill worker with the soonest predicted first token: its queue, the prompt's own steps, and the KV
-   transfer to the decode worker (`transfer`, fitted on what this router saw).
+   transfer to the decode worker (`transfer`, fitted on what this router saw);
+4. ... where the request stays, whole, when decode is the bottleneck (`stay`): the decode worker's steps with it are
+   predicted past `slo_itl_ms` and the prefill worker's shorter (its engine caps its prompt work beside what it
+   decodes), and its first token is not later there: no transfer, and a prompt that prefill worker caches is served
+   from its cache.
 Times come from the workers' measured step costs in their heartbeats (`WorkerLoad.step_base_us`, `step_token_ns`),
 with priors until then (cluster/worker_metrics.py).
 """
@@ -92,8 +96,10 @@ class Route:
     prefill: str | None
     decode: str
     predicted_ttft_ms: float
-    why: str = ""  # prefill None: "prefix" (decode caches it), "slo" (the prefill queue), "no_prefill" (none up)
-    decode_prefill_tokens: int = 0  # prefill None: the prompt tokens the decode worker computes
+    # prefill None: "prefix" (decode caches it), "slo" (the prefill queue), "no_prefill" (none up), "stay" (`decode`
+    # is a prefill worker: decode is the bottleneck)
+    why: str = ""
+    decode_prefill_tokens: int = 0  # prefill None: the prompt tokens the `decode` worker computes
 
 
 class Policy:
@@ -135,7 +141,36 @@ class Policy:
             decode_s = self.decode_ttft_s(decode_pick, uncached)
             if queue_s > decode_s:
                 return Route(None, decode_pick.name, decode_s * 1e3, "slo", uncached)
-        return Route(prefill_pick.name, decode_pick.name, ttft_ms)
+        stay = self._stay(prefill_pick, decode_pick, prompt_len, max_tokens, matched)
+        return stay or Route(prefill_pick.name, decode_pick.name, ttft_ms)
+
+    def _stay(self, p: WorkerView, d: WorkerView, prompt_len: int, max_tokens: int,
+              matched: dict[str, int]) -> Route | None:
+        """The whole request on prefill worker `p` when decode worker `d` is the bottleneck, else None."""
+        if self.slo_itl_s is None:
+            return None
+        decode_itl = self.itl_s(d)
+        if decode_itl <= self.slo_itl_s or self.itl_s(p) >= decode_itl:
+            return None
+        need = -(-(prompt_len + max_tokens) // self.block_size) - matched.get(p.name, 0)
+        if p.free_blocks() < need or p.busy() >= 1:
+            return None
+        own = self._uncached(p, prompt_len, matched)
+        ttft_s = self.decode_ttft_s(p, own)
+        # NOTE: only when its own first token is not later for it (its prompt shares the steps with what p decodes)
+        if ttft_s * 1e3 > self._ttft(p, prompt_len, matched):
+            return None
+        return Route(None, p.name, ttft_s * 1e3, "stay", own)
+
+    def itl_s(self, w: WorkerView) -> float:
+        """Predicted gap between two tokens of a request that joins worker `w`'s decode batch: its steps then, with
+        the prompt tokens its engine still takes beside that batch (within the ITL budget, engine/step_budget.py)."""
+        batch = w.decode_batch() + 1
+        base, per_token = w.step_cost()
+        room = float((w.step_limit() or 1 << 30) - batch)
+        if self.slo_itl_s is not None:
+            room = min(room, math.floor((self.slo_itl_s - base) / per_token) - batch)
+        return w.step_s(batch + min(w.queued_tokens(), max(0.0, room)))
 
     def pick_prefill(self, prompt_len: int, prefill: list[WorkerView]) -> WorkerView:
         """A prefill worker on load alone (a retry after a failure): the soonest predicted first token."""

@@ -171,6 +171,35 @@ def prefill_pool_backlogged(server, tokens: int = 200_000):
             v.pending_tokens -= tokens
 
 
+@contextlib.contextmanager
+def decode_pool_saturated(server, requests: int = 1000):
+    """The router counts `requests` of its own on every decode worker: their steps are predicted far past the ITL
+    target, so a request stays whole on the prefill worker (router/policy.py, "stay")."""
+    views = [w.view for w in server.router.decode]
+    for v in views:
+        v.inflight += requests
+    try:
+        yield
+    finally:
+        for v in views:
+            v.inflight -= requests
+
+
+def test_a_request_kept_on_its_prefill_worker_when_decode_is_the_bottleneck_gives_one_engines_text(cluster, smollm2):
+    _, server = cluster
+    texts = prompts("stay", 2)[:2]
+    want = reference(smollm2, texts, 16)
+    with decode_pool_saturated(server):
+        results = stream_all(server, texts, 16, threading.Event())
+    for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
+        assert (ids, text) == (ref_ids, ref_text)
+        tl = last.timeline
+        assert (tl.placement, tl.prefill_skipped, tl.kv_blocks_sent) == ("stay", True, 0)
+        assert tl.decode_worker.startswith("prefill-")  # decoded where it was prefilled
+    loads = router_loads(server)
+    assert loads == dict.fromkeys(loads, (0, 0)), loads
+
+
 def test_a_prompt_placed_on_the_decode_pool_crosses_no_handoff_and_gives_one_engines_text(cluster, smollm2):
     _, server = cluster
     texts = prompts("slo", 2)[:3]

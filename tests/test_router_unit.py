@@ -21,7 +21,7 @@ from router.grpc_requests import ProtoValidator
 from router.policy import Policy, WorkerView
 from router.v1 import inference_pb2 as pb
 from router.validate import RequestValidator
-from tests.helpers import GREEDY, generate_ids, make_engine, random_prompts
+from tests.helpers import GREEDY, generate_ids, make_engine, random_prompts, run_to_completion
 
 CFG = EngineConfig(num_blocks=256, num_threads=2)
 
@@ -182,6 +182,28 @@ def test_the_decode_paths_prediction_counts_its_chunks_and_what_is_queued_there(
     assert pol.decode_ttft_s(d, 70) == pytest.approx(0.020 + 0.080 + 5 * 0.020 + (5 * 60 + 100) * 0.001)
     full = view("d", **STEPS, running=80)  # no budget: the engine's one block per STARVED_STEPS_MAX steps
     assert pol.chunk_tokens(full) == pytest.approx(16 / STARVED_STEPS_MAX)
+
+
+@pytest.mark.parametrize("prefill_load,decode_load,matched,where", [
+    ({}, {"running": 100}, 0, "p"),  # decode alone takes 120 ms a step: the request stays where it is prefilled
+    ({"pending_prefill_tokens": 2000}, {"running": 100}, 0, "d"),  # its first token would come later there
+    ({}, {"running": 60}, 0, "d"),  # decode steps within the target: the usual handoff
+    ({"running": 8}, {"running": 100}, 0, "d"),  # the prefill worker's batch is full (max_num_seqs 8)
+    ({"free_blocks": 10}, {"running": 100}, 0, "d"),  # no room for its KV there
+    ({}, {"running": 100}, 20, "p"),  # cached there: only the rest is computed
+])
+def test_when_decode_is_the_bottleneck_a_request_stays_on_the_prefill_worker(prefill_load, decode_load, matched,
+                                                                             where):
+    pol = Policy("prefix_aware", 16, 0, slo_itl_ms=100)
+    route = pol.route(400, 8, {"p": matched}, [view("p", **STEPS, **prefill_load)],
+                      [view("d", **STEPS, **decode_load)])
+    if where == "p":
+        assert (route.prefill, route.decode, route.why) == (None, "p", "stay")
+        assert route.decode_prefill_tokens == 400 - 16 * matched
+    else:
+        assert (route.prefill, route.decode, route.why) == ("p", "d", "")
+    off = Policy("prefix_aware", 16, 0, slo_itl_ms=None)  # no ITL target: never
+    assert off.route(400, 8, {}, [view("p", **STEPS, **prefill_load)], [view("d", **STEPS, **decode_load)]).why == ""
 
 
 def test_predictions_use_measured_steps_priors_before_and_the_kv_transfer():
@@ -365,3 +387,22 @@ def test_an_abort_that_overtakes_its_request_still_stops_it(tiny, workers):
         s = w.engine.stats()
         assert (s.num_running, s.num_reserved, s.num_free_blocks) == (0, 0, s.num_blocks)
     asyncio.run(run())  # the abort is spent: the same id may be used again
+
+
+def test_a_request_kept_on_the_prefill_worker_streams_one_engines_tokens_and_text(tiny, workers):
+    p, _ = workers
+    prompt = random_prompts(1, [70], seed=11, vocab=tiny.config.vocab_size)[0]
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+
+    async def stream():
+        return [delta async for delta in p.generate(DecodeRequest("stay-1", dataclasses.replace(params), prompt))]
+    deltas = asyncio.run(stream())
+    engine = make_engine(tiny, num_blocks=256)
+    engine.add_request("alone", prompt, dataclasses.replace(params))
+    ref = run_to_completion(engine)["alone"]
+    last = deltas[-1]
+    assert [t for d in deltas for t in d.token_ids] == ref.token_ids == last.all_token_ids
+    assert "".join(d.text for d in deltas) == ref.text == last.final_text
+    assert last.finished and last.finish_reason == "length" and deltas[0].prefill_ms > 0
+    s = p.engine.stats()
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_blocks)
