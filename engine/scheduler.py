@@ -138,7 +138,7 @@ class Scheduler:
         else:
             self._starved += 1
             if self._starved >= STARVED_STEPS_MAX:
-                cap, self._starved = self.bm.block_size, 0
+                cap = self.bm.block_size  # NOTE: a block a step from then on, until the budget comes back
         self._budget = min(self._budget, cap)
 
     def _schedule_running(self, seq: Sequence) -> None:

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-# NOTE: a prompt that got no token for this many steps in a row because decode filled every step gets one block in
-# the next (a prompt the router placed before the batch grew, or a failover's continuation, must not wait forever)
+# NOTE: prompt work that got no token for this many steps in a row because decode filled every step gets one block a
+# step from then on (a prompt the router placed before the batch grew, or a failover's continuation, must not wait
+# for the whole batch to finish)
 STARVED_STEPS_MAX = 32
 # NOTE: a waiting prompt is promoted once its age plus its own compute reaches this fraction of the TTFT target: the
 # rest is the margin for the steps it shares with the decode batch and the prompts already running

@@ -208,6 +208,8 @@ class Policy:
         in_flight = d.step_s(batch + min(q, chunk)) if batch or q else 0.0
         work = q + tokens
         steps = max(1, math.ceil(work / chunk))
+        if batch and self.slo_itl_s is not None and not self.itl_budget(d):
+            steps += STARVED_STEPS_MAX  # NOTE: decode fills its steps: prompt work waits that long, then a block a step
         return in_flight + d.step_s(steps * batch + work, steps)
 
     def itl_budget(self, d: WorkerView) -> int:
@@ -220,13 +222,13 @@ class Policy:
             room = min(room, d.step_limit() - d.decode_batch())
         return max(0, math.floor(room))
 
-    def chunk_tokens(self, d: WorkerView) -> float:
+    def chunk_tokens(self, d: WorkerView) -> int:
         """Prompt tokens per step decode worker `d`'s engine computes (engine/step_budget.py): a whole step while
-        nothing decodes, else its ITL budget, and one block per STARVED_STEPS_MAX steps when that is none."""
+        nothing decodes, else its ITL budget, and one block when that is none (after STARVED_STEPS_MAX steps)."""
         batch, limit = d.decode_batch(), d.step_limit() or 1 << 30
         if batch == 0 or self.slo_itl_s is None:
             return max(1, limit - batch)
-        return self.itl_budget(d) or self.block_size / STARVED_STEPS_MAX
+        return self.itl_budget(d) or self.block_size
 
     def pick_decode(self, prompt_len: int, max_tokens: int, matched: dict[str, int],
                     decode: list[WorkerView]) -> WorkerView:

@@ -180,8 +180,10 @@ def test_the_decode_paths_prediction_counts_its_chunks_and_what_is_queued_there(
     d = view("d", **STEPS, running=60, pending_prefill_tokens=30)
     assert pol.itl_budget(d) == 20
     assert pol.decode_ttft_s(d, 70) == pytest.approx(0.020 + 0.080 + 5 * 0.020 + (5 * 60 + 100) * 0.001)
-    full = view("d", **STEPS, running=80)  # no budget: the engine's one block per STARVED_STEPS_MAX steps
-    assert pol.chunk_tokens(full) == pytest.approx(16 / STARVED_STEPS_MAX)
+    full = view("d", **STEPS, running=80)  # no budget: STARVED_STEPS_MAX steps without, then one block a step
+    assert pol.chunk_tokens(full) == 16
+    steps = STARVED_STEPS_MAX + 3  # 40 tokens: 3 blocks
+    assert pol.decode_ttft_s(full, 40) == pytest.approx(0.1 + steps * 0.020 + (steps * 80 + 40) * 0.001)
 
 
 @pytest.mark.parametrize("prefill_load,decode_load,matched,where", [

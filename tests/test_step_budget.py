@@ -74,8 +74,10 @@ def test_a_decode_batch_that_fills_the_step_holds_prompts_back_but_never_forever
     for _ in range(STARVED_STEPS_MAX - 1):
         engine.step()
         assert engine.scheduler.prompt_cap == 0 and doc.num_computed_tokens == 0
-    engine.step()  # starved that long: one block
+    engine.step()  # starved that long: a block a step from now on
     assert doc.num_computed_tokens == engine.config.block_size
+    engine.step()
+    assert doc.num_computed_tokens == 2 * engine.config.block_size
     final = run_to_completion(engine)  # once the decoders finish, the document gets whole steps
     assert (final["doc"].token_ids, final["doc"].text) == alone(tiny, DOCUMENT, greedy(4))
     assert_idle(engine)
