@@ -106,7 +106,8 @@ class Worker:
         self.spec = spec
         self.name = spec.name
         tracing.configure(spec.tracing, spec.name)
-        self.engine = LLMEngine(loaded or load_model(spec.model), spec.engine)
+        self.engine = LLMEngine(loaded or load_model(spec.model, device=spec.engine.device, dtype=spec.engine.dtype),
+                                spec.engine)
         self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}

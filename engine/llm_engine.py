@@ -71,12 +71,17 @@ class LLMEngine:
         model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
         usable = config.max_num_seqs * -(-model_len // config.block_size)
-        num_blocks = config.num_blocks or max(1, min(usable, int(config.kv_cache_memory_gb * 2**30 // per_block)))
+        # NOTE: on CUDA without num_blocks, the runner sizes the pool by gpu_memory_utilization (engine/gpu_memory.py)
+        cuda = config.resolved_device().type == "cuda"
+        num_blocks = config.num_blocks or (None if cuda else max(1, min(usable, int(config.kv_cache_memory_gb * 2**30
+                                                                                    // per_block))))
+        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, model_len, max_blocks=usable)
+        num_blocks = self.runner.num_blocks
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_order, StepBudget.of(config))
-        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, self.max_model_len)
+        self.runner.capture_graphs()
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Start a cluster: the YAML (--config) is the full form; PDCLUSTER_<SECTION>__"
                            "<FIELD> environment variables override any of its fields, and these flags override both.")
     serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="override model: 'smollm2', a .gguf file or a Hugging Face directory")
+                       help="override model: 'smollm2', 'random:<arch>', a .gguf file or a Hugging Face directory")
     serve.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
     serve.add_argument("--host", default=None, help="override router.host, http.host and metrics.host")
     serve.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--addr", metavar="HOST:PORT", help="a running `pdcluster serve` (gRPC)")
     where.add_argument("--local", action="store_true", help="run the engine in this process (no cluster)")
     gen.add_argument("--stream", action="store_true", help="--addr: print tokens as they arrive")
-    gen.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', a .gguf file or a Hugging Face directory")
+    gen.add_argument("--model", default="smollm2",
+                     help="'smollm2', 'tiny', 'random:<arch>', a .gguf file or a Hugging Face directory")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (with token ids)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")

@@ -74,7 +74,12 @@ class PoolConfig(BaseModel):
         default_factory=dict, description="environment of the actor's process on top of the launcher's, e.g. "
         "{GOMP_SPINCOUNT: '0'}; OMP_NUM_THREADS comes from torch_threads")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the actor computes ('cuda': num_gpus > 0)")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights and KV dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="weights and KV dtype; auto: bfloat16 on cuda, float32 on cpu")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="cuda: share of the GPU for weights + activations + KV (the KV pool "
+        "gets what a profiling pass leaves); null: 0.9 on cuda; num_kv_blocks wins")
+    enforce_eager: bool = Field(default=False, description="cuda: no CUDA graphs for decode steps")
     num_kv_blocks: int | None = Field(default=None, gt=0, description="KV blocks; null: sized from kv_cache_memory_gb")
     kv_cache_memory_gb: float = Field(default=1.0, gt=0, description="KV cache size when num_kv_blocks is null")
     block_size: int = Field(default=16, gt=0, description="tokens per KV block (the prefix-cache granularity)")
@@ -95,6 +100,9 @@ class PoolConfig(BaseModel):
     def _check(self) -> PoolConfig:
         if self.device == "cuda" and self.num_gpus <= 0:
             raise _RuleError("num_gpus", "device 'cuda' needs num_gpus > 0 (Ray must reserve a GPU for the actor)")
+        if self.gpu_memory_utilization is not None and self.device != "cuda":
+            raise _RuleError("gpu_memory_utilization", "sizes a GPU's KV pool: needs device 'cuda' (on the CPU use "
+                                                       "kv_cache_memory_gb or num_kv_blocks)")
         if self.cpu_affinity is not None and not all(self.cpu_affinity):
             raise _RuleError("cpu_affinity", "each entry lists at least one core, e.g. [[0], [1]]")
         if "OMP_NUM_THREADS" in self.env_vars:
@@ -122,7 +130,15 @@ class PoolConfig(BaseModel):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads,
             prefill_order=self.prefill_order, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
-            speculative_config=spec)
+            speculative_config=spec, device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager)
+
+    @property
+    def resolved_dtype(self) -> str:
+        """`dtype` with auto resolved for `device` (what the engine computes and stores KV in)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
 
 
 class RayConfig(BaseModel):
@@ -373,8 +389,9 @@ class ClusterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(default="smollm2", min_length=1, description="'smollm2', 'tiny', a .gguf file or a Hugging "
-                                                                   "Face directory (same path on every node)")
+    model: str = Field(default="smollm2", min_length=1, description="'smollm2', 'tiny', 'random:<arch>' (random "
+                       "weights of a real shape: random:llama-3.1-8b, random:qwen2.5-7b, random:smollm2-135m), a .gguf "
+                       "file or a Hugging Face directory (same path on every node)")
     mode: Literal["disaggregated", "colocated"] = Field(
         default="disaggregated", description="'disaggregated': prefill and decode pools; 'colocated': one pool")
     # NOTE: pydantic copies a model default for each instance, so two configs never share a section.
@@ -444,7 +461,8 @@ class ClusterConfig(BaseModel):
         # dtype fail every Prepare (and each request then prefills on the decode worker), and on max_model_len the
         # router admits prompts by one pool's limit that the other refuses. Refused here, before any actor starts.
         for key in KV_SHAPE_KEYS:
-            p, d = getattr(self.prefill, key), getattr(self.decode, key)
+            attr = "resolved_dtype" if key == "dtype" else key  # NOTE: auto is bfloat16 on cuda, float32 on cpu
+            p, d = getattr(self.prefill, attr), getattr(self.decode, attr)
             if p != d:
                 raise _RuleError(f"decode.{key}", f"prefill.{key} is {p!r} but decode.{key} is {d!r}: the prefill "
                                                   "and decode pools must agree (KV moves between them as it is)")

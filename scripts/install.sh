@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 pip() { "$PYTHON" -m pip "$@"; }
-# NOTE: torch first and pinned: this is the CPU build on disk; an open range would pull GBs of CUDA wheels.
+# NOTE: torch first and pinned: this is the CPU build on disk; pyproject.toml's range (torch>=2.4) then keeps it,
+# where an unpinned install would pull GBs of CUDA wheels. (An environment with a CUDA torch keeps its own.)
 pip install -q "torch==2.13.0"
 pip install -q -e ".[dev]"
 # The compiled kernels (engine/csrc/: paged attention, the float32 linear; built for this machine). NOTE: a failed
