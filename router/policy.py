@@ -15,9 +15,9 @@ Where the prompt is computed (`Policy.route`):
 3. else the prefill worker with the soonest predicted first token: its queue, the prompt's own steps, and the KV
    transfer to the decode worker (`transfer`, fitted on what this router saw);
 4. ... where the request stays, whole, when decode is the bottleneck (`stay`): the decode worker's steps with it are
-   predicted past `slo_itl_ms` and the prefill worker's shorter (its engine caps its prompt work beside what it
-   decodes), and its first token is not later there: no transfer, and a prompt that prefill worker caches is served
-   from its cache.
+   predicted past `slo_itl_ms` and the prefill worker's shorter, that worker has no prompt queued (once it decodes,
+   its engine caps its prompt chunks to the ITL budget) and the first token is not later there: no transfer, and a
+   prompt that prefill worker caches is served from its cache.
 Times come from the workers' measured step costs in their heartbeats (`WorkerLoad.step_base_us`, `step_token_ns`),
 with priors until then (cluster/worker_metrics.py).
 """
@@ -153,12 +153,15 @@ class Policy:
         if decode_itl <= self.slo_itl_s or self.itl_s(p) >= decode_itl:
             return None
         need = -(-(prompt_len + max_tokens) // self.block_size) - matched.get(p.name, 0)
-        if p.free_blocks() < need or p.busy() >= 1:
+        # NOTE: only a prefill worker with no prompt work queued: once it decodes, its engine caps its prompt chunks
+        # to the ITL budget, which would slow every first token queued there
+        if p.free_blocks() < need or p.busy() >= 1 or p.queued_tokens() > 0:
             return None
         own = self._uncached(p, prompt_len, matched)
         ttft_s = self.decode_ttft_s(p, own)
-        # NOTE: only when its own first token is not later for it (its prompt shares the steps with what p decodes)
-        if ttft_s * 1e3 > self._ttft(p, prompt_len, matched):
+        # NOTE: only when its own first token is not later for it (its prompt shares the steps with what p decodes);
+        # compared as the prefill path is predicted: without the step in flight
+        if (ttft_s - self.in_flight_s(p)) * 1e3 > self._ttft(p, prompt_len, matched):
             return None
         return Route(None, p.name, ttft_s * 1e3, "stay", own)
 
@@ -204,13 +207,17 @@ class Policy:
         """Seconds until decode worker `d` has computed `tokens` prompt tokens: its step in flight, then the steps that
         take the prompts queued there and this one, `chunk_tokens` at a time, each beside its decode batch."""
         batch, q = d.decode_batch(), d.queued_tokens()
-        chunk = self.chunk_tokens(d)
-        in_flight = d.step_s(batch + min(q, chunk)) if batch or q else 0.0
+        in_flight, chunk = self.in_flight_s(d), self.chunk_tokens(d)
         work = q + tokens
         steps = max(1, math.ceil(work / chunk))
         if batch and self.slo_itl_s is not None and not self.itl_budget(d):
             steps += STARVED_STEPS_MAX  # NOTE: decode fills its steps: prompt work waits that long, then a block a step
         return in_flight + d.step_s(steps * batch + work, steps)
+
+    def in_flight_s(self, d: WorkerView) -> float:
+        """Seconds of worker `d`'s step in flight (its decode batch and the prompt chunk beside it; 0: idle)."""
+        batch, q = d.decode_batch(), d.queued_tokens()
+        return d.step_s(batch + min(q, self.chunk_tokens(d))) if batch or q else 0.0
 
     def itl_budget(self, d: WorkerView) -> int:
         """Prompt tokens one step of decode worker `d` takes beside its decode batch within the ITL SLO (0: none)."""

@@ -172,9 +172,13 @@ def prefill_pool_backlogged(server, tokens: int = 200_000):
 
 
 @contextlib.contextmanager
-def decode_pool_saturated(server, requests: int = 1000):
+def decode_pool_saturated(server, requests: int = 100_000):
     """The router counts `requests` of its own on every decode worker: their steps are predicted far past the ITL
-    target, so a request stays whole on the prefill worker (router/policy.py, "stay")."""
+    target, so a request stays whole on the prefill worker (router/policy.py, "stay").
+
+    NOTE: that many: a decode worker that has only decoded since it started measured a small cost per token (its
+    steps are mostly the fixed cost), and a thousand would still fit its predicted step within the target.
+    """
     views = [w.view for w in server.router.decode]
     for v in views:
         v.inflight += requests
@@ -189,8 +193,8 @@ def test_a_request_kept_on_its_prefill_worker_when_decode_is_the_bottleneck_give
     _, server = cluster
     texts = prompts("stay", 2)[:2]
     want = reference(smollm2, texts, 16)
-    with decode_pool_saturated(server):
-        results = stream_all(server, texts, 16, threading.Event())
+    with decode_pool_saturated(server):  # NOTE: one at a time: a prefill worker with a prompt queued keeps none
+        results = [stream_all(server, [t], 16, threading.Event())[0] for t in texts]
     for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
         assert (ids, text) == (ref_ids, ref_text)
         tl = last.timeline

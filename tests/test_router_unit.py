@@ -188,7 +188,8 @@ def test_the_decode_paths_prediction_counts_its_chunks_and_what_is_queued_there(
 
 @pytest.mark.parametrize("prefill_load,decode_load,matched,where", [
     ({}, {"running": 100}, 0, "p"),  # decode alone takes 120 ms a step: the request stays where it is prefilled
-    ({"pending_prefill_tokens": 2000}, {"running": 100}, 0, "d"),  # its first token would come later there
+    ({"pending_prefill_tokens": 2000}, {"running": 100}, 0, "d"),  # prompts queued there: not slowed for it
+    ({"running": 5}, {"running": 100}, 0, "d"),  # 5 decoding there: its prompt in 75-token chunks, a later TTFT
     ({}, {"running": 60}, 0, "d"),  # decode steps within the target: the usual handoff
     ({"running": 8}, {"running": 100}, 0, "d"),  # the prefill worker's batch is full (max_num_seqs 8)
     ({"free_blocks": 10}, {"running": 100}, 0, "d"),  # no room for its KV there
