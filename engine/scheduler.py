@@ -10,8 +10,11 @@ Each step has a token budget (`max_num_batched_tokens`):
 `prefill_order` orders the prompt work of steps 1 and 2: "fcfs" (arrival order, the default) or
 "shortest_first" (fewest prompt tokens left first; preempted sequences still go first), which lets a short
 prompt overtake a long one mid-prefill, as a prefill worker behind a TTFT objective wants. A long prompt still
-gets whatever budget the short ones leave in each step; it waits only while short prompts fill whole steps, i.e.
-when the worker is past its capacity anyway.
+gets whatever budget the short ones leave in each step, and once its age nears the TTFT target (`StepBudget.overdue`)
+it goes first, so a stream of short prompts cannot push a document past its target.
+The ITL budget (`StepBudget.prompt_tokens`, engine/step_budget.py): in a step that decodes for someone, prompt work
+gets at most the tokens left of the step-time target after the decode tokens (from the measured step cost), apart
+from `max_num_batched_tokens`; a prompt may so start in a decode batch and finish over several steps.
 With speculative decoding a decoding sequence carries draft tokens (`spec_token_ids`); it is given 1 + drafts
 tokens (a verification entry) while budget and blocks allow, and its drafts are the first thing dropped when they do
 not. Requests join and leave the running batch at every step. The scheduler never touches tensors.
@@ -19,11 +22,14 @@ not. Requests join and leave the running batch at every step. The scheduler neve
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_budget import STARVED_STEPS_MAX, StepBudget
 
 PREFILL_ORDERS = ("fcfs", "shortest_first")
 
@@ -47,7 +53,7 @@ class Scheduler:
     """Decides which sequences run in the next step and how many tokens each computes."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_order: str = "fcfs") -> None:
+                 prefill_order: str = "fcfs", budget: StepBudget | None = None) -> None:
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order: {prefill_order!r}; use one of {PREFILL_ORDERS}")
         self.shortest_first = prefill_order == "shortest_first"
@@ -57,6 +63,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.budget = budget or StepBudget()  # the ITL budget and the TTFT bound (the worker sets its step cost)
+        self.clock = time.monotonic  # a prompt's age is measured with it
+        self.prompt_cap: int | None = None  # the last step's ITL budget for prompt tokens (None: none applied)
+        self._starved = 0  # steps in a row whose prompt work got no token because decode filled them
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,12 +96,10 @@ class Scheduler:
         for seq in decoding:
             self._schedule_running(seq)
         if self.shortest_first:
-            # NOTE: running chunks and waiting prompts compete on tokens left; preempted ones keep their turn.
-            queue = sorted(prompts + list(self.waiting), key=lambda s: (s.num_preemptions == 0 or
-                                                                       s.status is SequenceStatus.RUNNING,
-                                                                       s.num_pending_tokens))
+            queue = sorted(prompts + list(self.waiting), key=self._shortest_first_key(self.clock()))
         else:
             queue = prompts + list(self.waiting)
+        self._cap_prompt_work(bool(queue))
         admitting = True
         for seq in queue:
             if self._budget <= 0:
@@ -104,6 +112,34 @@ class Scheduler:
         picked = self._picked
         picked.sort(key=lambda p: p[1] != 1)  # stable: single-token (decode) entries first
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked])
+
+    def _shortest_first_key(self, now: float) -> Callable[[Sequence], tuple[int, int, float]]:
+        """Preempted ones keep their turn; then prompts overdue for the TTFT target, oldest first; then the rest on
+        tokens left (running chunks and waiting prompts compete)."""
+        limit = self.max_num_batched_tokens
+
+        def key(s: Sequence) -> tuple[int, int, float]:
+            if s.num_preemptions and s.status is not SequenceStatus.RUNNING:
+                return 0, 0, s.num_pending_tokens
+            if self.budget.overdue(now - s.arrival_time, s.num_pending_tokens, limit):
+                return 1, 0, s.arrival_time
+            return 1, 1, s.num_pending_tokens
+        return key
+
+    def _cap_prompt_work(self, has_prompt_work: bool) -> None:
+        """Apply the ITL budget to what is left of this step once its decode tokens are in."""
+        cap = self.budget.prompt_tokens(self.max_num_batched_tokens - self._budget)
+        self.prompt_cap = cap
+        if cap is None or not has_prompt_work:
+            self._starved = 0
+            return
+        if cap > 0:
+            self._starved = 0
+        else:
+            self._starved += 1
+            if self._starved >= STARVED_STEPS_MAX:
+                cap = self.bm.block_size  # NOTE: a block a step from then on, until the budget comes back
+        self._budget = min(self._budget, cap)
 
     def _schedule_running(self, seq: Sequence) -> None:
         """Its next token or prompt chunk; preempt the latest-admitted others (or itself) when blocks run out."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 from engine.block_hash import BlockHash, hash_block_tokens, root_hash
 from engine.logprobs import TokenLogprobs
@@ -36,6 +37,7 @@ class Sequence:
         self.block_size = block_size
         self.scope = scope
         self.arrival = next(_arrival)
+        self.arrival_time = time.monotonic()  # when this engine got it (a prompt's age: engine/step_budget.py)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []

@@ -212,8 +212,10 @@ class RouterConfig(BaseModel):
                                      "on another prefill worker")
     slo_ttft_ms: float = Field(default=2000.0, gt=0, description="time-to-first-token target (ms); admission refuses "
                                "requests predicted past max_predicted_ttft_ms (null: 4 × this)")
-    slo_itl_ms: float | None = Field(default=100.0, gt=0, description="inter-token latency target (ms): a decode "
-                                     "worker prefills a short prompt only within it; null: never for load")
+    slo_itl_ms: float | None = Field(default=100.0, gt=0, description="inter-token latency target (ms): every "
+                                     "engine's steps take prompt tokens beside decoding only within it, and the router "
+                                     "places prompts on decode workers (or keeps requests on prefill workers) by it; "
+                                     "null: neither")
     max_predicted_ttft_ms: float | None = Field(default=None, ge=0, description="a request whose first token is "
                                                 "predicted later is refused (RESOURCE_EXHAUSTED); null: 4 × "
                                                 "slo_ttft_ms; 0: no limit")

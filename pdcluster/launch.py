@@ -242,7 +242,11 @@ class Cluster:
         self._started += 1
         transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token,
                                        tls=self.kv_tls)
-        spec = WorkerSpec(name, role, cfg.model, pool.engine_config(), transfer, redis_url=self.redis_url,
+        # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL
+        # target, and shortest_first promotes a prompt nearing the TTFT target (engine/step_budget.py)
+        engine = dataclasses.replace(pool.engine_config(), step_target_ms=cfg.router.slo_itl_ms,
+                                     ttft_target_ms=cfg.router.slo_ttft_ms)
+        spec = WorkerSpec(name, role, cfg.model, engine, transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
                           cpus=pool.cpus(index), nice=pool.nice, served_model_name=cfg.served_model_name,

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import ray
 
-from cluster.messages import PrefillRequest, PrefillResult
+from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from cluster.worker import WorkerActor, WorkerSpec
 from prefill_workers.worker import PrefillWorker
 
 
 @ray.remote
 class PrefillActor(WorkerActor):
-    """Ray face of one PrefillWorker."""
+    """Ray face of one PrefillWorker; `generate` (a request kept here whole) streams: num_returns="streaming"."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self._configure(spec)
@@ -19,3 +21,7 @@ class PrefillActor(WorkerActor):
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(req)
+
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
+        async for delta in self.worker.generate(req):
+            yield delta

@@ -10,6 +10,8 @@ Life of a request on a prefill worker (each step is a method of `PrefillRun`, in
    request) and the request leaves this engine (its blocks stay in the prefix cache);
 4. `hand_off`: once the decode worker confirmed the KV, the result (first token, timings, bytes sent) goes back;
    a request that ended at its first token aborts the transfer instead.
+A request the router keeps here instead ("stay": the decode pool's steps are predicted slower) runs whole on this
+engine and streams back like a decode worker's (`generate`, cluster/whole_run.py): no handshake, no transfer.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cluster import tracing
 from cluster.logs import REQUEST_ID
-from cluster.messages import PrefillRequest, PrefillResult
+from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
+from cluster.whole_run import run_whole
 from cluster.worker import Worker, WorkerSpec
 from engine.block_hash import hash_prompt_blocks
 from engine.loader import LoadedModel
@@ -61,6 +65,11 @@ class PrefillWorker(Worker):
             tracing.end(transfer)
             self._senders.pop(req.request_id, None)
         return run.result(first)
+
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
+        """Run a whole request here (`req.token_ids`: the prompt) and stream its tokens; no KV leaves this worker."""
+        async for delta in run_whole(self, req):
+            yield delta
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here and its transfer (the decode side frees its reservation)."""

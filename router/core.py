@@ -35,7 +35,7 @@ from router.flow import RequestRun
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.pinger import Ping, Pinger
-from router.policy import WorkerView
+from router.policy import Route, WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
@@ -172,6 +172,7 @@ class Router:
                         last_at = now
                     if chunk.finish_reason:
                         ended = True
+                        self._predicted(chunk, route)
                         self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived,
                                       req.request_id)
                     yield chunk
@@ -201,6 +202,16 @@ class Router:
                 yield chunk
         finally:
             await chunks.aclose()
+
+    def _predicted(self, last: Chunk, route: Route) -> None:
+        """The placement and its predicted first token in the timeline; the prediction's error in the metrics."""
+        if last.timeline is None:
+            return
+        placement = route.why or "prefill_pool"
+        tl = last.timeline
+        tl.placement, tl.predicted_ttft_ms = placement, route.predicted_ttft_ms
+        if tl.first_token_ms:
+            self.metrics.observe_prediction(placement, route.predicted_ttft_ms / 1e3, tl.first_token_ms / 1e3)
 
     def _observe(self, last: Chunk, ttft: float | None, gaps: list[float], e2e: float, request_id: str) -> None:
         assert last.timeline is not None and last.usage is not None  # NOTE: every last chunk carries both

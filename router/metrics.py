@@ -28,6 +28,8 @@
 | `pdcluster_prefill_placement_total`       | counter   | where        | prefill_pool, prefix, slo, no_prefill  |
 | `pdcluster_admission_rejected_total`      | counter   | reason       | refused: inflight, backlog, deadline   |
 | `pdcluster_worker_failures_total`         | counter   | worker       | requests failed there (breaker opened) |
+| `pdcluster_ttft_prediction_error_seconds` | histogram | placement    | actual - predicted TTFT (late > 0)     |
+| `pdcluster_ttft_prediction_ratio`         | gauge     | placement    | actual / predicted TTFT (moving mean)  |
 
 Next to these, the names of vLLM's model server (`vllm:*`, label `model_name`), so dashboards, autoscalers and
 endpoint pickers built for vLLM read the cluster: `vllm:num_requests_running` / `_waiting` and
@@ -57,6 +59,8 @@ from cluster.messages import WorkerLoad
 
 # NOTE: TTFT and e2e span a cached short prompt (~1 ms) to a long generation (~1 min); ITL is one decode step.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+TTFT_ERROR_BUCKETS_S = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5,
+                        1.0, 2.0, 5.0, 10.0)
 ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 KV_TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REDIS_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -129,6 +133,14 @@ class RouterMetrics:
                                           ("reason",), registry=r)
         self.worker_failures = Counter("pdcluster_worker_failures_total", "Requests that failed on a worker.",
                                        ("worker",), registry=r)
+        # NOTE: signed: a prediction that was too early (the request came late) is positive
+        self.ttft_error = Histogram("pdcluster_ttft_prediction_error_seconds", "Actual minus predicted time to first "
+                                    "token, by where the prompt was computed.", ("placement",),
+                                    buckets=TTFT_ERROR_BUCKETS_S, registry=r)
+        self.ttft_ratio = Gauge("pdcluster_ttft_prediction_ratio", "Actual over predicted time to first token "
+                                "(exponential moving mean), by where the prompt was computed.", ("placement",),
+                                registry=r)
+        self._ratios: dict[str, float] = {}
         self._vllm(r)
 
     def _vllm(self, r: CollectorRegistry) -> None:
@@ -234,6 +246,15 @@ class RouterMetrics:
     def placed(self, where: str) -> None:
         """Count a prompt computed `where` ("prefill_pool", or on the decode worker: "prefix", "slo", "no_prefill")."""
         self.placement.labels(where=where).inc()
+
+    def observe_prediction(self, placement: str, predicted_s: float, actual_s: float) -> None:
+        """How far a request's first token was from the router's prediction when it placed it."""
+        self.ttft_error.labels(placement=placement).observe(actual_s - predicted_s)
+        if predicted_s > 0:
+            ratio = actual_s / predicted_s
+            mean = self._ratios.get(placement)
+            self._ratios[placement] = mean = ratio if mean is None else 0.9 * mean + 0.1 * ratio
+            self.ttft_ratio.labels(placement=placement).set(mean)
 
     def rejected(self, reason: str) -> None:
         """Count a request refused at admission ("inflight", "backlog", "deadline")."""

@@ -5,12 +5,19 @@ flight, so several routers make consistent choices without talking to each other
 
 Where the prompt is computed (`Policy.route`):
 1. a decode worker that caches all but `skip_max` tokens of the prompt computes the rest itself (prefix rule);
-2. else a short uncached prompt is computed by the decode worker when the prefill pool's queue alone would delay
-   its first token more than the decode worker's whole path (its step in flight, then the step with the prompt in
-   it) and that step stays under the ITL SLO (`slo_itl_ms`): the SLO rule. With an idle prefill pool the prompt
-   goes there: the decode batch's steps are only lengthened when the prefill queue is what makes the user wait;
+2. else the prompt (the part of it the decode worker does not cache) is computed by the decode worker, in chunks
+   beside its decode batch, when the prefill pool's queue alone would delay its first token more than the decode
+   worker's whole chunked path: its step in flight, then as many steps as the prompts queued there and this one take
+   at the ITL budget per step (`itl_budget`: what `slo_itl_ms` leaves after the decode batch, from the measured step
+   cost: the engine's own budget, engine/step_budget.py). The SLO rule. A decode batch that fills its steps takes
+   none; with an idle prefill pool the prompt goes to that pool: the decode batch's steps are only lengthened when the
+   prefill queue is what makes the user wait;
 3. else the prefill worker with the soonest predicted first token: its queue, the prompt's own steps, and the KV
-   transfer to the decode worker (`transfer`, fitted on what this router saw).
+   transfer to the decode worker (`transfer`, fitted on what this router saw);
+4. ... where the request stays, whole, when decode is the bottleneck (`stay`): the decode worker's steps with it are
+   predicted past `slo_itl_ms` and the prefill worker's shorter, that worker has no prompt queued (once it decodes,
+   its engine caps its prompt chunks to the ITL budget) and the first token is not later there: no transfer, and a
+   prompt that prefill worker caches is served from its cache.
 Times come from the workers' measured step costs in their heartbeats (`WorkerLoad.step_base_us`, `step_token_ns`),
 with priors until then (cluster/worker_metrics.py).
 """
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 
 from cluster.messages import WorkerLoad
 from cluster.worker_metrics import PRIOR_STEP_BASE_S, LinearCost
+from engine.step_budget import STARVED_STEPS_MAX
 
 DEFAULT_PREFILL_TOK_S = 2000.0  # until a worker's own speed is measured
 PREFIX_WEIGHT = 0.5  # decode choice: a fully cached prompt is worth this fraction of a worker's batch of load
@@ -88,8 +96,10 @@ class Route:
     prefill: str | None
     decode: str
     predicted_ttft_ms: float
-    why: str = ""  # prefill None: "prefix" (decode caches it), "slo" (the prefill queue), "no_prefill" (none up)
-    decode_prefill_tokens: int = 0  # prefill None: the prompt tokens the decode worker computes
+    # prefill None: "prefix" (decode caches it), "slo" (the prefill queue), "no_prefill" (none up), "stay" (`decode`
+    # is a prefill worker: decode is the bottleneck)
+    why: str = ""
+    decode_prefill_tokens: int = 0  # prefill None: the prompt tokens the `decode` worker computes
 
 
 class Policy:
@@ -125,13 +135,45 @@ class Policy:
         order = prefill[start % len(prefill):] + prefill[: start % len(prefill)]
         prefill_pick = min(order, key=lambda w: (self._ttft(w, prompt_len, matched), w.inflight))
         ttft_ms = self._ttft(prefill_pick, prompt_len, matched)
-        if self.slo_itl_s is not None and 0 < uncached <= self.itl_budget(decode_pick):
+        if 0 < uncached and self.itl_budget(decode_pick) > 0:
             own = self._uncached(prefill_pick, prompt_len, matched)
             queue_s = self.prefill_s(prefill_pick, own) - self.prefill_s(prefill_pick, own, queued=0)
             decode_s = self.decode_ttft_s(decode_pick, uncached)
             if queue_s > decode_s:
                 return Route(None, decode_pick.name, decode_s * 1e3, "slo", uncached)
-        return Route(prefill_pick.name, decode_pick.name, ttft_ms)
+        stay = self._stay(prefill_pick, decode_pick, prompt_len, max_tokens, matched)
+        return stay or Route(prefill_pick.name, decode_pick.name, ttft_ms)
+
+    def _stay(self, p: WorkerView, d: WorkerView, prompt_len: int, max_tokens: int,
+              matched: dict[str, int]) -> Route | None:
+        """The whole request on prefill worker `p` when decode worker `d` is the bottleneck, else None."""
+        if self.slo_itl_s is None:
+            return None
+        decode_itl = self.itl_s(d)
+        if decode_itl <= self.slo_itl_s or self.itl_s(p) >= decode_itl:
+            return None
+        need = -(-(prompt_len + max_tokens) // self.block_size) - matched.get(p.name, 0)
+        # NOTE: only a prefill worker with no prompt work queued: once it decodes, its engine caps its prompt chunks
+        # to the ITL budget, which would slow every first token queued there
+        if p.free_blocks() < need or p.busy() >= 1 or p.queued_tokens() > 0:
+            return None
+        own = self._uncached(p, prompt_len, matched)
+        ttft_s = self.decode_ttft_s(p, own)
+        # NOTE: only when its own first token is not later for it (its prompt shares the steps with what p decodes);
+        # compared as the prefill path is predicted: without the step in flight
+        if (ttft_s - self.in_flight_s(p)) * 1e3 > self._ttft(p, prompt_len, matched):
+            return None
+        return Route(None, p.name, ttft_s * 1e3, "stay", own)
+
+    def itl_s(self, w: WorkerView) -> float:
+        """Predicted gap between two tokens of a request that joins worker `w`'s decode batch: its steps then, with
+        the prompt tokens its engine still takes beside that batch (within the ITL budget, engine/step_budget.py)."""
+        batch = w.decode_batch() + 1
+        base, per_token = w.step_cost()
+        room = float((w.step_limit() or 1 << 30) - batch)
+        if self.slo_itl_s is not None:
+            room = min(room, math.floor((self.slo_itl_s - base) / per_token) - batch)
+        return w.step_s(batch + min(w.queued_tokens(), max(0.0, room)))
 
     def pick_prefill(self, prompt_len: int, prefill: list[WorkerView]) -> WorkerView:
         """A prefill worker on load alone (a retry after a failure): the soonest predicted first token."""
@@ -162,23 +204,38 @@ class Policy:
         return w.step_s(total, math.ceil(total / limit))
 
     def decode_ttft_s(self, d: WorkerView, tokens: int) -> float:
-        """Seconds until decode worker `d` has computed `tokens` prompt tokens: its step in flight, then the step
-        (or steps) with the prompt next to its decode batch and the prompts queued there."""
+        """Seconds until decode worker `d` has computed `tokens` prompt tokens: its step in flight, then the steps that
+        take the prompts queued there and this one, `chunk_tokens` at a time, each beside its decode batch."""
         batch, q = d.decode_batch(), d.queued_tokens()
-        limit = d.step_limit() or int(batch + q) + tokens
-        in_flight = d.step_s(batch + min(q, limit)) if batch or q else 0.0
-        total = batch + q + tokens
-        return in_flight + d.step_s(total, math.ceil(total / limit))
+        in_flight, chunk = self.in_flight_s(d), self.chunk_tokens(d)
+        work = q + tokens
+        steps = max(1, math.ceil(work / chunk))
+        if batch and self.slo_itl_s is not None and not self.itl_budget(d):
+            steps += STARVED_STEPS_MAX  # NOTE: decode fills its steps: prompt work waits that long, then a block a step
+        return in_flight + d.step_s(steps * batch + work, steps)
+
+    def in_flight_s(self, d: WorkerView) -> float:
+        """Seconds of worker `d`'s step in flight (its decode batch and the prompt chunk beside it; 0: idle)."""
+        batch, q = d.decode_batch(), d.queued_tokens()
+        return d.step_s(batch + min(q, self.chunk_tokens(d))) if batch or q else 0.0
 
     def itl_budget(self, d: WorkerView) -> int:
-        """Prompt tokens decode worker `d`'s next step can take beside its batch and stay within the ITL SLO."""
+        """Prompt tokens one step of decode worker `d` takes beside its decode batch within the ITL SLO (0: none)."""
         if self.slo_itl_s is None:
             return 0
         base, per_token = d.step_cost()
-        room = (self.slo_itl_s - base) / per_token - d.decode_batch() - d.queued_tokens()
+        room = (self.slo_itl_s - base) / per_token - d.decode_batch()
         if d.step_limit():
-            room = min(room, d.step_limit() - d.decode_batch() - d.queued_tokens())
-        return max(0, int(room))
+            room = min(room, d.step_limit() - d.decode_batch())
+        return max(0, math.floor(room))
+
+    def chunk_tokens(self, d: WorkerView) -> int:
+        """Prompt tokens per step decode worker `d`'s engine computes (engine/step_budget.py): a whole step while
+        nothing decodes, else its ITL budget, and one block when that is none (after STARVED_STEPS_MAX steps)."""
+        batch, limit = d.decode_batch(), d.step_limit() or 1 << 30
+        if batch == 0 or self.slo_itl_s is None:
+            return max(1, limit - batch)
+        return self.itl_budget(d) or self.block_size
 
     def pick_decode(self, prompt_len: int, max_tokens: int, matched: dict[str, int],
                     decode: list[WorkerView]) -> WorkerView:

@@ -34,6 +34,8 @@ class Timeline:
     prefill_skipped: bool = False  # the decode worker ran the whole prompt
     kv_blocks_sent: int = 0
     kv_bytes_sent: int = 0
+    placement: str = ""  # where the prompt was computed: prefill_pool, prefix, slo, no_prefill (router/policy.py)
+    predicted_ttft_ms: float = 0.0  # the router's prediction of first_token_ms when it placed the request
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ mid-way. Every stream must complete with exactly the tokens of an undisturbed ru
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -169,3 +170,109 @@ def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, 
     assert loads == dict.fromkeys(loads, (0, 0)), loads
     new_epoch = wait_restarted(c, "prefill-0", old["prefill-0"])
     assert new_epoch > old["prefill-0"]
+
+
+@contextlib.contextmanager
+def prefill_pool_backlogged(server, tokens: int = 200_000):
+    """The router sees `tokens` queued on every prefill worker, and an ITL target no decode step misses: the SLO rule
+    places every fresh prompt on the decode pool (router/policy.py).
+
+    NOTE: the backlog is the router's own count of what it sent there (`WorkerView.pending_tokens`), so the prefill
+    cores stay free for the decode workers' prompts on a 2-core machine; the target is the router's, while the
+    engines keep their own 100 ms budget (an idle batch takes whole steps).
+    """
+    router = server.router
+    views = [w.view for w in router.prefill]
+    target = router.pools.policy.slo_itl_s
+    for v in views:
+        v.pending_tokens += tokens
+    router.pools.policy.slo_itl_s = 10.0
+    try:
+        yield
+    finally:
+        router.pools.policy.slo_itl_s = target
+        for v in views:
+            v.pending_tokens -= tokens
+
+
+@contextlib.contextmanager
+def decode_pool_saturated(server, requests: int = 100_000):
+    """The router counts `requests` of its own on every decode worker: their steps are predicted far past the ITL
+    target, so a request stays whole on the prefill worker (router/policy.py, "stay").
+
+    NOTE: that many: a decode worker that has only decoded since it started measured a small cost per token (its
+    steps are mostly the fixed cost), and a thousand would still fit its predicted step within the target.
+    """
+    views = [w.view for w in server.router.decode]
+    for v in views:
+        v.inflight += requests
+    try:
+        yield
+    finally:
+        for v in views:
+            v.inflight -= requests
+
+
+def test_a_request_kept_on_its_prefill_worker_when_decode_is_the_bottleneck_gives_one_engines_text(cluster, smollm2):
+    _, server = cluster
+    texts = prompts("stay", 2)[:2]
+    want = reference(smollm2, texts, 16)
+    with decode_pool_saturated(server):  # NOTE: one at a time: a prefill worker with a prompt queued keeps none
+        results = [stream_all(server, [t], 16, threading.Event())[0] for t in texts]
+    for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
+        assert (ids, text) == (ref_ids, ref_text)
+        tl = last.timeline
+        assert (tl.placement, tl.prefill_skipped, tl.kv_blocks_sent) == ("stay", True, 0)
+        assert tl.decode_worker.startswith("prefill-")  # decoded where it was prefilled
+    loads = router_loads(server)
+    assert loads == dict.fromkeys(loads, (0, 0)), loads
+
+
+def test_a_prompt_placed_on_the_decode_pool_crosses_no_handoff_and_gives_one_engines_text(cluster, smollm2):
+    _, server = cluster
+    texts = prompts("slo", 2)[:3]
+    want = reference(smollm2, texts, 16)
+    with prefill_pool_backlogged(server):
+        results = stream_all(server, texts, 16, threading.Event())
+    for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
+        assert (ids, text) == (ref_ids, ref_text)
+        tl = last.timeline
+        assert (tl.placement, tl.prefill_skipped, tl.prefill_worker, tl.kv_blocks_sent) == ("slo", True, "", 0)
+        assert tl.predicted_ttft_ms > 0 and tl.decode_worker.startswith("decode-")
+    text = server.router.metrics.render().decode()
+    assert 'pdcluster_ttft_prediction_error_seconds_count{placement="slo"}' in text
+    loads = router_loads(server)
+    assert loads == dict.fromkeys(loads, (0, 0)), loads
+
+
+def decode_failovers(server) -> float:
+    return server.router.metrics.registry.get_sample_value("pdcluster_failovers_total", {"kind": "decode"}) or 0.0
+
+
+def test_a_decode_worker_killed_while_it_prefills_a_prompt_loses_nothing(cluster, smollm2, ray_session):
+    c, server = cluster
+    texts = prompts("dprefill", 100)[:1]  # ~2,500 tokens: the decode worker prefills it over three steps
+    want = reference(smollm2, texts, 8)
+    started = threading.Event()
+    with prefill_pool_backlogged(server), ThreadPoolExecutor(1) as bg:
+        fut = bg.submit(stream_all, server, texts, 8, started)
+        # NOTE: the router's count of the prompt tokens it gave each decode worker to compute (until the first
+        # token): a worker's own load waits for its engine lock, which a busy loop hands over only between requests
+        views = {w.name: w.view for w in server.router.decode}
+        victim, deadline = None, time.monotonic() + 120
+        while victim is None and time.monotonic() < deadline and not fut.done():
+            victim = next((name for name, v in views.items() if v.pending_tokens > 0), None)
+            time.sleep(0.01)
+        assert victim is not None, "no decode worker was given the prompt"
+        time.sleep(1.5)  # into its ~6 s of prefill steps
+        assert views[victim].pending_tokens > 0, "the prompt's first token came before the kill"
+        failovers = decode_failovers(server)
+        ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
+        results = fut.result(timeout=600)
+    for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
+        assert (ids, text) == (ref_ids, ref_text) and last.usage.completion_tokens == 8
+        assert last.timeline.placement == "slo" and last.timeline.kv_blocks_sent == 0
+        assert last.timeline.decode_worker != victim  # the prompt was computed again elsewhere
+    assert decode_failovers(server) == failovers + 1
+    loads = router_loads(server)
+    assert loads == dict.fromkeys(loads, (0, 0)), loads

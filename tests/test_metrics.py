@@ -157,7 +157,7 @@ def test_names_follow_conventions() -> None:
     names = [fam.name for fam in m.registry.collect()]
     ours = [n for n in names if n.startswith("pdcluster_")]
     vllm = [n for n in names if n.startswith("vllm:")]  # vLLM's model-server names, for tools built on them
-    assert (len(ours), len(vllm), len(names)) == (26, 14, 40)
+    assert (len(ours), len(vllm), len(names)) == (28, 14, 42)
     text = m.render().decode()
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     counters = [n for n, t in types.items() if t == "counter"]
@@ -190,3 +190,22 @@ def test_metrics_server() -> None:
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_the_ttft_prediction_error_is_exported_per_placement() -> None:
+    m = RouterMetrics()
+    m.observe_prediction("slo", 0.2, 0.3)  # 100 ms late
+    m.observe_prediction("slo", 0.2, 0.1)  # 100 ms early
+    m.observe_prediction("prefill_pool", 1.0, 1.5)
+    got = samples(m)
+    err = "pdcluster_ttft_prediction_error_seconds"
+    # NOTE: signed observations: no _sum series (Prometheus' rule for histograms with negative buckets)
+    assert got[(err + "_count", lbl(placement="slo"))] == 2
+    assert got[(err + "_bucket", lbl(placement="slo", le="-0.1"))] == 1  # the early one
+    assert got[(err + "_bucket", lbl(placement="slo", le="0.0"))] == 1
+    assert got[(err + "_bucket", lbl(placement="slo", le="0.25"))] == 2  # and the late one
+    assert got[(err + "_bucket", lbl(placement="prefill_pool", le="0.25"))] == 0
+    assert got[(err + "_bucket", lbl(placement="prefill_pool", le="0.5"))] == 1
+    # the moving mean of actual / predicted: 1.5, then 0.9 × 1.5 + 0.1 × 0.5
+    assert got[("pdcluster_ttft_prediction_ratio", lbl(placement="slo"))] == pytest.approx(1.4)
+    assert got[("pdcluster_ttft_prediction_ratio", lbl(placement="prefill_pool"))] == pytest.approx(1.5)

@@ -13,6 +13,7 @@ from cluster.worker import WorkerSpec
 from decode_workers.worker import DecodeWorker
 from engine import EngineConfig, InvalidRequestError
 from engine.block_hash import hash_prompt_blocks
+from engine.step_budget import STARVED_STEPS_MAX
 from kv_transfer.state import TransferConfig
 from pdcluster.redis_server import EmbeddedRedis, connect
 from prefill_workers.worker import PrefillWorker
@@ -20,7 +21,7 @@ from router.grpc_requests import ProtoValidator
 from router.policy import Policy, WorkerView
 from router.v1 import inference_pb2 as pb
 from router.validate import RequestValidator
-from tests.helpers import GREEDY, generate_ids, make_engine, random_prompts
+from tests.helpers import GREEDY, generate_ids, make_engine, random_prompts, run_to_completion
 
 CFG = EngineConfig(num_blocks=256, num_threads=2)
 
@@ -148,24 +149,64 @@ def test_prefill_is_skipped_only_when_the_decode_worker_caches_nearly_all():
 STEPS = {"step_base_us": 20_000, "step_token_ns": 1_000_000, "max_num_batched_tokens": 256}
 
 
-@pytest.mark.parametrize("prefill_load,decode_load,prompt_len,where", [
-    ({}, {}, 40, "p"),  # both idle: the prefill pool (the decode batch is never lengthened for nothing)
-    ({"pending_prefill_tokens": 6000}, {}, 40, None),  # prefill busy with long documents: the decode worker
-    ({"pending_prefill_tokens": 6000}, {"running": 8}, 40, None),  # a decode step of 8 + 40 tokens: 68 ms ≤ 100
-    ({"pending_prefill_tokens": 6000}, {}, 120, "p"),  # 20 + 120 ms > the 100 ms ITL SLO: too long for a step
-    ({"pending_prefill_tokens": 6000}, {"running": 60}, 40, "p"),  # 60 decode tokens + 40: past the SLO
-    ({"pending_prefill_tokens": 6000}, {"pending_prefill_tokens": 70}, 40, "p"),  # its next step is taken
-    ({"pending_prefill_tokens": 6000, "shortest_first": 1}, {}, 40, None),  # waits for one full 256-token step
-    ({"pending_prefill_tokens": 30, "shortest_first": 1}, {"running": 8}, 40, "p"),  # a short queue: no gain
+@pytest.mark.parametrize("prefill_load,decode_load,prompt_len,matched,where", [
+    ({}, {}, 40, 0, "p"),  # both idle: the prefill pool (the decode batch is never lengthened for nothing)
+    ({"pending_prefill_tokens": 6000}, {}, 40, 0, None),  # prefill busy with long documents: the decode worker
+    ({"pending_prefill_tokens": 6000}, {"running": 8}, 40, 0, None),  # a decode step of 8 + 40 tokens: 68 ms ≤ 100
+    ({"pending_prefill_tokens": 6000}, {}, 120, 0, None),  # nothing decodes: its chunks take whole steps
+    ({"pending_prefill_tokens": 6000}, {"running": 60}, 40, 0, None),  # two 20-token chunks beside 60 decodes
+    ({"pending_prefill_tokens": 6000}, {"running": 80}, 40, 0, "p"),  # decode alone fills its 100 ms steps
+    ({"pending_prefill_tokens": 6000}, {"pending_prefill_tokens": 70}, 40, 0, None),  # behind 70 queued there
+    ({"pending_prefill_tokens": 1000}, {"running": 60}, 300, 0, "p"),  # 15 chunks of 20 (1.6 s) > the queue (1.1 s)
+    ({"pending_prefill_tokens": 6000}, {"running": 8}, 400, 22, None),  # the 48 tokens the decode worker lacks
+    ({"pending_prefill_tokens": 6000, "shortest_first": 1}, {}, 40, 0, None),  # waits for one full 256-token step
+    ({"pending_prefill_tokens": 30, "shortest_first": 1}, {"running": 8}, 40, 0, "p"),  # a short queue: no gain
 ])
-def test_a_short_uncached_prompt_goes_where_its_first_token_is_sooner_within_the_itl_slo(
-        prefill_load, decode_load, prompt_len, where):
-    pol = Policy("prefix_aware", 16, 64, slo_itl_ms=100)
-    route = pol.route(prompt_len, 8, {}, [view("p", **STEPS, **prefill_load)], [view("d", **STEPS, **decode_load)])
+def test_a_prompt_goes_where_its_first_token_is_sooner_in_chunks_within_the_itl_slo(
+        prefill_load, decode_load, prompt_len, matched, where):
+    pol = Policy("prefix_aware", 16, 0, slo_itl_ms=100)
+    route = pol.route(prompt_len, 8, {"d": matched}, [view("p", **STEPS, **prefill_load)],
+                      [view("d", **STEPS, **decode_load)])
     assert route.prefill == where
     assert route.why == ("" if where else "slo")
-    off = Policy("prefix_aware", 16, 64, slo_itl_ms=None)  # the SLO rule off: always the prefill pool
+    assert route.decode_prefill_tokens == (0 if where else prompt_len - 16 * matched)
+    off = Policy("prefix_aware", 16, 0, slo_itl_ms=None)  # the SLO rule off: always the prefill pool
     assert off.route(prompt_len, 8, {}, [view("p", **STEPS, **prefill_load)], [view("d", **STEPS)]).prefill == "p"
+
+
+def test_the_decode_paths_prediction_counts_its_chunks_and_what_is_queued_there():
+    pol = Policy("prefix_aware", 16, 0, slo_itl_ms=100)
+    # 60 decoding: 20 prompt tokens a step; 30 queued + 70 new = 5 steps of 80 tokens, after the step in flight
+    d = view("d", **STEPS, running=60, pending_prefill_tokens=30)
+    assert pol.itl_budget(d) == 20
+    assert pol.decode_ttft_s(d, 70) == pytest.approx(0.020 + 0.080 + 5 * 0.020 + (5 * 60 + 100) * 0.001)
+    full = view("d", **STEPS, running=80)  # no budget: STARVED_STEPS_MAX steps without, then one block a step
+    assert pol.chunk_tokens(full) == 16
+    steps = STARVED_STEPS_MAX + 3  # 40 tokens: 3 blocks
+    assert pol.decode_ttft_s(full, 40) == pytest.approx(0.1 + steps * 0.020 + (steps * 80 + 40) * 0.001)
+
+
+@pytest.mark.parametrize("prefill_load,decode_load,matched,where", [
+    ({}, {"running": 100}, 0, "p"),  # decode alone takes 120 ms a step: the request stays where it is prefilled
+    ({"pending_prefill_tokens": 2000}, {"running": 100}, 0, "d"),  # prompts queued there: not slowed for it
+    ({"running": 5}, {"running": 100}, 0, "d"),  # 5 decoding there: its prompt in 75-token chunks, a later TTFT
+    ({}, {"running": 60}, 0, "d"),  # decode steps within the target: the usual handoff
+    ({"running": 8}, {"running": 100}, 0, "d"),  # the prefill worker's batch is full (max_num_seqs 8)
+    ({"free_blocks": 10}, {"running": 100}, 0, "d"),  # no room for its KV there
+    ({}, {"running": 100}, 20, "p"),  # cached there: only the rest is computed
+])
+def test_when_decode_is_the_bottleneck_a_request_stays_on_the_prefill_worker(prefill_load, decode_load, matched,
+                                                                             where):
+    pol = Policy("prefix_aware", 16, 0, slo_itl_ms=100)
+    route = pol.route(400, 8, {"p": matched}, [view("p", **STEPS, **prefill_load)],
+                      [view("d", **STEPS, **decode_load)])
+    if where == "p":
+        assert (route.prefill, route.decode, route.why) == (None, "p", "stay")
+        assert route.decode_prefill_tokens == 400 - 16 * matched
+    else:
+        assert (route.prefill, route.decode, route.why) == ("p", "d", "")
+    off = Policy("prefix_aware", 16, 0, slo_itl_ms=None)  # no ITL target: never
+    assert off.route(400, 8, {}, [view("p", **STEPS, **prefill_load)], [view("d", **STEPS, **decode_load)]).why == ""
 
 
 def test_predictions_use_measured_steps_priors_before_and_the_kv_transfer():
@@ -349,3 +390,22 @@ def test_an_abort_that_overtakes_its_request_still_stops_it(tiny, workers):
         s = w.engine.stats()
         assert (s.num_running, s.num_reserved, s.num_free_blocks) == (0, 0, s.num_blocks)
     asyncio.run(run())  # the abort is spent: the same id may be used again
+
+
+def test_a_request_kept_on_the_prefill_worker_streams_one_engines_tokens_and_text(tiny, workers):
+    p, _ = workers
+    prompt = random_prompts(1, [70], seed=11, vocab=tiny.config.vocab_size)[0]
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+
+    async def stream():
+        return [delta async for delta in p.generate(DecodeRequest("stay-1", dataclasses.replace(params), prompt))]
+    deltas = asyncio.run(stream())
+    engine = make_engine(tiny, num_blocks=256)
+    engine.add_request("alone", prompt, dataclasses.replace(params))
+    ref = run_to_completion(engine)["alone"]
+    last = deltas[-1]
+    assert [t for d in deltas for t in d.token_ids] == ref.token_ids == last.all_token_ids
+    assert "".join(d.text for d in deltas) == ref.text == last.final_text
+    assert last.finished and last.finish_reason == "length" and deltas[0].prefill_ms > 0
+    s = p.engine.stats()
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_blocks)

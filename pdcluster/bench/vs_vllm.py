@@ -38,6 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm-cores", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND: the cores pdcluster's workers use")
     g.add_argument("--vllm-kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     g.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's server")
+    g.add_argument("--vllm-bench", action="store_true",
+                   help="also drive both servers with vLLM's own client (`vllm bench serve`, from --vllm-venv) over a "
+                        "rate sweep, and report the max rate each sustains at >= 90%% goodput")
+    g.add_argument("--vllm-bench-datasets", default="random,prefix",
+                   help="vLLM's datasets: random (512/128) and prefix (prefix_repetition), comma separated")
+    g.add_argument("--vllm-bench-rates", default="0.25,0.5,0.75,1,1.5", help="the sweep's rates (req/s), ascending")
+    g.add_argument("--vllm-bench-num-prompts", type=int, default=64, help="requests per rate")
+    g.add_argument("--vllm-bench-seed", type=int, default=1, help="the first rate's seed (each rate: the next one)")
+    g.add_argument("--vllm-bench-cached", action="store_true",
+                   help="run each rate a second time with the same seed (its prompts cached)")
+    g.add_argument("--goodput", default="ttft:3000 tpot:100", help="vLLM's --goodput SLOs (milliseconds)")
 
 
 def workloads_of(text: str) -> list[tuple[str, float]]:
@@ -59,9 +70,45 @@ def check(args: argparse.Namespace) -> str:
     from pdcluster.bench.vllm_proc import DEFAULT_VENV, vllm_python
 
     workloads_of(args.vs_workloads)
+    if args.vllm_bench:
+        bench_plan(args)
     venv = args.vllm_venv or DEFAULT_VENV
     vllm_python(venv)
     return venv
+
+
+def bench_plan(args: argparse.Namespace) -> tuple[list[str], list[float], tuple[str, ...]]:
+    """`--vllm-bench-*` checked: datasets, rates, goodput SLOs."""
+    from pdcluster.bench.vllm_bench import DATASETS
+
+    datasets = [d.strip() for d in args.vllm_bench_datasets.split(",") if d.strip()]
+    unknown = sorted(set(datasets) - set(DATASETS))
+    if not datasets or unknown:
+        raise ValueError(f"--vllm-bench-datasets: use some of {sorted(DATASETS)}, got {args.vllm_bench_datasets!r}")
+    rates = rates_of(args.vllm_bench_rates, "--vllm-bench-rates")
+    goodput = tuple(args.goodput.split())
+    if not goodput or any(k.partition(":")[0] not in ("ttft", "tpot", "e2el") for k in goodput):
+        raise ValueError(f"--goodput: expected e.g. 'ttft:3000 tpot:100', got {args.goodput!r}")
+    return datasets, sorted(rates), goodput
+
+
+def _vllm_bench(args: argparse.Namespace, venv: str, base_url: str, server: str, tokenizer: str) -> list[Any]:
+    """vLLM's client over the rate sweep against one server (nothing without --vllm-bench)."""
+    import asyncio
+
+    from pdcluster.bench import vllm_bench
+    from pdcluster.bench.openai_client import served_model
+    from pdcluster.bench.vllm_proc import vllm_python
+
+    if not args.vllm_bench:
+        return []
+    datasets, rates, goodput = bench_plan(args)
+    model = asyncio.run(served_model(base_url, args.api_key))
+    result_dir = os.path.join(os.path.splitext(args.out or "results/bench_vs_vllm.json")[0] + "_vllm_bench")
+    return vllm_bench.sweep(vllm_python(venv), base_url, server=server, model=model, tokenizer=tokenizer,
+                            datasets=datasets, rates=rates, num_prompts=args.vllm_bench_num_prompts,
+                            seed=args.vllm_bench_seed, result_dir=result_dir, cached=args.vllm_bench_cached,
+                            goodput=goodput, api_key=args.api_key)
 
 
 def _runs(target: Target, args: argparse.Namespace, label: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -73,10 +120,13 @@ def _runs(target: Target, args: argparse.Namespace, label: str, meta: dict[str, 
     return runs
 
 
-def vllm_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """pdcluster, then vLLM-CPU, on every workload: the runs, and per workload the figures and ratios."""
+def vllm_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                                       list[dict[str, Any]]]:
+    """pdcluster, then vLLM-CPU, on every workload: the runs, per workload the figures and ratios, and with
+    --vllm-bench per vLLM dataset the max rate each server sustains (pdcluster/bench/vllm_bench.py)."""
     from pdcluster.bench.cluster_proc import load, serving_endpoints
     from pdcluster.bench.hf_export import DEFAULT_DIR, export
+    from pdcluster.bench.vllm_bench import summary
     from pdcluster.bench.vllm_proc import vllm_serving
 
     venv = check(args)
@@ -88,11 +138,13 @@ def vllm_comparison(args: argparse.Namespace) -> tuple[list[dict[str, Any]], lis
     with serving_endpoints(cfg, ours_label) as ep:
         target = Target("openai", f"http://{ep['http']}/v1", api_key=args.api_key, status_addr=ep["grpc"])
         ours = _runs(target, args, ours_label, {"config": args.disagg_config, "mode": cfg.mode})
+        bench = _vllm_bench(args, venv, f"http://{ep['http']}/v1", OURS, model_dir)
     log("compare", f"starting vLLM-CPU from {venv} on cores {args.vllm_cores} (~1.5 min)")
     with vllm_serving(venv, model_dir, cores=args.vllm_cores, kv_cache_gb=args.vllm_kv_gb,
                       extra_args=args.vllm_arg) as base_url:
         theirs = _runs(Target("openai", base_url), args, THEIRS, {"server": "vllm-cpu", "venv": venv})
-    return ours + theirs, rows(ours, theirs)
+        bench += _vllm_bench(args, venv, base_url, THEIRS, model_dir)
+    return ours + theirs, rows(ours, theirs), summary(bench, (OURS, THEIRS))
 
 
 def _ratio(a: float, b: float) -> float | None:

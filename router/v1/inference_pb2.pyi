@@ -110,7 +110,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "first_token_ms", "decode_ms", "total_ms", "prefill_worker", "decode_worker", "prefill_skipped", "kv_blocks_sent", "kv_bytes_sent")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "first_token_ms", "decode_ms", "total_ms", "prefill_worker", "decode_worker", "prefill_skipped", "kv_blocks_sent", "kv_bytes_sent", "placement", "predicted_ttft_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,8 @@ class Timeline(_message.Message):
     PREFILL_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
@@ -133,7 +135,9 @@ class Timeline(_message.Message):
     prefill_skipped: bool
     kv_blocks_sent: int
     kv_bytes_sent: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_skipped: _Optional[bool] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ...) -> None: ...
+    placement: str
+    predicted_ttft_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_skipped: _Optional[bool] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., placement: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timeline", "logprobs", "prompt_logprobs", "choices")
