@@ -7,7 +7,7 @@ Life of a request in the router:
 3. the policy picks a prefill and a decode worker among those up (or only a decode worker: one that caches the
    prompt already, or one whose next step is sooner than the prefill pool's queue: router/policy.py); a request
    whose first token is predicted past `admission_ttft_ms()` (the prefill backlog) or its deadline is refused
-   (RESOURCE_EXHAUSTED);
+   (RESOURCE_EXHAUSTED; DEADLINE_EXCEEDED when even an idle cluster could not meet the deadline);
 4. a `RequestRun` (router/flow.py) runs it: the prefill worker returns the first token once the KV reached the
    decode worker, streamed at once; the decode worker streams the rest; the last chunk carries the finish reason,
    usage and the timeline;
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
@@ -30,11 +31,11 @@ from cluster.logs import REQUEST_ID
 from cluster.messages import WorkerLoad
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
-from router.errors import Overloaded
+from router.errors import DeadlineExceeded, Overloaded
 from router.flow import RequestRun
 from router.metrics import RouterMetrics
-from router.pinger import Ping, Pinger
-from router.policy import WorkerView
+from router.pinger import HeartbeatAges, Ping, Pinger
+from router.policy import Route, WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
@@ -73,6 +74,7 @@ class Router:
         self._answering: set[str] | None = None  # workers whose actor answered the last ping; None: none yet
         self.pinger = Pinger(self.pools)  # the one ping loop: this router's liveness and the scaler's watch read it
         self.pinger.listen(self._on_pings)
+        self.beats = HeartbeatAges()  # heartbeat ages by this router's clock, not the workers' (clock skew)
         self.health_listeners: list[Callable[[bool], None]] = []  # called when `healthy()` changes
         self.traffic = TrafficWindow(settings.slo_ttft_ms, settings.slo_itl_ms)  # what an autoscaler reads
 
@@ -138,12 +140,7 @@ class Router:
                                  f"admission limit of {limit / 1e3:.1f} s (router.max_predicted_ttft_ms): the "
                                  "prefill backlog is too long", req.request_id)
             if budget_s is not None:
-                left = budget_s - (time.monotonic() - arrived)
-                if route.predicted_ttft_ms / 1e3 > left:
-                    self.metrics.rejected("deadline")
-                    raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past "
-                                     f"the request's deadline ({left:.1f} s left): the cluster is too busy",
-                                     req.request_id)
+                self._check_deadline(req, route, matched, budget_s - (time.monotonic() - arrived))
             # NOTE: the prompt tokens a decode worker computes count in its queue until the first token, so requests
             # routed before its next heartbeat see them (the prefill pool's are counted by the run)
             held = self.pools[route.decode].view if route.decode_prefill_tokens else None
@@ -178,6 +175,34 @@ class Router:
             tracing.end(span)
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
+
+    def _check_deadline(self, req: Checked, route: Route, matched: dict[str, int], left_s: float) -> None:
+        """Refuse a request whose first token is predicted past its deadline (`left_s` from now).
+
+        NOTE: the cause decides the status: a deadline that even an idle cluster cannot meet is the client's
+        (DEADLINE_EXCEEDED: retrying it fails again), one missed because of the queue ahead is load
+        (RESOURCE_EXHAUSTED: clients back off and retry).
+        """
+        unloaded_s = self._unloaded_ttft_s(route, len(req.token_ids), matched)
+        if left_s <= 0 or unloaded_s > left_s:
+            self.metrics.rejected("deadline")
+            raise DeadlineExceeded(f"the request's deadline ({max(0.0, left_s) * 1e3:.0f} ms left) is shorter than "
+                                   f"its first token takes on an idle cluster (~{unloaded_s * 1e3:.0f} ms)",
+                                   req.request_id)
+        if route.predicted_ttft_ms / 1e3 > left_s:
+            self.metrics.rejected("deadline")
+            raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
+                             f"request's deadline ({left_s:.1f} s left): the cluster is too busy", req.request_id)
+
+    def _unloaded_ttft_s(self, route: Route, prompt_len: int, matched: dict[str, int]) -> float:
+        """The route's predicted first token with nothing queued ahead: the prompt's own steps (and KV transfer)."""
+        policy = self.pools.policy
+        if route.prefill is None:
+            view, tokens = self.pools[route.decode].view, max(1, route.decode_prefill_tokens)
+            return view.step_s(tokens, math.ceil(tokens / (view.step_limit() or tokens)))
+        view = self.pools[route.prefill].view
+        tokens = max(1, prompt_len - matched.get(view.name, 0) * policy.block_size)
+        return policy.prefill_s(view, tokens, queued=0) + policy.transfer.predict(prompt_len)
 
     async def stream_within(self, req: Checked, arrived: float, budget_s: float,
                             traceparent: str = "") -> AsyncGenerator[Chunk, None]:
@@ -248,9 +273,9 @@ class Router:
             try:
                 live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}  # type: ignore[union-attr]
                 self.pools.refresh(live, self.metrics)
-                now, answering = time.time(), self._answering
-                self._set_live({n for n, s in live.items()
-                                if now - s.updated < HEALTH_STALE_S and (answering is None or n in answering)})
+                ages, answering = self.beats.update({n: (s.epoch, s.updated) for n, s in live.items()}), self._answering
+                self._set_live({n for n, age in ages.items()
+                                if age < HEALTH_STALE_S and (answering is None or n in answering)})
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)
             await asyncio.sleep(LOAD_REFRESH_S)
@@ -297,7 +322,6 @@ class Router:
             per_worker = hits.per_worker
         except Exception:  # noqa: BLE001 - report what is known without Redis
             per_worker = {}
-        now = time.time()
         for name, w in self.pools.by_name.items():
             s = live.get(name)
             load = s.load if s else WorkerLoad(num_blocks=w.info.num_blocks)
@@ -306,7 +330,7 @@ class Router:
                 name=name, role=str(w.role), epoch=s.epoch if s else w.info.epoch, address=w.info.kv_address,
                 alive=s is not None, running=load.running, waiting=load.waiting, num_blocks=load.num_blocks,
                 free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, requested_prompt_tokens=requested,
-                cached_prompt_tokens=cached, heartbeat_age_s=max(0.0, now - s.updated) if s else 0.0,
+                cached_prompt_tokens=cached, heartbeat_age_s=(self.beats.age(name) or 0.0) if s else 0.0,
                 rss_bytes=load.rss_bytes))
         return out
 
