@@ -195,6 +195,10 @@ class RouterConfig(BaseModel):
     stall_timeout_steps: float = Field(default=100.0, gt=0, description="a decode stream with no token for this many "
                                        "of its worker's usual steps fails over, as if the worker died")
     stall_timeout_min_s: float = Field(default=15.0, gt=0, description="... and never sooner than this (seconds)")
+    client_stall_timeout_s: float = Field(default=30.0, gt=0, description="a streaming client that reads nothing "
+                                          "this long while its buffer is full is cut off and its request aborted")
+    stream_buffer_chunks: int = Field(default=16, ge=1, le=4096, description="chunks buffered per stream in the "
+                                      "router, and unread deltas per decode stream before the worker pauses it")
 
     def router_settings(self, model: str, mode: str, transport: str) -> RouterSettings:
         """The settings of a Router over a cluster of `model` in `mode` whose workers move KV over `transport`."""
@@ -205,7 +209,8 @@ class RouterConfig(BaseModel):
             skip_prefill_max_uncached_tokens=self.skip_prefill_max_uncached_tokens,
             request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s,
             slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms,
-            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s)
+            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s,
+            client_stall_timeout_s=self.client_stall_timeout_s, stream_buffer_chunks=self.stream_buffer_chunks)
 
 
 class HttpConfig(BaseModel):

@@ -37,6 +37,7 @@ from router.metrics import RouterMetrics
 from router.pinger import HeartbeatAges, Ping, Pinger
 from router.policy import Route, WorkerView
 from router.pools import WorkerHandle, WorkerPools
+from router.relay import relayed
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
 from router.stall import StallClock
@@ -149,7 +150,7 @@ class Router:
             run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
                              prefill_timeout_s=self.settings.prefill_timeout_s, traceparent=parent,
                              deadline=arrived + (budget_s or self.settings.request_timeout_s),
-                             stall=self.stall).chunks()
+                             stall=self.stall, stream_window=self.settings.stream_buffer_chunks).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()
@@ -206,7 +207,20 @@ class Router:
 
     async def stream_within(self, req: Checked, arrived: float, budget_s: float,
                             traceparent: str = "") -> AsyncGenerator[Chunk, None]:
-        """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request."""
+        """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request.
+
+        NOTE: through a bounded buffer (router/relay.py): a client that reads slowly pauses the decode worker's
+        stream, and one that reads nothing for `client_stall_timeout_s` has its request aborted (ClientStalled).
+        """
+        chunks = relayed(self._within(req, arrived, budget_s, traceparent), self.settings.stream_buffer_chunks,
+                         self.settings.client_stall_timeout_s, req.request_id, self.metrics.stream_buffered.inc,
+                         self.metrics.client_stalls.inc)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def _within(self, req: Checked, arrived: float, budget_s: float,
+                      traceparent: str) -> AsyncGenerator[Chunk, None]:
         chunks = self.stream(req, arrived, budget_s, traceparent)
         try:
             while True:

@@ -35,6 +35,10 @@ class DeadlineExceeded(EngineError):
     """The request's own deadline cannot be met, even on an idle cluster (DEADLINE_EXCEEDED: not a load signal)."""
 
 
+class ClientStalled(EngineError):
+    """The client read nothing for `router.client_stall_timeout_s` while its buffer was full (router/relay.py)."""
+
+
 class WorkerFailed(EngineError):
     """A worker died or failed the request (UNAVAILABLE: the client may retry)."""
 
@@ -43,7 +47,7 @@ class WorkerFailed(EngineError):
 STATUS_OF_ERROR: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Status], ...] = (
     (InvalidRequestError, Status.INVALID_ARGUMENT),
     (CapacityError, Status.RESOURCE_EXHAUSTED),
-    (DeadlineExceeded, Status.DEADLINE_EXCEEDED),
+    ((DeadlineExceeded, ClientStalled), Status.DEADLINE_EXCEEDED),
     ((TransferError, WorkerFailed), Status.UNAVAILABLE),
 )
 RAY_UNAVAILABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")

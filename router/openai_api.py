@@ -227,6 +227,7 @@ class OpenAIFront:
                                           "pdcluster": extra_of(last)}, headers=id_header)
             resp = web.StreamResponse(headers={**SSE_HEADERS, **id_header})
             await resp.prepare(request)
+            limits.bound_stream_buffers(request.transport)
             status = Status.OK
             try:
                 if chat:
