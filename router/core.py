@@ -1,7 +1,8 @@
 """Router: runs one request across the pools and streams its chunks; the gRPC service is a thin face over it.
 
 Life of a request in the router:
-1. admission: at most `max_inflight` requests per router (more → RESOURCE_EXHAUSTED);
+1. admission: at most `max_inflight` requests per router (more → RESOURCE_EXHAUSTED), counted from before the
+   fronts read and tokenize a request (`admit`) to its end;
 2. the prompt's block hashes are looked up in the Redis prefix index (one round trip; if Redis is down the
    router routes on load alone and counts the miss);
 3. the policy picks a prefill and a decode worker among those up (or only a decode worker: one that caches the
@@ -56,6 +57,24 @@ HEALTH_STALE_S = HEARTBEAT_TTL_S
 LIVE_PING_S = 1.0
 
 
+class Admission:
+    """An admission slot taken before a request is read, parsed or tokenized; `Router.stream` takes it over.
+
+    NOTE: the expensive work of a request (its body, its tokens) happens inside the admission limit: 300 clients
+    sending megabyte prompts at once get RESOURCE_EXHAUSTED for all but `max_inflight` of them, instead of all
+    of them queueing their tokenizing ahead of everyone's.
+    """
+
+    def __init__(self, router: Router) -> None:
+        self.router, self.held = router, True
+
+    def release(self) -> None:
+        """Give the slot back (again: nothing)."""
+        if self.held:
+            self.held = False
+            self.router.pending -= 1
+
+
 class Router:
     """Routes requests over the worker pools (plain class; `router.service` puts gRPC in front of it)."""
 
@@ -68,6 +87,7 @@ class Router:
         self.metrics = metrics or RouterMetrics(model_name=settings.model)
         self.pools.metrics = self.metrics
         self.inflight = 0
+        self.pending = 0  # admitted, still being read or tokenized (Admission): counts against max_inflight too
         self.redis_failures = 0
         self.stall = StallClock(settings.stall_timeout_steps, settings.stall_timeout_min_s)  # per-worker step times
         self._refresher: asyncio.Task[None] | None = None
@@ -99,8 +119,18 @@ class Router:
         self.settings.max_inflight = value
 
     # ---- one request -----------------------------------------------------------------------------------------
+    def admit(self, request_id: str = "") -> Admission:
+        """A slot for a request about to be read or tokenized (release it, or pass it to `stream`); Overloaded when
+        `max_inflight` requests are in flight or being admitted."""
+        if self.inflight + self.pending >= self.max_inflight:
+            self.metrics.rejected("inflight")
+            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
+                             "(router.max_inflight)", request_id or None)
+        self.pending += 1
+        return Admission(self)
+
     async def stream(self, req: Checked, arrived: float | None = None, budget_s: float | None = None,
-                     traceparent: str = "") -> AsyncGenerator[Chunk, None]:
+                     traceparent: str = "", admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:
         """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError.
 
         With `budget_s` (the request's deadline, from `arrived`), a request whose predicted first token comes
@@ -111,11 +141,13 @@ class Router:
         REQUEST_ID.set(req.request_id)
         self.traffic.arrived(len(req.token_ids), req.params.max_tokens)
         ended = False
-        if self.inflight >= self.max_inflight:
+        if admission is not None and admission.held:
+            admission.release()  # NOTE: its slot becomes this request's, with no await in between
+        elif self.inflight + self.pending >= self.max_inflight:
             self.metrics.rejected("inflight")
             self.traffic.failed()
-            raise Overloaded(f"the router has {self.inflight} requests in flight (router.max_inflight)",
-                             req.request_id)
+            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
+                             "(router.max_inflight)", req.request_id)
         self.inflight += 1
         self.metrics.set_inflight(self.inflight)
         self._ensure_refresher()
@@ -205,23 +237,24 @@ class Router:
         tokens = max(1, prompt_len - matched.get(view.name, 0) * policy.block_size)
         return policy.prefill_s(view, tokens, queued=0) + policy.transfer.predict(prompt_len)
 
-    async def stream_within(self, req: Checked, arrived: float, budget_s: float,
-                            traceparent: str = "") -> AsyncGenerator[Chunk, None]:
+    async def stream_within(self, req: Checked, arrived: float, budget_s: float, traceparent: str = "",
+                            admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:
         """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request.
 
         NOTE: through a bounded buffer (router/relay.py): a client that reads slowly pauses the decode worker's
         stream, and one that reads nothing for `client_stall_timeout_s` has its request aborted (ClientStalled).
         """
-        chunks = relayed(self._within(req, arrived, budget_s, traceparent), self.settings.stream_buffer_chunks,
+        chunks = relayed(self._within(req, arrived, budget_s, traceparent, admission),
+                         self.settings.stream_buffer_chunks,
                          self.settings.client_stall_timeout_s, req.request_id, self.metrics.stream_buffered.inc,
                          self.metrics.client_stalls.inc)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
 
-    async def _within(self, req: Checked, arrived: float, budget_s: float,
-                      traceparent: str) -> AsyncGenerator[Chunk, None]:
-        chunks = self.stream(req, arrived, budget_s, traceparent)
+    async def _within(self, req: Checked, arrived: float, budget_s: float, traceparent: str,
+                      admission: Admission | None) -> AsyncGenerator[Chunk, None]:
+        chunks = self.stream(req, arrived, budget_s, traceparent, admission)
         try:
             while True:
                 remaining = budget_s - (time.monotonic() - arrived)

@@ -78,6 +78,8 @@ def load_json(data: bytes, max_model_len: int) -> Any:
         raw = json.loads(data)
     except ValueError as e:
         raise InvalidRequestError("body", f"is not valid JSON ({e})") from None
+    except RecursionError:  # NOTE: deeper than the interpreter's recursion limit: the client's error, not a 500
+        raise InvalidRequestError("body", "is nested too deeply") from None
     if isinstance(raw, dict):
         check_sizes(raw, max_model_len)
     return raw

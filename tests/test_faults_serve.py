@@ -162,6 +162,26 @@ def test_a_deadline_an_idle_cluster_cannot_meet_is_deadline_exceeded(serve):
     assert r.usage.completion_tokens == 64
 
 
+def test_a_flood_of_huge_grpc_prompts_does_not_delay_a_small_http_request(serve):
+    stub = serve.stub()
+    huge = pb.GenerateRequest(prompt="x" * 1_000_000, sampling=pb.SamplingParams(max_tokens=4))
+    calls = [stub.Generate.future(huge, timeout=120) for _ in range(300)]
+    try:
+        started = time.monotonic()
+        small = SSEClient.open(serve, 4, "small")  # returns with its first chunk
+        first_token_s = time.monotonic() - started
+        small.read_all()
+        small.sock.close()
+    finally:
+        codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
+    # NOTE: a behaviour check with a generous bound: tokenizing 300 MB first took minutes
+    assert first_token_s < 2.0, first_token_s
+    assert small.events()[-1] == b"[DONE]"
+    # each huge prompt is refused before tokenizing (the context holds far fewer characters), or by the call limit
+    assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}, set(codes)
+    assert grpc.StatusCode.INVALID_ARGUMENT in codes
+
+
 def test_a_slow_reader_does_not_delay_hang_detection_and_a_cut_stream_ends_with_an_error_event(serve):
     failovers = serve.metric("pdcluster_failovers_total", kind="decode")
     slow = SSEClient.open(serve, 2000, "slow reader")

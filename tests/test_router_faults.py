@@ -12,6 +12,7 @@ import pytest
 
 from cluster.messages import WorkerLoad
 from cluster.prefix_index import PrefixIndex
+from engine.errors import InvalidRequestError
 from router.errors import DeadlineExceeded, Overloaded, Status, status_of
 from router.pinger import HeartbeatAges
 from router.validate import PromptRequest, RequestValidator
@@ -99,3 +100,121 @@ def test_workers_whose_clocks_are_10_s_off_are_routed_to_and_health_stays_green(
     assert age < 1.0  # decode-0's beat is young by the router's clock, though it says it is 10 s old
     route = router.pools.route(100, 8, {})
     assert (route.prefill, route.decode) == ("prefill-0", "decode-0")
+
+
+# ---- the front door's caps ----------------------------------------------------------------------------------
+def test_stop_token_ids_are_capped_naming_the_field(tiny):
+    from router.validate import MAX_STOP_TOKEN_IDS, SamplingFields
+
+    v = RequestValidator(unit_router(tiny).info)
+    ok = v.prompt(PromptRequest("r", prompt="hi", sampling=SamplingFields(stop_token_ids=[3] * MAX_STOP_TOKEN_IDS)))
+    assert len(ok.params.stop_token_ids) == MAX_STOP_TOKEN_IDS
+    for check in (lambda: v.prompt(PromptRequest("r", prompt="hi", sampling=SamplingFields(
+                      stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1)))),
+                  lambda: v.precheck(2, 0, 0, MAX_STOP_TOKEN_IDS + 1)):
+        with pytest.raises(InvalidRequestError) as info:
+            check()
+        assert info.value.field == "sampling.stop_token_ids"
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(tiny):
+    from router.validate import MAX_PROMPT_CHARS
+
+    v = RequestValidator(unit_router(tiny).info)
+    # NOTE: no token stands for more than max_token_chars characters, so more than (context x that) cannot fit
+    assert v.max_prompt_chars == (2048 - 1) * v.tokenizer.max_token_chars() < MAX_PROMPT_CHARS
+    calls = []
+    v.tokenizer.encode = lambda *a, **k: calls.append(a) or [1]  # type: ignore[method-assign]
+    for check, field in ((lambda: v.precheck(v.max_prompt_chars + 1, 0, 0, 0), "prompt"),
+                         (lambda: v.precheck(0, 2048, 0, 0), "prompt_token_ids"),
+                         (lambda: v.precheck(0, 0, 1025, 0), "messages"),
+                         (lambda: v.prompt(PromptRequest("r", prompt="x" * (v.max_prompt_chars + 1))), "prompt")):
+        with pytest.raises(InvalidRequestError) as info:
+            check()
+        assert info.value.field == field
+    assert calls == []  # nothing was tokenized
+    v.precheck(v.max_prompt_chars, 2047, 1024, 1024)  # at the limits: accepted
+
+
+def test_admission_slots_count_requests_being_read_and_pass_to_the_stream(tiny):
+    router = unit_router(tiny)
+    router.max_inflight = 2
+    a, b = router.admit("a"), router.admit("b")
+    with pytest.raises(Overloaded):
+        router.admit("c")
+    a.release()
+    a.release()  # twice: nothing
+    assert router.pending == 1
+    c = router.admit("c")
+    req = RequestValidator(router.info).prompt(PromptRequest("r", prompt_token_ids=[5] * 1000))
+
+    async def refused_by_deadline() -> None:
+        # NOTE: the slot passes to the stream (no second check against the full router), which then refuses
+        with pytest.raises(DeadlineExceeded):
+            async for _ in router.stream(req, budget_s=0.01, admission=c):
+                pass
+    asyncio.run(refused_by_deadline())
+    assert not c.held and router.pending == 1 and router.inflight == 0
+    b.release()
+    assert router.pending == 0
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                  b'{"model": "tiny", "prompt": "hi", "logit_bias": ' + b'{"a":' * 900 + b"1"
+                                  + b"}" * 901], ids=["list", "prompt", "logit_bias"])
+def test_deeply_nested_json_is_a_400_naming_the_body(tiny, body):
+    from aiohttp import web
+
+    from router.openai_api import OpenAIFront
+    from router.openai_models import CompletionRequest
+
+    front = OpenAIFront(unit_router(tiny), "tiny", frozenset())
+    try:
+        front._decode(body, CompletionRequest)
+    except InvalidRequestError as e:
+        assert e.field.split(".")[0] in ("body", "prompt", "logit_bias"), e
+    except web.HTTPException:
+        pytest.fail("not an OpenAI error")
+    # NOTE: any other exception (RecursionError: a 500 with a traceback) fails the test
+
+
+def test_the_ignored_field_label_is_bounded():
+    from router.openai_models import IgnoredFieldLog
+
+    log = IgnoredFieldLog()
+    assert log.note("x" * 1_000_000) == "other"
+    assert log.note("frequency_bias") == "frequency_bias"
+
+
+def test_an_http_body_being_read_holds_an_admission_slot(tiny):
+    from router.openai_api import start_http
+
+    router = unit_router(tiny)
+    router.max_inflight = 1
+
+    async def go() -> tuple[int, bytes]:
+        runner, port = await start_http(router, host="127.0.0.1", port=0, model_name="tiny")
+        try:
+            slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
+            slow_w.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": ")  # ... and the rest never comes
+            await slow_w.drain()
+            for _ in range(100):
+                if router.pending:
+                    break
+                await asyncio.sleep(0.02)
+            pending = router.pending
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}'
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            answer = await r.read()
+            w.close()
+            slow_w.close()
+            return pending, answer
+        finally:
+            await runner.cleanup()
+    pending, answer = asyncio.run(go())
+    assert pending == 1
+    assert answer.startswith(b"HTTP/1.1 429") and b"max_inflight" in answer, answer[:300]
+    assert router.pending == 0
