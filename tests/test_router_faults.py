@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import threading
 import time
 import uuid
@@ -218,3 +220,73 @@ def test_an_http_body_being_read_holds_an_admission_slot(tiny):
     assert pending == 1
     assert answer.startswith(b"HTTP/1.1 429") and b"max_inflight" in answer, answer[:300]
     assert router.pending == 0
+
+
+# ---- the relay between a run and its client ---------------------------------------------------------------
+def test_a_client_that_stops_reading_pauses_the_run_then_cuts_it_off():
+    from router.relay import relayed
+
+    made: list[int] = []
+    closed = asyncio.Event()
+    stalls: list[int] = []
+    sizes: list[int] = []
+
+    async def run():  # the request's run: 1,000 chunks as fast as they are taken
+        try:
+            for i in range(1000):
+                made.append(i)
+                yield i
+        finally:
+            closed.set()  # the run's finally is what aborts the request on the workers
+
+    async def client() -> list[int]:
+        got = []
+        # NOTE: closed when left, as the fronts do (Router.stream_within)
+        async with contextlib.aclosing(relayed(run(), 4, 0.3, "r", sizes.append, lambda: stalls.append(1))) as out:
+            async for chunk in out:
+                got.append(chunk)
+                await asyncio.sleep(3600)  # its write never completes: the client stopped reading
+        return got
+
+    async def go() -> None:
+        task = asyncio.create_task(client())
+        with pytest.raises(asyncio.CancelledError):
+            await task  # NOTE: the relay cancels the front's task blocked on the client
+        assert closed.is_set()
+    asyncio.run(go())
+    assert stalls == [1]
+    assert len(made) <= 4 + 2  # the run paused at the buffer's limit: nothing piled up
+    assert sum(sizes) == 0 and max(itertools.accumulate(sizes)) == 4  # the gauge went back to zero
+
+
+def test_a_slow_client_gets_every_chunk_in_order_without_being_cut_off():
+    from router.relay import relayed
+
+    async def run():
+        for i in range(40):
+            yield i
+
+    async def client() -> list[int]:
+        got = []
+        async for chunk in relayed(run(), 4, 1.0):
+            got.append(chunk)
+            await asyncio.sleep(0.005)
+        return got
+    assert asyncio.run(client()) == list(range(40))
+
+
+def test_a_failure_of_the_run_reaches_the_client_after_the_chunks_before_it():
+    from router.relay import relayed
+
+    async def run():
+        yield 1
+        yield 2
+        raise TimeoutError
+
+    async def client() -> list[int]:
+        got = []
+        with pytest.raises(TimeoutError):
+            async for chunk in relayed(run(), 4, 1.0):
+                got.append(chunk)
+        return got
+    assert asyncio.run(client()) == [1, 2]
