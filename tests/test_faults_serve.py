@@ -124,8 +124,15 @@ class SSEClient:
 
 def test_clients_that_stop_reading_are_cut_off_and_free_their_slots(serve):
     stalls = serve.metric("pdcluster_client_stalls_total")
-    # four streams at the admission limit read their first chunk and stop
-    stopped = [SSEClient.open(serve, 2000, f"stopped {i}") for i in range(MAX_INFLIGHT)]
+    # four streams at the admission limit, two over HTTP and two over gRPC, read their first chunk and stop
+    stopped = [SSEClient.open(serve, 2000, f"stopped {i}") for i in range(MAX_INFLIGHT // 2)]
+    # NOTE: no BDP probing: the stream's HTTP/2 window stays at its initial 64 KiB while the client reads nothing
+    channel = grpc.insecure_channel(serve.endpoints["grpc"], options=[("grpc.http2.bdp_probe", 0)])
+    grpc_streams = [pb_grpc.InferenceStub(channel).GenerateStream(pb.GenerateRequest(
+        prompt=f"stopped grpc {i} {time.time()}", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
+        timeout=120) for i in range(MAX_INFLIGHT // 2)]
+    for stream in grpc_streams:
+        next(stream)
     buffered = []
     served = None
     deadline = time.monotonic() + CLIENT_STALL_S + 30
@@ -147,6 +154,9 @@ def test_clients_that_stop_reading_are_cut_off_and_free_their_slots(serve):
         client.read_all()
         assert b"data: [DONE]" not in client.data  # cut off, not finished
         client.sock.close()
+    for stream in grpc_streams:
+        stream.cancel()
+    channel.close()
     status = serve.stub().GetClusterStatus(pb.ClusterStatusRequest(), timeout=10)
     assert status.router_inflight == 0
 
