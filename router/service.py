@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 GRPC_CODE = {s: grpc.StatusCode[s.name] for s in Status}  # NOTE: a Status is named after its gRPC code
 MAX_MESSAGE_BYTES = 16 << 20  # a request: the longest prompt (1 Mi characters) with room to spare
-MIN_CONCURRENT_RPCS = 64  # calls at once at least; else twice router.max_inflight
+# NOTE: a stream cut off for a client that stopped reading (router/relay.py) frees its admission slot and blocks,
+# but grpc.aio cannot reset it from the server: it holds one of these until the client's deadline or disconnect
+MIN_CONCURRENT_RPCS = 256  # calls at once at least; else 4 x router.max_inflight
 
 
 def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
@@ -178,7 +180,7 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
     # limit refuses requests sooner; health, status and refused calls need the room above it)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
                              interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None,
-                             maximum_concurrent_rpcs=max(MIN_CONCURRENT_RPCS, 2 * router.max_inflight))
+                             maximum_concurrent_rpcs=max(MIN_CONCURRENT_RPCS, 4 * router.max_inflight))
     add_inference_service(InferenceService(router, scaler), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
