@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
@@ -32,11 +31,12 @@ from cluster.logs import REQUEST_ID
 from cluster.messages import WorkerLoad
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
-from router.errors import DeadlineExceeded, Overloaded
+from router.admission import Admission, check_deadline
+from router.errors import Overloaded
 from router.flow import RequestRun
 from router.metrics import RouterMetrics
 from router.pinger import HeartbeatAges, Ping, Pinger
-from router.policy import Route, WorkerView
+from router.policy import WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.relay import relayed
 from router.results import Chunk, ClusterStatus, WorkerStatus
@@ -55,24 +55,6 @@ HEALTH_STALE_S = HEARTBEAT_TTL_S
 # waits, so a ping not answered within LIVE_PING_S marks it down at once (an actor's event loop answers in
 # milliseconds while it is up).
 LIVE_PING_S = 1.0
-
-
-class Admission:
-    """An admission slot taken before a request is read, parsed or tokenized; `Router.stream` takes it over.
-
-    NOTE: the expensive work of a request (its body, its tokens) happens inside the admission limit: 300 clients
-    sending megabyte prompts at once get RESOURCE_EXHAUSTED for all but `max_inflight` of them, instead of all
-    of them queueing their tokenizing ahead of everyone's.
-    """
-
-    def __init__(self, router: Router) -> None:
-        self.router, self.held = router, True
-
-    def release(self) -> None:
-        """Give the slot back (again: nothing)."""
-        if self.held:
-            self.held = False
-            self.router.pending -= 1
 
 
 class Router:
@@ -173,7 +155,8 @@ class Router:
                                  f"admission limit of {limit / 1e3:.1f} s (router.max_predicted_ttft_ms): the "
                                  "prefill backlog is too long", req.request_id)
             if budget_s is not None:
-                self._check_deadline(req, route, matched, budget_s - (time.monotonic() - arrived))
+                check_deadline(self.pools, route, len(req.token_ids), matched,
+                               budget_s - (time.monotonic() - arrived), req.request_id, self.metrics)
             # NOTE: the prompt tokens a decode worker computes count in its queue until the first token, so requests
             # routed before its next heartbeat see them (the prefill pool's are counted by the run)
             held = self.pools[route.decode].view if route.decode_prefill_tokens else None
@@ -208,34 +191,6 @@ class Router:
             tracing.end(span)
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
-
-    def _check_deadline(self, req: Checked, route: Route, matched: dict[str, int], left_s: float) -> None:
-        """Refuse a request whose first token is predicted past its deadline (`left_s` from now).
-
-        NOTE: the cause decides the status: a deadline that even an idle cluster cannot meet is the client's
-        (DEADLINE_EXCEEDED: retrying it fails again), one missed because of the queue ahead is load
-        (RESOURCE_EXHAUSTED: clients back off and retry).
-        """
-        unloaded_s = self._unloaded_ttft_s(route, len(req.token_ids), matched)
-        if left_s <= 0 or unloaded_s > left_s:
-            self.metrics.rejected("deadline")
-            raise DeadlineExceeded(f"the request's deadline ({max(0.0, left_s) * 1e3:.0f} ms left) is shorter than "
-                                   f"its first token takes on an idle cluster (~{unloaded_s * 1e3:.0f} ms)",
-                                   req.request_id)
-        if route.predicted_ttft_ms / 1e3 > left_s:
-            self.metrics.rejected("deadline")
-            raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
-                             f"request's deadline ({left_s:.1f} s left): the cluster is too busy", req.request_id)
-
-    def _unloaded_ttft_s(self, route: Route, prompt_len: int, matched: dict[str, int]) -> float:
-        """The route's predicted first token with nothing queued ahead: the prompt's own steps (and KV transfer)."""
-        policy = self.pools.policy
-        if route.prefill is None:
-            view, tokens = self.pools[route.decode].view, max(1, route.decode_prefill_tokens)
-            return view.step_s(tokens, math.ceil(tokens / (view.step_limit() or tokens)))
-        view = self.pools[route.prefill].view
-        tokens = max(1, prompt_len - matched.get(view.name, 0) * policy.block_size)
-        return policy.prefill_s(view, tokens, queued=0) + policy.transfer.predict(prompt_len)
 
     async def stream_within(self, req: Checked, arrived: float, budget_s: float, traceparent: str = "",
                             admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:

@@ -36,8 +36,9 @@ from aiohttp import web
 from cluster.logs import REQUEST_ID
 from engine.errors import InvalidRequestError
 from router import http_limits as limits
+from router.admission import Admission
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
-from router.core import Admission, Router
+from router.core import Router
 from router.errors import Status, status_of, unwrap
 from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
 from router.openai_params import chat_turns, openai_param, prompt_of, sampling_fields
@@ -58,7 +59,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # NOTE: where a handler leaves the request id for the guard (which echoes it on errors too); a typed key where
 # aiohttp has them (3.11+)
 RID_KEY: Any = web.RequestKey("pdcluster_request_id", str) if hasattr(web, "RequestKey") else "pdcluster_request_id"
-# NOTE: the request's admission slot (router/core.py: Admission), released by the guard when the handler ends
+# NOTE: the request's admission slot (router/admission.py), released by the guard when the handler ends
 ADMISSION_KEY: Any = (web.RequestKey("pdcluster_admission", Admission) if hasattr(web, "RequestKey")
                       else "pdcluster_admission")
 

@@ -20,8 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.logs import REQUEST_ID
+from router.admission import Admission
 from router.auth import ApiKeyInterceptor, check_exposure
-from router.core import Admission, Router
+from router.core import Router
 from router.errors import Status, status_of
 from router.grpc_requests import ProtoValidator, tolerant_parser
 from router.results import Chunk, ClusterStatus
