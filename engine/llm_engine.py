@@ -5,6 +5,8 @@ Life of a request:
 2. each `step()` lets the scheduler pick a batch (decode tokens + prefill chunks), the runner computes it,
    and sampled tokens are appended, detokenized and checked against the stop conditions;
 3. a finished request frees its blocks (they stay in the prefix cache).
+With `n` > 1, choices 1 .. n-1 (request ids `<id>-<i>`, seed + i) fork from the request once its prompt is computed:
+they share its prompt's KV blocks, and copy the one holding the last prompt token (copy-on-write).
 With `speculative_config`, step 2 starts by proposing draft tokens for each decoding sequence; the runner verifies
 them and a step may append several tokens to a request, each through the same stop checks (engine/spec_decode.py).
 The KV seam: on the sending side `watch_layers` reports each layer of a prompt's KV as soon as the forward pass
@@ -70,16 +72,22 @@ class LLMEngine:
         model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
         usable = config.max_num_seqs * -(-model_len // config.block_size)
-        num_blocks = config.num_blocks or max(1, min(usable, int(config.kv_cache_memory_gb * 2**30 // per_block)))
+        # NOTE: on CUDA without num_blocks, the runner sizes the pool by gpu_memory_utilization (engine/gpu_memory.py)
+        cuda = config.resolved_device().type == "cuda"
+        num_blocks = config.num_blocks or (None if cuda else max(1, min(usable, int(config.kv_cache_memory_gb * 2**30
+                                                                                    // per_block))))
+        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, model_len, max_blocks=usable)
+        num_blocks = self.runner.num_blocks
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_order)
-        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, self.max_model_len)
+        self.runner.capture_graphs()
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort
         self._layer_watchers: dict[str, Callable[[int], None]] = {}
+        self._forks: dict[str, list[Sequence]] = {}  # n > 1: the other choices, until the prompt is computed
         self.kv_layout = KVLayout(self.scope, str(kv_dtype).removeprefix("torch."), mcfg.num_layers,
                                   config.block_size, mcfg.num_kv_heads, mcfg.head_dim)
         self.kv_importer = KVImporter(self.block_manager, self.runner.write_blocks, self.kv_layout, kv_dtype,
@@ -115,8 +123,15 @@ class LLMEngine:
             if len(output_token_ids) >= params.max_tokens:
                 raise InvalidRequestError("output_token_ids", f"holds {len(output_token_ids)} tokens: nothing is "
                                           f"left of max_tokens={params.max_tokens}", request_id)
+        if params.n > 1 and output_token_ids:
+            raise InvalidRequestError("n", "a resumed request continues one choice (n = 1)", request_id)
         seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope)
         seq.token_ids.extend(output_token_ids)  # NOTE: like a preempted sequence: output kept, KV recomputed
+        if params.n > 1:  # NOTE: choices 1 .. n-1 fork from this one once its prompt is computed (`_fork`)
+            self._forks[request_id] = [
+                Sequence(f"{request_id}-{i}", token_ids, dataclasses.replace(
+                    params, n=1, seed=((params.seed or 0) + i) % 2**64, prompt_logprobs=None),
+                    self.config.block_size, self.scope) for i in range(1, params.n)]
         self.outputs.start(seq, sent_chars)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -164,6 +179,7 @@ class LLMEngine:
         NOTE: a reservation is freed only once the writes into it in flight are done; later ones are dropped.
         """
         self._layer_watchers.pop(request_id, None)
+        self._forks.pop(request_id, None)  # NOTE: choices not forked yet go with it; forked ones have their own id
         res = self._reserved.pop(request_id, None)
         seq = res.seq if res is not None else self._seqs.pop(request_id, None)
         if seq is None:
@@ -201,6 +217,9 @@ class LLMEngine:
                 self._prompt_tokens += seq.num_prompt_tokens
                 self._cached_tokens += seq.num_cached_tokens
             out = self._append(seq, tokens)
+            children = self._forks.pop(seq.request_id, None) if self._forks else None
+            if children:
+                self._fork(seq, children)
             if out.finished:
                 self._finish(seq)
             elif drafted:
@@ -213,10 +232,29 @@ class LLMEngine:
             results.append(out)
         return results
 
+    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Start the other choices of `parent` (n > 1) on its prompt's KV: shared blocks, the last one copied.
+
+        NOTE: each child recomputes only the last prompt token (in its own copy of that block) to sample its first
+        token with its own seed; without a free block it queues like a new request and hits the prefix cache.
+        """
+        for child in children:
+            cow = self.block_manager.fork(parent, child)
+            self.outputs.start(child)
+            self._seqs[child.request_id] = child
+            if cow is None:
+                self.scheduler.add(child)
+                continue
+            self.runner.copy_block(*cow)
+            child.num_cached_tokens = child.num_computed_tokens
+            self.scheduler.add_running(child)
+
     def _propose(self, proposer: NgramProposer) -> None:
         """Draft tokens for every decoding sequence, within its max_tokens and the context length."""
         for seq in self.scheduler.running:
-            if seq.num_pending_tokens == 1:
+            # NOTE: drafts are verified outside the sampler's pipeline: requests that use more than temperature and
+            # top-k/top-p decode one token at a time
+            if seq.num_pending_tokens == 1 and not _needs_sampler(seq.params):
                 room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
                 seq.spec_token_ids = proposer.propose(seq.token_ids, room)
 
@@ -228,11 +266,17 @@ class LLMEngine:
             outs.append(self.outputs.process(seq, tok))
             if outs[-1].finished:
                 break
+        if seq.new_logprobs:
+            outs[0].new_logprobs, seq.new_logprobs = seq.new_logprobs, []
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(outs):  # the first output
+            outs[0].prompt_logprobs = seq.prompt_logprobs or [None]
         if len(outs) == 1:
             return outs[0]
         last = outs[-1]
         return dataclasses.replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
-                                   new_text="".join(o.new_text for o in outs))
+                                   new_text="".join(o.new_text for o in outs),
+                                   new_logprobs=[lp for o in outs for lp in o.new_logprobs],
+                                   prompt_logprobs=outs[0].prompt_logprobs)
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """Calls the watchers of the sequences whose prompt KV this step completes, after each layer."""
@@ -263,6 +307,22 @@ class LLMEngine:
             raise UnknownRequestError("no KV held for this request", request_id)
         n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
         return self.runner.read_blocks(layer, seq.block_table[skip_blocks:n_blocks])
+
+    def kv_block_ids(self, request_id: str, skip_blocks: int = 0, num_tokens: int | None = None) -> list[int]:
+        """The pool block ids `read_kv_layer` would copy (for transports that read the KV pool themselves)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.block_table:
+            raise UnknownRequestError("no KV held for this request", request_id)
+        n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
+        return list(seq.block_table[skip_blocks:n_blocks])
+
+    def pin_kv_blocks(self, block_ids: list[int]) -> None:
+        """One more reference on held blocks: they are not reused until `unpin_kv_blocks` (a transfer reads them)."""
+        for bid in block_ids:
+            self.block_manager.pool.acquire(bid)
+
+    def unpin_kv_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.pool.release(block_ids)
 
     def watch_layers(self, request_id: str, fn: Callable[[int], None]) -> None:
         """Call `fn(layer)` as soon as each layer's KV of the whole prompt is written (layer-wise sending).
@@ -324,3 +384,8 @@ class LLMEngine:
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
                            self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted)
 
+
+
+def _needs_sampler(p: SamplingParams) -> bool:
+    """Whether a request uses the sampler's pipeline beyond temperature and top-k/top-p (no speculative drafts)."""
+    return p.has_penalties or bool(p.logit_bias) or p.min_p > 0.0 or p.logprobs is not None

@@ -6,6 +6,7 @@ import enum
 import itertools
 
 from engine.block_hash import BlockHash, hash_block_tokens, root_hash
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -46,6 +47,10 @@ class Sequence:
         # verified, and never sent anywhere.
         self.spec_token_ids: list[int] = []
         self._hashes: list[BlockHash] = []
+        # NOTE: logprobs of the tokens the last step sampled (the runner fills it, the engine drains it), and with
+        # params.prompt_logprobs the prompt's, recorded as prefill chunks run ([None] for the first token).
+        self.new_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

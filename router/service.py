@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,10 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.logs import REQUEST_ID
+from engine.logprobs import TokenLogprobs
 from router.admission import Admission
 from router.auth import ApiKeyInterceptor, check_exposure
 from router.core import Router
 from router.errors import Status, status_of
+from router.fanout import fan_out
 from router.grpc_requests import ProtoValidator, tolerant_parser
 from router.results import Chunk, ClusterStatus
 from router.scaling import PoolScaler
@@ -43,12 +45,20 @@ MIN_CONCURRENT_RPCS = 256  # calls at once at least; else 4 x router.max_infligh
 def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
     """A chunk on the wire (usage and timeline only on the last one)."""
     out = pb.GenerateChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
-                           finish_reason=chunk.finish_reason)
+                           finish_reason=chunk.finish_reason, index=chunk.index,
+                           logprobs=logprobs_pb(chunk.logprobs),
+                           prompt_logprobs=logprobs_pb([e for e in chunk.prompt_logprobs or [] if e is not None]))
     if chunk.usage is not None:
         out.usage.CopyFrom(pb.Usage(**dataclasses.asdict(chunk.usage)))
     if chunk.timeline is not None:
         out.timeline.CopyFrom(pb.Timeline(**dataclasses.asdict(chunk.timeline)))
     return out
+
+
+def logprobs_pb(entries: Sequence[TokenLogprobs]) -> list[pb.TokenLogprob]:
+    """Logprobs on the wire."""
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank or 0,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries]
 
 
 def status_pb(status: ClusterStatus) -> pb.ClusterStatus:
@@ -104,15 +114,30 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def _unary(self, request: object, check: Callable[[], Checked],
                      context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         resp = pb.GenerateResponse()
+        choices: dict[int, pb.Choice] = {}
+        completion_tokens = 0
         async for chunk in self._stream(request, check, context):
-            resp.request_id = chunk.request_id
-            resp.token_ids.extend(chunk.token_ids)
-            resp.text += chunk.text
+            c = choices.setdefault(chunk.index, pb.Choice(index=chunk.index))
+            c.token_ids.extend(chunk.token_ids)
+            c.text += chunk.text
+            c.logprobs.extend(logprobs_pb(chunk.logprobs))
+            if chunk.prompt_logprobs is not None:
+                resp.prompt_logprobs.extend(logprobs_pb([e for e in chunk.prompt_logprobs if e is not None]))
             if chunk.finish_reason:
+                c.finish_reason = chunk.finish_reason
                 last = chunk_pb(chunk)
-                resp.finish_reason = last.finish_reason
-                resp.usage.CopyFrom(last.usage)
-                resp.timeline.CopyFrom(last.timeline)
+                completion_tokens += last.usage.completion_tokens
+                if chunk.index == 0:
+                    resp.request_id = chunk.request_id
+                    resp.usage.CopyFrom(last.usage)
+                    resp.timeline.CopyFrom(last.timeline)
+        first = choices.get(0, pb.Choice())
+        resp.token_ids.extend(first.token_ids)
+        resp.text, resp.finish_reason = first.text, first.finish_reason
+        resp.logprobs.extend(first.logprobs)
+        resp.usage.completion_tokens = completion_tokens
+        if len(choices) > 1:
+            resp.choices.extend(choices[i] for i in sorted(choices))
         return resp
 
     async def _stream(self, request: object, check: Callable[[], Checked],
@@ -133,8 +158,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             # NOTE: aclosing: a generator left early is closed now (its finally aborts the request), not at GC
             # NOTE: the client's W3C trace context (gRPC metadata keys are lower case)
             traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
-            async with contextlib.aclosing(self.router.stream_within(req, arrived, budget, str(traceparent),
-                                                                     admission)) as chunks:
+            runs = fan_out(lambda c: self.router.stream_within(c, arrived, budget, str(traceparent),
+                                                                 admission), req)
+            async with contextlib.aclosing(runs) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except asyncio.CancelledError:  # the client went away (or its deadline passed)
@@ -166,7 +192,8 @@ def add_inference_service(service: InferenceService, server: grpc.aio.Server) ->
 async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
                        api_keys: frozenset[str] = frozenset(), credentials: grpc.ServerCredentials | None = None,
                        allow_unauthenticated: bool = False,
-                       scaler: PoolScaler | None = None) -> tuple[grpc.aio.Server, int]:
+                       scaler: PoolScaler | None = None,
+                       admin_keys: frozenset[str] = frozenset()) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port.
 
     Health: the overall service ("") and Inference are SERVING while a live worker can prefill and one can decode
@@ -174,13 +201,15 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
 
     With `api_keys`, Inference and reflection calls need `authorization: Bearer <key>`; with `credentials`, the
     port speaks TLS. A non-loopback `host` needs `api_keys` or `allow_unauthenticated` (ExposureError otherwise).
-    With `scaler`, the admin method Scale resizes the pools (and the scaler follows lost workers from now on).
+    With `scaler`, the admin method Scale resizes the pools (and the scaler follows lost workers from now on);
+    with `admin_keys`, only those open it (router/auth.py).
     """
     check_exposure(host, api_keys, allow_unauthenticated, "router.host")
     # NOTE: bounded calls: past the limit gRPC answers RESOURCE_EXHAUSTED before the handler runs (the admission
     # limit refuses requests sooner; health, status and refused calls need the room above it)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-                             interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None,
+                             interceptors=[ApiKeyInterceptor(api_keys, admin_keys)] if api_keys or admin_keys
+                             else None,
                              maximum_concurrent_rpcs=max(MIN_CONCURRENT_RPCS, 4 * router.max_inflight))
     add_inference_service(InferenceService(router, scaler), server)
     health_servicer = health.aio.HealthServicer()

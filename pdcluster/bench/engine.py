@@ -11,7 +11,8 @@ the gather path against the in-place attention kernel and its cascade over a sha
 decode tok/s at batch 1 and 8 for float32, int8 weights and int8 weights + int8 KV, with their quality against
 float32 (teacher-forced top-1 agreement over 32 greedy tokens of varied prompts, perplexity on a fixed text); and
 n-gram speculation on a repetitive task (copying an edited text) against the same engine without it,
-with the acceptance rate.
+with the acceptance rate. Then (unless --no-features) one decode step with a request feature on every row (logprobs
+k = 5, penalties) against plain decoding at batch 1 and 8 (pdcluster/bench/engine_features.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import torch
 
 from pdcluster.bench.engine_attention import add_arguments as add_attention_arguments
 from pdcluster.bench.engine_attention import format_attention, measure_attention
+from pdcluster.bench.engine_device import DEFAULT_OUT as DEFAULT_DEVICE_OUT
+from pdcluster.bench.engine_device import add_arguments as add_device_arguments
+from pdcluster.bench.engine_device import format_device, measure_device
+from pdcluster.bench.engine_features import add_arguments as add_features_arguments
+from pdcluster.bench.engine_features import format_features, measure_features
 from pdcluster.bench.engine_step import add_arguments as add_step_arguments
 from pdcluster.bench.engine_step import format_step, measure_step
 from pdcluster.bench.report import emit, log, machine
@@ -35,7 +41,8 @@ DEFAULT_OUT = "results/bench_engine.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', a .gguf file or a Hugging Face directory")
+    p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', 'random:<arch>' (e.g. random:llama-3.1-8b), "
+                                                      "a .gguf file or a Hugging Face directory")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads for both engines")
     p.add_argument("--batches", default="1,8,16", help="comma-separated batch sizes")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill measurement")
@@ -51,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant-batches", default="1,8", help="batch sizes of the variant comparison")
     add_attention_arguments(p)
     add_step_arguments(p)
+    add_features_arguments(p)
+    add_device_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -180,6 +189,7 @@ def measure(args: argparse.Namespace) -> dict:
         **({} if args.no_variants else {"variants": measure_variants(args, loaded)}),
         **({} if args.no_attention else {"decode_attention": measure_attention(args, loaded)}),
         **({} if args.no_step else {"step": measure_step(args, loaded)}),
+        **({} if args.no_features else {"features": measure_features(args, loaded)}),
     }
 
 
@@ -201,6 +211,8 @@ def format_table(r: dict) -> str:
         lines.append(format_attention(r["decode_attention"]))
     if "step" in r:
         lines.append(format_step(r["step"]))
+    if "features" in r:
+        lines.append(format_features(r["features"]))
     return "\n".join(lines)
 
 
@@ -292,5 +304,8 @@ def format_variants(v: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device is not None:  # NOTE: the device bench (pdcluster/bench/engine_device.py), e.g. --device cuda
+        out = DEFAULT_DEVICE_OUT if args.out == DEFAULT_OUT else args.out
+        return emit("engine", measure_device(args), out, args.json, format_device)
     r = measure(args)
     return emit("engine", r, args.out, args.json, format_table)
