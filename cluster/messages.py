@@ -150,5 +150,8 @@ class Delta:
     queue_ms: float = 0.0  # on the first delta of a request run whole here: waiting + prefill on this worker
     prefill_ms: float = 0.0
     resumed_chars: int = 0  # on the first delta: characters of the output text the stream assumed the client had
+    # NOTE: the worker's monotonic clock when the engine produced this delta's last token (0: not stamped): the
+    # router times the worker's steps by these (differences on one worker), not by when it read them
+    made_at: float = 0.0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # params.logprobs: one per token of token_ids
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # a request run whole here: the prompt's

@@ -110,6 +110,8 @@ class PrefixIndex:
         self.client = client
         self.prefix = prefix
         self.breaker = breaker or RedisBreaker(prefix)
+        # NOTE: the writer's wall clock, stamped on heartbeats (readers use only its changes); a test hook for skew
+        self.clock = time.time
         self.signing_key = signing_key  # heartbeats are signed (workers) and checked (readers) with it
         self.forged_heartbeats = 0  # heartbeats dropped for a missing or wrong signature
 
@@ -167,7 +169,7 @@ class PrefixIndex:
         ttl_ms = int((HEARTBEAT_TTL_S if ttl_s is None else ttl_s) * 1000)
         # NOTE: numeric, as the load fields: a reader of an older version turns every other field into a float
         fields: dict[str, str | float] = {"role": str(role), "epoch": int(epoch), "address": address,
-                                          "updated": time.time(), "metrics_port": int(metrics_port)}
+                                          "updated": self.clock(), "metrics_port": int(metrics_port)}
         fields.update(load.as_fields())
         keys = (self._epoch_key(worker), self._hb_key(worker), f"{self.prefix}:workers")
         args: list[str | int] = [worker, str(int(epoch)), ttl_ms]

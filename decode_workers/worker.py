@@ -7,7 +7,10 @@ Life of a request on a decode worker:
 2. the moment the prefill worker commits, the transfer joins the running batch and decoding starts; no call from
    the router is awaited in between. With `token_ids` set the whole request runs here instead (the colocated
    mode, a prompt this worker already caches almost entirely, or a failover's continuation);
-3. each step's new tokens are merged into `Delta`s and yielded to the router until the request finishes;
+3. each step's new tokens are merged into `Delta`s and yielded to the router until the request finishes. The
+   router opens the stream with a window (Ray's `_generator_backpressure_num_objects`): while that many deltas
+   are unread (its client reads slowly) the yield waits, the engine goes on, and the next delta carries every
+   step made meanwhile; a client that stops reading for good is cut off by the router, whose abort frees the blocks;
 4. a caller that goes away (the generator is closed or cancelled) or an abort ends the request: its blocks (or the
    reservation it waited on) are freed.
 """
@@ -54,7 +57,9 @@ class DecodeWorker(Worker):
         arrived, rid = time.monotonic(), req.request_id
         REQUEST_ID.set(rid)
         aio = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # NOTE: each output with when the engine made it: a stream paused by backpressure (its client reads slowly)
+        # merges what came meanwhile, stamped with the engine's time, not the time it was sent (router/stall.py)
+        outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
 
         timing: list[tuple[float, float]] = []  # a request run whole here: its queue and prefill time (ms)
         resumed = [req.sent_chars or 0]  # characters of the output text the client has when this stream starts
@@ -62,7 +67,7 @@ class DecodeWorker(Worker):
         def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock
             if req.token_ids and not timing:
                 timing.append(self._first_token(rid, time.monotonic()))
-            aio.call_soon_threadsafe(outputs.put_nowait, out)
+            aio.call_soon_threadsafe(outputs.put_nowait, (time.monotonic(), out))
 
         if req.token_ids:
             def start(engine: object) -> None:
@@ -114,7 +119,8 @@ class DecodeWorker(Worker):
                 batch = [await outputs.get()]
                 while not outputs.empty():
                     batch.append(outputs.get_nowait())
-                delta = _merge(batch)
+                delta = _merge([out for _, out in batch])
+                delta.made_at = batch[-1][0]
                 if first:
                     delta.resumed_chars = resumed[0]
                     if timing:

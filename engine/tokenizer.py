@@ -189,6 +189,16 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token stands for; None when a normalizer may shrink the text first.
+
+        NOTE: a bound for refusing a prompt before tokenizing it: a text of more than n x this many characters is
+        more than n tokens (byte-level BPE: a token is at most this many bytes, a character at least one).
+        """
+        if self._backend.normalizer is not None:
+            return None
+        return max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=None)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 becomes '\\ufffd'."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

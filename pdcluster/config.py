@@ -222,6 +222,10 @@ class RouterConfig(BaseModel):
     stall_timeout_steps: float = Field(default=100.0, gt=0, description="a decode stream with no token for this many "
                                        "of its worker's usual steps fails over, as if the worker died")
     stall_timeout_min_s: float = Field(default=15.0, gt=0, description="... and never sooner than this (seconds)")
+    client_stall_timeout_s: float = Field(default=30.0, gt=0, description="a streaming client that reads nothing "
+                                          "this long while its buffer is full is cut off and its request aborted")
+    stream_buffer_chunks: int = Field(default=16, ge=1, le=4096, description="chunks buffered per stream in the "
+                                      "router, and unread deltas per decode stream before the worker pauses it")
     lease_s: float = Field(default=8.0, ge=1, description="a worker aborts a request (freeing its KV blocks) that no "
                            "live router renewed for this long (a router renews every quarter of it)")
 
@@ -235,6 +239,7 @@ class RouterConfig(BaseModel):
             request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s,
             slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms,
             stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s,
+            client_stall_timeout_s=self.client_stall_timeout_s, stream_buffer_chunks=self.stream_buffer_chunks,
             lease_s=self.lease_s)
 
 

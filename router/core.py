@@ -1,13 +1,14 @@
 """Router: runs one request across the pools and streams its chunks; the gRPC service is a thin face over it.
 
 Life of a request in the router:
-1. admission: at most `max_inflight` requests per router (more → RESOURCE_EXHAUSTED);
+1. admission: at most `max_inflight` requests per router (more → RESOURCE_EXHAUSTED), counted from before the
+   fronts read and tokenize a request (`admit`) to its end;
 2. the prompt's block hashes are looked up in the Redis prefix index (one round trip; if Redis is down the
    router routes on load alone and counts the miss);
 3. the policy picks a prefill and a decode worker among those up (or only a decode worker: one that caches the
    prompt already, or one whose next step is sooner than the prefill pool's queue: router/policy.py); a request
    whose first token is predicted past `admission_ttft_ms()` (the prefill backlog) or its deadline is refused
-   (RESOURCE_EXHAUSTED);
+   (RESOURCE_EXHAUSTED; DEADLINE_EXCEEDED when even an idle cluster could not meet the deadline);
 4. a `RequestRun` (router/flow.py) runs it: the prefill worker returns the first token once the KV reached the
    decode worker, streamed at once; the decode worker streams the rest; the last chunk carries the finish reason,
    usage and the timeline;
@@ -30,13 +31,15 @@ from cluster.logs import REQUEST_ID
 from cluster.messages import WorkerLoad
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
+from router.admission import Admission, check_deadline
 from router.errors import Overloaded
 from router.flow import RequestRun
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
-from router.pinger import Ping, Pinger
+from router.pinger import HeartbeatAges, Ping, Pinger
 from router.policy import Route, WorkerView
 from router.pools import WorkerHandle, WorkerPools
+from router.relay import relayed
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
 from router.stall import StallClock
@@ -67,6 +70,7 @@ class Router:
         self.metrics = metrics or RouterMetrics(model_name=settings.model)
         self.pools.metrics = self.metrics
         self.inflight = 0
+        self.pending = 0  # admitted, still being read or tokenized (Admission): counts against max_inflight too
         self.redis_failures = 0
         self.stall = StallClock(settings.stall_timeout_steps, settings.stall_timeout_min_s)  # per-worker step times
         self._refresher: asyncio.Task[None] | None = None
@@ -74,6 +78,7 @@ class Router:
         self._answering: set[str] | None = None  # workers whose actor answered the last ping; None: none yet
         self.pinger = Pinger(self.pools)  # the one ping loop: this router's liveness and the scaler's watch read it
         self.pinger.listen(self._on_pings)
+        self.beats = HeartbeatAges()  # heartbeat ages by this router's clock, not the workers' (clock skew)
         self.health_listeners: list[Callable[[bool], None]] = []  # called when `healthy()` changes
         self.fatal_checks: list[Callable[[], str | None]] = []  # each: why this process cannot recover, or None
         self._dead: set[str] = set()  # workers whose actor Ray reported dead for good (no restart left)
@@ -100,8 +105,18 @@ class Router:
         self.settings.max_inflight = value
 
     # ---- one request -----------------------------------------------------------------------------------------
+    def admit(self, request_id: str = "") -> Admission:
+        """A slot for a request about to be read or tokenized (release it, or pass it to `stream`); Overloaded when
+        `max_inflight` requests are in flight or being admitted."""
+        if self.inflight + self.pending >= self.max_inflight:
+            self.metrics.rejected("inflight")
+            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
+                             "(router.max_inflight)", request_id or None)
+        self.pending += 1
+        return Admission(self)
+
     async def stream(self, req: Checked, arrived: float | None = None, budget_s: float | None = None,
-                     traceparent: str = "") -> AsyncGenerator[Chunk, None]:
+                     traceparent: str = "", admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:
         """The chunks of one request; raises Overloaded, InvalidRequestError, WorkerFailed, TransferError.
 
         With `budget_s` (the request's deadline, from `arrived`), a request whose predicted first token comes
@@ -112,11 +127,13 @@ class Router:
         REQUEST_ID.set(req.request_id)
         self.traffic.arrived(len(req.token_ids), req.params.max_tokens)
         ended = False
-        if self.inflight >= self.max_inflight:
+        if admission is not None and admission.held:
+            admission.release()  # NOTE: its slot becomes this request's, with no await in between
+        elif self.inflight + self.pending >= self.max_inflight:
             self.metrics.rejected("inflight")
             self.traffic.failed()
-            raise Overloaded(f"the router has {self.inflight} requests in flight (router.max_inflight)",
-                             req.request_id)
+            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
+                             "(router.max_inflight)", req.request_id)
         self.inflight += 1
         self.metrics.set_inflight(self.inflight)
         self.leases.hold(req.request_id)
@@ -143,12 +160,8 @@ class Router:
                                  f"admission limit of {limit / 1e3:.1f} s (router.max_predicted_ttft_ms): the "
                                  "prefill backlog is too long", req.request_id)
             if budget_s is not None:
-                left = budget_s - (time.monotonic() - arrived)
-                if route.predicted_ttft_ms / 1e3 > left:
-                    self.metrics.rejected("deadline")
-                    raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past "
-                                     f"the request's deadline ({left:.1f} s left): the cluster is too busy",
-                                     req.request_id)
+                check_deadline(self.pools, route, len(req.token_ids), matched,
+                               budget_s - (time.monotonic() - arrived), req.request_id, self.metrics)
             # NOTE: the prompt tokens a decode worker computes count in its queue until the first token, so requests
             # routed before its next heartbeat see them (the prefill pool's are counted by the run)
             held = self.pools[route.decode].view if route.decode_prefill_tokens else None
@@ -157,7 +170,7 @@ class Router:
             run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
                              prefill_timeout_s=self.settings.prefill_timeout_s, traceparent=parent,
                              deadline=arrived + (budget_s or self.settings.request_timeout_s),
-                             stall=self.stall).chunks()
+                             stall=self.stall, stream_window=self.settings.stream_buffer_chunks).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()
@@ -186,10 +199,24 @@ class Router:
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
 
-    async def stream_within(self, req: Checked, arrived: float, budget_s: float,
-                            traceparent: str = "") -> AsyncGenerator[Chunk, None]:
-        """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request."""
-        chunks = self.stream(req, arrived, budget_s, traceparent)
+    async def stream_within(self, req: Checked, arrived: float, budget_s: float, traceparent: str = "",
+                            admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:
+        """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request.
+
+        NOTE: through a bounded buffer (router/relay.py): a client that reads slowly pauses the decode worker's
+        stream, and one that reads nothing for `client_stall_timeout_s` has its request aborted (ClientStalled).
+        """
+        chunks = relayed(self._within(req, arrived, budget_s, traceparent, admission),
+                         self.settings.stream_buffer_chunks,
+                         self.settings.client_stall_timeout_s, req.request_id, self.metrics.stream_buffered.inc,
+                         self.metrics.client_stalls.inc)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def _within(self, req: Checked, arrived: float, budget_s: float, traceparent: str,
+                      admission: Admission | None) -> AsyncGenerator[Chunk, None]:
+        chunks = self.stream(req, arrived, budget_s, traceparent, admission)
         try:
             while True:
                 remaining = budget_s - (time.monotonic() - arrived)
@@ -265,9 +292,9 @@ class Router:
             try:
                 live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}  # type: ignore[union-attr]
                 self.pools.refresh(live, self.metrics)
-                now, answering = time.time(), self._answering
-                self._set_live({n for n, s in live.items()
-                                if now - s.updated < HEALTH_STALE_S and (answering is None or n in answering)})
+                ages, answering = self.beats.update({n: (s.epoch, s.updated) for n, s in live.items()}), self._answering
+                self._set_live({n for n, age in ages.items()
+                                if age < HEALTH_STALE_S and (answering is None or n in answering)})
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)
                 if self._answering is not None:  # NOTE: no heartbeats to read: a worker is live while it answers
@@ -328,7 +355,6 @@ class Router:
             per_worker = hits.per_worker
         except Exception:  # noqa: BLE001 - report what is known without Redis
             per_worker = {}
-        now = time.time()
         for name, w in self.pools.by_name.items():
             s = live.get(name)
             load = s.load if s else WorkerLoad(num_blocks=w.info.num_blocks)
@@ -337,7 +363,7 @@ class Router:
                 name=name, role=str(w.role), epoch=s.epoch if s else w.info.epoch, address=w.info.kv_address,
                 alive=s is not None, running=load.running, waiting=load.waiting, num_blocks=load.num_blocks,
                 free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, requested_prompt_tokens=requested,
-                cached_prompt_tokens=cached, heartbeat_age_s=max(0.0, now - s.updated) if s else 0.0,
+                cached_prompt_tokens=cached, heartbeat_age_s=(self.beats.age(name) or 0.0) if s else 0.0,
                 rss_bytes=load.rss_bytes))
         return out
 

@@ -31,6 +31,14 @@ class Overloaded(CapacityError):
     """The router or the cluster cannot take the request now; retry later (RESOURCE_EXHAUSTED)."""
 
 
+class DeadlineExceeded(EngineError):
+    """The request's own deadline cannot be met, even on an idle cluster (DEADLINE_EXCEEDED: not a load signal)."""
+
+
+class ClientStalled(EngineError):
+    """The client read nothing for `router.client_stall_timeout_s` while its buffer was full (router/relay.py)."""
+
+
 class WorkerFailed(EngineError):
     """A worker died or failed the request (UNAVAILABLE: the client may retry)."""
 
@@ -39,6 +47,7 @@ class WorkerFailed(EngineError):
 STATUS_OF_ERROR: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Status], ...] = (
     (InvalidRequestError, Status.INVALID_ARGUMENT),
     (CapacityError, Status.RESOURCE_EXHAUSTED),
+    ((DeadlineExceeded, ClientStalled), Status.DEADLINE_EXCEEDED),
     ((TransferError, WorkerFailed), Status.UNAVAILABLE),
 )
 RAY_UNAVAILABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")

@@ -86,13 +86,14 @@ class RequestRun:
 
     def __init__(self, request: Checked, route: Route, arrived: float, pools: WorkerPools, *,
                  metrics: RouterMetrics, prefill_timeout_s: float, traceparent: str = "",
-                 deadline: float | None = None, stall: StallClock | None = None) -> None:
+                 deadline: float | None = None, stall: StallClock | None = None, stream_window: int = 16) -> None:
         self.request, self.arrived, self.pools, self.metrics = request, arrived, pools, metrics
         self.traceparent = traceparent  # the router's request span: each attempt's span is its child
         self.prefill_timeout_s = prefill_timeout_s
         # monotonic: the request fails then (the router passes its deadline; a run on its own gets 10 minutes)
         self.deadline = deadline if deadline is not None else time.monotonic() + 600.0
         self.stall = stall or StallClock()
+        self.stream_window = stream_window  # unread deltas at most per decode stream: then the worker's yield waits
         self.handoff: OpenStream | None = None  # the decode stream opened with the current prefill attempt
         self.request_id, self.prompt_len = request.request_id, len(request.token_ids)
         self.decode_worker = pools[route.decode]
@@ -213,7 +214,10 @@ class RequestRun:
         if span is not None:
             request = dataclasses.replace(request, traceparent=tracing.traceparent_of(span))
         self.touched.add((worker.name, request.request_id))
-        stream = worker.actor.generate.options(num_returns="streaming").remote(request)
+        # NOTE: without a window Ray sends every delta as it is made, whether the router reads or not: a client
+        # that stops reading would pile the whole generation up in the router's memory
+        stream = worker.actor.generate.options(num_returns="streaming",
+                                               _generator_backpressure_num_objects=self.stream_window).remote(request)
         return OpenStream(worker, request.request_id, stream, span, handoff)
 
     def _drop(self, opened: OpenStream) -> None:
@@ -259,20 +263,25 @@ class RequestRun:
         worker, stream = opened.worker, opened.stream
         # NOTE: the first delta of a stream that computes the prompt first may take a prefill's time
         wait_s = self.prefill_timeout_s if not opened.handoff else self.stall.timeout(worker.name)
-        last = time.monotonic()
+        made_at = 0.0  # the previous delta's stamp (the worker's clock)
         try:
             while True:
+                # NOTE: the stall timeout runs from when the router asks for the next delta: time spent waiting on
+                # the client (a slow reader blocks the yield below) is not the worker's
                 try:
-                    ref = await asyncio.wait_for(anext(stream), min(wait_s, max(0.0, self.deadline - last)))
+                    left = max(0.0, self.deadline - time.monotonic())
+                    ref = await asyncio.wait_for(anext(stream), min(wait_s, left))
                     delta: Delta = await ref
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
                     raise Stalled(f"decode worker {worker.name} sent no token for {wait_s:.1f} s") from None
                 now = time.monotonic()
-                if self.generated and delta.token_ids:
-                    self.stall.observe(worker.name, now - last)
-                last, wait_s = now, self.stall.timeout(worker.name)
+                if made_at and delta.made_at and delta.token_ids:
+                    # NOTE: the worker's time per token, by its own clock: a delta that waited for a slow client
+                    # carries every step made meanwhile, and a stream read late measures nothing of the client
+                    self.stall.observe(worker.name, (delta.made_at - made_at) / len(delta.token_ids))
+                made_at, wait_s = delta.made_at, self.stall.timeout(worker.name)
                 if not self.first_token_at:
                     self.first_token_at = now
                     self.timeline.first_token_ms = (self.first_token_at - self.arrived) * 1e3

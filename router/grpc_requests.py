@@ -84,6 +84,15 @@ class ProtoValidator:
     def __init__(self, validator: RequestValidator) -> None:
         self.validator = validator
 
+    def precheck(self, req: Message | Undecodable) -> None:
+        """The size limits on counts alone (no tokenizing): before the request takes an admission slot."""
+        if isinstance(req, pb.GenerateRequest):
+            self.validator.precheck(len(req.prompt), len(req.prompt_token_ids), 0, len(req.sampling.stop_token_ids),
+                                    req.request_id)
+        elif isinstance(req, pb.ChatRequest):
+            self.validator.precheck(sum(len(m.content) for m in req.messages[:MAX_MESSAGES + 1]), 0,
+                                    len(req.messages), len(req.sampling.stop_token_ids), req.request_id)
+
     def generate(self, req: pb.GenerateRequest | Undecodable) -> Checked:
         _decoded(req)
         assert isinstance(req, pb.GenerateRequest)

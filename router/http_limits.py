@@ -15,8 +15,10 @@ bounds the stall is refusing oversized input after json.loads (MAX_BODY_BYTES bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
@@ -35,10 +37,29 @@ BODY_READ_TIMEOUT_S = 30.0  # a body (up to 16 MiB) slower than ~0.5 MiB/s holds
 INLINE_PARSE_BYTES = 64 << 10  # parsed on the loop below this (well under a millisecond)
 KEEPALIVE_TIMEOUT_S = 5.0  # as uvicorn's default; aiohttp's own is an hour
 MAX_CONNECTIONS = 1024
+STREAM_SNDBUF_BYTES = 32 << 10  # a streaming response's kernel send buffer (Linux doubles it)
+STREAM_WRITE_BUFFER_BYTES = 16 << 10  # ... and what asyncio holds before a write waits
 _BUSY_BODY = json.dumps({"error": {"message": "too many connections", "type": "service_unavailable", "param": None,
                                     "code": None}}).encode()
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
          b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+def bound_stream_buffers(transport: Any) -> None:
+    """Small send buffers for a streaming response, so that a client that stops reading blocks its writes soon.
+
+    NOTE: the kernel grows a loopback socket's send buffer to megabytes and asyncio buffers 64 KiB more: a whole
+    generation of SSE chunks would fit, and a client that stopped reading would go unnoticed until the end.
+    With the writes blocked, the router's relay (router/relay.py) pauses the worker's stream, and cuts the client
+    off after `router.client_stall_timeout_s`.
+    """
+    if transport is None:
+        return
+    transport.set_write_buffer_limits(high=STREAM_WRITE_BUFFER_BYTES)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF_BYTES)
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -57,6 +78,8 @@ def load_json(data: bytes, max_model_len: int) -> Any:
         raw = json.loads(data)
     except ValueError as e:
         raise InvalidRequestError("body", f"is not valid JSON ({e})") from None
+    except RecursionError:  # NOTE: deeper than the interpreter's recursion limit: the client's error, not a 500
+        raise InvalidRequestError("body", "is nested too deeply") from None
     if isinstance(raw, dict):
         check_sizes(raw, max_model_len)
     return raw

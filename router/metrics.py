@@ -17,6 +17,8 @@
 | `pdcluster_failovers_total`               | counter   | kind         | requests moved to another worker         |
 | `pdcluster_retries_total`                 | counter   | kind         | retried steps of a request               |
 | `pdcluster_router_inflight_requests`      | gauge     |              | requests the router holds now            |
+| `pdcluster_stream_buffered_chunks`        | gauge     |              | chunks waiting for their clients to read |
+| `pdcluster_client_stalls_total`           | counter   |              | streams cut off: their client read nothing |
 | `pdcluster_worker_queue_depth`            | gauge     | worker, role | waiting requests (heartbeat)             |
 | `pdcluster_worker_running_requests`       | gauge     | worker, role | running requests (heartbeat)             |
 | `pdcluster_kv_blocks_used`                | gauge     | worker, role | num_blocks - free_blocks (heartbeat)     |
@@ -113,6 +115,10 @@ class RouterMetrics:
                                  registry=r)
         self.retries = Counter("pdcluster_retries_total", "Retried steps of a request.", ("kind",), registry=r)
         self.inflight = Gauge("pdcluster_router_inflight_requests", "Requests the router holds now.", registry=r)
+        self.client_stalls = Counter("pdcluster_client_stalls_total", "Streams cut off because their client read "
+                                     "nothing for router.client_stall_timeout_s.", registry=r)
+        self.stream_buffered = Gauge("pdcluster_stream_buffered_chunks", "Chunks buffered for clients that have "
+                                     "not read them yet, all streams (router/relay.py).", registry=r)
         self.queue_depth = Gauge("pdcluster_worker_queue_depth", "Waiting requests of a worker (heartbeat).",
                                  _WORKER, registry=r)
         self.running = Gauge("pdcluster_worker_running_requests", "Running requests of a worker (heartbeat).",

@@ -5,7 +5,8 @@ Life of a request:
 2. the body is bounded before it costs the event loop (router/http_limits.py: 413 on a declared size over the
    limit, 408 on a slow body; a large body parsed off the loop, the size limits checked on the raw JSON; at most
    `max_connections` connections, idle or header-less ones closed after `keepalive_timeout_s`), a request past
-   the router's admission limit is refused (429) before it is parsed or tokenized, and the JSON body is validated
+   the router's admission limit is refused (429) before its body is read (reading, parsing and tokenizing count
+   as in flight), and the JSON body is validated
    as a pydantic model (router/openai_models.py: unknown fields are ignored with one
    warning per name, unimplemented ones accepted at their neutral value only) and becomes a `PromptRequest` /
    `MessagesRequest`, checked by the same `RequestValidator` as gRPC (a 400 names the OpenAI parameter: `top_p`,
@@ -35,9 +36,10 @@ from aiohttp import web
 from cluster.logs import REQUEST_ID
 from engine.errors import InvalidRequestError
 from router import http_limits as limits
+from router.admission import Admission
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
 from router.core import Router
-from router.errors import Overloaded, Status, status_of, unwrap
+from router.errors import Status, status_of, unwrap
 from router.fanout import fan_out
 from router.openai_choices import ChoiceBuilder, total_usage
 from router.openai_logprobs import LogprobsFormatter
@@ -62,6 +64,9 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # NOTE: where a handler leaves the request id for the guard (which echoes it on errors too); a typed key where
 # aiohttp has them (3.11+)
 RID_KEY: Any = web.RequestKey("pdcluster_request_id", str) if hasattr(web, "RequestKey") else "pdcluster_request_id"
+# NOTE: the request's admission slot (router/admission.py), released by the guard when the handler ends
+ADMISSION_KEY: Any = (web.RequestKey("pdcluster_admission", Admission) if hasattr(web, "RequestKey")
+                      else "pdcluster_admission")
 
 
 class ApiError(Exception):
@@ -106,6 +111,15 @@ class OpenAIFront:
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """API keys on /v1/*, and every failure before a stream started as OpenAI's error JSON."""
         counted = request.path in INFERENCE_PATHS
+        try:
+            return await self._guarded(request, handler, counted)
+        finally:
+            admission = request.get(ADMISSION_KEY)
+            if admission is not None:
+                admission.release()
+
+    async def _guarded(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                       counted: bool) -> web.StreamResponse:
         try:
             # NOTE: router.auth.bearer_ok compares in constant time; the header is never logged, not even a wrong one
             keyed = request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS
@@ -185,8 +199,8 @@ class OpenAIFront:
         if rid:
             REQUEST_ID.set(rid)
             request[RID_KEY] = rid
-        if self.router.inflight >= self.router.max_inflight:  # NOTE: Router.stream admits for real; this is early
-            raise Overloaded(f"the router has {self.router.inflight} requests in flight (router.max_inflight)", rid)
+        # NOTE: a slot before the body is read: bodies being read, parsed and tokenized count as in flight
+        request[ADMISSION_KEY] = self.router.admit(rid)
         data = await limits.read_body(request)
         body = await limits.off_loop_if_large(len(data), self.executor, self._decode, data, kind)
         for name in ignored_fields(body):
@@ -199,7 +213,11 @@ class OpenAIFront:
 
     def _decode(self, data: bytes, kind: type[Any]) -> Any:
         """JSON → size limits on the raw value → a `kind` model (on the executor for a large body)."""
-        return parse(kind, limits.load_json(data, self.router.info.max_model_len))
+        raw = limits.load_json(data, self.router.info.max_model_len)
+        try:
+            return parse(kind, raw)
+        except RecursionError:  # NOTE: a value nested just within json's limit may still be too deep to validate
+            raise InvalidRequestError("body", "is nested too deeply") from None
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's or a conversation's token ids as the inference endpoints compute them."""
@@ -233,10 +251,12 @@ class OpenAIFront:
                               and i == 0)
                 for i in range(p.n)]
 
-    async def _chunks(self, checked: Checked, arrived: float, traceparent: str) -> AsyncGenerator[Chunk, None]:
+    async def _chunks(self, checked: Checked, arrived: float, traceparent: str,
+                      admission: Admission | None) -> AsyncGenerator[Chunk, None]:
         """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
         budget = self.router.settings.request_timeout_s
-        async with contextlib.aclosing(self.router.stream_within(checked, arrived, budget, traceparent)) as chunks:
+        async with contextlib.aclosing(self.router.stream_within(checked, arrived, budget, traceparent,
+                                                                 admission)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -255,7 +275,9 @@ class OpenAIFront:
         # generator, which tells the workers to abort the request and free its KV blocks.
         traceparent = request.headers.get("traceparent", "")  # NOTE: the client's W3C trace context, if any
         choices = self._choices(body, checked, chat)
-        runs = fan_out(lambda c: self._chunks(c, arrived, traceparent), checked)
+        # NOTE: one admission slot: the first run to start takes it over, the others are admitted anew
+        admission = request.get(ADMISSION_KEY)
+        runs = fan_out(lambda c: self._chunks(c, arrived, traceparent, admission), checked)
         async with contextlib.aclosing(runs) as chunks:
             first = await anext(chunks)  # NOTE: before any byte is sent, so overload or a failed prefill is a status
             if not stream:
@@ -272,6 +294,7 @@ class OpenAIFront:
                 return web.json_response(answer, headers=id_header)
             resp = web.StreamResponse(headers={**SSE_HEADERS, **id_header})
             await resp.prepare(request)
+            limits.bound_stream_buffers(request.transport)
             status = Status.OK
             try:
                 if chat:

@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 MAX_WARNED_FIELDS = 256  # distinct ignored names remembered (and metric labels); more are counted as "other"
+MAX_FIELD_LABEL_CHARS = 64  # a longer unknown field name is counted as "other"
 _TYPE_TAGS = ("str", "int", "float", "bool", "none", "dict", "list")
 
 
@@ -222,6 +223,8 @@ class IgnoredFieldLog:
 
     def note(self, name: str) -> str:
         """The metric label of `name` (capped at MAX_WARNED_FIELDS names); warns the first time it is seen."""
+        if len(name) > MAX_FIELD_LABEL_CHARS:  # NOTE: a label is kept forever: a megabyte name is not one
+            return "other"
         with self._lock:
             if name in self._seen:
                 return name

@@ -86,3 +86,31 @@ class Pinger:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+class HeartbeatAges:
+    """How old each worker's heartbeat is, by this router's own monotonic clock.
+
+    NOTE: a heartbeat's `updated` is the worker's wall clock; comparing it with the router's would take a node whose
+    clock is 10 s off for dead (or a dead one for live). Only whether it changed is used: the router notes, on its
+    own clock, when it first saw each (epoch, updated) pair. A heartbeat seen for the first time counts as new: its
+    key exists, and Redis expires it `HEARTBEAT_TTL_S` after the last beat, by Redis's own clock.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[tuple[int, float], float]] = {}  # worker → ((epoch, updated), seen at)
+
+    def update(self, beats: dict[str, tuple[int, float]], now: float | None = None) -> dict[str, float]:
+        """Each worker's heartbeat age (s) given this round's (epoch, updated) per worker; the rest are forgotten."""
+        now = time.monotonic() if now is None else now
+        seen = {}
+        for name, beat in beats.items():
+            last = self._seen.get(name)
+            seen[name] = last if last is not None and last[0] == beat else (beat, now)
+        self._seen = seen
+        return {name: now - at for name, (_, at) in seen.items()}
+
+    def age(self, name: str, now: float | None = None) -> float | None:
+        """`name`'s heartbeat age as of the last round (None: not seen)."""
+        last = self._seen.get(name)
+        return None if last is None else (time.monotonic() if now is None else now) - last[1]

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.logs import REQUEST_ID
 from engine.logprobs import TokenLogprobs
+from router.admission import Admission
 from router.auth import ApiKeyInterceptor, check_exposure
 from router.core import Router
 from router.errors import Status, status_of
@@ -34,6 +36,10 @@ from router.validate import Checked, RequestValidator
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 GRPC_CODE = {s: grpc.StatusCode[s.name] for s in Status}  # NOTE: a Status is named after its gRPC code
+MAX_MESSAGE_BYTES = 16 << 20  # a request: the longest prompt (1 Mi characters) with room to spare
+# NOTE: a stream cut off for a client that stopped reading (router/relay.py) frees its admission slot and blocks,
+# but grpc.aio cannot reset it from the server: it holds one of these until the client's deadline or disconnect
+MIN_CONCURRENT_RPCS = 256  # calls at once at least; else 4 x router.max_inflight
 
 
 def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
@@ -68,21 +74,22 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.router = router
         self.scaler = scaler
         self.validator = ProtoValidator(RequestValidator(router.info))
+        self.tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-tokenize")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        return await self._unary(lambda: self.validator.generate(request), context)
+        return await self._unary(request, lambda: self.validator.generate(request), context)
 
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        async for chunk in self._stream(lambda: self.validator.generate(request), context):
+        async for chunk in self._stream(request, lambda: self.validator.generate(request), context):
             yield chunk_pb(chunk)
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        return await self._unary(lambda: self.validator.chat(request), context)
+        return await self._unary(request, lambda: self.validator.chat(request), context)
 
     async def ChatStream(self, request: pb.ChatRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        async for chunk in self._stream(lambda: self.validator.chat(request), context):
+        async for chunk in self._stream(request, lambda: self.validator.chat(request), context):
             yield chunk_pb(chunk)
 
     async def GetClusterStatus(self, request: pb.ClusterStatusRequest,
@@ -104,12 +111,12 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.ScaleResponse(prefill=result.prefill, decode=result.decode, added=result.added,
                                 removed=result.removed)
 
-    async def _unary(self, check: Callable[[], Checked],
+    async def _unary(self, request: object, check: Callable[[], Checked],
                      context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         resp = pb.GenerateResponse()
         choices: dict[int, pb.Choice] = {}
         completion_tokens = 0
-        async for chunk in self._stream(check, context):
+        async for chunk in self._stream(request, check, context):
             c = choices.setdefault(chunk.index, pb.Choice(index=chunk.index))
             c.token_ids.extend(chunk.token_ids)
             c.text += chunk.text
@@ -133,19 +140,26 @@ class InferenceService(pb_grpc.InferenceServicer):
             resp.choices.extend(choices[i] for i in sorted(choices))
         return resp
 
-    async def _stream(self, check: Callable[[], Checked],
+    async def _stream(self, request: object, check: Callable[[], Checked],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
         arrived = time.monotonic()
+        admission: Admission | None = None
         try:
-            # NOTE: off the event loop: tokenizing a long prompt (up to 1 Mi characters) would stall every stream
-            req = await asyncio.to_thread(check)
+            # NOTE: the size limits first (counts only), then a slot, then the tokenizing: a flood of huge prompts
+            # is refused before it costs anything, and what is tokenized is within the admission limit
+            self.validator.precheck(request)  # type: ignore[arg-type]
+            admission = self.router.admit(getattr(request, "request_id", ""))
+            # NOTE: off the event loop (a long prompt would stall every stream), and on threads of its own: never
+            # queued ahead of the router's Redis lookups (asyncio.to_thread's default pool)
+            req = await asyncio.get_running_loop().run_in_executor(self.tokenizing, check)
             REQUEST_ID.set(req.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
             # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
             budget = min(self.router.settings.request_timeout_s, context.time_remaining() or float("inf"))
             # NOTE: aclosing: a generator left early is closed now (its finally aborts the request), not at GC
             # NOTE: the client's W3C trace context (gRPC metadata keys are lower case)
             traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
-            runs = fan_out(lambda c: self.router.stream_within(c, arrived, budget, str(traceparent)), req)
+            runs = fan_out(lambda c: self.router.stream_within(c, arrived, budget, str(traceparent),
+                                                                 admission), req)
             async with contextlib.aclosing(runs) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -158,6 +172,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             if status is Status.INTERNAL:
                 log.exception("request failed")
             await context.abort(GRPC_CODE[status], message)
+        finally:
+            if admission is not None:
+                admission.release()
         self.router.metrics.request_done("grpc", Status.OK.name)
 
 
@@ -188,9 +205,12 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
     with `admin_keys`, only those open it (router/auth.py).
     """
     check_exposure(host, api_keys, allow_unauthenticated, "router.host")
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)],
+    # NOTE: bounded calls: past the limit gRPC answers RESOURCE_EXHAUSTED before the handler runs (the admission
+    # limit refuses requests sooner; health, status and refused calls need the room above it)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
                              interceptors=[ApiKeyInterceptor(api_keys, admin_keys)] if api_keys or admin_keys
-                             else None)
+                             else None,
+                             maximum_concurrent_rpcs=max(MIN_CONCURRENT_RPCS, 4 * router.max_inflight))
     add_inference_service(InferenceService(router, scaler), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

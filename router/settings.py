@@ -24,6 +24,8 @@ class RouterSettings:
     max_predicted_ttft_ms: float | None = None  # refuse requests predicted later (RESOURCE_EXHAUSTED); None: 4× SLO
     stall_timeout_steps: float = 100.0  # a decode stream with no token for this many of the worker's usual steps ...
     stall_timeout_min_s: float = 15.0  # ... (and at least this long) fails over like a dead worker (router/stall.py)
+    client_stall_timeout_s: float = 30.0  # a client that reads nothing this long with a full buffer is cut off
+    stream_buffer_chunks: int = 16  # chunks buffered per stream in the router, and deltas unread per worker stream
     lease_s: float = 8.0  # a worker aborts a request no live router renewed for this long (router/leases.py)
 
     def admission_ttft_ms(self) -> float:

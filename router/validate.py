@@ -19,6 +19,9 @@ from engine.tokenizer import Tokenizer
 MAX_REQUEST_ID_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
 MAX_MESSAGES = 1024
+# NOTE: each stop token id is checked after every generated token and travels in every message to the workers:
+# 4M ids cost 82 ms per token and 15 MB per Ray message. vLLM sets no limit; real use is a handful.
+MAX_STOP_TOKEN_IDS = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 16  # as in vLLM and the OpenAI completions API
 
@@ -88,6 +91,25 @@ class RequestValidator:
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
         self.tokenizer = Tokenizer.from_json(info.tokenizer_json)
+        # NOTE: a prompt longer than this cannot fit the context whatever its tokens: refused before tokenizing
+        per_token = self.tokenizer.max_token_chars()
+        self.max_prompt_chars = min(MAX_PROMPT_CHARS, (info.max_model_len - 1) * per_token) if per_token \
+            else MAX_PROMPT_CHARS
+
+    def precheck(self, prompt_chars: int, prompt_ids: int, messages: int, stop_token_ids: int,
+                 rid: str = "") -> None:
+        """The size limits, on counts alone: before a request takes an admission slot or is tokenized."""
+        if prompt_chars > self.max_prompt_chars:
+            raise InvalidRequestError("prompt", f"is {prompt_chars} characters; at most {self.max_prompt_chars} "
+                                      "fit the model's context", rid or None)
+        if prompt_ids > self.info.max_model_len - 1:
+            raise InvalidRequestError("prompt_token_ids", f"is {prompt_ids} tokens; the model takes at most "
+                                      f"{self.info.max_model_len - 1}", rid or None)
+        if messages > MAX_MESSAGES:
+            raise InvalidRequestError("messages", f"at most {MAX_MESSAGES} messages (got {messages})", rid or None)
+        if stop_token_ids > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids (got "
+                                      f"{stop_token_ids})", rid or None)
 
     def prompt(self, req: PromptRequest) -> Checked:
         """A completion request, checked."""
@@ -95,8 +117,9 @@ class RequestValidator:
         if req.prompt and req.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "set either prompt or prompt_token_ids, not both", rid)
         if req.prompt:
-            if len(req.prompt) > MAX_PROMPT_CHARS:
-                raise InvalidRequestError("prompt", f"is longer than {MAX_PROMPT_CHARS} characters", rid)
+            if len(req.prompt) > self.max_prompt_chars:
+                raise InvalidRequestError("prompt", f"is longer than {self.max_prompt_chars} characters (more "
+                                          "than the model's context holds)", rid)
             tokens, source = self.tokenizer.encode(req.prompt), "prompt"
         elif req.prompt_token_ids:
             tokens, source = list(req.prompt_token_ids), "prompt_token_ids"
@@ -121,8 +144,9 @@ class RequestValidator:
                 raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, "
                                           f"got {m.role!r}", rid)
             total += len(m.content)
-        if total > MAX_PROMPT_CHARS:
-            raise InvalidRequestError("messages", f"contents are longer than {MAX_PROMPT_CHARS} characters", rid)
+        if total > self.max_prompt_chars:
+            raise InvalidRequestError("messages", f"contents are longer than {self.max_prompt_chars} characters "
+                                      "(more than the model's context holds)", rid)
         try:
             text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
         except Exception as e:  # noqa: BLE001 - the model's own template may refuse a conversation (raise_exception)
@@ -136,6 +160,9 @@ class RequestValidator:
         if max_tokens > self.info.max_model_len:
             raise InvalidRequestError("sampling.max_tokens", f"must be at most {self.info.max_model_len} "
                                       "(the model's context length)", request_id)
+        if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids (got "
+                                      f"{len(s.stop_token_ids)})", request_id)
         vocab = self.info.vocab_size
         bad = next((t for t in s.stop_token_ids if t >= vocab), None)
         if bad is not None:

@@ -161,7 +161,7 @@ def test_names_follow_conventions() -> None:
     text = m.render().decode()
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     counters = [n for n, t in types.items() if t == "counter"]
-    assert len(counters) == 18 and all(n.endswith("_total") for n in counters)
+    assert len(counters) == 19 and all(n.endswith("_total") for n in counters)
     for n, t in types.items():
         assert n.startswith(("pdcluster_", "vllm:"))
         # NOTE: the only other names are prometheus_client's standard `_created` series of counters/histograms.

@@ -1,0 +1,63 @@
+"""Admission beyond the slot count: a slot held from before a request is read (`Admission`), and deadlines.
+
+NOTE: the expensive work of a request (its body, its tokens) happens inside the admission limit, and a request
+refused for its deadline is told why: DEADLINE_EXCEEDED when even an idle cluster could not meet it (retrying it
+fails again), RESOURCE_EXHAUSTED when the queue ahead is the cause (clients back off and retry).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from router.errors import DeadlineExceeded, Overloaded
+from router.metrics import RouterMetrics
+from router.policy import Route
+from router.pools import WorkerPools
+
+
+class HasPending(Protocol):
+    pending: int  # requests admitted and still being read or tokenized
+
+
+class Admission:
+    """An admission slot taken before a request is read, parsed or tokenized; `Router.stream` takes it over.
+
+    NOTE: the expensive work of a request (its body, its tokens) happens inside the admission limit: 300 clients
+    sending megabyte prompts at once get RESOURCE_EXHAUSTED for all but `max_inflight` of them, instead of all
+    of them queueing their tokenizing ahead of everyone's.
+    """
+
+    def __init__(self, router: HasPending) -> None:
+        self.router, self.held = router, True
+
+    def release(self) -> None:
+        """Give the slot back (again: nothing)."""
+        if self.held:
+            self.held = False
+            self.router.pending -= 1
+
+
+def check_deadline(pools: WorkerPools, route: Route, prompt_len: int, matched: dict[str, int], left_s: float,
+                   request_id: str, metrics: RouterMetrics) -> None:
+    """Refuse a request whose first token is predicted past its deadline (`left_s` from now)."""
+    unloaded_s = unloaded_ttft_s(pools, route, prompt_len, matched)
+    if left_s <= 0 or unloaded_s > left_s:
+        metrics.rejected("deadline")
+        raise DeadlineExceeded(f"the request's deadline ({max(0.0, left_s) * 1e3:.0f} ms left) is shorter than its "
+                               f"first token takes on an idle cluster (~{unloaded_s * 1e3:.0f} ms)", request_id)
+    if route.predicted_ttft_ms / 1e3 > left_s:
+        metrics.rejected("deadline")
+        raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
+                         f"request's deadline ({left_s:.1f} s left): the cluster is too busy", request_id)
+
+
+def unloaded_ttft_s(pools: WorkerPools, route: Route, prompt_len: int, matched: dict[str, int]) -> float:
+    """The route's predicted first token with nothing queued ahead: the prompt's own steps (and KV transfer)."""
+    policy = pools.policy
+    if route.prefill is None:
+        view, tokens = pools[route.decode].view, max(1, route.decode_prefill_tokens)
+        return view.step_s(tokens, math.ceil(tokens / (view.step_limit() or tokens)))
+    view = pools[route.prefill].view
+    tokens = max(1, prompt_len - matched.get(view.name, 0) * policy.block_size)
+    return policy.prefill_s(view, tokens, queued=0) + policy.transfer.predict(prompt_len)

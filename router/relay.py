@@ -1,0 +1,119 @@
+"""A bounded buffer between a request's run and its client: backpressure, and a limit on a client that stops reading.
+
+1. a task of its own (the pump) moves the run's chunks into a buffer of at most `limit` chunks;
+2. the front takes them one at a time and writes each to its client; while the buffer is full the pump waits, so
+   the run stops reading the decode worker's stream, whose window (router/flow.py: Ray's generator backpressure)
+   then pauses the worker's yields: a client that reads slowly piles nothing up in the router;
+3. a buffer that stays full for `stall_s` (the client took nothing meanwhile: its writes are blocked) ends the run
+   with ClientStalled: the run is closed (its `finally` aborts the request on every worker, freeing the KV blocks,
+   and the router's admission slot), and the front's task blocked in the write is cancelled, which closes the
+   client's stream or connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from typing import TypeVar
+
+from router.errors import ClientStalled
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Relay:
+    """The pump's and the front's shared state: the buffered chunks and how the run ended."""
+
+    def __init__(self, limit: int, on_size: Callable[[int], None] | None = None) -> None:
+        self.limit = limit
+        self.on_size = on_size  # told each change of the buffer's size (+1, -1): the router's gauge
+        self.buffer: deque[object] = deque()
+        self.readable, self.writable = asyncio.Event(), asyncio.Event()
+        self.ended = False
+        self.error: BaseException | None = None
+        self.high_water = 0  # the most chunks buffered at once (tests and logs)
+
+    async def put(self, item: object, stall_s: float, request_id: str) -> None:
+        """Buffer `item`, waiting while the buffer is full; ClientStalled after `stall_s` without room."""
+        while len(self.buffer) >= self.limit:
+            self.writable.clear()
+            try:
+                await asyncio.wait_for(self.writable.wait(), stall_s)
+            except TimeoutError:
+                raise ClientStalled(f"the client read nothing for {stall_s:.0f} s with {len(self.buffer)} chunks "
+                                    "waiting (router.client_stall_timeout_s)", request_id) from None
+        self.buffer.append(item)
+        self.high_water = max(self.high_water, len(self.buffer))
+        self._sized(1)
+        self.readable.set()
+
+    def take(self) -> object:
+        item = self.buffer.popleft()
+        self._sized(-1)
+        self.writable.set()
+        return item
+
+    def drop(self) -> None:
+        """Forget what is left (the front went away)."""
+        self._sized(-len(self.buffer))
+        self.buffer.clear()
+
+    def _sized(self, change: int) -> None:
+        if self.on_size is not None and change:
+            self.on_size(change)
+
+    def end(self, error: BaseException | None) -> None:
+        self.ended, self.error = True, error
+        self.readable.set()
+
+
+async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, request_id: str = "",
+                  on_size: Callable[[int], None] | None = None,
+                  on_stall: Callable[[], None] | None = None) -> AsyncGenerator[T, None]:
+    """`chunks` through a buffer of `limit`; closing this closes `chunks` (at once: the request is aborted)."""
+    relay = Relay(limit, on_size)
+    owner = asyncio.current_task()
+    writing = [False]  # the front holds a chunk it has not written yet (its task waits on the client)
+
+    async def pump() -> None:
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    await relay.put(chunk, stall_s, request_id)
+            relay.end(None)
+        except asyncio.CancelledError:
+            relay.end(asyncio.CancelledError())
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the front, which maps it to a status
+            relay.end(e)
+            if isinstance(e, ClientStalled):
+                log.warning("%s", e)
+                if on_stall is not None:
+                    on_stall()
+                if writing[0] and owner is not None:  # NOTE: its write would wait for the client forever
+                    owner.cancel()
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            while not relay.buffer and not relay.ended:
+                relay.readable.clear()
+                await relay.readable.wait()
+            if relay.buffer:
+                item = relay.take()
+                writing[0] = True
+                yield item  # type: ignore[misc]
+                writing[0] = False
+                continue
+            if relay.error is not None:
+                raise relay.error
+            return
+    finally:
+        if not task.done():
+            task.cancel()
+        await asyncio.wait([task])  # NOTE: the run's abort has been sent when this returns
+        relay.drop()
