@@ -19,6 +19,7 @@ from engine.model import LlamaModel
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
 from engine.spec_decode import verify
+from engine.structured_output import constrain
 
 
 def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
@@ -99,7 +100,8 @@ class ModelRunner:
         rows = sample_rows + [r + j for i, r in verifying for j in range(len(batch.seqs[i].spec_token_ids) + 1)]
         logits = self.model.logits(hidden[rows]).float()  # [N, vocab]
         if sample_rows:
-            tokens = sample(logits[: len(sample_rows)], [batch.seqs[i].params for i in sampling],
+            tokens = sample(constrain(logits[: len(sample_rows)], [batch.seqs[i] for i in sampling]),
+                            [batch.seqs[i].params for i in sampling],
                             [batch.seqs[i].num_output_tokens for i in sampling])
             for i, tok in zip(sampling, tokens):
                 out[i] = [tok]

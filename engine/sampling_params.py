@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec, check_spec
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -29,6 +30,8 @@ class SamplingParams:
     # NOTE: a request continued elsewhere after a failure (prompt + the tokens it already produced) keeps drawing
     # from its own random stream: its first new token is output number `output_offset` of the original request.
     output_offset: int = 0
+    # Structured outputs (engine/structured_output.py): the output follows this JSON schema / regex / choice / grammar.
+    structured: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +62,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise InvalidRequestError("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        if self.structured is not None:
+            check_spec(self.structured, "structured")
+            if self.ignore_eos:  # NOTE: a grammar's output ends at an EOS token; ignoring it would never end
+                raise InvalidRequestError("ignore_eos", "cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, hash_block_tokens, root_hash
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 _arrival = itertools.count()
 
@@ -45,6 +49,7 @@ class Sequence:
         # NOTE: draft tokens proposed for the next step only (speculative decoding); not part of token_ids until
         # verified, and never sent anywhere.
         self.spec_token_ids: list[int] = []
+        self.grammar: GrammarState | None = None  # structured outputs: its matcher (engine/structured_output.py)
         self._hashes: list[BlockHash] = []
 
     def __len__(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from cluster.messages import WorkerInfo
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec, check_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -35,6 +36,8 @@ class SamplingFields:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured: StructuredOutputSpec | None = None  # structured outputs (engine/structured_output.py)
+    structured_field: str = "sampling.structured_output"  # where the client set it: errors name it
 
 
 @dataclass
@@ -131,11 +134,13 @@ class RequestValidator:
         bad = next((t for t in s.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError("sampling.stop_token_ids", f"token id {bad} is not in [0, {vocab})", request_id)
+        if s.structured is not None:  # NOTE: builds the grammar (no vocabulary): here, off the router's event loop
+            check_spec(s.structured, s.structured_field, request_id)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=s.temperature if s.temperature is not None else 1.0,
                 top_p=s.top_p if s.top_p is not None else 1.0, top_k=s.top_k, seed=s.seed, stop=list(s.stop),
-                stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, structured=s.structured)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"sampling.{e.field}", e.reason.removeprefix(f"{e.field}: "),
                                       request_id) from None

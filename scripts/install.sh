@@ -7,6 +7,9 @@ pip() { "$PYTHON" -m pip "$@"; }
 # NOTE: torch first and pinned: this is the CPU build on disk; an open range would pull GBs of CUDA wheels.
 pip install -q "torch==2.13.0"
 pip install -q -e ".[dev]"
+# NOTE: xgrammar (structured outputs) without its declared deps: they pull triton for a GPU kernel we do not use;
+# what it imports is in pyproject.toml.
+pip install -q --no-deps "xgrammar==0.2.8"
 # The compiled kernels (engine/csrc/: paged attention, the float32 linear; built for this machine). NOTE: a failed
 # build does not stop the install: the engine then runs the pure-torch attention path and oneDNN, and logs so.
 "$PYTHON" -c 'import sys; from engine.kernels import main; sys.exit(main(["build"]))' || true

@@ -59,7 +59,7 @@ def test_client_defaults_and_neutral_extensions_are_accepted():
     ("repetition_penalty", 1.2), ("min_p", 0.1), ("presence_penalty", 0.5), ("frequency_penalty", -1),
     ("logit_bias", {"42": 5}), ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", 0), ("suffix", "x"),
     ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True), ("min_tokens", 4),
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("use_beam_search", True),
+    ("use_beam_search", True),
     ("add_special_tokens", False),
 ])
 def test_a_field_that_would_change_the_answer_is_refused_naming_it(field, value):
