@@ -22,7 +22,8 @@ from router.openai_params import sampling_fields
 from router.v1 import inference_pb2 as pb
 from tests.helpers import assert_idle, make_engine, run_to_completion
 
-# Nested objects, enums, arrays and required fields; every string and array bounded, so an output ends.
+# Nested objects, enums, arrays and required fields; every string, number and array bounded, so an output ends (an
+# unbounded integer lets greedy SmolLM2 write digits until max_tokens: valid so far, but cut off).
 SCHEMAS: dict[str, dict] = {
     "person": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 24},
@@ -33,7 +34,7 @@ SCHEMAS: dict[str, dict] = {
                     "required": ["city", "zip"]}},
         "required": ["name", "age", "pets", "address"]},
     "order": {"type": "object", "properties": {
-        "order_id": {"type": "integer", "minimum": 1},
+        "order_id": {"type": "integer", "minimum": 1, "maximum": 99999},
         "status": {"type": "string", "enum": ["pending", "shipped", "delivered"]},
         "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
             "type": "object", "properties": {"sku": {"type": "string", "maxLength": 12},
@@ -44,7 +45,7 @@ SCHEMAS: dict[str, dict] = {
     "weather": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 30},
         "conditions": {"type": "string", "enum": ["sunny", "cloudy", "rain", "snow"]},
-        "temperature_c": {"type": "number", "minimum": -60, "maximum": 60},
+        "temperature_c": {"type": "integer", "minimum": -60, "maximum": 60},
         "forecast": {"type": "array", "items": {"type": "integer", "minimum": -60, "maximum": 60}, "maxItems": 3}},
         "required": ["city", "conditions", "temperature_c"]},
 }
