@@ -10,6 +10,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -111,6 +112,8 @@ class PrefillResult:
     transfer_ms: float
     kv_blocks_sent: int = 0
     kv_bytes_sent: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # params.logprobs: the first token's
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # params.prompt_logprobs: the prompt's (first: None)
 
 
 @dataclass
@@ -147,3 +150,5 @@ class Delta:
     queue_ms: float = 0.0  # on the first delta of a request run whole here: waiting + prefill on this worker
     prefill_ms: float = 0.0
     resumed_chars: int = 0  # on the first delta: characters of the output text the stream assumed the client had
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # params.logprobs: one per token of token_ids
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # a request run whole here: the prompt's

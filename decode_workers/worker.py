@@ -177,4 +177,6 @@ def _merge(outs: list[RequestOutput]) -> Delta:
     if last.finished:
         d.final_text, d.all_token_ids = last.text, list(last.token_ids)
     d.num_prompt_tokens, d.num_cached_tokens = last.num_prompt_tokens, last.num_cached_tokens
+    d.logprobs = [lp for o in outs for lp in o.new_logprobs]
+    d.prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
     return d

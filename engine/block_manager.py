@@ -145,8 +145,8 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Leading blocks of a new sequence already in the cache; at least one token is left to compute."""
-        if not self.pool.enable_prefix_caching:
-            return []
+        if not self.pool.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # NOTE: prompt logprobs need every prompt position's logits: nothing is skipped
         # NOTE: the last token is always recomputed: its logits are needed to sample the next one.
         return self.cached_prefix(seq.block_hashes((len(seq) - 1) // self.block_size), seq.token_ids)
 
@@ -185,6 +185,24 @@ class BlockManager:
         self.pool.release(seq.block_table[keep:])
         del seq.block_table[keep:]
         seq.num_computed_tokens = num_computed_tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (the parent's prompt, nothing computed) the parent's prompt KV: the blocks before the one
+        holding the last prompt token by reference, that one as a fresh block to copy (copy-on-write: the child
+        recomputes the last prompt token there). Returns (source, destination) block ids to copy, or None when no
+        block is free (the child then starts from the queue, a prefix-cache hit).
+        """
+        last = (parent.num_prompt_tokens - 1) // self.block_size  # the block the child writes first
+        if self.pool.num_free_blocks < 1 or len(parent.block_table) <= last:
+            return None
+        shared = parent.block_table[:last]
+        for bid in shared:
+            self.pool.acquire(bid)
+        copy = self.pool.allocate()
+        child.block_table = [*shared, copy]
+        child.num_computed_tokens = parent.num_prompt_tokens - 1
+        child.num_registered_blocks = min(parent.num_registered_blocks, last)
+        return parent.block_table[last], copy
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks to the pool (they stay cached until reused)."""

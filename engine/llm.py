@@ -39,7 +39,8 @@ class LLM:
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]] | str,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
-        """Run every prompt to completion in one continuous batch; results come back in prompt order."""
+        """Run every prompt to completion in one continuous batch; results come back in prompt order (n > 1: each
+        prompt's n choices in a row)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(sampling_params, Seq):
@@ -61,9 +62,10 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
-        return [Completion(s.request_id, s.token_ids[: s.num_prompt_tokens], final[s.request_id].token_ids,
-                           final[s.request_id].text, final[s.request_id].finish_reason or "",
-                           s.num_cached_tokens) for s in seqs]
+        # NOTE: n > 1: a prompt's n choices in a row (request ids <id>, <id>-1, ...; choice i samples with seed + i)
+        ids = [(s, rid) for s in seqs for rid in [s.request_id] + [f"{s.request_id}-{i}" for i in range(1, s.params.n)]]
+        return [Completion(rid, s.token_ids[: s.num_prompt_tokens], final[rid].token_ids, final[rid].text,
+                           final[rid].finish_reason or "", s.num_cached_tokens) for s, rid in ids]
 
     def chat(self, conversations: Seq[Message] | Seq[Seq[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:

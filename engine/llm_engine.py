@@ -5,6 +5,8 @@ Life of a request:
 2. each `step()` lets the scheduler pick a batch (decode tokens + prefill chunks), the runner computes it,
    and sampled tokens are appended, detokenized and checked against the stop conditions;
 3. a finished request frees its blocks (they stay in the prefix cache).
+With `n` > 1, choices 1 .. n-1 (request ids `<id>-<i>`, seed + i) fork from the request once its prompt is computed:
+they share its prompt's KV blocks, and copy the one holding the last prompt token (copy-on-write).
 With `speculative_config`, step 2 starts by proposing draft tokens for each decoding sequence; the runner verifies
 them and a step may append several tokens to a request, each through the same stop checks (engine/spec_decode.py).
 The KV seam: on the sending side `watch_layers` reports each layer of a prompt's KV as soon as the forward pass
@@ -82,6 +84,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort
         self._layer_watchers: dict[str, Callable[[int], None]] = {}
+        self._forks: dict[str, list[Sequence]] = {}  # n > 1: the other choices, until the prompt is computed
         self.kv_layout = KVLayout(self.scope, str(kv_dtype).removeprefix("torch."), mcfg.num_layers,
                                   config.block_size, mcfg.num_kv_heads, mcfg.head_dim)
         self.kv_importer = KVImporter(self.block_manager, self.runner.write_blocks, self.kv_layout, kv_dtype,
@@ -117,8 +120,15 @@ class LLMEngine:
             if len(output_token_ids) >= params.max_tokens:
                 raise InvalidRequestError("output_token_ids", f"holds {len(output_token_ids)} tokens: nothing is "
                                           f"left of max_tokens={params.max_tokens}", request_id)
+        if params.n > 1 and output_token_ids:
+            raise InvalidRequestError("n", "a resumed request continues one choice (n = 1)", request_id)
         seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope)
         seq.token_ids.extend(output_token_ids)  # NOTE: like a preempted sequence: output kept, KV recomputed
+        if params.n > 1:  # NOTE: choices 1 .. n-1 fork from this one once its prompt is computed (`_fork`)
+            self._forks[request_id] = [
+                Sequence(f"{request_id}-{i}", token_ids, dataclasses.replace(
+                    params, n=1, seed=((params.seed or 0) + i) % 2**64, prompt_logprobs=None),
+                    self.config.block_size, self.scope) for i in range(1, params.n)]
         self.outputs.start(seq, sent_chars)
         self._seqs[request_id] = seq
         self.structured.admit(seq, self.scheduler.add)  # NOTE: parked until its grammar is compiled, if it has one
@@ -166,6 +176,7 @@ class LLMEngine:
         NOTE: a reservation is freed only once the writes into it in flight are done; later ones are dropped.
         """
         self._layer_watchers.pop(request_id, None)
+        self._forks.pop(request_id, None)  # NOTE: choices not forked yet go with it; forked ones have their own id
         res = self._reserved.pop(request_id, None)
         seq = res.seq if res is not None else self._seqs.pop(request_id, None)
         if seq is None:
@@ -205,6 +216,9 @@ class LLMEngine:
                 self._prompt_tokens += seq.num_prompt_tokens
                 self._cached_tokens += seq.num_cached_tokens
             out = self._append(seq, tokens)
+            children = self._forks.pop(seq.request_id, None) if self._forks else None
+            if children:
+                self._fork(seq, children)
             if out.finished:
                 self._finish(seq)
             elif drafted:
@@ -217,10 +231,29 @@ class LLMEngine:
             results.append(out)
         return results
 
+    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Start the other choices of `parent` (n > 1) on its prompt's KV: shared blocks, the last one copied.
+
+        NOTE: each child recomputes only the last prompt token (in its own copy of that block) to sample its first
+        token with its own seed; without a free block it queues like a new request and hits the prefix cache.
+        """
+        for child in children:
+            cow = self.block_manager.fork(parent, child)
+            self.outputs.start(child)
+            self._seqs[child.request_id] = child
+            if cow is None:
+                self.structured.admit(child, self.scheduler.add)
+                continue
+            self.runner.copy_block(*cow)
+            child.num_cached_tokens = child.num_computed_tokens
+            self.structured.admit(child, self.scheduler.add_running)  # NOTE: its own matcher (a grammar's, if any)
+
     def _propose(self, proposer: NgramProposer) -> None:
         """Draft tokens for every decoding sequence, within its max_tokens and the context length."""
         for seq in self.scheduler.running:
-            if seq.num_pending_tokens == 1 and seq.grammar is None:  # NOTE: drafts are not checked by a grammar
+            # NOTE: drafts are verified outside the sampler's pipeline: requests that use more than temperature and
+            # top-k/top-p decode one token at a time; drafts are not checked by a grammar either
+            if seq.num_pending_tokens == 1 and seq.grammar is None and not _needs_sampler(seq.params):
                 room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
                 seq.spec_token_ids = proposer.propose(seq.token_ids, room)
 
@@ -233,11 +266,17 @@ class LLMEngine:
             outs.append(self.outputs.process(seq, tok))
             if outs[-1].finished:
                 break
+        if seq.new_logprobs:
+            outs[0].new_logprobs, seq.new_logprobs = seq.new_logprobs, []
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(outs):  # the first output
+            outs[0].prompt_logprobs = seq.prompt_logprobs or [None]
         if len(outs) == 1:
             return outs[0]
         last = outs[-1]
         return dataclasses.replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
-                                   new_text="".join(o.new_text for o in outs))
+                                   new_text="".join(o.new_text for o in outs),
+                                   new_logprobs=[lp for o in outs for lp in o.new_logprobs],
+                                   prompt_logprobs=outs[0].prompt_logprobs)
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """Calls the watchers of the sequences whose prompt KV this step completes, after each layer."""
@@ -340,3 +379,8 @@ class LLMEngine:
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
                            self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted)
 
+
+
+def _needs_sampler(p: SamplingParams) -> bool:
+    """Whether a request uses the sampler's pipeline beyond temperature and top-k/top-p (no speculative drafts)."""
+    return p.has_penalties or bool(p.logit_bias) or p.min_p > 0.0 or p.logprobs is not None

@@ -15,11 +15,12 @@ from engine.config import EngineConfig, ModelConfig, torch_dtype
 from engine.errors import InvalidRequestError
 from engine.kernels import attention_kernel
 from engine.kv_quant import int8_block_rows
+from engine.logprobs import prompt_logprobs, prompt_rows, sampled_logprobs
 from engine.model import LlamaModel
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
 from engine.spec_decode import verify
-from engine.structured_output import constrain
+from engine.structured_output import grammar_bitmask
 
 
 def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
@@ -77,12 +78,17 @@ class ModelRunner:
         sample_rows: list[int] = []  # flat index of the last token of sequences that sample one token
         sampling: list[int] = []  # their index in the batch
         verifying: list[tuple[int, int]] = []  # (index in the batch, flat index of its first verified row)
+        scoring: list[tuple[int, int, int]] = []  # prompt logprobs: (index in the batch, first position, count)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             starts.append(start)
             positions.extend(range(start, start + n))
             draft = seq.spec_token_ids  # NOTE: n counts them: they follow the sequence's last (pending) token
             input_ids.extend([*seq.token_ids[start : start + n], *draft])
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+                first, count = prompt_rows(seq.num_prompt_tokens, len(seq.prompt_logprobs), start, n)
+                if count:
+                    scoring.append((i, first, count))
             if draft:
                 verifying.append((i, len(input_ids) - len(draft) - 1))
             elif start + n == len(seq):
@@ -94,17 +100,23 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
                             layer_hook)
         out: list[list[int]] = [[] for _ in batch.seqs]
+        if scoring:
+            self._score_prompts(hidden, batch, starts, scoring)
         if not sample_rows and not verifying:
             return out
         # NOTE: one head matmul for every row that needs logits: the head is the largest weight read of a step.
         rows = sample_rows + [r + j for i, r in verifying for j in range(len(batch.seqs[i].spec_token_ids) + 1)]
         logits = self.model.logits(hidden[rows]).float()  # [N, vocab]
         if sample_rows:
-            tokens = sample(constrain(logits[: len(sample_rows)], [batch.seqs[i] for i in sampling]),
-                            [batch.seqs[i].params for i in sampling],
-                            [batch.seqs[i].num_output_tokens for i in sampling])
-            for i, tok in zip(sampling, tokens):
+            seqs = [batch.seqs[i] for i in sampling]
+            sampled = sample(logits[: len(sample_rows)], seqs, grammar_bitmask(seqs, logits.shape[-1]))
+            tokens = sampled.token_ids.tolist()  # NOTE: the step's one read-back
+            lps = sampled_logprobs(tokens, sampled.logprobs, sampled.logprob_token_ids,
+                                   [s.params.logprobs for s in seqs])
+            for i, tok, lp in zip(sampling, tokens, lps):
                 out[i] = [tok]
+                if lp is not None:
+                    batch.seqs[i].new_logprobs.append(lp)
         first = len(sample_rows)
         for i, _ in verifying:
             seq = batch.seqs[i]
@@ -113,11 +125,31 @@ class ModelRunner:
             first += k + 1
         return out
 
+    def _score_prompts(self, hidden: torch.Tensor, batch: ScheduledBatch, starts: list[int],
+                       scoring: list[tuple[int, int, int]]) -> None:
+        """Record prompt logprobs for the positions of this step that score a prompt token (prompt_logprobs)."""
+        offsets = [0]
+        for n in batch.num_new_tokens:
+            offsets.append(offsets[-1] + n)
+        for i, first, count in scoring:
+            seq = batch.seqs[i]
+            flat = offsets[i] + first - starts[i]
+            logits = self.model.logits(hidden[flat : flat + count])  # [count, vocab]
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)
+            seq.prompt_logprobs.extend(prompt_logprobs(logits, seq.token_ids[first + 1 : first + 1 + count],
+                                                       seq.params.prompt_logprobs or 0))
+
     @torch.inference_mode()
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D] (int8: with the scale row)."""
         idx = torch.tensor(block_ids, dtype=torch.long)
         return self.kv[layer, 0, idx], self.kv[layer, 1, idx]  # advanced indexing copies
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K and V in every layer (a forked sequence's copy-on-write block)."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
 
     @torch.inference_mode()
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:

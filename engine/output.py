@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -32,6 +33,9 @@ class RequestOutput:
     text: str = ""  # on finish: the whole generated text (stop string cut off)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # params.logprobs: one per new token
+    # params.prompt_logprobs: one per prompt token (the first None), on the output of the first generated token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _Stream:

@@ -7,6 +7,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, hash_block_tokens, root_hash
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.grammar: GrammarState | None = None  # structured outputs: its matcher (engine/structured_output.py)
         self._hashes: list[BlockHash] = []
+        # NOTE: logprobs of the tokens the last step sampled (the runner fills it, the engine drains it), and with
+        # params.prompt_logprobs the prompt's, recorded as prefill chunks run ([None] for the first token).
+        self.new_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -73,6 +73,6 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, outpu
             if float(probs.sum()) <= 0.0:  # NOTE: p was (numerically) all on the draft token: keep it
                 out.append(draft[j])
                 break
-        out.append(race(probs, gen))
+        out.append(int(race(probs, gen)))
         break
     return out

@@ -156,7 +156,8 @@ class PrefillRun:
                   first.queue_ms, sender.num_blocks, sender.bytes_sent, self.req.decode_address, transfer_ms)
         return PrefillResult(self.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                              out.text, len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms,
-                             transfer_ms, sender.num_blocks if not out.finished else 0, sender.bytes_sent)
+                             transfer_ms, sender.num_blocks if not out.finished else 0, sender.bytes_sent,
+                             out.new_logprobs, out.prompt_logprobs)
 
 
     def _observe(self, first: FirstToken, transfer_ms: float) -> None:

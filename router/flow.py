@@ -193,9 +193,12 @@ class RequestRun:
         self.generated += res.token_ids
         if res.finished:
             self.done = True
-            return self.last_chunk(res.token_ids, res.text, res.finish_reason, res.final_text)
-        self.text.sent(res.text)
-        return Chunk(self.request_id, res.token_ids, res.text)
+            chunk = self.last_chunk(res.token_ids, res.text, res.finish_reason, res.final_text)
+        else:
+            self.text.sent(res.text)
+            chunk = Chunk(self.request_id, res.token_ids, res.text)
+        chunk.logprobs, chunk.prompt_logprobs = res.logprobs, res.prompt_logprobs
+        return chunk
 
     # ---- 2. decode -------------------------------------------------------------------------------------------
     def _open_handoff(self) -> OpenStream:
@@ -285,10 +288,14 @@ class RequestRun:
                 self.generated += delta.token_ids
                 if delta.finished:
                     self.done = True
-                    yield self.last_chunk(delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
+                    chunk = self.last_chunk(delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
+                else:
+                    self.text.sent(delta.text)
+                    chunk = Chunk(self.request_id, delta.token_ids, delta.text)
+                chunk.logprobs, chunk.prompt_logprobs = delta.logprobs, delta.prompt_logprobs
+                yield chunk
+                if delta.finished:
                     return
-                self.text.sent(delta.text)
-                yield Chunk(self.request_id, delta.token_ids, delta.text)
             raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing", self.request_id)
         finally:
             tracing.end(opened.span)

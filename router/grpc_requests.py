@@ -57,8 +57,8 @@ def reject_unknown_fields(msg: Message, path: str = "") -> None:
                                   f"(this server speaks {msg.DESCRIPTOR.full_name} of pdcluster.v1)")
     for fd, value in msg.ListFields():
         name = f"{path}.{fd.name}" if path else fd.name
-        if fd.message_type is None:
-            continue
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue  # NOTE: a map's entries (logit_bias) are scalars: nothing below them to check
         if fd.is_repeated:
             for i, item in enumerate(value):
                 reject_unknown_fields(item, f"{name}[{i}]")
@@ -73,7 +73,10 @@ def sampling_fields(s: pb.SamplingParams) -> SamplingFields:
         temperature=s.temperature if s.HasField("temperature") else None,
         top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos)
+        ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None, min_p=s.min_p,
+        logit_bias=dict(s.logit_bias), logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, n=s.n or 1)
     if s.HasField("structured_output"):
         out.structured, out.structured_field = structured_output(s.structured_output)
     return out

@@ -38,8 +38,12 @@ from router import http_limits as limits
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
 from router.core import Router
 from router.errors import Overloaded, Status, status_of, unwrap
+from router.fanout import fan_out
+from router.openai_choices import ChoiceBuilder, total_usage
+from router.openai_logprobs import LogprobsFormatter
 from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
 from router.openai_params import chat_turns, openai_param, prompt_of, sampling_fields
+from router.openai_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, parse_model, tokenize
 from router.results import Chunk, Timeline, Usage
 from router.validate import Checked, MessagesRequest, PromptRequest, RequestValidator
 
@@ -51,6 +55,7 @@ HTTP_OF = {Status.INVALID_ARGUMENT: (400, "invalid_request_error"),  # status �
            Status.UNAVAILABLE: (503, "service_unavailable"),
            Status.DEADLINE_EXCEEDED: (504, "server_error")}  # anything else: 500 server_error
 INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")  # counted in pdcluster_requests_total{api="http"}
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's; behind the API key like /v1/*
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -103,7 +108,8 @@ class OpenAIFront:
         counted = request.path in INFERENCE_PATHS
         try:
             # NOTE: router.auth.bearer_ok compares in constant time; the header is never logged, not even a wrong one
-            if request.path.startswith("/v1/") and not bearer_ok(request.headers.get("Authorization"), self._keys):
+            keyed = request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS
+            if keyed and not bearer_ok(request.headers.get("Authorization"), self._keys):
                 log.debug("refused %s %s from %s: missing or invalid API key", request.method, request.path,
                          request.remote)
                 raise ApiError(Status.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
@@ -192,6 +198,38 @@ class OpenAIFront:
         """JSON → size limits on the raw value → a `kind` model (on the executor for a large body)."""
         return parse(kind, limits.load_json(data, self.router.info.max_model_len))
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt's or a conversation's token ids as the inference endpoints compute them."""
+        return await self._tokenizer_call(request, TokenizeRequest, tokenize)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of token ids."""
+        return await self._tokenizer_call(request, DetokenizeRequest, detokenize)
+
+    async def _tokenizer_call(self, request: web.Request, kind: type[Any], fn: Callable[..., Any]) -> web.Response:
+        data = await limits.read_body(request)
+        body = parse_model(kind, limits.load_json(data, self.router.info.max_model_len))
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(Status.NOT_FOUND, f"The model `{body.model}` does not exist (this server serves "
+                           f"`{self.model_name}`).", "model", "model_not_found")
+        answer = await asyncio.get_running_loop().run_in_executor(self.executor, fn, self.validator, body)
+        return web.json_response(answer)
+
+    def _choices(self, body: Any, checked: Checked, chat: bool) -> list[ChoiceBuilder]:
+        """One builder per choice: logprobs formatting, a completion's echo (the prompt text before the output)."""
+        p, tokenizer = checked.params, self.validator.tokenizer
+        echo = None
+        if not chat and body.echo:
+            prompt = prompt_of(body)
+            echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        wants = p.logprobs is not None or body.prompt_logprobs is not None
+        return [ChoiceBuilder(i, chat=chat, echo=echo, prompt_ids=checked.token_ids,
+                              formatter=LogprobsFormatter(tokenizer, as_token_ids=as_ids) if wants else None,
+                              logprobs=p.logprobs is not None, prompt_logprobs=body.prompt_logprobs is not None
+                              and i == 0)
+                for i in range(p.n)]
+
     async def _chunks(self, checked: Checked, arrived: float, traceparent: str) -> AsyncGenerator[Chunk, None]:
         """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
         budget = self.router.settings.request_timeout_s
@@ -213,35 +251,39 @@ class OpenAIFront:
         # NOTE: aclosing: a client that goes away (a failed write, or the handler cancelled) closes the router's
         # generator, which tells the workers to abort the request and free its KV blocks.
         traceparent = request.headers.get("traceparent", "")  # NOTE: the client's W3C trace context, if any
-        async with contextlib.aclosing(self._chunks(checked, arrived, traceparent)) as chunks:
+        choices = self._choices(body, checked, chat)
+        runs = fan_out(lambda c: self._chunks(c, arrived, traceparent), checked)
+        async with contextlib.aclosing(runs) as chunks:
             first = await anext(chunks)  # NOTE: before any byte is sent, so overload or a failed prefill is a status
             if not stream:
-                text, last = first.text, first
-                async for last in chunks:
-                    text += last.text
-                choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+                choices[first.index].add(first)
+                async for more in chunks:
+                    choices[more.index].add(more)
                 self.router.metrics.request_done("http", Status.OK.name)
-                return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
-                                          "choices": [choice], "usage": usage_of(last.usage),
-                                          "pdcluster": extra_of(last)}, headers=id_header)
+                answer: dict[str, Any] = {
+                    **head, "object": "chat.completion" if chat else "text_completion",
+                    "choices": [c.choice() for c in choices], "usage": usage_of(total_usage(choices)),
+                    "pdcluster": extra_of(choices[0].last or first)}
+                if chat and choices[0].want_prompt_logprobs:
+                    answer["prompt_logprobs"] = choices[0].prompt_logprobs()
+                return web.json_response(answer, headers=id_header)
             resp = web.StreamResponse(headers={**SSE_HEADERS, **id_header})
             await resp.prepare(request)
             status = Status.OK
             try:
                 if chat:
-                    await send(resp, head, {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None, "logprobs": None}, include_usage)
+                    for c in choices:
+                        await send(resp, head, {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None, "logprobs": None}, include_usage)
                 chunk: Chunk | None = first
+                finished = 0
                 while chunk is not None:
-                    if chunk.text or chunk.finish_reason:
-                        delta = ({"delta": {"content": chunk.text} if chunk.text else {}} if chat
-                                 else {"text": chunk.text})
-                        await send(resp, head, {"index": 0, **delta, "finish_reason": chunk.finish_reason or None,
-                                                "logprobs": None}, include_usage,
-                                   extra_of(chunk) if chunk.finish_reason else None)
-                    if chunk.finish_reason and include_usage:
-                        await sse(resp, {**head, "choices": [], "usage": usage_of(chunk.usage)})
+                    delta = choices[chunk.index].delta(chunk)
+                    if delta is not None:
+                        await send(resp, head, delta, include_usage, extra_of(chunk) if chunk.finish_reason else None)
+                    finished += bool(chunk.finish_reason)
+                    if chunk.finish_reason and include_usage and finished == len(choices):
+                        await sse(resp, {**head, "choices": [], "usage": usage_of(total_usage(choices))})
                     chunk = await anext(chunks, None)
             except (ConnectionResetError, asyncio.CancelledError) as e:
                 log.info("%s: the client went away; aborting the request", oid)
@@ -290,7 +332,8 @@ async def send(resp: web.StreamResponse, head: dict[str, Any], choice: dict[str,
 
 
 def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset()) -> web.Application:
-    """The HTTP API: /health (readiness), /live (liveness), /v1/models, /v1/completions, /v1/chat/completions."""
+    """The HTTP API: /health (readiness), /live (liveness), /v1/models, /v1/completions, /v1/chat/completions,
+    /tokenize and /detokenize."""
     front = OpenAIFront(router, model_name, api_keys)
     app = web.Application(middlewares=[front.guard], client_max_size=limits.MAX_BODY_BYTES)
 
@@ -302,6 +345,8 @@ def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = froz
     app.router.add_get("/v1/models", front.models)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/chat/completions", front.chat)
+    app.router.add_post("/tokenize", front.tokenize)
+    app.router.add_post("/detokenize", front.detokenize)
     return app
 
 

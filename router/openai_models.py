@@ -63,6 +63,13 @@ class SamplingBody(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None  # carried to the workers' detokenizers
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) → bias
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs with the top k
 
 
 class _Common(SamplingBody):
@@ -72,22 +79,16 @@ class _Common(SamplingBody):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    n: int | None = None
     user: str | None = None  # NOTE: accepted and ignored, as OpenAI and vLLM do (it only tags the request)
     request_id: str | None = None  # vLLM's body field; the X-Request-Id header wins
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     # Accepted at their neutral value only (NEUTRAL below)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
     min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -97,7 +98,6 @@ class _Common(SamplingBody):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     priority: int | None = None
-    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(_Common):
@@ -131,14 +131,15 @@ class ChatCompletionRequest(_Common):
 
 
 # The values of unimplemented fields that change nothing (absent, null, or one of these); anything else is a 400.
+# NOTE: served since issue 28 (no longer here): n, the penalties, min_p, logit_bias, logprobs, top_logprobs,
+# prompt_logprobs, return_tokens_as_token_ids and a completion's echo.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
-    "min_tokens": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
+    "min_tokens": (0,), "response_format": ({"type": "text"},),
     "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
-    "length_penalty": (1,), "prompt_logprobs": (0,), "truncate_prompt_tokens": (), "allowed_token_ids": (),
+    "length_penalty": (1,), "truncate_prompt_tokens": (), "allowed_token_ids": (),
     "bad_words": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "priority": (0,), "return_tokens_as_token_ids": (False,),
-    "echo": (False,), "logprobs": (False, 0), "best_of": (1,), "suffix": ("",), "top_logprobs": (0,),
+    "structured_outputs": (), "priority": (0,),
+    "echo": (False,), "best_of": (1,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none", "auto"), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
 }
@@ -181,8 +182,8 @@ def parse(kind: type[_Common], body: Any) -> Any:
 def refuse_non_neutral(req: BaseModel) -> None:
     """A 400 naming the first field set to something this server does not implement."""
     for name, neutral in NEUTRAL.items():
-        if isinstance(req, CompletionRequest) and name == "logprobs":
-            neutral = ()  # NOTE: a completion's logprobs=0 still asks for the chosen token's logprob
+        if isinstance(req, CompletionRequest) and name == "echo":
+            continue  # NOTE: a completion's echo is served (the prompt before the output); a chat's is not
         v = getattr(req, name, None)
         if v is None or any(_same(v, n) for n in neutral):
             continue

@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredOutputSpec
+from engine.sampling_params import MAX_LOGPROBS
 from router.openai_models import ChatMessage, CompletionRequest, SamplingBody, param_of
 from router.validate import ChatTurn, SamplingFields
 
@@ -67,10 +68,41 @@ def sampling_fields(s: SamplingBody, max_tokens: int | None, limit_key: str = "m
     out.stop = [utf8(x, "stop") for x in stop]
     out.stop_token_ids = unsigned_list(s.stop_token_ids or [], UINT32, "stop_token_ids")
     out.ignore_eos = bool(s.ignore_eos)
+    _extras(s, out)
     spec = structured_spec(s)
     if spec is not None:
         out.structured, out.structured_field = spec
     return out
+
+
+def _extras(s: SamplingBody, out: SamplingFields) -> None:
+    """Penalties, min_p, logit_bias, n and logprobs (chat: `logprobs: true` + `top_logprobs`; completions: `logprobs:
+    k`, with `echo` the prompt's too)."""
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        value = getattr(s, name)
+        if value is not None:
+            setattr(out, name, float32(value))
+    if s.repetition_penalty is not None:
+        out.repetition_penalty = float32(s.repetition_penalty)
+    if s.n is not None:
+        out.n = unsigned(s.n, UINT32, "n")
+    for key, bias in (s.logit_bias or {}).items():
+        if not key.isdigit():
+            raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}")
+        out.logit_bias[unsigned(int(key), UINT32, "logit_bias")] = float32(bias)
+    if s.prompt_logprobs is not None:
+        out.prompt_logprobs = unsigned(s.prompt_logprobs, UINT32, "prompt_logprobs")
+    logprobs, top = getattr(s, "logprobs", None), getattr(s, "top_logprobs", None)
+    if isinstance(logprobs, bool) or top is not None:  # a chat's
+        if top is not None and not logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+        if logprobs:
+            out.logprobs = top or 0
+    elif logprobs is not None:  # a completion's: k alternatives
+        out.logprobs = unsigned(logprobs, UINT32, "logprobs")
+    out.echo = isinstance(s, CompletionRequest) and bool(s.echo)
 
 
 # vLLM's `structured_outputs` keys taken at the value that matches what this server does, and the one that picks

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprobs
+
 
 @dataclass(slots=True)
 class Usage:
@@ -44,6 +46,9 @@ class Chunk:
     finish_reason: str = ""  # "stop" | "length" on the last chunk only
     usage: Usage | None = None  # last chunk only
     timeline: Timeline | None = None  # last chunk only
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # params.logprobs: one per token of token_ids
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # params.prompt_logprobs: on the first chunk
+    index: int = 0  # the choice (n > 1: router/fanout.py)
 
 
 @dataclass(slots=True)

@@ -12,16 +12,18 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.logs import REQUEST_ID
+from engine.logprobs import TokenLogprobs
 from router.auth import ApiKeyInterceptor, check_exposure
 from router.core import Router
 from router.errors import Status, status_of
+from router.fanout import fan_out
 from router.grpc_requests import ProtoValidator, tolerant_parser
 from router.results import Chunk, ClusterStatus
 from router.scaling import PoolScaler
@@ -37,12 +39,20 @@ GRPC_CODE = {s: grpc.StatusCode[s.name] for s in Status}  # NOTE: a Status is na
 def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
     """A chunk on the wire (usage and timeline only on the last one)."""
     out = pb.GenerateChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
-                           finish_reason=chunk.finish_reason)
+                           finish_reason=chunk.finish_reason, index=chunk.index,
+                           logprobs=logprobs_pb(chunk.logprobs),
+                           prompt_logprobs=logprobs_pb([e for e in chunk.prompt_logprobs or [] if e is not None]))
     if chunk.usage is not None:
         out.usage.CopyFrom(pb.Usage(**dataclasses.asdict(chunk.usage)))
     if chunk.timeline is not None:
         out.timeline.CopyFrom(pb.Timeline(**dataclasses.asdict(chunk.timeline)))
     return out
+
+
+def logprobs_pb(entries: Sequence[TokenLogprobs]) -> list[pb.TokenLogprob]:
+    """Logprobs on the wire."""
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank or 0,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries]
 
 
 def status_pb(status: ClusterStatus) -> pb.ClusterStatus:
@@ -97,15 +107,30 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def _unary(self, check: Callable[[], Checked],
                      context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         resp = pb.GenerateResponse()
+        choices: dict[int, pb.Choice] = {}
+        completion_tokens = 0
         async for chunk in self._stream(check, context):
-            resp.request_id = chunk.request_id
-            resp.token_ids.extend(chunk.token_ids)
-            resp.text += chunk.text
+            c = choices.setdefault(chunk.index, pb.Choice(index=chunk.index))
+            c.token_ids.extend(chunk.token_ids)
+            c.text += chunk.text
+            c.logprobs.extend(logprobs_pb(chunk.logprobs))
+            if chunk.prompt_logprobs is not None:
+                resp.prompt_logprobs.extend(logprobs_pb([e for e in chunk.prompt_logprobs if e is not None]))
             if chunk.finish_reason:
+                c.finish_reason = chunk.finish_reason
                 last = chunk_pb(chunk)
-                resp.finish_reason = last.finish_reason
-                resp.usage.CopyFrom(last.usage)
-                resp.timeline.CopyFrom(last.timeline)
+                completion_tokens += last.usage.completion_tokens
+                if chunk.index == 0:
+                    resp.request_id = chunk.request_id
+                    resp.usage.CopyFrom(last.usage)
+                    resp.timeline.CopyFrom(last.timeline)
+        first = choices.get(0, pb.Choice())
+        resp.token_ids.extend(first.token_ids)
+        resp.text, resp.finish_reason = first.text, first.finish_reason
+        resp.logprobs.extend(first.logprobs)
+        resp.usage.completion_tokens = completion_tokens
+        if len(choices) > 1:
+            resp.choices.extend(choices[i] for i in sorted(choices))
         return resp
 
     async def _stream(self, check: Callable[[], Checked],
@@ -120,8 +145,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             # NOTE: aclosing: a generator left early is closed now (its finally aborts the request), not at GC
             # NOTE: the client's W3C trace context (gRPC metadata keys are lower case)
             traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
-            async with contextlib.aclosing(self.router.stream_within(req, arrived, budget,
-                                                                     str(traceparent))) as chunks:
+            runs = fan_out(lambda c: self.router.stream_within(c, arrived, budget, str(traceparent)), req)
+            async with contextlib.aclosing(runs) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except asyncio.CancelledError:  # the client went away (or its deadline passed)

@@ -36,6 +36,15 @@ class SamplingFields:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # default 1.0 (off)
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id → bias in [-100, 100]
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    n: int = 1  # choices sampled from the one prompt
+    echo: bool = False  # completions: the prompt comes back before the output (with its logprobs when asked)
     structured: StructuredOutputSpec | None = None  # structured outputs (engine/structured_output.py)
     structured_field: str = "sampling.structured_output"  # where the client set it: errors name it
 
@@ -134,13 +143,23 @@ class RequestValidator:
         bad = next((t for t in s.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError("sampling.stop_token_ids", f"token id {bad} is not in [0, {vocab})", request_id)
+        bad = next((t for t in s.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("sampling.logit_bias", f"token id {bad} is not in [0, {vocab})", request_id)
+        prompt_logprobs = s.prompt_logprobs
+        if s.echo and s.logprobs is not None:  # NOTE: echo + logprobs: the prompt's logprobs too (as vLLM)
+            prompt_logprobs = max(s.logprobs, prompt_logprobs or 0)
         if s.structured is not None:  # NOTE: builds the grammar (no vocabulary): here, off the router's event loop
             check_spec(s.structured, s.structured_field, request_id)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=s.temperature if s.temperature is not None else 1.0,
                 top_p=s.top_p if s.top_p is not None else 1.0, top_k=s.top_k, seed=s.seed, stop=list(s.stop),
-                stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, structured=s.structured)
+                stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                repetition_penalty=s.repetition_penalty if s.repetition_penalty is not None else 1.0,
+                min_p=s.min_p, logit_bias=dict(s.logit_bias), logprobs=s.logprobs, prompt_logprobs=prompt_logprobs,
+                n=s.n, structured=s.structured)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"sampling.{e.field}", e.reason.removeprefix(f"{e.field}: "),
                                       request_id) from None

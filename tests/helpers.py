@@ -15,6 +15,19 @@ from engine.llm_engine import RequestOutput
 from engine.loader import LoadedModel
 from pdcluster.bench.reference import hf_model_from  # noqa: F401  (re-exported for tests)
 
+
+@dataclasses.dataclass
+class Row:
+    """A sampler row (engine.sampler.SamplingRow) made by hand: params and the token history (prompt + output)."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int = 1
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 

@@ -57,7 +57,7 @@ def test_race_draws_in_proportion_and_is_reproducible() -> None:
     counts = {3: 0, 500: 0, 999: 0}
     n = 6000
     for i in range(n):
-        tok = race(probs, torch.Generator().manual_seed(i))
+        tok = int(race(probs, torch.Generator().manual_seed(i)))  # a 0-d tensor: no read-back in the sampler
         counts[tok] += 1  # a zero-probability token is never drawn (KeyError otherwise)
     for tok, p in ((3, 0.5), (500, 0.3), (999, 0.2)):
         assert abs(counts[tok] / n - p) < 0.03

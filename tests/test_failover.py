@@ -71,6 +71,21 @@ def stream_all(server, texts: list[str], max_tokens: int,
         return list(pool.map(one, range(len(texts))))
 
 
+def stream_choices(server, text: str, max_tokens: int) -> dict[int, list[int]]:
+    """A sampled request with n = 2, penalties and logprobs: each choice's token ids (checked against its logprobs)."""
+    req = pb.GenerateRequest(request_id=f"fo-n-{time.monotonic_ns()}", prompt=text, sampling=pb.SamplingParams(
+        **FEATURES, n=2, logprobs=1))
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in server.stub().GenerateStream(req, timeout=300):
+        assert [e.token_id for e in chunk.logprobs] == list(chunk.token_ids)
+        ids[chunk.index] += chunk.token_ids
+    return ids
+
+
+FEATURES: dict[str, Any] = dict(max_tokens=48, temperature=0.9, seed=77, ignore_eos=True, repetition_penalty=1.2,
+                                frequency_penalty=0.2)
+
+
 def wait_restarted(c, name: str, old_epoch: int, timeout: float = 120.0) -> int:
     index = c.index()
     deadline = time.monotonic() + timeout
@@ -98,9 +113,17 @@ def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, sm
     c, server = cluster
     texts = prompts("decode", 1)
     want = reference(smollm2, texts, 48)
+    # NOTE: a sampled request with n = 2 and penalties among them: each choice continues its own random stream and
+    # penalty history on the worker it fails over to, so it ends as an undisturbed run with seed + index does
+    engine = make_engine(smollm2, num_blocks=1024)
+    for i in (0, 1):
+        engine.add_request(f"n{i}", texts[0], SamplingParams(**{**FEATURES, "seed": FEATURES["seed"] + i}))
+    out = run_to_completion(engine)
+    want_choices = {i: out[f"n{i}"].token_ids for i in (0, 1)}
     old = {w.name: w.epoch for w in c.index().workers()}
     started = threading.Event()
-    with ThreadPoolExecutor(1) as bg:
+    with ThreadPoolExecutor(2) as bg:
+        choices = bg.submit(stream_choices, server, texts[0], 48)
         fut = bg.submit(stream_all, server, texts, 48, started)
         assert started.wait(120)
         victims = {}
@@ -110,6 +133,7 @@ def test_a_decode_worker_killed_mid_stream_loses_and_repeats_nothing(cluster, sm
         victim = max(victims, key=victims.get)
         ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
         results = fut.result(timeout=600)
+        assert choices.result(timeout=600) == want_choices
     for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
         assert ids == ref_ids  # every token once, in order, equal to an undisturbed run
         assert text == ref_text  # and the streamed text adds up to the same final text

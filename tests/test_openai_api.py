@@ -179,12 +179,12 @@ def test_completions_match_the_engine(front, reference, smollm2):
 
 @pytest.mark.parametrize("kwargs, error, param", [
     (dict(top_p=1.5), openai.BadRequestError, "top_p"),
-    # NOTE: an unknown field is ignored (as vLLM does); a known one that would change the answer is refused
-    (dict(extra_body={"repetition_penalty": 1.3}), openai.BadRequestError, "repetition_penalty"),
+    # NOTE: an unknown field is ignored (as vLLM does); a known one out of its range is refused
+    (dict(extra_body={"repetition_penalty": 2.5}), openai.BadRequestError, "repetition_penalty"),
     (dict(model="gpt-4o"), openai.NotFoundError, "model"),
-    (dict(n=2), openai.BadRequestError, "n"),
+    (dict(n=17), openai.BadRequestError, "n"),
     (dict(prompt=["one prompt", "and another"]), openai.BadRequestError, "prompt"),
-    (dict(logprobs=2), openai.BadRequestError, "logprobs"),
+    (dict(logprobs=21), openai.BadRequestError, "logprobs"),
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
     (dict(temperature="hot"), openai.BadRequestError, "temperature"),
 ])

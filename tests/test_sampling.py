@@ -12,7 +12,12 @@ from engine import LLMEngine, SamplingParams
 from engine.llm_engine import RequestOutput
 from engine.loader import LoadedModel
 from engine.sampler import sample
-from tests.helpers import assert_idle, generate_ids, greedy, make_engine, random_prompts, run_alone
+from tests.helpers import Row, assert_idle, generate_ids, greedy, make_engine, random_prompts, run_alone
+
+
+def rows_of(params: list[SamplingParams]) -> list[Row]:
+    return [Row(p, [0]) for p in params]
+
 
 PROMPT = random_prompts(1, [24], seed=11)[0]
 N = 24
@@ -82,7 +87,7 @@ DRAWS = 10_000
 
 def draw(params: list[SamplingParams]) -> torch.Tensor:
     """One token per params (each with its own seed) from LOGITS; their frequencies over the vocabulary."""
-    tokens = sample(LOGITS.expand(len(params), -1).contiguous(), params, [0] * len(params))
+    tokens = sample(LOGITS.expand(len(params), -1).contiguous(), rows_of(params)).token_ids.tolist()
     return torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).float() / len(params)
 
 
@@ -97,7 +102,7 @@ def test_top_k_sampling_draws_only_the_top_k_in_softmax_proportion():
 def test_top_p_sampling_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     params = [SamplingParams(temperature=1.0, top_p=0.7, seed=s) for s in range(DRAWS)]
-    tokens = sample(logits.expand(DRAWS, -1).contiguous(), params, [0] * DRAWS)
+    tokens = sample(logits.expand(DRAWS, -1).contiguous(), rows_of(params)).token_ids.tolist()
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / DRAWS
     # 0.5 < 0.7, so the second token is needed; 0.5 + 0.3 >= 0.7, so the third is not
     assert freq[2] == 0 and freq[3] == 0

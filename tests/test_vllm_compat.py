@@ -171,8 +171,8 @@ def test_openai_sdk_with_extension_fields_gets_the_plain_answer(front):
 
 def test_a_field_that_would_change_the_answer_is_refused_naming_it(front):
     with pytest.raises(openai.BadRequestError) as e:
-        front.client().completions.create(model="smollm2", prompt="Hi", max_tokens=2, extra_body={"min_p": 0.2})
-    assert e.value.body["param"] == "min_p" and "min_p" in e.value.message  # type: ignore[index]
+        front.client().completions.create(model="smollm2", prompt="Hi", max_tokens=2, extra_body={"min_tokens": 2})
+    assert e.value.body["param"] == "min_tokens" and "min_tokens" in e.value.message  # type: ignore[index]
 
 
 def test_x_request_id_round_trips_into_the_answer_logs_and_exemplars(front):
@@ -183,7 +183,7 @@ def test_x_request_id_round_trips_into_the_answer_logs_and_exemplars(front):
     assert body["pdcluster"]["request_id"] == "my-req-42" and body["pdcluster"]["timeline"]["total_ms"] > 0
     status, text = get(front.metrics, "/metrics", "application/openmetrics-text; version=1.0.0")
     assert status == 200 and b'request_id="my-req-42"' in text  # the latency histograms' exemplar
-    status, headers, raw = post(front.http, "/v1/completions", {"prompt": "Hello", "min_p": 1},
+    status, headers, raw = post(front.http, "/v1/completions", {"prompt": "Hello", "min_p": 2},
                                 {"X-Request-Id": "my-req-43"})
     assert status == 400 and headers["X-Request-Id"] == "my-req-43"  # errors carry it too
     status, _, raw = post(front.http, "/v1/completions", {"prompt": "Hi"}, {"X-Request-Id": "x" * 300})

@@ -14,6 +14,7 @@ from cluster import tracing
 from cluster.messages import WorkerLoad
 from cluster.worker_metrics import WorkerMetrics
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec
 from pdcluster.cli import apply_flags, build_parser
 from pdcluster.config import ClusterConfig, ConfigError
 from router.openai_models import (
@@ -55,27 +56,46 @@ def test_client_defaults_and_neutral_extensions_are_accepted():
     assert ignored_fields(req) == []
 
 
-@pytest.mark.parametrize("field, value", [
-    ("repetition_penalty", 1.2), ("min_p", 0.1), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("logit_bias", {"42": 5}), ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", 0), ("suffix", "x"),
-    ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True), ("min_tokens", 4),
-    ("use_beam_search", True),
-    ("add_special_tokens", False),
-])
+# Every field refused before issue 28 (it would have changed the answer): now served, carried to the sampler
+SERVED_NOW = [
+    ("repetition_penalty", 1.2, "repetition_penalty", pytest.approx(1.2)), ("min_p", 0.1, "min_p", pytest.approx(0.1)),
+    ("presence_penalty", 0.5, "presence_penalty", 0.5), ("frequency_penalty", -1, "frequency_penalty", -1.0),
+    ("logit_bias", {"42": 5}, "logit_bias", {42: 5.0}), ("n", 2, "n", 2), ("echo", True, "echo", True),
+    ("logprobs", 0, "logprobs", 0), ("prompt_logprobs", 3, "prompt_logprobs", 3),
+    ("response_format", {"type": "json_object"}, "structured", StructuredOutputSpec("json_object")),
+    ("guided_json", {"type": "object"}, "structured", StructuredOutputSpec("json", '{"type": "object"}')),
+]
+# Still not served: a 400 naming the field
+STILL_REFUSED = [
+    ("best_of", 3), ("suffix", "x"), ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True),
+    ("min_tokens", 4), ("use_beam_search", True), ("add_special_tokens", False),
+]
+
+
+@pytest.mark.parametrize("field, value, attr, carried", SERVED_NOW)
+def test_a_field_refused_before_is_served_now(field, value, attr, carried):
+    req = parse(CompletionRequest, {**BENCH_COMPLETION, field: value})
+    assert getattr(sampling_fields(req, 8), attr) == carried
+
+
+@pytest.mark.parametrize("field, value", STILL_REFUSED)
 def test_a_field_that_would_change_the_answer_is_refused_naming_it(field, value):
     with pytest.raises(InvalidRequestError) as e:
         parse(CompletionRequest, {**BENCH_COMPLETION, field: value})
     assert e.value.field == field
 
 
-@pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("logprobs", True), ("top_logprobs", 2), ("add_generation_prompt", False),
-])
-def test_chat_fields_that_would_change_the_answer_are_refused(field, value):
+def test_chat_logprobs_are_served_and_tools_refused():
+    req = parse(ChatCompletionRequest, {**BENCH_CHAT, "logprobs": True, "top_logprobs": 2})
+    assert sampling_fields(req, 8).logprobs == 2
+    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+                         ("add_generation_prompt", False), ("echo", True)]:
+        with pytest.raises(InvalidRequestError) as e:
+            parse(ChatCompletionRequest, {**BENCH_CHAT, field: value})
+        assert e.value.field == field
     with pytest.raises(InvalidRequestError) as e:
-        parse(ChatCompletionRequest, {**BENCH_CHAT, field: value})
-    assert e.value.field == field
+        sampling_fields(parse(ChatCompletionRequest, {**BENCH_CHAT, "top_logprobs": 2}), 8)
+    assert e.value.field == "top_logprobs"  # needs logprobs: true
 
 
 @pytest.mark.parametrize("body, param", [

@@ -30,11 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-step", action="store_true", help="skip the per-core step case")
 
 
-def _sample_before(logits: torch.Tensor, params: Any, output_index: Any) -> list[int]:
+def _sample_before(logits: torch.Tensor, rows: Any, bitmask: Any = None) -> Any:
     """engine.sampler.sample as it was before the top-p candidates and the -log(U) noise (the baseline only)."""
-    from engine.sampler import step_seed
+    from engine.sampler import SamplerOutput, step_seed
 
     tokens = logits.argmax(dim=-1).tolist()
+    params, output_index = [r.params for r in rows], [r.num_output_tokens for r in rows]
     for i, p in enumerate(params):
         if p.greedy:
             continue
@@ -49,7 +50,7 @@ def _sample_before(logits: torch.Tensor, params: Any, output_index: Any) -> list
         probs = x.softmax(-1)
         gen = torch.Generator().manual_seed(step_seed(p.seed or 0, output_index[i] + p.output_offset))
         tokens[i] = int((probs / torch.empty_like(probs).exponential_(generator=gen)).argmax())
-    return tokens
+    return SamplerOutput(torch.tensor(tokens))
 
 
 def _linear_settings(engine: Any) -> dict[str, list[tuple[Any, str, Any]]]:

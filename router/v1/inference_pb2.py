@@ -24,41 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19router/v1/inference.proto\x12\x0cpdcluster.v1\"\xa0\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x39\n\x11structured_output\x18( \x01(\x0b\x32\x1e.pdcluster.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"l\n\x10StructuredOutput\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\"\x7f\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"~\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf9\x01\n\x08Timeline\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x17\n\x0fprefill_skipped\x18\t \x01(\x08\x12\x16\n\x0ekv_blocks_sent\x18\n \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12(\n\x08timeline\x18\x06 \x01(\x0b\x32\x16.pdcluster.v1.Timeline\"\xa9\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12(\n\x08timeline\x18\x06 \x01(\x0b\x32\x16.pdcluster.v1.Timeline\"\x16\n\x14\x43lusterStatusRequest\"\xa6\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x1f\n\x17requested_prompt_tokens\x18\x0b \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\r \x01(\x01\x12\x11\n\trss_bytes\x18\x0e \x01(\x04\"\xdc\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12+\n\x07workers\x18\x03 \x03(\x0b\x32\x1a.pdcluster.v1.WorkerStatus\x12\x1f\n\x17requested_prompt_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fprefix_hit_rate\x18\x06 \x01(\x01\x12\x10\n\x08redis_ok\x18\x07 \x01(\x08\x12\x17\n\x0frouter_inflight\x18\x08 \x01(\r\"P\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"P\n\rScaleResponse\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x03 \x03(\t\x12\x0f\n\x07removed\x18\x04 \x03(\t2\xc8\x03\n\tInference\x12I\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1b.pdcluster.v1.GenerateChunk0\x01\x12\x41\n\x04\x43hat\x12\x19.pdcluster.v1.ChatRequest\x1a\x1e.pdcluster.v1.GenerateResponse\x12\x46\n\nChatStream\x12\x19.pdcluster.v1.ChatRequest\x1a\x1b.pdcluster.v1.GenerateChunk0\x01\x12S\n\x10GetClusterStatus\x12\".pdcluster.v1.ClusterStatusRequest\x1a\x1b.pdcluster.v1.ClusterStatus\x12@\n\x05Scale\x12\x1a.pdcluster.v1.ScaleRequest\x1a\x1b.pdcluster.v1.ScaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19router/v1/inference.proto\x12\x0cpdcluster.v1\"\xf0\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x06\x88\x01\x01\x12\t\n\x01n\x18\x10 \x01(\r\x12\x39\n\x11structured_output\x18( \x01(\x0b\x32\x1e.pdcluster.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"l\n\x10StructuredOutput\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\x7f\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"~\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf9\x01\n\x08Timeline\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x17\n\x0fprefill_skipped\x18\t \x01(\x08\x12\x16\n\x0ekv_blocks_sent\x18\n \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\"\xb6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12(\n\x08timeline\x18\x06 \x01(\x0b\x32\x16.pdcluster.v1.Timeline\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12%\n\x07\x63hoices\x18\t \x03(\x0b\x32\x14.pdcluster.v1.Choice\"}\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"\x9b\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12(\n\x08timeline\x18\x06 \x01(\x0b\x32\x16.pdcluster.v1.Timeline\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\xa6\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x1f\n\x17requested_prompt_tokens\x18\x0b \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\r \x01(\x01\x12\x11\n\trss_bytes\x18\x0e \x01(\x04\"\xdc\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12+\n\x07workers\x18\x03 \x03(\x0b\x32\x1a.pdcluster.v1.WorkerStatus\x12\x1f\n\x17requested_prompt_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fprefix_hit_rate\x18\x06 \x01(\x01\x12\x10\n\x08redis_ok\x18\x07 \x01(\x08\x12\x17\n\x0frouter_inflight\x18\x08 \x01(\r\"P\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"P\n\rScaleResponse\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x03 \x03(\t\x12\x0f\n\x07removed\x18\x04 \x03(\t2\xc8\x03\n\tInference\x12I\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1b.pdcluster.v1.GenerateChunk0\x01\x12\x41\n\x04\x43hat\x12\x19.pdcluster.v1.ChatRequest\x1a\x1e.pdcluster.v1.GenerateResponse\x12\x46\n\nChatStream\x12\x19.pdcluster.v1.ChatRequest\x1a\x1b.pdcluster.v1.GenerateChunk0\x01\x12S\n\x10GetClusterStatus\x12\".pdcluster.v1.ClusterStatusRequest\x1a\x1b.pdcluster.v1.ClusterStatus\x12@\n\x05Scale\x12\x1a.pdcluster.v1.ScaleRequest\x1a\x1b.pdcluster.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=332
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=334
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=442
-  _globals['_GENERATEREQUEST']._serialized_start=444
-  _globals['_GENERATEREQUEST']._serialized_end=571
-  _globals['_CHATMESSAGE']._serialized_start=573
-  _globals['_CHATMESSAGE']._serialized_end=617
-  _globals['_CHATREQUEST']._serialized_start=619
-  _globals['_CHATREQUEST']._serialized_end=745
-  _globals['_USAGE']._serialized_start=747
-  _globals['_USAGE']._serialized_end=834
-  _globals['_TIMELINE']._serialized_start=837
-  _globals['_TIMELINE']._serialized_end=1086
-  _globals['_GENERATERESPONSE']._serialized_start=1089
-  _globals['_GENERATERESPONSE']._serialized_end=1261
-  _globals['_GENERATECHUNK']._serialized_start=1264
-  _globals['_GENERATECHUNK']._serialized_end=1433
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1435
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1457
-  _globals['_WORKERSTATUS']._serialized_start=1460
-  _globals['_WORKERSTATUS']._serialized_end=1754
-  _globals['_CLUSTERSTATUS']._serialized_start=1757
-  _globals['_CLUSTERSTATUS']._serialized_end=1977
-  _globals['_SCALEREQUEST']._serialized_start=1979
-  _globals['_SCALEREQUEST']._serialized_end=2059
-  _globals['_SCALERESPONSE']._serialized_start=2061
-  _globals['_SCALERESPONSE']._serialized_end=2141
-  _globals['_INFERENCE']._serialized_start=2144
-  _globals['_INFERENCE']._serialized_end=2600
+  _globals['_SAMPLINGPARAMS']._serialized_end=668
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=514
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=562
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=670
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=778
+  _globals['_TOPLOGPROB']._serialized_start=780
+  _globals['_TOPLOGPROB']._serialized_end=827
+  _globals['_TOKENLOGPROB']._serialized_start=829
+  _globals['_TOKENLOGPROB']._serialized_end=931
+  _globals['_GENERATEREQUEST']._serialized_start=933
+  _globals['_GENERATEREQUEST']._serialized_end=1060
+  _globals['_CHATMESSAGE']._serialized_start=1062
+  _globals['_CHATMESSAGE']._serialized_end=1106
+  _globals['_CHATREQUEST']._serialized_start=1108
+  _globals['_CHATREQUEST']._serialized_end=1234
+  _globals['_USAGE']._serialized_start=1236
+  _globals['_USAGE']._serialized_end=1323
+  _globals['_TIMELINE']._serialized_start=1326
+  _globals['_TIMELINE']._serialized_end=1575
+  _globals['_GENERATERESPONSE']._serialized_start=1578
+  _globals['_GENERATERESPONSE']._serialized_end=1888
+  _globals['_CHOICE']._serialized_start=1890
+  _globals['_CHOICE']._serialized_end=2015
+  _globals['_GENERATECHUNK']._serialized_start=2018
+  _globals['_GENERATECHUNK']._serialized_end=2301
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2303
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2325
+  _globals['_WORKERSTATUS']._serialized_start=2328
+  _globals['_WORKERSTATUS']._serialized_end=2622
+  _globals['_CLUSTERSTATUS']._serialized_start=2625
+  _globals['_CLUSTERSTATUS']._serialized_end=2845
+  _globals['_SCALEREQUEST']._serialized_start=2847
+  _globals['_SCALEREQUEST']._serialized_end=2927
+  _globals['_SCALERESPONSE']._serialized_start=2929
+  _globals['_SCALERESPONSE']._serialized_end=3009
+  _globals['_INFERENCE']._serialized_start=3012
+  _globals['_INFERENCE']._serialized_end=3468
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,76 @@
+"""`n > 1`: one request's n choices as n runs through the cluster that share the prompt's KV, merged into one stream.
+
+1. choice 0 starts alone: its prefill computes the prompt's KV once (the prefill worker's prefix cache, and through
+   the handoff the decode worker's, then hold its full blocks);
+2. once its first token is out, choices 1 .. n-1 start: their prompts are prefix-cache hits on both workers (only
+   the last, partial block is computed again, and written per choice: the copy-on-write of a shared block), and the
+   decode worker's blocks are shared by reference;
+3. each choice is an ordinary run (its own failover: a decode worker that dies continues each of the n) with its
+   own random stream: choice i samples with seed + i; chunks carry their choice's `index`;
+4. a choice that fails fails the request: the others are closed (aborted on their workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, Callable
+
+from router.results import Chunk
+from router.validate import Checked
+
+Open = Callable[[Checked], AsyncGenerator[Chunk, None]]
+
+
+def choice_request(checked: Checked, index: int) -> Checked:
+    """Choice `index` of a request: its own id and random stream (seed + index); the prompt's logprobs only once."""
+    if checked.params.n == 1:
+        return checked
+    params = dataclasses.replace(checked.params, n=1, seed=((checked.params.seed or 0) + index) % 2**64,
+                                 prompt_logprobs=checked.params.prompt_logprobs if index == 0 else None)
+    rid = checked.request_id if index == 0 else f"{checked.request_id}-{index}"
+    return Checked(rid, checked.token_ids, params)
+
+
+async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, None]:
+    """The chunks of every choice as they come (`Chunk.index`); one choice is passed through untouched."""
+    n = checked.params.n
+    if n == 1:
+        async with contextlib.aclosing(open_run(checked)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        return
+    queue: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
+    first_out = asyncio.Event()
+
+    async def pump(index: int) -> None:
+        try:
+            async with contextlib.aclosing(open_run(choice_request(checked, index))) as chunks:
+                async for chunk in chunks:
+                    chunk.index = index
+                    queue.put_nowait(chunk)
+                    first_out.set()
+            queue.put_nowait(None)
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which fails the whole request
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(0))]
+    try:
+        done = 0
+        while done < n:
+            if len(tasks) == 1 and first_out.is_set():
+                tasks += [asyncio.create_task(pump(i)) for i in range(1, n)]
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                done += 1
+                if len(tasks) == 1:  # NOTE: choice 0 ended without a token: start the others all the same
+                    tasks += [asyncio.create_task(pump(i)) for i in range(1, n)]
+                continue
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

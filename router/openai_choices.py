@@ -1,0 +1,102 @@
+"""One choice of an OpenAI answer, built from the router's chunks: its text (a completion's `echo` first), finish
+reason, logprobs and usage, as one JSON choice or as the streamed deltas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.logprobs import TokenLogprobs
+from router.openai_logprobs import LogprobsFormatter
+from router.results import Chunk, Usage
+
+
+class ChoiceBuilder:
+    """The state of one choice across its chunks."""
+
+    def __init__(self, index: int, *, chat: bool, formatter: LogprobsFormatter | None, echo: str | None,
+                 prompt_ids: list[int], logprobs: bool, prompt_logprobs: bool) -> None:
+        self.index, self.chat, self.formatter = index, chat, formatter
+        self.want_logprobs = logprobs
+        self.echo = echo  # a completion's echo: the prompt text, sent before the first chunk's text
+        self.prompt_ids = prompt_ids
+        self.want_prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field was asked for
+        self.text = ""
+        self.entries: list[TokenLogprobs | None] = []
+        self.prompt_entries: list[TokenLogprobs | None] | None = None
+        self.finish_reason = ""
+        self.usage: Usage | None = None
+        self.last: Chunk | None = None
+        self._started = False
+
+    def add(self, chunk: Chunk) -> None:
+        """Take a chunk into the unary answer."""
+        head = self._head(chunk)
+        self.text += head + chunk.text
+        self.entries += chunk.logprobs
+        self._end(chunk)
+
+    def delta(self, chunk: Chunk) -> dict[str, Any] | None:
+        """The streamed choice of this chunk (None when it carries nothing to send)."""
+        first = not self._started
+        head = self._head(chunk)
+        text = head + chunk.text
+        self._end(chunk)
+        if not text and not chunk.finish_reason and not chunk.logprobs and not (first and self.want_prompt_logprobs):
+            return None
+        if self.chat:
+            out: dict[str, Any] = {"index": self.index, "delta": {"content": text} if text else {}}
+        else:
+            out = {"index": self.index, "text": text}
+        out["finish_reason"] = chunk.finish_reason or None
+        out["logprobs"] = self._logprobs(self._echo_entries(first) + list(chunk.logprobs))
+        if first and not self.chat and self.want_prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs()
+        return out
+
+    def choice(self) -> dict[str, Any]:
+        """The unary choice."""
+        out: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason or None,
+                               "logprobs": self._logprobs(self._echo_entries(True) + self.entries)}
+        out.update({"message": {"role": "assistant", "content": self.text}} if self.chat else {"text": self.text})
+        if not self.chat and self.want_prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs()
+        return out
+
+    def prompt_logprobs(self) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs` of this choice (None if the workers sent none)."""
+        if self.formatter is None or self.prompt_entries is None:
+            return None
+        return LogprobsFormatter(self.formatter.tokenizer, as_token_ids=self.formatter.as_token_ids).prompt(
+            self.prompt_entries)
+
+    def _head(self, chunk: Chunk) -> str:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_entries = chunk.prompt_logprobs
+        if self._started:
+            return ""
+        self._started = True
+        return self.echo or ""
+
+    def _echo_entries(self, first: bool) -> list[TokenLogprobs | None]:
+        """With echo and logprobs: the prompt's entries go before the first output token's."""
+        if not first or self.echo is None or not self.want_logprobs:
+            return []
+        return list(self.prompt_entries or [None] * len(self.prompt_ids))
+
+    def _logprobs(self, entries: list[TokenLogprobs | None]) -> dict[str, Any] | None:
+        if self.formatter is None or not self.want_logprobs:
+            return None
+        if self.chat:
+            return self.formatter.chat([e for e in entries if e is not None])
+        return self.formatter.completion(entries, self.prompt_ids)
+
+    def _end(self, chunk: Chunk) -> None:
+        if chunk.finish_reason:
+            self.finish_reason, self.usage, self.last = chunk.finish_reason, chunk.usage, chunk
+
+
+def total_usage(choices: list[ChoiceBuilder]) -> Usage:
+    """Usage of all choices: the prompt counted once, the completions summed."""
+    first = choices[0].usage or Usage()
+    return Usage(first.prompt_tokens, sum((c.usage or Usage()).completion_tokens for c in choices),
+                 first.cached_prompt_tokens)
