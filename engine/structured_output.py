@@ -10,9 +10,10 @@ Life of a structured request:
 3. once compiled, the sequence gets a GrammarMatcher fed the output tokens it already has: the first token from the
    prefill worker, or those a failed decode worker streamed. So the grammar's state crosses the prefill -> decode
    handoff and a decode failover without travelling: it is rebuilt from the emitted tokens;
-4. each step the sampling rows' allowed tokens come from `grammar_bitmask` (xgrammar's format: int32
-   [N, ceil(V/32)], bit set = allowed) and `apply_token_bitmask` sets the others' logits to -inf, before anything
-   else looks at the logits;
+4. each step the runner asks `grammar_bitmask` for the sampling rows' allowed tokens (xgrammar's format: int32
+   [N, ceil(V/32)], bit set = allowed; None when no row has a grammar) and hands it to the sampler, whose pipeline
+   sets the other tokens' logits to -inf before the penalties, logprobs and temperature (engine/sampler.py);
+   `apply_token_bitmask` here does the same in place with xgrammar's CPU kernel on the constrained rows only;
 5. every appended token advances the matcher (`accept`); a complete output allows only EOS, and the EOS ends the
    request with "stop" (ignore_eos is refused with a grammar for that reason).
 
@@ -83,14 +84,6 @@ def grammar_bitmask(seqs: Sequence[Seq], vocab_size: int) -> torch.Tensor | None
         if s.grammar is not None and s.grammar.matcher is not None:
             s.grammar.matcher.fill_next_token_bitmask(bitmask, i)
     return bitmask
-
-
-def constrain(logits: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:
-    """`logits` [N, V] with each sequence's disallowed tokens at -inf (in place); the runner's hook before sampling."""
-    bitmask = grammar_bitmask(seqs, logits.shape[-1])
-    if bitmask is not None:
-        apply_token_bitmask(logits, bitmask)
-    return logits
 
 
 # ---- the engine side --------------------------------------------------------------------------------------------
