@@ -46,18 +46,28 @@ _XGR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")  # xgrammar's "[06:28:10] /pr
 
 
 def check_spec(spec: StructuredOutputSpec, field: str, request_id: str | None = None) -> None:
-    """Raise InvalidRequestError naming `field` if the spec's grammar cannot be built."""
-    error = _spec_error(spec)
+    """Raise InvalidRequestError naming `field` if the spec's grammar cannot be built (the router's check)."""
+    error = check_spec_shape(spec) or _grammar_error(spec)
     if error is not None:
         raise InvalidRequestError(field, error, request_id)
 
 
-@lru_cache(maxsize=1024)
-def _spec_error(spec: StructuredOutputSpec) -> str | None:
+def check_spec_shape(spec: object) -> str | None:
+    """What is wrong with a spec's type, kind or size, without building its grammar (None: nothing).
+
+    NOTE: SamplingParams checks only this: building the grammar first imports xgrammar (~1 s, it loads
+    transformers), which an engine must not do on its loop thread; the router builds it (`check_spec`), and an
+    engine's compile thread does, ending a request whose grammar does not build (engine/structured_output.py).
+    """
     if not isinstance(spec, StructuredOutputSpec) or spec.kind not in SPEC_KINDS or not isinstance(spec.value, str):
         return f"must be a StructuredOutputSpec with kind one of {SPEC_KINDS}"
     if len(spec.value) > MAX_SPEC_CHARS:
         return f"is {len(spec.value)} characters; at most {MAX_SPEC_CHARS}"
+    return None
+
+
+@lru_cache(maxsize=1024)
+def _grammar_error(spec: StructuredOutputSpec) -> str | None:
     try:
         build_grammar(spec)
     except ValueError as e:

@@ -6,7 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.grammar import StructuredOutputSpec, check_spec
+from engine.grammar import StructuredOutputSpec, check_spec_shape
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -82,7 +82,9 @@ class SamplingParams:
             if not isinstance(t, int) or t < 0:
                 raise InvalidRequestError("stop_token_ids", f"must be non-negative integers, got {t!r}")
         if self.structured is not None:
-            check_spec(self.structured, "structured")
+            error = check_spec_shape(self.structured)
+            if error is not None:
+                raise InvalidRequestError("structured", error)
             if self.ignore_eos:  # NOTE: a grammar's output ends at an EOS token; ignoring it would never end
                 raise InvalidRequestError("ignore_eos", "cannot be combined with structured outputs")
         self._validate_extras()

@@ -6,7 +6,8 @@ Life of a structured request:
    grammar without the vocabulary (about a millisecond; cached per spec): a bad one is a 400 naming the field;
 2. an engine's `add_request` / `commit_kv` hand the sequence to `StructuredOutputs.admit`: the grammar is compiled
    against the model's vocabulary on a worker thread (cached per spec); until it is ready the sequence is parked,
-   neither queued nor scheduled, and the engine loop goes on stepping the others;
+   neither queued nor scheduled, and the engine loop goes on stepping the others (a grammar that does not build,
+   which only an engine used directly can be given, ends its request with "abort");
 3. once compiled, the sequence gets a GrammarMatcher fed the output tokens it already has: the first token from the
    prefill worker, or those a failed decode worker streamed. So the grammar's state crosses the prefill -> decode
    handoff and a decode failover without travelling: it is rebuilt from the emitted tokens;

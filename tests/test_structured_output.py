@@ -97,14 +97,22 @@ def test_grammar_state_rebuilt_from_emitted_tokens_continues_identically(smollm2
     jsonschema.validate(json.loads(want.text), SCHEMAS["weather"])
 
 
-def test_emitted_tokens_the_grammar_rejects_end_the_request(smollm2):
+def test_a_grammar_that_does_not_build_or_emitted_tokens_it_rejects_end_the_request(smollm2):
+    """What the router refuses with a 400, an engine used directly ends (abort) without stalling its other requests."""
     engine = make_engine(smollm2, num_blocks=64)
     not_json = smollm2.tokenizer.encode("Sure! Here", add_special_tokens=False)
-    engine.add_request("r", chat_ids(smollm2, "JSON please"), SamplingParams(
+    engine.add_request("resumed", chat_ids(smollm2, "JSON please"), SamplingParams(
         max_tokens=32, structured=StructuredOutputSpec("json_object")), output_token_ids=not_json)
-    out = run_to_completion(engine)["r"]
-    assert out.finish_reason == "abort" and out.token_ids == not_json
+    engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4, structured=StructuredOutputSpec("regex", "a(b")))
+    engine.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
+    out = run_to_completion(engine)
+    assert out["resumed"].finish_reason == "abort" and out["resumed"].token_ids == not_json
+    assert out["bad"].finish_reason == "abort" and out["bad"].token_ids == []
+    assert out["plain"].finish_reason == "length" and len(out["plain"].token_ids) == 4
     assert_idle(engine)
+    with pytest.raises(InvalidRequestError) as e:  # its shape is checked where SamplingParams are made
+        SamplingParams(structured=StructuredOutputSpec("xml", "<a/>"))  # type: ignore[arg-type]
+    assert e.value.field == "structured"
 
 
 def test_bitmask_kernels_agree_and_mask_only_disallowed_tokens():
@@ -133,9 +141,6 @@ def test_a_bad_spec_is_refused_naming_the_field(spec, needle):
     with pytest.raises(InvalidRequestError, match=needle) as e:
         check_spec(spec, "guided_regex")
     assert e.value.field == "guided_regex"
-    with pytest.raises(InvalidRequestError) as e:
-        SamplingParams(structured=spec)
-    assert e.value.field == "structured"
 
 
 def test_ignore_eos_is_refused_with_a_grammar():
