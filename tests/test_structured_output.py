@@ -67,11 +67,17 @@ def test_outputs_follow_their_schema_regex_and_choice(smollm2):
     for rid, (spec, question, temp) in specs.items():
         engine.add_request(rid, chat_ids(smollm2, question),
                            SamplingParams(max_tokens=120, temperature=temp, seed=11, structured=spec))
-    assert engine.structured.num_parked == len(specs)  # parked until compiled: nothing scheduled yet
+    # n = 2: the second choice forks once the prompt is computed, with a matcher of its own
+    engine.add_request("weather-n", chat_ids(smollm2, QUESTIONS["weather"]), SamplingParams(
+        max_tokens=120, temperature=0.8, seed=12, n=2, structured=StructuredOutputSpec.json_schema(SCHEMAS["weather"])))
+    assert engine.structured.num_parked == len(specs) + 1  # parked until compiled: nothing scheduled yet
     out = run_to_completion(engine)
     for name, schema in SCHEMAS.items():
         assert out[name].finish_reason == "stop", out[name].text
         jsonschema.validate(json.loads(out[name].text), schema)
+    for rid in ("weather-n", "weather-n-1"):
+        assert out[rid].finish_reason == "stop", out[rid].text
+        jsonschema.validate(json.loads(out[rid].text), SCHEMAS["weather"])
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", out["phone"].text)
     assert out["choice"].text in ("positive", "negative", "neutral")
     assert engine.structured.num_parked == 0 and not engine.has_unfinished_requests()
