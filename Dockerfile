@@ -38,7 +38,9 @@ COPY deploy deploy
 RUN useradd --create-home pdcluster && chown -R pdcluster /app
 USER pdcluster
 EXPOSE 50051 8000 9400
-# NOTE: liveness of the process; orchestrators should probe /health (503 while no worker pair is live) for readiness
+# NOTE: /live is the liveness probe: 503 once only a restart helps (every decode worker dead for good, or the
+# embedded Redis cannot be restarted), so an orchestrator that restarts unhealthy containers restarts this one;
+# /health is readiness (503 while no worker pair is live, e.g. during a worker's restart): route traffic by it
 HEALTHCHECK --interval=30s --start-period=120s CMD python -c \
     "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/live', timeout=5)" || exit 1
 ENTRYPOINT ["pdcluster", "serve"]

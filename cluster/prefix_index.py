@@ -20,11 +20,17 @@ restarted the worker) cannot overwrite the new one's KV address, nor take its na
 NOTE: the block TTL is a safety net; the index follows the workers' store/evict events. A restart bumps the epoch,
 which purges the old entries at once and makes late writes of the old incarnation fail the epoch check.
 NOTE: the scripts touch keys they build from the prefix, so this needs a single Redis, not Redis Cluster.
+NOTE: anyone who can write Redis could otherwise point the router at their own KV address, and prefill workers
+would send them the cluster token and prompts: with a `signing_key` (derived from the cluster token,
+`heartbeat_key`) a worker signs its heartbeat (field `sig`, an HMAC-SHA256 over every other field and its name)
+and a reader drops a heartbeat whose signature is missing or wrong (logged, counted in `forged_heartbeats`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +47,19 @@ log = logging.getLogger(__name__)
 
 BLOCK_TTL_S = 3600
 HEARTBEAT_TTL_S = 5.0
+
+def heartbeat_key(cluster_token: str) -> bytes | None:
+    """The key heartbeats are signed with, derived from the cluster token (None without a token: unsigned)."""
+    if not cluster_token:
+        return None
+    return hmac.new(cluster_token.encode(), b"pdcluster heartbeat v1", hashlib.sha256).digest()
+
+
+def _signature(key: bytes, prefix: str, worker: str, fields: dict[str, str]) -> str:
+    """HMAC-SHA256 of a heartbeat's fields (as Redis stores them), bound to the key prefix and the worker name."""
+    text = "\n".join([prefix, worker, *(f"{k}={v}" for k, v in sorted(fields.items()) if k != "sig")])
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
 
 @dataclass
 class WorkerStatus:
@@ -86,10 +105,13 @@ class PrefixIndex:
     Every call goes through `breaker` (cluster/redis_breaker.py): a slow or full Redis fails fast after a few calls.
     """
 
-    def __init__(self, client: redis.Redis, prefix: str = "pdc", breaker: RedisBreaker | None = None) -> None:
+    def __init__(self, client: redis.Redis, prefix: str = "pdc", breaker: RedisBreaker | None = None,
+                 signing_key: bytes | None = None) -> None:
         self.client = client
         self.prefix = prefix
         self.breaker = breaker or RedisBreaker(prefix)
+        self.signing_key = signing_key  # heartbeats are signed (workers) and checked (readers) with it
+        self.forged_heartbeats = 0  # heartbeats dropped for a missing or wrong signature
 
     # ---- keys ----
     def _epoch_key(self, worker: str) -> str:
@@ -149,8 +171,11 @@ class PrefixIndex:
         fields.update(load.as_fields())
         keys = (self._epoch_key(worker), self._hb_key(worker), f"{self.prefix}:workers")
         args: list[str | int] = [worker, str(int(epoch)), ttl_ms]
-        for k, v in fields.items():
-            args += [k, repr(v) if isinstance(v, float) else str(v)]
+        stored = {k: repr(v) if isinstance(v, float) else str(v) for k, v in fields.items()}
+        if self.signing_key is not None:
+            stored["sig"] = _signature(self.signing_key, self.prefix, worker, stored)
+        for k, v in stored.items():
+            args += [k, v]
         written = int(SCRIPTS["heartbeat"](self.client, keys, args))
         if written != 1:
             log.debug("ignored heartbeat of %s under %s epoch %d", worker, "lost" if written < 0 else "stale", epoch)
@@ -222,7 +247,17 @@ class PrefixIndex:
             if not raw:  # expired between SCAN and HGETALL
                 continue
             fields = {k.decode(): v.decode() for k, v in raw.items()}
-            out.append(WorkerStatus(name=key[len(head):], role=fields.pop("role", ""),
+            name = key[len(head):]
+            sig = fields.pop("sig", "")
+            if self.signing_key is not None and not hmac.compare_digest(
+                    sig, _signature(self.signing_key, self.prefix, name, fields)):
+                self.forged_heartbeats += 1
+                if self.forged_heartbeats == 1 or self.forged_heartbeats % 100 == 0:
+                    log.error("dropped a heartbeat of %r with a %s signature (%d so far): something that is not a "
+                              "worker of this cluster writes to its Redis", name, "wrong" if sig else "missing",
+                              self.forged_heartbeats)
+                continue
+            out.append(WorkerStatus(name=name, role=fields.pop("role", ""),
                                     epoch=int(fields.pop("epoch", 0)), address=fields.pop("address", ""),
                                     updated=float(fields.pop("updated", 0.0)),
                                     metrics_port=int(float(fields.pop("metrics_port", 0))),

@@ -51,11 +51,18 @@ return epoch
 
 # KEYS: epoch, hb, workers. ARGV: worker, epoch, ttl ms, field, value, ... Returns 1 when written, 0 when `epoch`
 # is not current (NOTE: a zombie must not overwrite a restarted worker's address), -1 when the epoch key is gone.
+# NOTE: fields not in this beat are dropped, so the hash holds exactly what its signature covers (prefix_index.py);
+# HSET first: Redis checks maxmemory only before a script's first write (a full Redis must refuse the beat).
 _HEARTBEAT = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return -1 end
 if cur ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+local fields = {}
+for i = 4, #ARGV, 2 do fields[ARGV[i]] = true end
+for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if not fields[f] then redis.call('HDEL', KEYS[2], f) end
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[1])
 return 1

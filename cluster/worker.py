@@ -2,11 +2,14 @@
 
 Life of a worker:
 1. load the model, build the engine and its loop, register with the prefix index (a new epoch: entries of a
-   previous life of this worker name are purged);
+   previous life of this worker name are purged); with Redis down the worker starts anyway and the publisher
+   thread registers it, retrying with backoff, once Redis is back (a restart during an outage must not fail);
 2. a publisher thread sends the prefix cache's stored/evicted block events, prefix-hit counts and a heartbeat
    with the load (and the port of this worker's own /metrics, cluster/worker_metrics.py) to Redis, off the request
    path; a Redis outage is logged and the index resynced when it is back;
-3. the subclasses (prefill, decode/colocated) take requests; `close()` unregisters and stops everything.
+3. the subclasses (prefill, decode/colocated) take requests; a request whose lease no live router renews is aborted
+   (cluster/leases.py: a router killed with `kill -9` leaves nothing running);
+4. `close()` unregisters and stops everything.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from cluster import faults, tracing
+from cluster.leases import RequestLeases
 from cluster.messages import Role, WorkerInfo, WorkerLoad
 from cluster.process import pin_cpus, process_info, set_nice
 from cluster.redis_client import RedisAuth
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 0.5
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
+REGISTER_BACKOFF_S = (0.2, 5.0)  # first and largest wait between registration attempts while Redis is down
+LEASE_CHECK_S = 0.5  # how often running requests' leases are checked (cluster/leases.py)
 
 
 class RequestAborted(EngineError):
@@ -106,7 +112,8 @@ class Worker:
         self.spec = spec
         self.name = spec.name
         tracing.configure(spec.tracing, spec.name)
-        self.engine = LLMEngine(loaded or load_model(spec.model), spec.engine)
+        self.engine = LLMEngine(loaded or load_model(spec.model, device=spec.engine.device, dtype=spec.engine.dtype),
+                                spec.engine)
         self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
@@ -116,6 +123,7 @@ class Worker:
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
         self._aborted: dict[str, float] = {}  # request id → when an abort for it came (under the loop lock)
         self._closed = threading.Event()
+        self.leases = RequestLeases()  # NOTE: on once a router renews; a dead router's requests are aborted
         self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load)
         if spec.metrics_port is not None:
             host = node_address(spec.metrics_host)
@@ -124,14 +132,20 @@ class Worker:
         self.index = None
         self.epoch = 0
         if spec.redis_url:
-            from cluster.prefix_index import PrefixIndex
+            from cluster.prefix_index import PrefixIndex, heartbeat_key
             from cluster.redis_breaker import RedisBreaker
             from cluster.redis_client import connect
 
+            # NOTE: heartbeats signed with the cluster token: a reader trusts no KV address a stranger wrote
             self.index = PrefixIndex(connect(spec.redis_url, spec.redis_auth), spec.key_prefix,
-                                     RedisBreaker(spec.name))
+                                     RedisBreaker(spec.name), heartbeat_key(spec.transfer.cluster_token))
             self.metrics.registry.register(self.index.breaker)
-            self.epoch = self.index.register_worker(spec.name)
+        self._registered = False
+        self._register_wait = REGISTER_BACKOFF_S[0]
+        self._register_at = 0.0  # monotonic time of the next registration attempt
+        # NOTE: one attempt here, so a worker that starts with Redis up answers `info` with its epoch; with Redis
+        # down the constructor must not raise (Ray would mark the actor dead for good): the publisher retries
+        self._try_register()
         self._resync = False
         self._superseded = False  # a newer incarnation of this worker registered: this one writes no more
         self._publisher = threading.Thread(target=self._publish_loop, daemon=True, name=f"{spec.name}-publisher")
@@ -211,11 +225,56 @@ class Worker:
             raise RequestAborted("the request was aborted before it reached this worker", request_id)
 
     # ---- publishing ---------------------------------------------------------------------------------------
+    def _try_register(self) -> bool:
+        """Register with the prefix index (a new epoch) once; on failure schedule the next try with backoff."""
+        if self.index is None or self._registered:
+            return True
+        now = time.monotonic()
+        if now < self._register_at:
+            return False
+        try:
+            self.epoch = self.index.register_worker(self.name)
+        except Exception as e:  # noqa: BLE001 - Redis down or refusing: serve anyway, register later
+            if self._register_wait == REGISTER_BACKOFF_S[0]:
+                log.warning("%s: cannot register with the prefix index (%s); serving without it, retrying", self.name,
+                            e)
+            self._register_at = now + self._register_wait
+            self._register_wait = min(REGISTER_BACKOFF_S[1], self._register_wait * 2)
+            return False
+        if self._register_wait != REGISTER_BACKOFF_S[0]:
+            log.warning("%s: registered with the prefix index (epoch %d)", self.name, self.epoch)
+        self._registered = True
+        return True
+
+    def renew_leases(self, request_ids: list[str], lease_s: float) -> None:
+        """A live router still wants these requests (cluster/leases.py)."""
+        self.leases.renew(request_ids, lease_s)
+
+    def _expire_leases(self) -> None:
+        """Abort every running request whose lease no live router renewed (its blocks are freed)."""
+        with self.loop.lock:
+            scheduler = self.engine.scheduler
+            running = [seq.request_id for seq in (*scheduler.running, *scheduler.waiting)]
+        for rid in self.leases.expired(running):
+            log.warning("%s: no live router renewed the lease of %s for %.0f s: aborting it", self.name, rid,
+                        self.leases.lease_s or 0.0)
+            self.abort(rid, "its router is gone (lease expired)")
+
     def _publish_loop(self) -> None:
-        last_beat, failing = 0.0, False
+        last_beat, failing, leases_at = 0.0, False, 0.0
         while not self._closed.wait(PUBLISH_INTERVAL_S):
+            if time.monotonic() - leases_at >= LEASE_CHECK_S:
+                leases_at = time.monotonic()
+                try:
+                    self._expire_leases()
+                except Exception:  # noqa: BLE001 - a bug here must not stop the heartbeats
+                    log.exception("%s: checking request leases failed", self.name)
             if self.index is None or self._superseded:
                 continue
+            if not self._registered:
+                if not self._try_register():
+                    continue
+                self._resync = True  # NOTE: the whole cache goes to the index (events drained meanwhile are lost)
             with self.loop.lock:
                 stored, removed = self.engine.block_manager.pool.drain_events()
                 if self._resync:
@@ -278,7 +337,7 @@ class Worker:
         self.loop.close()
         self.metrics.close()
         tracing.flush()
-        if self.index is not None:
+        if self.index is not None and self._registered:
             try:
                 self.index.unregister_worker(self.name, self.epoch)
             except Exception as e:  # noqa: BLE001 - Redis may already be gone at shutdown
@@ -318,6 +377,24 @@ class WorkerActor:
 
     async def load(self) -> WorkerLoad:
         return self.worker.load()
+
+    async def renew_leases(self, request_ids: list[str], lease_s: float) -> None:
+        """A router's one renewal per period for all its requests in flight (router/leases.py)."""
+        self.worker.renew_leases(request_ids, lease_s)
+
+    async def prove_token(self, nonce: bytes) -> bytes:
+        """HMAC of `nonce` with this worker's cluster token: a `serve` re-attaches only to workers of its cluster."""
+        import hashlib
+        import hmac
+
+        return hmac.new(self.worker.spec.transfer.cluster_token.encode(), b"pdcluster attach " + nonce,
+                        hashlib.sha256).digest()
+
+    async def heartbeat_key(self) -> bytes | None:
+        """The key this worker signs its heartbeats with (an extra router checks them with it)."""
+        from cluster.prefix_index import heartbeat_key
+
+        return heartbeat_key(self.worker.spec.transfer.cluster_token)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.to_thread(self.worker.abort, request_id)

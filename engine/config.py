@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -105,7 +106,17 @@ class EngineConfig:
     # Cap on tokens computed per step (prefill chunks + one per decoding sequence).
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
-    dtype: str = "float32"
+    # "auto": bfloat16 on CUDA, float32 on the CPU; or "float32", "bfloat16", "float16".
+    dtype: str = "auto"
+    # Where the engine computes: "cpu", "cuda" (the current device: in a Ray actor with num_gpus, the GPU Ray gave
+    # it) or "cuda:N". CUDA without a usable GPU is refused at load (`resolved_device`).
+    device: str = "cpu"
+    # CUDA only (vLLM's meaning): the fraction of the GPU's total memory for weights, activations and KV; the KV pool
+    # gets what is left after a profiling forward pass of max_num_batched_tokens. None: 0.9 on CUDA. An explicit
+    # num_blocks wins. On the CPU the pool is sized by kv_cache_memory_gb.
+    gpu_memory_utilization: float | None = None
+    # CUDA only (vLLM's name): True runs every step eagerly; False captures decode-only steps as CUDA graphs.
+    enforce_eager: bool = False
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     # Order of prompt work in a step: "fcfs" or "shortest_first" (engine/scheduler.py).
@@ -127,6 +138,14 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         torch_dtype(self.dtype)  # validates
+        check_device(self.device)
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise InvalidRequestError("gpu_memory_utilization", f"must be in (0, 1], got "
+                                          f"{self.gpu_memory_utilization}")
+            if not self.device.startswith("cuda"):
+                raise InvalidRequestError("gpu_memory_utilization", f"sizes a GPU's KV pool; device is "
+                                          f"{self.device!r} (use kv_cache_memory_gb or num_blocks there)")
         if self.prefill_order not in ("fcfs", "shortest_first"):
             raise InvalidRequestError("prefill_order", f"use 'fcfs' or 'shortest_first', got {self.prefill_order!r}")
         if self.quantization not in (None, *QUANTIZATIONS):
@@ -139,16 +158,63 @@ class EngineConfig:
     def threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The weights' and activations' dtype: `dtype`, with "auto" resolved for `device`."""
+        return resolve_dtype(self.dtype, self.device)
+
+    def resolved_device(self) -> torch.device:
+        """The torch device to compute on; InvalidRequestError naming `device` when it is not usable here."""
+        return resolve_device(self.device)
+
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map a dtype name ('float32', 'bf16', ...) to a torch dtype, or raise naming the field."""
+    """Map a dtype name ('float32', 'bf16', ...) to a torch dtype, or raise naming the field ("auto": float32, the
+    CPU's choice; use `resolve_dtype` where the device is known)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return torch.float32
     try:
         return _DTYPES[name.lower()]
     except KeyError:
         raise InvalidRequestError("dtype", f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """`torch_dtype`, with "auto" = bfloat16 on CUDA and float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return torch_dtype(name)
+
+
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(name: str) -> None:
+    """Refuse a device string other than "cpu", "cuda" or "cuda:N", naming the field."""
+    if not isinstance(name, str) or not _DEVICE_RE.fullmatch(name):
+        raise InvalidRequestError("device", f"use 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device `name` stands for on this machine, or InvalidRequestError naming `device`.
+
+    NOTE: "cuda" is the current device; a Ray actor with num_gpus sees only the GPUs Ray gave it
+    (CUDA_VISIBLE_DEVICES), so "cuda" there is its own GPU.
+    """
+    check_device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InvalidRequestError("device", f"{name!r} needs a CUDA GPU, but torch {torch.__version__} sees none "
+                                  f"(CUDA build: {torch.version.cuda or 'no'}); use device 'cpu'")
+    device = torch.device(name)
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise InvalidRequestError("device", f"{name!r}: this process sees {count} GPU(s) (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)

@@ -1,8 +1,12 @@
-"""GGUF files (llama.cpp): metadata → ModelConfig, dequantized float32 weights under HF names, and a disk cache.
+"""GGUF files (llama.cpp): metadata → ModelConfig, dequantized weights under HF names, and a disk cache.
 
-1. A cache hit (same absolute path, size and mtime) reads config, tokenizer and weights from one safetensors file.
-2. A miss parses the GGUF, dequantizes every tensor, undoes llama.cpp's q/k row permutation (llama arch only),
-   renames to Hugging Face names, and writes the cache atomically for the next process.
+1. A cache hit (same absolute path, size and mtime) reads config, tokenizer and weights from one safetensors file
+   (float32), tensor by tensor, each converted to the target dtype and device as it is read.
+2. A miss parses the GGUF, dequantizes every tensor (one at a time, to float32, then to the target), undoes
+   llama.cpp's q/k row permutation (llama arch only), renames to Hugging Face names, and, when the target is float32
+   on the CPU (the cache's own form), writes the cache atomically for the next process.
+NOTE: only one tensor at a time is ever float32 on the host, so an 8B model loads to a GPU in bfloat16 without a
+float32 copy of the model in host memory.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.config import ModelConfig, RopeScaling
@@ -141,8 +145,9 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, *, progress: bool = False) -> Weights:
-    """Every tensor dequantized to contiguous float32 under HF names, q/k rows in HF order."""
+def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, *, progress: bool = False,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Weights:
+    """Every tensor dequantized under HF names, q/k rows in HF order, contiguous, in `dtype` on `device`."""
     permuted = _ARCHITECTURES[str(_field(reader, "general.architecture"))]
     weights: Weights = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress, file=sys.stderr):
@@ -153,7 +158,7 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, *, progress: bool
             w = _unpermute(w, config.num_heads)
         elif permuted and ".k_proj." in name:
             w = _unpermute(w, config.num_kv_heads)
-        weights[name] = w.contiguous()
+        weights[name] = w.to(device=device, dtype=dtype).contiguous()
     return weights
 
 
@@ -168,17 +173,20 @@ def _config_from_json(text: str) -> ModelConfig:
                               "eos_token_ids": tuple(d["eos_token_ids"])})
 
 
-def _read_cache(file: str, source: str) -> tuple[ModelConfig, Weights, Tokenizer] | None:
-    """The cached model, or None if the file is missing, partial, corrupt or for another source."""
+def _read_cache(file: str, source: str, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Weights, Tokenizer] | None:
+    """The cached model (each tensor in `dtype` on `device`), or None if the file is missing, partial, corrupt or
+    for another source."""
     if not os.path.isfile(file):
         return None
     try:
         with safe_open(file, framework="pt") as f:
             meta = f.metadata() or {}
-        if meta.get("source") != source:
-            return None
-        config = _config_from_json(meta["config"])
-        weights = load_file(file)
+            if meta.get("source") != source:
+                return None
+            config = _config_from_json(meta["config"])
+            # NOTE: tensor by tensor (not load_file): a bf16 GPU load never holds the float32 model in host memory
+            weights = {k: f.get_tensor(k).to(device=device, dtype=dtype).contiguous() for k in f.keys()}
         check_weights(config, weights, file)
         return config, weights, Tokenizer.from_json(meta["tokenizer"])
     except Exception as e:  # any failure means "rebuild": safetensors, JSON and shape errors alike
@@ -201,18 +209,22 @@ def _write_cache(file: str, source: str, config: ModelConfig, weights: Weights, 
             os.remove(tmp)
 
 
-def load_gguf(path: str, name: str, *, progress: bool = False) -> tuple[ModelConfig, Weights, Tokenizer]:
-    """Config, float32 weights and tokenizer of a GGUF file, from the cache when it is fresh."""
+def load_gguf(path: str, name: str, *, progress: bool = False, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Weights, Tokenizer]:
+    """Config, weights (in `dtype` on `device`) and tokenizer of a GGUF file, from the cache when it is fresh."""
     source, file = _source_key(path), cache_path(path)
-    if (cached := _read_cache(file, source)) is not None:
+    if (cached := _read_cache(file, source, device, dtype)) is not None:
         config, weights, tokenizer = cached
         return dataclasses.replace(config, name=name), weights, tokenizer
     reader = _open(path)
     config = gguf_config(reader, name=name, model_id=gguf_model_id(path, reader))
     tokenizer = Tokenizer.from_gguf(reader)
-    weights = gguf_weights(reader, config, progress=progress)
+    weights = gguf_weights(reader, config, progress=progress, device=device, dtype=dtype)
     check_weights(config, weights, path)
-    _write_cache(file, source, config, weights, tokenizer)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        # NOTE: the cache holds float32 CPU tensors; writing it from another target would need the float32 model
+        # on the host, which a GPU load must never build (the next float32 CPU load writes it).
+        _write_cache(file, source, config, weights, tokenizer)
     return config, weights, tokenizer
 
 

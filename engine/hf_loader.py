@@ -9,7 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from engine.config import ModelConfig, RopeScaling
 from engine.errors import ModelLoadError
@@ -144,8 +145,10 @@ def hf_model_id(path: str, prefix: str) -> str:
     return f"{prefix}-{digest.hexdigest()[:12]}"
 
 
-def load_hf_dir(path: str, name: str) -> tuple[ModelConfig, Weights, Tokenizer]:
-    """Config, float32 weights and tokenizer of a Hugging Face checkpoint directory."""
+def load_hf_dir(path: str, name: str, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Weights, Tokenizer]:
+    """Config, weights (floating ones in `dtype`, all on `device`) and tokenizer of a Hugging Face checkpoint
+    directory; read tensor by tensor, so no float32 copy of a bf16 model is ever built on the host."""
     cfg = _read_json(os.path.join(path, "config.json"))
     gen_file = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_file) if os.path.isfile(gen_file) else {}
@@ -156,13 +159,18 @@ def load_hf_dir(path: str, name: str) -> tuple[ModelConfig, Weights, Tokenizer]:
     weights: Weights = {}
     for file in _weight_files(path):
         try:
-            tensors = load_file(file)
+            # NOTE: a CUDA target reads each tensor straight onto the GPU (then converts it there)
+            where = str(device) if torch.device(device).type == "cuda" else "cpu"
+            with safe_open(file, framework="pt", device=where) as f:
+                for key in f.keys():
+                    if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config; old checkpoints saved it
+                        continue
+                    t = f.get_tensor(key)
+                    weights[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
+        except ModelLoadError:
+            raise
         except Exception as e:  # safetensors raises its own error type for a truncated or garbled file
             raise ModelLoadError("model", f"cannot read {file}: {e}") from e
-        for key, t in tensors.items():
-            if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config; old checkpoints saved it
-                continue
-            weights[key] = t.to(torch.float32).contiguous() if t.is_floating_point() else t
     if config.tie_word_embeddings:
         # NOTE: some tied checkpoints also save lm_head.weight (a copy of the embeddings); it is redundant.
         weights.pop("lm_head.weight", None)

@@ -5,7 +5,8 @@ once by the install step and loaded by the engine if present.
 `attention_kernel()` / `linear_kernel()` import the built module, or return None (the engine then uses the pure-torch
 gather attention and oneDNN's linear, and says so once in the log). The module's name carries a hash of the sources,
 so a stale build is never loaded. `PDCLUSTER_ATTENTION=gather` / `PDCLUSTER_LINEAR=onednn` force a fallback;
-`=kernel` makes a missing kernel an error instead.
+`=kernel` makes a missing kernel an error instead. `PDCLUSTER_ATTENTION=triton` (engine/attention/triton_backend.py)
+does not use this module; `engine.attention.select_backend` resolves the attention choice for a device.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ SOURCES = [CSRC / "module.cpp", CSRC / "paged_attention.cpp", CSRC / "linear.cpp
 HEADERS = [CSRC / "kernels.h"]
 BUILD_DIR = Path(os.environ.get("PDCLUSTER_KERNEL_DIR", CSRC / "build"))
 ENV = "PDCLUSTER_ATTENTION"
-BACKENDS = ("auto", "kernel", "gather")
+BACKENDS = ("auto", "kernel", "gather", "triton")
 LINEAR_ENV = "PDCLUSTER_LINEAR"
 LINEAR_BACKENDS = ("auto", "kernel", "onednn")
 # NOTE: built on the machine that runs it (the install step), so -march=native is safe there and pays for
@@ -82,7 +83,7 @@ def _choice(env: str, backends: tuple[str, ...]) -> str:
 
 
 def backend_choice() -> str:
-    """The requested attention backend from PDCLUSTER_ATTENTION: auto (default), kernel or gather."""
+    """The requested attention backend from PDCLUSTER_ATTENTION: auto (default), kernel, gather or triton."""
     return _choice(ENV, BACKENDS)
 
 
@@ -115,8 +116,10 @@ def _pick(env: str, choice: str, fallback: str) -> ModuleType | None:
 
 
 def attention_kernel() -> ModuleType | None:
-    """The built module for attention, or None when it is not built (logged once) or PDCLUSTER_ATTENTION=gather."""
-    return _pick(ENV, backend_choice(), "gather")
+    """The built module for attention, or None when it is not built (logged once) or PDCLUSTER_ATTENTION is gather
+    or triton (neither uses the compiled CPU kernel)."""
+    choice = backend_choice()
+    return None if choice == "triton" else _pick(ENV, choice, "gather")
 
 
 def linear_kernel() -> ModuleType | None:

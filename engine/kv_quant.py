@@ -51,12 +51,13 @@ def write_quantized(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Te
     blocks, inverse = torch.unique(block_of, return_inverse=True)  # [u], [T]
     cur = gather_dequantized(cache, blocks, torch.float32)  # [u, bs, KVH, D]
     cur[inverse, offset] = x.float()
-    filled = torch.zeros(len(blocks), dtype=torch.long).scatter_reduce(0, inverse, offset, "amax")  # [u]
-    keep = torch.arange(bs)[None, :] <= filled[:, None]  # [u, bs]
+    filled = torch.zeros(len(blocks), dtype=torch.long, device=cache.device)
+    filled = filled.scatter_reduce(0, inverse, offset, "amax")  # [u]
+    keep = torch.arange(bs, device=cache.device)[None, :] <= filled[:, None]  # [u, bs]
     cur = cur * keep[:, :, None, None]
     scale = (cur.abs().amax(dim=(1, 3)) / _QMAX).clamp_min(1e-8)  # [u, KVH]
     q = torch.round(cur / scale[:, None, :, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
-    out = torch.zeros(len(blocks), bs + SCALE_ROWS, kvh, d, dtype=torch.int8)
+    out = torch.zeros(len(blocks), bs + SCALE_ROWS, kvh, d, dtype=torch.int8, device=cache.device)
     out[:, :bs] = q
     out[:, bs, :, :4] = scale.contiguous().view(torch.int8).view(len(blocks), kvh, 4)
     cache.index_copy_(0, blocks, out)

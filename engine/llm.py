@@ -34,7 +34,7 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", *, progress: bool = False, **engine_kwargs: object) -> None:
         config = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
-        self.engine = LLMEngine(load_model(model, progress=progress), config)
+        self.engine = LLMEngine(load_model(model, progress=progress, device=config.device, dtype=config.dtype), config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]] | str,

@@ -73,12 +73,17 @@ class LLMEngine:
         model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
         usable = config.max_num_seqs * -(-model_len // config.block_size)
-        num_blocks = config.num_blocks or max(1, min(usable, int(config.kv_cache_memory_gb * 2**30 // per_block)))
+        # NOTE: on CUDA without num_blocks, the runner sizes the pool by gpu_memory_utilization (engine/gpu_memory.py)
+        cuda = config.resolved_device().type == "cuda"
+        num_blocks = config.num_blocks or (None if cuda else max(1, min(usable, int(config.kv_cache_memory_gb * 2**30
+                                                                                    // per_block))))
+        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, model_len, max_blocks=usable)
+        num_blocks = self.runner.num_blocks
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_order)
-        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, self.max_model_len)
+        self.runner.capture_graphs()
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
@@ -318,6 +323,22 @@ class LLMEngine:
             raise UnknownRequestError("no KV held for this request", request_id)
         n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
         return self.runner.read_blocks(layer, seq.block_table[skip_blocks:n_blocks])
+
+    def kv_block_ids(self, request_id: str, skip_blocks: int = 0, num_tokens: int | None = None) -> list[int]:
+        """The pool block ids `read_kv_layer` would copy (for transports that read the KV pool themselves)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.block_table:
+            raise UnknownRequestError("no KV held for this request", request_id)
+        n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
+        return list(seq.block_table[skip_blocks:n_blocks])
+
+    def pin_kv_blocks(self, block_ids: list[int]) -> None:
+        """One more reference on held blocks: they are not reused until `unpin_kv_blocks` (a transfer reads them)."""
+        for bid in block_ids:
+            self.block_manager.pool.acquire(bid)
+
+    def unpin_kv_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.pool.release(block_ids)
 
     def watch_layers(self, request_id: str, fn: Callable[[int], None]) -> None:
         """Call `fn(layer)` as soon as each layer's KV of the whole prompt is written (layer-wise sending).

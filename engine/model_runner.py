@@ -1,18 +1,32 @@
 """Owns the model and the KV memory; turns a scheduled batch into tensors, runs it and samples.
 
 The runner makes no scheduling decisions: it computes what the scheduler picked.
+One step on any device: every per-step tensor (token ids, positions, the rows that need logits, the attention
+metadata) is built on the host once, pinned on CUDA, and copied with one non_blocking transfer; layers only read
+them. The sampled ids are the step's one sync with the host (the single `.tolist()` below).
+
+Seeded sampling across devices: a request's random stream is a pure function of (seed, output index)
+(engine/sampler.py), so a request resumed on another worker of the same device type draws the same tokens. A CPU and
+a GPU worker derive the same per-token seeds, but their generators (the CPU's Mersenne Twister, CUDA's Philox) turn
+them into different draws: one seeded request gives different, equally distributed, samples on a CPU worker and on a
+GPU worker (greedy requests agree up to near-ties: pdcluster/bench/engine_gpu.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig, torch_dtype
+from engine.attention import AttentionMetadata, select_backend
+from engine.attention.pack import pack
+from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets, graphs_wanted
 from engine.errors import InvalidRequestError
+from engine.gpu_memory import profile_num_blocks
 from engine.kernels import attention_kernel
 from engine.kv_quant import int8_block_rows
 from engine.logprobs import prompt_logprobs, prompt_rows, sampled_logprobs
@@ -25,7 +39,7 @@ from engine.structured_output import grammar_bitmask
 
 def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
     """How KV is stored: int8 for kv_cache_dtype="int8", else the engine's dtype."""
-    return torch.int8 if engine_cfg.kv_cache_dtype == "int8" else torch_dtype(engine_cfg.dtype)
+    return torch.int8 if engine_cfg.kv_cache_dtype == "int8" else engine_cfg.torch_dtype
 
 
 def kv_block_rows(block_size: int, dtype: torch.dtype) -> int:
@@ -38,31 +52,82 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * kv_block_rows(block_size, dtype) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-class ModelRunner:
-    """Runs forward passes over the paged KV cache (`kv[layer][0|1]`: [num_blocks, block_size, KVH, D]).
+@dataclass
+class Step:
+    """A batch laid out for the device (built by `prepare` on the host; `forward` only reads it)."""
 
-    With an int8 KV cache a block has one more row, for its per-head scales (engine/kv_quant.py).
+    input_ids: list[int]
+    positions: list[int]
+    starts: list[int]  # per sequence: its tokens computed before this step
+    rows: list[int]  # flat indices that need logits: sampled rows, then each verified sequence's rows
+    sampling: list[int]  # batch indices of the sequences that sample one token (rows[: len(sampling)])
+    verifying: list[int]  # batch indices of the sequences whose drafts are verified (the rows after)
+    decode_only: bool  # every sequence computes one token (what a CUDA graph can replay)
+    # on the device (None when a CUDA graph takes the step: it copies into its own static buffers)
+    meta: AttentionMetadata | None = None
+    device_ids: list[torch.Tensor] | None = None  # input ids [T], positions [T], rows [N]
+    # prompt logprobs: (batch index, first position, count); their rows come last in `rows`
+    scoring: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Runs forward passes over the paged KV cache (`kv[layer][0|1]`: [num_blocks + 1, block_size, KVH, D]).
+
+    With an int8 KV cache a block has one more row, for its per-head scales (engine/kv_quant.py). The last block is
+    the runner's spare (`spare_block`), outside the block manager: padded rows of a CUDA graph write and read it.
+    `num_blocks=None` (CUDA) sizes the pool by gpu_memory_utilization after a profiling forward pass.
     """
 
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
-                 num_blocks: int, max_model_len: int) -> None:
+                 num_blocks: int | None, max_model_len: int, *, max_blocks: int | None = None,
+                 device: torch.device | None = None) -> None:
         self.cfg = cfg
-        self.dtype = torch_dtype(engine_cfg.dtype)
+        # NOTE: `device` overrides the config's for tests that run the step on the meta device
+        self.device = device if device is not None else engine_cfg.resolved_device()
+        self.dtype = engine_cfg.torch_dtype
         self.kv_dtype = kv_cache_dtype(engine_cfg)
         self.block_size = engine_cfg.block_size
-        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len, engine_cfg.quantization)
+        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len, engine_cfg.quantization, self.device)
         if self.kv_dtype == torch.int8 and cfg.head_dim < 4:
             raise InvalidRequestError("kv_cache_dtype", f"int8 KV needs head_dim >= 4 (its scale row), got "
                                       f"{cfg.head_dim}")
-        rows = kv_block_rows(self.block_size, self.kv_dtype)
-        shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.kv_dtype)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         # NOTE: None = the pure-torch gather path (kernel not built, or PDCLUSTER_ATTENTION=gather); read once here
         # so every step of this engine takes the same path.
-        self.attn_kernel = attention_kernel()
+        self.attn_backend = select_backend(self.device, self.kv_dtype)  # engine/attention/backend.py
+        self.attn_kernel = attention_kernel() if self.attn_backend == "kernel" else None
         self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
         self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention/paged.py PREFILL_MODES
+        if num_blocks is None:
+            num_blocks = profile_num_blocks(self, engine_cfg, max_blocks)
+        self.num_blocks = num_blocks
+        self.spare_block = num_blocks
+        self._allocate_kv(num_blocks + 1)
+        self.graphs: DecodeGraphs | None = None
+        if graphs_wanted(self.device, self.attn_backend, engine_cfg.enforce_eager):
+            width = -(-min(max_model_len, num_blocks * self.block_size) // self.block_size)
+            # NOTE: the graphs call back into the runner through a weak reference, so an engine that is dropped
+            # frees its GPU memory at once (a runner <-> graphs cycle would wait for the garbage collector)
+            runner = weakref.ref(self)
+
+            def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                r = runner()
+                assert r is not None, "the runner of these graphs is gone"
+                return r._forward_graphed(ids, positions, meta)
+
+            self.graphs = DecodeGraphs(forward, self.device, self.block_size, self.spare_block, width,
+                                       graph_buckets(engine_cfg.max_num_seqs))
+
+    def _allocate_kv(self, num_blocks: int) -> None:
+        cfg = self.cfg
+        rows = kv_block_rows(self.block_size, self.kv_dtype)
+        shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs (warm-up; a no-op without them)."""
+        if self.graphs is not None and not self.graphs.graphs:
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -72,79 +137,116 @@ class ModelRunner:
         verified: its tokens are the accepted drafts plus one from the model. Others get one sampled token.
         `layer_hook(i)` runs after layer i has written its K/V (layer-wise KV sending).
         """
+        step = self.prepare(batch, graphed=layer_hook is None)
+        logits = self.forward(batch, step, layer_hook)
+        return self.sample(batch, step, logits)
+
+    def prepare(self, batch: ScheduledBatch, graphed: bool = True) -> Step:
+        """The host side of a step: flat ids and positions, the rows that need logits, and (unless a CUDA graph
+        will take the step) the attention metadata, copied to the device once."""
         input_ids: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
         sample_rows: list[int] = []  # flat index of the last token of sequences that sample one token
         sampling: list[int] = []  # their index in the batch
         verifying: list[tuple[int, int]] = []  # (index in the batch, flat index of its first verified row)
-        scoring: list[tuple[int, int, int]] = []  # prompt logprobs: (index in the batch, first position, count)
+        scoring: list[tuple[int, int, int, int]] = []  # prompt logprobs: (batch index, first position, count, row)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             starts.append(start)
             positions.extend(range(start, start + n))
             draft = seq.spec_token_ids  # NOTE: n counts them: they follow the sequence's last (pending) token
+            base = len(input_ids)
             input_ids.extend([*seq.token_ids[start : start + n], *draft])
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
                 first, count = prompt_rows(seq.num_prompt_tokens, len(seq.prompt_logprobs), start, n)
                 if count:
-                    scoring.append((i, first, count))
+                    scoring.append((i, first, count, base + first - start))
             if draft:
                 verifying.append((i, len(input_ids) - len(draft) - 1))
             elif start + n == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(i)
-        meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
-                                       self.block_size, kernel=self.attn_kernel,
-                                       cascade=self.attn_cascade, prefill=self.attn_prefill)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta,
-                            layer_hook)
-        out: list[list[int]] = [[] for _ in batch.seqs]
-        if scoring:
-            self._score_prompts(hidden, batch, starts, scoring)
-        if not sample_rows and not verifying:
-            return out
         # NOTE: one head matmul for every row that needs logits: the head is the largest weight read of a step.
         rows = sample_rows + [r + j for i, r in verifying for j in range(len(batch.seqs[i].spec_token_ids) + 1)]
-        logits = self.model.logits(hidden[rows]).float()  # [N, vocab]
-        if sample_rows:
-            seqs = [batch.seqs[i] for i in sampling]
-            sampled = sample(logits[: len(sample_rows)], seqs, grammar_bitmask(seqs, logits.shape[-1]))
-            tokens = sampled.token_ids.tolist()  # NOTE: the step's one read-back
+        rows += [flat + j for _, _, count, flat in scoring for j in range(count)]  # prompt logprobs: after the rest
+        decode_only = all(n == 1 for n in batch.num_new_tokens) and len(sampling) == len(batch.seqs)
+        step = Step(input_ids, positions, starts, rows, sampling, [i for i, _ in verifying], decode_only,
+                    scoring=[(i, first, count) for i, first, count, _ in scoring])
+        if not (graphed and decode_only and self.graphs is not None and self.graphs.graphs
+                and bucket_for(len(input_ids), self.graphs.buckets) is not None):
+            step.meta = AttentionMetadata.build([s.block_table for s in batch.seqs], starts, batch.num_new_tokens,
+                                                self.block_size, kernel=self.attn_kernel,
+                                                cascade=self.attn_cascade, prefill=self.attn_prefill,
+                                                backend=self.attn_backend, device=self.device)
+            step.device_ids = self.to_device(input_ids, positions, rows)
+        return step
+
+    def forward(self, batch: ScheduledBatch, step: Step,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """The device side of a step: the forward pass (a CUDA graph's replay for a decode-only step when captured)
+        and the logits of the rows that need them, [N, vocab] float32 on the device; None when no row does."""
+        if step.meta is None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(step.input_ids, step.positions, [s.block_table for s in batch.seqs],
+                                     step.starts)
+            assert hidden is not None
+            return self.model.logits(hidden).float()  # decode-only: every row samples, in order
+        assert step.device_ids is not None
+        ids_t, pos_t, rows_t = step.device_ids
+        hidden = self.model(ids_t, pos_t, self.kv_caches, step.meta, layer_hook)
+        if not step.rows:
+            return None
+        return self.model.logits(hidden.index_select(0, rows_t)).float()  # [N, vocab]
+
+    def _forward_graphed(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(ids, positions, self.kv_caches, meta)
+
+    def sample(self, batch: ScheduledBatch, step: Step, logits: torch.Tensor | None) -> list[list[int]]:
+        """Tokens from the logits: sampled rows, then verified drafts (engine/spec_decode.py)."""
+        out: list[list[int]] = [[] for _ in batch.seqs]
+        if logits is None:
+            return out
+        if step.sampling:
+            seqs = [batch.seqs[i] for i in step.sampling]
+            sampled = sample(logits[: len(step.sampling)], seqs, grammar_bitmask(seqs, logits.shape[-1]))
+            # NOTE: the sampler keeps the draws on the logits' device; this is the step's one sync with the host
+            tokens = sampled.token_ids.tolist()
             lps = sampled_logprobs(tokens, sampled.logprobs, sampled.logprob_token_ids,
                                    [s.params.logprobs for s in seqs])
-            for i, tok, lp in zip(sampling, tokens, lps):
+            for i, tok, lp in zip(step.sampling, tokens, lps):
                 out[i] = [tok]
                 if lp is not None:
                     batch.seqs[i].new_logprobs.append(lp)
-        first = len(sample_rows)
-        for i, _ in verifying:
+        first = len(step.sampling)
+        for i in step.verifying:
             seq = batch.seqs[i]
             k = len(seq.spec_token_ids)
             out[i] = verify(logits[first : first + k + 1], seq.spec_token_ids, seq.params, seq.num_output_tokens)
             first += k + 1
-        return out
-
-    def _score_prompts(self, hidden: torch.Tensor, batch: ScheduledBatch, starts: list[int],
-                       scoring: list[tuple[int, int, int]]) -> None:
-        """Record prompt logprobs for the positions of this step that score a prompt token (prompt_logprobs)."""
-        offsets = [0]
-        for n in batch.num_new_tokens:
-            offsets.append(offsets[-1] + n)
-        for i, first, count in scoring:
+        for i, pos, count in step.scoring:  # prompt logprobs (params.prompt_logprobs): position p scores token p + 1
             seq = batch.seqs[i]
-            flat = offsets[i] + first - starts[i]
-            logits = self.model.logits(hidden[flat : flat + count])  # [count, vocab]
             if not seq.prompt_logprobs:
                 seq.prompt_logprobs.append(None)
-            seq.prompt_logprobs.extend(prompt_logprobs(logits, seq.token_ids[first + 1 : first + 1 + count],
+            seq.prompt_logprobs.extend(prompt_logprobs(logits[first : first + count],
+                                                       seq.token_ids[pos + 1 : pos + 1 + count],
                                                        seq.params.prompt_logprobs or 0))
+            first += count
+        return out
+
+    def to_device(self, *parts: list[int]) -> list[torch.Tensor]:
+        """int64 lists as tensors on the runner's device: one host buffer (pinned on CUDA), one non_blocking copy,
+        then views of it (on the CPU, the host buffer's views themselves)."""
+        lengths = [len(p) for p in parts]
+        host = torch.tensor([x for p in parts for x in p], dtype=torch.long)  # [sum(lengths)]
+        return list(pack([host], self.device).tensors[0].split(lengths))
 
     @torch.inference_mode()
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D] (int8: with the scale row)."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        return self.kv[layer, 0, idx], self.kv[layer, 1, idx]  # advanced indexing copies
+        """Copies of K and V of `block_ids` in `layer`: each [n, block_size, KVH, D] (int8: with the scale row), on
+        the runner's device."""
+        (idx,) = self.to_device(block_ids)
+        return self.kv[layer, 0].index_select(0, idx), self.kv[layer, 1].index_select(0, idx)
 
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
@@ -153,5 +255,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Store K (which=0) or V (1), [n, block_size, KVH, D], into `block_ids` of `layer`."""
-        self.kv[layer, which].index_copy_(0, torch.tensor(block_ids, dtype=torch.long), kv.to(self.kv_dtype))
+        """Store K (which=0) or V (1), [n, block_size, KVH, D] from any device, into `block_ids` of `layer`."""
+        (idx,) = self.to_device(block_ids)
+        self.kv[layer, which].index_copy_(0, idx, kv.to(device=self.device, dtype=self.kv_dtype))

@@ -31,9 +31,10 @@ def sequence_logits(engine: LLMEngine, token_ids: Seq[int]) -> torch.Tensor:  # 
     try:
         for start in range(0, len(seq), bs):
             n = min(bs, len(seq) - start)
-            meta = AttentionMetadata.build([seq.block_table], [start], [n], bs)
-            hidden = runner.model(torch.tensor(seq.token_ids[start : start + n]), torch.arange(start, start + n),
-                                  runner.kv_caches, meta)
+            meta = AttentionMetadata.build([seq.block_table], [start], [n], bs, kernel=runner.attn_kernel,
+                                           backend=runner.attn_backend, device=runner.device)
+            ids, pos = runner.to_device(seq.token_ids[start : start + n], list(range(start, start + n)))
+            hidden = runner.model(ids, pos, runner.kv_caches, meta)
             out.append(runner.model.logits(hidden).float())
     finally:
         engine.block_manager.free(seq)  # never registered: nothing stays cached
@@ -66,5 +67,5 @@ def top1_agreement(engine: LLMEngine, prompts: Seq[Seq[int]], references: Seq[Se
 def perplexity(engine: LLMEngine, token_ids: Seq[int]) -> float:
     """exp(mean NLL) of tokens 1.. of `token_ids` under `engine`."""
     logits = sequence_logits(engine, token_ids)[:-1]  # [T - 1, vocab]
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(list(token_ids[1:])))
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(list(token_ids[1:]), device=logits.device))
     return math.exp(float(nll))

@@ -2,44 +2,45 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from engine.kv_export import KVLayout
 from engine.llm_engine import LLMEngine
+from kv_transfer import transports
+from kv_transfer.pool import KVPool
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender
-from kv_transfer.state import TransferConfig, Transport
-
-# transport name → (module, sender class); imported on first use
-_SENDERS: dict[Transport, tuple[str, str]] = {
-    "grpc": ("kv_transfer.grpc_transport", "GrpcKVSender"),
-    "torch": ("kv_transfer.torch_transport", "TorchKVSender"),
-    "local": ("kv_transfer.local", "LocalKVSender"),
-}
+from kv_transfer.sender import Control, KVSender
+from kv_transfer.state import TransferConfig
 
 
 def open_sender(config: TransferConfig, address: str, request_id: str, layout: KVLayout, token_ids: Sequence[int],
                 num_prompt_tokens: int, block_hashes: Sequence[bytes], *, sender_id: str = "",
-                on_finish: Callable[[KVSender], None] | None = None) -> KVSender:
-    """A sender of `config.transport` to the receiver at `address` (host:port, or local://name); not started."""
-    module_name, sender_name = _SENDERS[config.transport]
-    module = importlib.import_module(module_name)
+                on_finish: Callable[[KVSender], None] | None = None, pool: KVPool | None = None) -> KVSender:
+    """A sender of `config.transport` to the receiver at `address` (host:port, or local://name); not started.
+
+    `pool`: the sending engine's KV pool, for transports that read blocks from it themselves (`sender.reads_pool`:
+    hand them block ids with `send_blocks` instead of copies with `send_layer`).
+    """
+    control: Control
     if config.transport == "local":
-        control = module.LocalControl(address.removeprefix("local://"))
-    else:  # torch keeps its control plane on gRPC
-        grpc_transport = importlib.import_module("kv_transfer.grpc_transport")
-        control = grpc_transport.GrpcControl(address, config.cluster_token, config.tls)
-    sender: KVSender = getattr(module, sender_name)(control, config, request_id, layout, token_ids,
-                                                    num_prompt_tokens, block_hashes, sender_id=sender_id,
-                                                    on_finish=on_finish)
+        from kv_transfer.transports import local
+
+        control = local.LocalControl(address.removeprefix("local://"))
+    else:  # every remote transport keeps its control plane on gRPC
+        from kv_transfer.transports.grpc_transport import GrpcControl
+
+        control = GrpcControl(address, config.cluster_token, config.tls)
+    sender = transports.sender_class(config.transport)(control, config, request_id, layout, token_ids,
+                                                       num_prompt_tokens, block_hashes, sender_id=sender_id,
+                                                       on_finish=on_finish)
+    sender.pool = pool
     return sender
 
 
 class ReceiverEndpoint:
-    """Everything a decode worker serves to receive KV: the receiver, its gRPC service, and torch pair groups."""
+    """Everything a decode worker serves to receive KV: the receiver, its gRPC service, the transport's own side."""
 
     def __init__(self, engine: LLMEngine, config: TransferConfig, *,
                  engine_lock: AbstractContextManager[Any] | None = None, host: str = "127.0.0.1", port: int = 0,
@@ -47,19 +48,17 @@ class ReceiverEndpoint:
         self.config = config
         self.receiver = KVReceiver(engine, engine_lock)
         self.local_name = local_name
+        self.side: Any | None = None
         if config.transport == "local":
-            from kv_transfer import local
+            from kv_transfer.transports import local
 
             self.address = f"local://{local_name or id(self)}"
             local.register(self.address.removeprefix("local://"), self.receiver)
             self.server = None
             return
-        from kv_transfer import grpc_transport
+        from kv_transfer.transports import grpc_transport
 
-        if config.transport == "torch":
-            from kv_transfer.torch_transport import TorchEndpoint
-
-            TorchEndpoint(self.receiver, host, config.torch_backend, config.torch_device)
+        self.side = transports.receiver_side(config.transport, self.receiver, config, host)
         self.server, bound = grpc_transport.serve(self.receiver, f"{host}:{port}", cluster_token=config.cluster_token,
                                                   kv_tls=config.tls)
         self.address = f"{host}:{bound}"
@@ -68,8 +67,9 @@ class ReceiverEndpoint:
         if self.server is not None:
             self.server.stop(grace=None)
         if self.config.transport == "local":
-            from kv_transfer import local
+            from kv_transfer.transports import local
 
             local.unregister(self.address.removeprefix("local://"))
         self.receiver.close()
-
+        if (close := getattr(self.side, "close", None)) is not None:
+            close()

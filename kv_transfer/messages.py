@@ -1,7 +1,7 @@
 """What sender and receiver say to each other, as plain typed values (protobuf only on the wire: see wire.py).
 
 One message per step of a transfer (the proto's header comment has the whole life of one):
-1. `PrepareRequest` → `Prepared` (with a `TorchRendezvous` for transport "torch");
+1. `PrepareRequest` → `Prepared` (with a `TorchRendezvous` for transport "torch", a `NixlTarget` for "nixl");
 2. `Chunk`s: K or V of some blocks of one layer, each sealed with a CRC32C of its place and bytes;
 3. `Commit` → bytes received; or `Abort` from either side.
 """
@@ -26,6 +26,8 @@ class PrepareRequest:
     transport: Transport
     deadline_ms: int  # the receiver frees its reservation if the transfer has not committed by then
     sender_id: str = ""  # identifies the sender's end of a torch.distributed pair group
+    nixl_agent: str = ""  # nixl: the sender's agent name (its Watch is open)
+    nixl_known: str = ""  # nixl: the receiver agent whose metadata the sender already holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,19 @@ class TorchRendezvous:
 
 
 @dataclass(frozen=True, slots=True)
+class NixlTarget:
+    """Where a nixl sender writes: the receiver's agent, its registered KV pool, the reserved block ids."""
+
+    agent: str  # a new name means the receiver restarted (its metadata must be loaded again)
+    metadata: bytes  # empty when the sender said it holds this agent's metadata
+    kv_addr: int  # the pool [num_layers, 2, pool_blocks, *block_shape]
+    pool_blocks: int
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int
+    block_ids: list[int]  # the reserved blocks after the cached ones, in order
+
+
+@dataclass(frozen=True, slots=True)
 class Prepared:
     """The receiver's answer: blocks reserved, how many leading ones it caches (not sent)."""
 
@@ -48,6 +63,7 @@ class Prepared:
     cached_blocks: int  # leading blocks the receiver linked from its prefix cache
     num_blocks: int  # blocks to send per layer (K and V each)
     torch: TorchRendezvous | None = None  # set for transport "torch"
+    nixl: NixlTarget | None = None  # set for transport "nixl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +98,4 @@ class Abort:
 
     transfer_id: str
     reason: str
+    quiesced: bool = False  # nixl, from the sender: none of its writes into the transfer's blocks is in flight

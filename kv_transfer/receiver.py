@@ -7,7 +7,9 @@ Life of an inbound transfer:
    (of its place and bytes) is checked before it is written into the reserved blocks, on the thread it came on;
 3. `commit` completes it once every block of every layer arrived (DONE); the decode worker then `take`s it into
    its running batch with the request's sampling params;
-4. a failure, an abort from either side, a broken stream, or a missed deadline frees the reservation (FAILED).
+4. a failure, an abort from either side, a broken stream, or a missed deadline frees the reservation (FAILED),
+   once no write into it is in flight: the receiver's own writes end first, and a transport that writes into the
+   pool from the other side (nixl) `fence`s the transfer until the sender is known to write no more (`unfence`).
 A background thread expires transfers whose deadline passed, including DONE ones nobody took. The deadline runs
 from the handshake, again from each keep-alive, and from the first data on (then no keep-alive moves it).
 """
@@ -32,7 +34,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer import payload
-from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest, TorchRendezvous
+from kv_transfer.messages import Abort, Chunk, Commit, NixlTarget, Prepared, PrepareRequest, TorchRendezvous
 from kv_transfer.state import TRANSPORTS, TransferError, TransferState
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class Inbound:
     error: TransferError | None = None
     writers: int = 0  # writes into the reserved blocks in progress: freeing waits for them
     receiving: bool = False  # a transport thread is still pulling this transfer's data (torch): commit waits
+    fenced: bool = False  # the sender may still write into the reserved blocks itself (nixl): freeing waits
+    freed: bool = False
     next_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     bytes_received: int = 0
@@ -80,7 +84,9 @@ class KVReceiver:
         self._by_id: dict[str, Inbound] = {}
         self._by_request: dict[str, Inbound] = {}
         # transport hooks (torch): set up on handshake, tear down on failure
-        self.on_prepare: Callable[[PrepareRequest, Inbound], TorchRendezvous | None] | None = None
+        self.on_prepare: Callable[[PrepareRequest, Inbound], TorchRendezvous | NixlTarget | None] | None = None
+        self.transport = ""  # the transport whose hooks are set ("torch", "nixl")
+        self.on_watch: Callable[[str], Callable[[], None]] | None = None  # nixl: a sender's Watch opens (→ its end)
         self.on_fail: Callable[[Inbound], None] | None = None
         # NOTE: the decode worker starts decoding the moment a transfer settles (DONE or FAILED), not when the
         # router next calls: called after the state changed, outside the receiver's lock, on the settling thread
@@ -109,13 +115,19 @@ class KVReceiver:
         with self._lock:
             self._by_id[t.transfer_id] = t
             self._by_request[rid] = t
-        rendezvous = None
-        if req.transport == "torch":
-            if self.on_prepare is None:
-                self._fail(t, "this receiver has no torch transport", retryable=False)
-                raise InvalidRequestError("transport", "torch is not enabled on this receiver", rid)
-            rendezvous = self.on_prepare(req, t)
-        return Prepared(t.transfer_id, res.start_block, n, rendezvous)
+        extra = None
+        if req.transport in ("torch", "nixl"):
+            if self.on_prepare is None or self.transport != req.transport:
+                self._fail(t, f"this receiver has no {req.transport} transport", retryable=False)
+                raise InvalidRequestError("transport", f"{req.transport} is not enabled on this receiver", rid)
+            try:
+                extra = self.on_prepare(req, t)
+            except EngineError as e:
+                self._fail(t, e.reason, retryable=isinstance(e, TransferError) and e.retryable)
+                raise
+        if isinstance(extra, NixlTarget):
+            return Prepared(t.transfer_id, res.start_block, n, nixl=extra)
+        return Prepared(t.transfer_id, res.start_block, n, extra)
 
     # ---- 2. data --------------------------------------------------------------------------------------------
     def on_chunk(self, chunk: Chunk, data: payload.Buffer) -> None:
@@ -152,6 +164,19 @@ class KVReceiver:
             raise
         self._end_write(t, layer, which, first, kv.shape[0], kv.numel() * kv.element_size())
 
+    def landed(self, t: Inbound, layer: int, nbytes: int) -> bool:
+        """Every block of `layer` was written into the pool by the sender itself (nixl) and checked; returns
+        whether every layer has landed now."""
+        with self._lock:
+            self._started(t)
+            t.received[layer] = True
+            t.bytes_received += nbytes
+            done = bool(t.received.all())
+            if done:
+                t.receiving = False
+            self._progress.notify_all()
+            return done
+
     def _begin_write(self, transfer_id: str) -> Inbound:
         with self._lock:
             t = self._by_id.get(transfer_id)
@@ -175,7 +200,7 @@ class KVReceiver:
             t.writers -= 1
             t.received[layer, which, first : first + n] = True
             t.bytes_received += nbytes
-            free_now = t.state is TransferState.FAILED and t.writers == 0
+            free_now = t.state is TransferState.FAILED and t.writers == 0 and not t.fenced
             self._progress.notify_all()
         if free_now:
             self._free(t)
@@ -195,6 +220,7 @@ class KVReceiver:
             if len(missing) == 0 and t.writers == 0:
                 t.next_token_ids = list(req.next_token_ids)
                 t.num_cached_tokens = req.num_cached_tokens
+                t.fenced = False  # NOTE: a sender commits once its own writes completed
                 t.state = TransferState.DONE
                 t.done.set()
                 received = t.bytes_received
@@ -251,6 +277,27 @@ class KVReceiver:
         t = self._by_id.get(req.transfer_id)
         if t is not None:
             self._fail(t, f"aborted by sender: {req.reason}")
+            if req.quiesced:
+                self.unfence(t)
+
+    def find(self, transfer_id: str) -> Inbound | None:
+        return self._by_id.get(transfer_id)
+
+    def fence(self, t: Inbound) -> None:
+        """The sender writes into `t`'s blocks itself: a failure keeps them until `unfence` (see the module doc)."""
+        with self._lock:
+            t.fenced = True
+
+    def unfence(self, t: Inbound) -> None:
+        """No write of the sender into `t`'s blocks is in flight any more (it said so, every layer landed, or it is
+        gone): a failed transfer's blocks are freed now."""
+        with self._lock:
+            if not t.fenced:
+                return
+            t.fenced = False
+            free_now = t.state is TransferState.FAILED and t.writers == 0
+        if free_now:
+            self._free(t)
 
     def abort_request(self, request_id: str, reason: str = "aborted") -> None:
         t = self._by_request.get(request_id)
@@ -307,7 +354,7 @@ class KVReceiver:
             t.state, t.error = TransferState.FAILED, TransferError(reason, t.request_id, retryable=retryable)
             t.done.set()
             self._progress.notify_all()
-            free_now = t.writers == 0
+            free_now = t.writers == 0 and not t.fenced
         if free_now:
             self._free(t)
         if self.on_fail is not None:
@@ -316,6 +363,10 @@ class KVReceiver:
             self.on_settled(t.request_id, TransferState.FAILED)
 
     def _free(self, t: Inbound) -> None:
+        with self._lock:
+            if t.freed:
+                return
+            t.freed = True
         with self.engine_lock:
             self.engine.abort_request(t.request_id)  # frees the reservation (linked blocks stay cached)
         with self._lock:
@@ -336,7 +387,8 @@ class KVReceiver:
                 what = "not taken" if t.state is TransferState.DONE else "not committed"
                 self._fail(t, f"deadline passed: {what} in time", retryable=True)
             with self._lock:  # failed transfers stay pollable for a minute
-                for t in [t for t in self._by_id.values() if t.state is TransferState.FAILED and t.deadline + 60 < now]:
+                for t in [t for t in self._by_id.values()
+                          if t.state is TransferState.FAILED and not t.fenced and t.deadline + 60 < now]:
                     del self._by_id[t.transfer_id]
                     if self._by_request.get(t.request_id) is t:
                         del self._by_request[t.request_id]

@@ -6,7 +6,8 @@ Life of an outbound transfer:
    queue far longer than the deadline), the sender's thread calls `keep_alive` every deadline/3, and the deadline
    runs from the first layer on; a sender that dies stops calling, and the receiver expires the reservation;
 2. `send_layer(layer, k, v)` as each layer's KV is ready (from `LLMEngine.watch_layers` during the prefill step);
-   a background thread moves the data while the prefill goes on;
+   a background thread moves the data while the prefill goes on; a sender that `reads_pool` (nixl, opened with
+   the engine's `KVPool`) takes `send_blocks(layer, block_ids)` instead and reads the blocks from the pool itself;
 3. `commit(next_token_ids)`: after the last layer, hands over the sampled token(s); the receiver then completes;
 4. `poll()` → WAITING | TRANSFERRING | DONE | FAILED (`error` says why). `on_finish` runs once it is DONE or
    FAILED: the prefill worker unpins its blocks there. Any failure aborts the receiver's side too.
@@ -28,6 +29,7 @@ import torch
 
 from engine.kv_export import KVLayout
 from kv_transfer.messages import Abort, Commit, Prepared, PrepareRequest
+from kv_transfer.pool import KVPool
 from kv_transfer.state import TransferConfig, TransferError, TransferState, Transport
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class KVSender(ABC):
     """Sends one request's KV to one receiver; subclasses move the data (`_send_layers`)."""
 
     transport: Transport
+    can_read_pool = False  # the transport can read blocks from the engine's KV pool itself (`send_blocks`)
+    pool: KVPool | None = None  # that pool, set by `open_sender`
 
     def __init__(self, control: Control, config: TransferConfig, request_id: str, layout: KVLayout,
                  token_ids: Sequence[int], num_prompt_tokens: int, block_hashes: Sequence[bytes], *,
@@ -100,7 +104,7 @@ class KVSender(ABC):
                              [bytes(h) for h in self.block_hashes], self.transport,
                              int(self.config.deadline_s * 1000), self.sender_id)
         try:
-            resp = self.control.prepare(req, self.remaining())
+            resp = self.control.prepare(self._prepare_request(req), self.remaining())
         except TransferError as e:
             self._finish(e)
             raise
@@ -119,11 +123,24 @@ class KVSender(ABC):
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one layer's K and V of blocks [cached_blocks, ...) (each [num_blocks, block_size, KVH, D])."""
+        self._queue_item(Layer(layer, k, v))
+
+    def _queue_item(self, item: object) -> None:
+        """Hand a layer to the sender's thread (the deadline runs from the first one on)."""
         if self.state is TransferState.TRANSFERRING:
             if not self._sending:
                 self._sending = True
                 self._deadline = time.monotonic() + self.config.deadline_s
-            self._queue.put(Layer(layer, k, v))
+            self._queue.put(item)
+
+    @property
+    def reads_pool(self) -> bool:
+        """Whether the caller hands this sender block ids of its `pool` (`send_blocks`) rather than copies."""
+        return self.can_read_pool and self.pool is not None
+
+    def send_blocks(self, layer: int, block_ids: list[int]) -> None:
+        """Queue one layer of the pool's blocks `block_ids` (those after `cached_blocks`); only if `reads_pool`."""
+        raise NotImplementedError(f"the {self.transport} transport sends copies: use send_layer")
 
     def commit(self, next_token_ids: Sequence[int], num_cached_tokens: int = 0) -> None:
         """After the last layer: the token(s) sampled after the KV; the receiver completes on it."""
@@ -134,7 +151,7 @@ class KVSender(ABC):
         """Stop now and tell the receiver to free its reservation."""
         if self._finish(TransferError(f"aborted: {reason}", self.request_id)) and self.transfer_id:
             try:
-                self.control.abort(Abort(self.transfer_id, reason), 2.0)
+                self.control.abort(self._abort_message(reason), 2.0)
             except TransferError:
                 pass  # the receiver is gone: its own deadline frees its side
 
@@ -155,6 +172,14 @@ class KVSender(ABC):
         return (self.finished_at or time.monotonic()) - self.started
 
     # ---- the transport's side -------------------------------------------------------------------------------
+    def _prepare_request(self, req: PrepareRequest) -> PrepareRequest:
+        """Hook for transports that add to the handshake (nixl: its agent)."""
+        return req
+
+    def _abort_message(self, reason: str) -> Abort:
+        """What the receiver is told when this side stops the transfer (nixl: whether writes are in flight)."""
+        return Abort(self.transfer_id, reason)
+
     def _on_prepared(self, resp: Prepared) -> None:
         """Hook for transports that set something up after the handshake (torch: the pair group)."""
         return None
@@ -248,7 +273,7 @@ class KVSender(ABC):
     def abort_after(self, err: TransferError) -> None:
         if self._finish(err) and self.transfer_id:
             try:
-                self.control.abort(Abort(self.transfer_id, err.reason), 1.0)
+                self.control.abort(self._abort_message(err.reason), 1.0)
             except TransferError:
                 pass
 

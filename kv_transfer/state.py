@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 # NOTE: "local" is sender and receiver in one process (the colocated engine, tests); a cluster's YAML offers only
 # the remote two
-Transport = Literal["grpc", "torch", "local"]
+Transport = Literal["grpc", "torch", "local", "nixl"]
 TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
 
 
@@ -58,6 +58,9 @@ class TransferConfig:
     # the shared secret KV endpoints require of every caller ("" = no check); never printed
     cluster_token: str = field(default="", repr=False)
     tls: KVTls | None = field(default=None, repr=False)  # mutual TLS on the gRPC KV plane (None: cleartext)
+    # nixl: check each layer's blocks against the sender's checksum before commit (CRC32C in host memory, a word
+    # sum on the GPU); False skips it (links with their own CRC, e.g. NVLink or InfiniBand, only)
+    nixl_checksum: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -70,5 +73,7 @@ class TransferConfig:
             raise ValueError("grpc_streams: must be in [1, 16]")
         if self.torch_backend not in ("gloo", "nccl"):
             raise ValueError(f"torch_backend: must be 'gloo' or 'nccl', got {self.torch_backend!r}")
+        if self.transport == "nixl" and self.tls is not None:
+            raise ValueError("tls: NIXL does not encrypt; transport 'nixl' cannot run with tls (use 'grpc')")
         if self.torch_backend == "nccl" and not self.torch_device.startswith("cuda"):
             raise ValueError("torch_device: nccl sends CUDA tensors; set torch_device to 'cuda'")

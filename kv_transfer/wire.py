@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.errors import InvalidRequestError
 from engine.kv_export import KVLayout
-from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest, TorchRendezvous
+from kv_transfer.messages import Abort, Chunk, Commit, NixlTarget, Prepared, PrepareRequest, TorchRendezvous
 from kv_transfer.payload import Buffer
 from kv_transfer.state import TRANSPORTS, Transport
 from kv_transfer.v1 import kv_transfer_pb2 as pb
@@ -22,7 +22,8 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
 def prepare_to_proto(req: PrepareRequest) -> pb.PrepareRequest:
     return pb.PrepareRequest(request_id=req.request_id, layout=layout_to_proto(req.layout), token_ids=req.token_ids,
                              num_prompt_tokens=req.num_prompt_tokens, block_hashes=req.block_hashes,
-                             transport=req.transport, deadline_ms=req.deadline_ms, sender_id=req.sender_id)
+                             transport=req.transport, deadline_ms=req.deadline_ms, sender_id=req.sender_id,
+                             nixl_agent=req.nixl_agent, nixl_known=req.nixl_known)
 
 
 def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
@@ -32,7 +33,7 @@ def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
         raise InvalidRequestError("layout", "is required", rid)
     return PrepareRequest(msg.request_id, layout_from_proto(msg.layout), list(msg.token_ids), msg.num_prompt_tokens,
                           list(msg.block_hashes), transport_from_proto(msg.transport, rid), msg.deadline_ms,
-                          msg.sender_id)
+                          msg.sender_id, msg.nixl_agent, msg.nixl_known)
 
 
 def transport_from_proto(name: str, request_id: str | None) -> Transport:
@@ -48,6 +49,10 @@ def prepared_to_proto(resp: Prepared) -> pb.PrepareResponse:
     if (rv := resp.torch) is not None:
         msg.torch.CopyFrom(pb.TorchRendezvous(host=rv.host, port=rv.port, group_key=rv.group_key,
                                               backend=rv.backend, tag=rv.tag, device=rv.device))
+    if (nx := resp.nixl) is not None:
+        msg.nixl.CopyFrom(pb.NixlTarget(agent=nx.agent, metadata=nx.metadata, kv_addr=nx.kv_addr,
+                                        pool_blocks=nx.pool_blocks, mem_type=nx.mem_type, device_id=nx.device_id,
+                                        block_ids=nx.block_ids))
     return msg
 
 
@@ -55,7 +60,10 @@ def prepared_from_proto(msg: pb.PrepareResponse) -> Prepared:
     rv = msg.torch
     torch = (TorchRendezvous(rv.host, rv.port, rv.group_key, rv.backend, rv.tag, rv.device)
              if msg.HasField("torch") else None)
-    return Prepared(msg.transfer_id, msg.cached_blocks, msg.num_blocks, torch)
+    nx = msg.nixl
+    nixl = (NixlTarget(nx.agent, bytes(nx.metadata), nx.kv_addr, nx.pool_blocks, nx.mem_type, nx.device_id,
+                       list(nx.block_ids)) if msg.HasField("nixl") else None)
+    return Prepared(msg.transfer_id, msg.cached_blocks, msg.num_blocks, torch, nixl)
 
 
 # NOTE: KVChunk.data is field 15, length-delimited. Its bytes are framed by hand so that a chunk costs one copy
@@ -128,8 +136,8 @@ def commit_from_proto(msg: pb.CommitRequest) -> Commit:
 
 
 def abort_to_proto(req: Abort) -> pb.AbortRequest:
-    return pb.AbortRequest(transfer_id=req.transfer_id, reason=req.reason)
+    return pb.AbortRequest(transfer_id=req.transfer_id, reason=req.reason, quiesced=req.quiesced)
 
 
 def abort_from_proto(msg: pb.AbortRequest) -> Abort:
-    return Abort(msg.transfer_id, msg.reason)
+    return Abort(msg.transfer_id, msg.reason, msg.quiesced)

@@ -48,7 +48,7 @@ the field to fix).
 BENCHES = {
     "engine": ("pdcluster.bench.engine", "our engine vs transformers: prefill/decode tok/s and the memory-bandwidth "
                                          "bound"),
-    "transfer": ("pdcluster.bench.transfer", "KV transports (grpc, torch, local) vs memcpy and raw TCP: GB/s and "
+    "transfer": ("pdcluster.bench.transfer", "KV transports (grpc, torch, local, nixl) vs memcpy and raw TCP: GB/s and "
                                              "layer-wise overlap"),
     "soak": ("pdcluster.bench.soak", "N streams for T minutes: requests failed, tokens lost/duplicated, KV blocks "
                                      "leaked, RSS growth"),
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Start a cluster: the YAML (--config) is the full form; PDCLUSTER_<SECTION>__"
                            "<FIELD> environment variables override any of its fields, and these flags override both.")
     serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="override model: 'smollm2', a .gguf file or a Hugging Face directory")
+                       help="override model: 'smollm2', 'random:<arch>', a .gguf file or a Hugging Face directory")
     serve.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
     serve.add_argument("--host", default=None, help="override router.host, http.host and metrics.host")
     serve.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="override http.served_model_name")
     serve.add_argument("--api-keys-env", default=None, metavar="NAME", help="override security.api_keys_env: the "
                        "environment variable with the keys clients must send (needed to serve a non-loopback --host)")
+    serve.add_argument("--keep-workers", action="store_true", default=None, help="set ray.keep_workers: leave the "
+                       "workers running on SIGINT/SIGTERM, for the next `serve` to re-attach to (needs a Ray that "
+                       "outlives this process and security.cluster_token_env)")
     rtr = sub.add_parser("router", help="an extra router for a running cluster (shares its state through Redis)",
                          formatter_class=fmt)
     rtr.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML")
@@ -110,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--ray", default=None, metavar="HOST:PORT",
                      help="the cluster's Ray (`serve` prints ray=HOST:PORT for its private one); default: ray.address")
     rtr.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
+    rtr.add_argument("--http-port", type=int, default=None, help="override http.port (0: any free port)")
+    rtr.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0: any free port)")
     demo = sub.add_parser("demo", help="start the embedded default, stream a few chats with timelines, stop",
                           formatter_class=fmt)
     demo.add_argument("--config", default="deploy/local.yaml", help="deploy YAML")
@@ -120,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--addr", metavar="HOST:PORT", help="a running `pdcluster serve` (gRPC)")
     where.add_argument("--local", action="store_true", help="run the engine in this process (no cluster)")
     gen.add_argument("--stream", action="store_true", help="--addr: print tokens as they arrive")
-    gen.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', a .gguf file or a Hugging Face directory")
+    gen.add_argument("--model", default="smollm2",
+                     help="'smollm2', 'tiny', 'random:<arch>', a .gguf file or a Hugging Face directory")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (with token ids)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -243,7 +249,7 @@ def apply_flags(config: Any, args: argparse.Namespace) -> Any:
                        ("metrics_port", "metrics.port"), ("prefill_replicas", "prefill.replicas"),
                        ("decode_replicas", "decode.replicas"), ("served_model_name", "http.served_model_name"),
                        ("host", "router.host"), ("host", "http.host"), ("host", "metrics.host"),
-                       ("api_keys_env", "security.api_keys_env")):
+                       ("api_keys_env", "security.api_keys_env"), ("keep_workers", "ray.keep_workers")):
         value = getattr(args, attr, None)
         if value is not None:
             *sections, key = path.split(".")

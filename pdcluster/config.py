@@ -8,6 +8,8 @@ A file has one section per concern (`ray`, `redis`, `router`, `transfer`) and on
 from __future__ import annotations
 
 import difflib
+import functools
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -74,7 +76,12 @@ class PoolConfig(BaseModel):
         default_factory=dict, description="environment of the actor's process on top of the launcher's, e.g. "
         "{GOMP_SPINCOUNT: '0'}; OMP_NUM_THREADS comes from torch_threads")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the actor computes ('cuda': num_gpus > 0)")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights and KV dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="weights and KV dtype; auto: bfloat16 on cuda, float32 on cpu")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="cuda: share of the GPU for weights + activations + KV (the KV pool "
+        "gets what a profiling pass leaves); null: 0.9 on cuda; num_kv_blocks wins")
+    enforce_eager: bool = Field(default=False, description="cuda: no CUDA graphs for decode steps")
     num_kv_blocks: int | None = Field(default=None, gt=0, description="KV blocks; null: sized from kv_cache_memory_gb")
     kv_cache_memory_gb: float = Field(default=1.0, gt=0, description="KV cache size when num_kv_blocks is null")
     block_size: int = Field(default=16, gt=0, description="tokens per KV block (the prefix-cache granularity)")
@@ -95,6 +102,9 @@ class PoolConfig(BaseModel):
     def _check(self) -> PoolConfig:
         if self.device == "cuda" and self.num_gpus <= 0:
             raise _RuleError("num_gpus", "device 'cuda' needs num_gpus > 0 (Ray must reserve a GPU for the actor)")
+        if self.gpu_memory_utilization is not None and self.device != "cuda":
+            raise _RuleError("gpu_memory_utilization", "sizes a GPU's KV pool: needs device 'cuda' (on the CPU use "
+                                                       "kv_cache_memory_gb or num_kv_blocks)")
         if self.cpu_affinity is not None and not all(self.cpu_affinity):
             raise _RuleError("cpu_affinity", "each entry lists at least one core, e.g. [[0], [1]]")
         if "OMP_NUM_THREADS" in self.env_vars:
@@ -122,7 +132,15 @@ class PoolConfig(BaseModel):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads,
             prefill_order=self.prefill_order, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
-            speculative_config=spec)
+            speculative_config=spec, device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager)
+
+    @property
+    def resolved_dtype(self) -> str:
+        """`dtype` with auto resolved for `device` (what the engine computes and stores KV in)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
 
 
 class RayConfig(BaseModel):
@@ -134,6 +152,10 @@ class RayConfig(BaseModel):
                                                        "running cluster; or 'ray://host:port' / 'host:port'")
     namespace: str = Field(default="pdcluster", min_length=1, description="Ray namespace of the named actors")
     num_cpus: float | None = Field(default=None, gt=0, description="CPUs of a private Ray (address 'local' only)")
+    # NOTE: the workers are detached actors either way (a router that crashes leaves them serving); this says
+    # whether a `serve` stopped by a signal stops them too
+    keep_workers: bool = Field(default=False, description="`serve` leaves its workers running when stopped (a later "
+                               "`serve` re-attaches to them, prefix caches and all); needs security.cluster_token_env")
 
     @field_validator("address")
     @classmethod
@@ -144,6 +166,9 @@ class RayConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RayConfig:
+        if self.keep_workers and self.address == "local":
+            raise _RuleError("keep_workers", "a private Ray ('local') stops with `serve`, workers and all: join a Ray "
+                                             "that outlives it (address 'auto' or host:port, after `ray start --head`)")
         if self.num_cpus is not None and self.address != "local":
             raise _RuleError("num_cpus", f"only with address 'local'; the nodes of cluster {self.address!r} declare "
                                          "their own CPUs (`ray start --num-cpus`)")
@@ -195,6 +220,8 @@ class RouterConfig(BaseModel):
     stall_timeout_steps: float = Field(default=100.0, gt=0, description="a decode stream with no token for this many "
                                        "of its worker's usual steps fails over, as if the worker died")
     stall_timeout_min_s: float = Field(default=15.0, gt=0, description="... and never sooner than this (seconds)")
+    lease_s: float = Field(default=8.0, ge=1, description="a worker aborts a request (freeing its KV blocks) that no "
+                           "live router renewed for this long (a router renews every quarter of it)")
 
     def router_settings(self, model: str, mode: str, transport: str) -> RouterSettings:
         """The settings of a Router over a cluster of `model` in `mode` whose workers move KV over `transport`."""
@@ -205,7 +232,8 @@ class RouterConfig(BaseModel):
             skip_prefill_max_uncached_tokens=self.skip_prefill_max_uncached_tokens,
             request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s,
             slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms,
-            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s)
+            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s,
+            lease_s=self.lease_s)
 
 
 class HttpConfig(BaseModel):
@@ -280,6 +308,8 @@ class SecurityConfig(BaseModel):
                                      "keys clients must send (comma-separated); unset: no key needed")
     cluster_token_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
                                           "token KV transfer peers must present; unset: a random one per start")
+    admin_api_keys_env: str | None = Field(default=None, min_length=1, description="environment variable with the "
+                                           "keys of admin calls (Scale), comma-separated; unset: api_keys open them")
     # NOTE: as Redis's protected mode: a router bound to a non-loopback address (router.host / http.host) without
     # API keys is refused at start unless this says so (pdcluster/security.py, check_exposure)
     allow_unauthenticated: bool = Field(default=False, description="serve other machines without API keys "
@@ -299,7 +329,9 @@ class TransferSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # NOTE: kv_transfer also has "local" (an in-process copy), but pool workers are separate processes.
-    transport: Literal["grpc", "torch"] = Field(default="grpc", description="'grpc' or 'torch' (torch.distributed)")
+    transport: Literal["grpc", "torch", "nixl"] = Field(
+        default="grpc", description="'grpc', 'torch' (torch.distributed) or 'nixl' (NIXL WRITE from the KV pool over "
+        "UCX; falls back to grpc where NIXL cannot be imported)")
     torch_backend: Literal["gloo", "nccl"] = Field(default="gloo", description="torch: 'gloo' (CPU) or 'nccl' (GPU)")
     deadline_s: float = Field(default=30.0, gt=0, description="a transfer not committed by then fails, freeing blocks")
     chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20, description="grpc: bytes per chunk message")
@@ -309,13 +341,15 @@ class TransferSection(BaseModel):
                       "'auto': each worker's own node IP")
     tls: bool = Field(default=False, description="mutual TLS on the KV gRPC plane with security.tls_cert_file/"
                       "tls_key_file (peers checked against security.tls_ca_file); torch's data ports stay cleartext")
+    nixl_checksum: bool = Field(default=True, description="nixl: check every layer's blocks against the sender's "
+                                "checksum before commit (false: trust the link's own CRC, e.g. NVLink/InfiniBand)")
 
     @field_validator("transport", mode="before")
     @classmethod
     def _no_local(cls, v: Any) -> Any:
         if v == "local":
             raise ValueError("'local' (in-process copy) is not offered: workers are separate processes; "
-                             "use 'grpc' or 'torch'")
+                             "use 'grpc', 'torch' or 'nixl'")
         return v
 
     def transfer_config(self, device: str) -> TransferConfig:
@@ -324,9 +358,23 @@ class TransferSection(BaseModel):
 
         # NOTE: only nccl sends from CUDA; gloo's send/recv take CPU tensors, so it stays on the CPU for any pool.
         torch_device = device if self.torch_backend == "nccl" else "cpu"
-        return TransferConfig(transport=self.transport, deadline_s=self.deadline_s, chunk_bytes=self.chunk_bytes,
-                              grpc_streams=self.grpc_streams, torch_backend=self.torch_backend,
-                              torch_device=torch_device)
+        return TransferConfig(transport=_usable(self.transport), deadline_s=self.deadline_s,
+                              chunk_bytes=self.chunk_bytes, grpc_streams=self.grpc_streams,
+                              torch_backend=self.torch_backend, torch_device=torch_device,
+                              nixl_checksum=self.nixl_checksum)
+
+
+@functools.cache
+def _usable(transport: str) -> Any:
+    """`transport`, or grpc where it cannot run here (nixl not importable), said once in the log."""
+    from kv_transfer import transports
+
+    why = transports.unavailable(transport)
+    if why is None:
+        return transport
+    logging.getLogger(__name__).warning("transfer.transport: %s cannot run here (%s); KV moves over grpc", transport,
+                                        why)
+    return "grpc"
 
 
 # the pool keys the prefill and decode pools must agree on (the KV they hand over, and the context it lives in)
@@ -371,8 +419,9 @@ class ClusterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(default="smollm2", min_length=1, description="'smollm2', 'tiny', a .gguf file or a Hugging "
-                                                                   "Face directory (same path on every node)")
+    model: str = Field(default="smollm2", min_length=1, description="'smollm2', 'tiny', 'random:<arch>' (random "
+                       "weights of a real shape: random:llama-3.1-8b, random:qwen2.5-7b, random:smollm2-135m), a .gguf "
+                       "file or a Hugging Face directory (same path on every node)")
     mode: Literal["disaggregated", "colocated"] = Field(
         default="disaggregated", description="'disaggregated': prefill and decode pools; 'colocated': one pool")
     # NOTE: pydantic copies a model default for each instance, so two configs never share a section.
@@ -405,6 +454,14 @@ class ClusterConfig(BaseModel):
         for name in self.pools():
             if getattr(self, name).replicas < 1:
                 raise _RuleError(f"{name}.replicas", f"mode {self.mode!r} runs the {name} pool: needs >= 1 replica")
+        if self.ray.keep_workers and self.security.cluster_token_env is None:
+            # NOTE: the next `serve` re-attaches only to workers that prove its token; a random one per start
+            # would never match
+            raise _RuleError("ray.keep_workers", "kept workers are re-attached by a later `serve` only if they prove "
+                                                 "its cluster token: set security.cluster_token_env")
+        if self.transfer.tls and self.transfer.transport == "nixl":
+            raise _RuleError("transfer.tls", "NIXL does not encrypt: transfer.tls needs transfer.transport 'grpc', "
+                                             "not 'nixl'")
         if self.transfer.tls and self.security.tls_cert_file is None:
             raise _RuleError("transfer.tls", "KV TLS uses the cluster's certificate: set security.tls_cert_file "
                                              "and security.tls_key_file")
@@ -442,7 +499,8 @@ class ClusterConfig(BaseModel):
         # dtype fail every Prepare (and each request then prefills on the decode worker), and on max_model_len the
         # router admits prompts by one pool's limit that the other refuses. Refused here, before any actor starts.
         for key in KV_SHAPE_KEYS:
-            p, d = getattr(self.prefill, key), getattr(self.decode, key)
+            attr = "resolved_dtype" if key == "dtype" else key  # NOTE: auto is bfloat16 on cuda, float32 on cpu
+            p, d = getattr(self.prefill, attr), getattr(self.decode, attr)
             if p != d:
                 raise _RuleError(f"decode.{key}", f"prefill.{key} is {p!r} but decode.{key} is {d!r}: the prefill "
                                                   "and decode pools must agree (KV moves between them as it is)")

@@ -4,22 +4,29 @@ Life of a cluster started by `pdcluster serve`:
 1. Redis: the configured URL, or an embedded redis-server this process starts (and stops);
 2. Ray: a private local Ray (`ray.address: local`), or join a running one (`auto`, `host:port`);
 3. one Ray actor per worker, named `{pool}-{i}` in the configured namespace, sized from the pool's YAML;
-   each loads the model and answers `info()` when ready;
+   each loads the model and answers `info()` when ready. The actors are detached: a router that crashes (or is
+   killed) leaves them serving, and a later `serve` re-attaches to a running worker of that name (prefix cache and
+   all) once it proves the same cluster token; one that cannot is replaced;
 4. while serving, `start_worker(role)` / `stop_worker(name)` add and remove one worker (router/scaling.py drives
    them: `pdcluster scale`);
-5. `stop()` closes the workers, kills the actors, shuts down a Ray it started and stops an embedded Redis.
+5. `stop()` closes the workers and kills the actors (unless `ray.keep_workers`), shuts down a Ray it started and
+   stops an embedded Redis.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import logging
 import os
 import pathlib
-from typing import Any
+import secrets
+import time
+from typing import Any, cast
 
 from cluster.messages import Role, WorkerInfo
-from cluster.prefix_index import PrefixIndex
+from cluster.prefix_index import PrefixIndex, heartbeat_key
 from cluster.worker import WorkerSpec
 from pdcluster import security
 from pdcluster.config import ClusterConfig
@@ -64,6 +71,7 @@ class Cluster:
         self.redis_url = config.redis.url
         self.redis_auth = security.redis_auth(config)
         self.cluster_token = security.cluster_token(config)
+        self.heartbeat_key = heartbeat_key(self.cluster_token)  # what the router checks heartbeats with
         self.kv_tls = security.kv_tls(config)
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, WorkerInfo] = {}
@@ -72,11 +80,14 @@ class Cluster:
         self._started = 0  # actors started so far: worker i takes metrics.worker_port + i
 
     def start(self) -> Cluster:
+        if self.config.ray.address != "local":
+            use_ray_token()  # NOTE: before ray is imported: it reads RAY_AUTH_MODE once
         import ray
 
         cfg = self.config
         if self.redis_url is None:
-            self.redis = EmbeddedRedis(password=self.redis_auth.password).start()
+            # NOTE: supervised: restarted on the same port with the same password if it dies
+            self.redis = EmbeddedRedis(password=self.redis_auth.password).start().supervise()
             # NOTE: the password (the configured one, or one made for this start) travels in RedisAuth (never
             # printed), not in the URL workers are given
             self.redis_auth = dataclasses.replace(self.redis_auth, password=self.redis.password)
@@ -86,15 +97,15 @@ class Cluster:
                                       "log_to_driver": True}
             if cfg.ray.address == "local":
                 kwargs["num_cpus"] = cfg.ray.num_cpus
-            else:
-                use_ray_token()
             ray.init(address=cfg.ray.address, **kwargs)
             self._started_ray = True
         self._check_resources(ray.cluster_resources())
         try:
             for role, pool in cfg.pools().items():
                 for i in range(pool.replicas):
-                    self._start_actor(role, i, pool, len(self.actors))
+                    number = len(self.actors)
+                    if not self._adopt(f"{role}-{i}"):
+                        self._start_actor(role, i, pool, number)
             names = list(self.actors)
             infos = ray.get([self.actors[n].info.remote() for n in names], timeout=WORKER_START_TIMEOUT_S)
             self.infos = dict(zip(names, infos))
@@ -103,6 +114,40 @@ class Cluster:
             raise
         log.info("cluster up: %s", ", ".join(self.actors))
         return self
+
+    def _adopt(self, name: str) -> bool:
+        """Re-attach to a running worker `name` (a router crashed, or `keep_workers`) if it proves our cluster
+        token; kill one that cannot (another cluster's, or dead), so a fresh one can take the name. True: adopted."""
+        import ray
+
+        namespace = self.config.ray.namespace
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return False
+        nonce = secrets.token_bytes(16)
+        expected = hmac.new(self.cluster_token.encode(), b"pdcluster attach " + nonce, hashlib.sha256).digest()
+        try:
+            proof = cast(bytes, ray.get(actor.prove_token.remote(nonce), timeout=60))
+        except Exception as e:  # noqa: BLE001 - dead, restarting for good, or an older version: replaced
+            proof, why = b"", f"it does not answer ({type(e).__name__})"
+        else:
+            why = "it was started with another cluster token (security.cluster_token_env)"
+        if hmac.compare_digest(proof, expected):
+            self.actors[name] = actor
+            self._started += 1
+            log.warning("re-attached to the running worker %s (its prefix cache is kept)", name)
+            return True
+        log.warning("a worker named %s is running but %s: replacing it", name, why)
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # NOTE: the name is free only once Ray has the actor dead
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                break
+            time.sleep(0.2)
+        return False
 
     def attach(self) -> Cluster:
         """Join a cluster another process started (an extra router): find its named actors, ask each for info."""
@@ -120,8 +165,27 @@ class Cluster:
         names = [f"{role}-{i}" for role, pool in cfg.pools().items() for i in range(pool.replicas)]
         self.actors = {n: ray.get_actor(n, namespace=cfg.ray.namespace) for n in names}
         self.infos = dict(zip(names, ray.get([self.actors[n].info.remote() for n in names], timeout=60)))
+        # NOTE: the workers' token may be a random one of the serving process: its heartbeat key comes from a
+        # worker, over Ray (whoever can call the actors can run code in them anyway)
+        self.heartbeat_key = ray.get(self.actors[names[0]].heartbeat_key.remote(), timeout=60)
         self._attached = True
         return self
+
+    def resolve(self, name: str, current: Any) -> tuple[Any, WorkerInfo, bytes | None] | None:
+        """The actor now running under `name` if it is not `current` (a restarted `serve` replaced it): the actor,
+        its info and its heartbeat key; None while there is none or it is the same (router/reattach.py)."""
+        import ray
+
+        try:
+            actor = ray.get_actor(name, namespace=self.config.ray.namespace)
+        except ValueError:
+            return None
+        if current is not None and actor._actor_id == current._actor_id:
+            return None
+        info = cast(WorkerInfo, ray.get(actor.info.remote(), timeout=30))
+        key = cast("bytes | None", ray.get(actor.heartbeat_key.remote(), timeout=30))
+        self.actors[name], self.infos[name] = actor, info
+        return actor, info, key
 
     def start_worker(self, role: Role) -> WorkerHandle:
         """One more worker of `role`'s pool while serving, named with the pool's lowest free index; blocks until it
@@ -189,6 +253,8 @@ class Cluster:
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
             resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,
+            # NOTE: detached: a worker outlives the router that started it (a crash, `kill -9`, keep_workers)
+            lifetime="detached",
             # NOTE: as Ray Serve places replicas: a pool's workers on as many nodes as can take them, so losing
             # a node loses as few of them as possible
             scheduling_strategy="SPREAD",
@@ -228,7 +294,8 @@ class Cluster:
 
     def index(self) -> PrefixIndex:
         assert self.redis_url is not None
-        return PrefixIndex(connect(self.redis_url, self.redis_auth), self.config.redis.key_prefix)
+        return PrefixIndex(connect(self.redis_url, self.redis_auth), self.config.redis.key_prefix,
+                           signing_key=self.heartbeat_key)
 
     def handles(self) -> list[WorkerHandle]:
         """One WorkerHandle per worker (fresh load views) for a Router."""
@@ -239,7 +306,9 @@ class Cluster:
         """Close the workers, kill the actors, stop what this cluster started; safe to call twice."""
         import ray
 
-        if ray.is_initialized() and self.actors and not self._attached:
+        if ray.is_initialized() and self.actors and not self._attached and self.config.ray.keep_workers:
+            log.warning("leaving the workers running (ray.keep_workers): %s", ", ".join(self.actors))
+        elif ray.is_initialized() and self.actors and not self._attached:
             closing = [a.close.remote() for a in self.actors.values()]
             try:
                 ray.get(closing, timeout=10)

@@ -8,6 +8,10 @@ dir (`password_file(port)`) so an extra router of the same user (`pdcluster rout
 NOTE: the server is set to receive SIGTERM when the thread that spawned it dies (PR_SET_PDEATHSIG), so a driver that
 is SIGKILLed leaves no redis-server behind; `stop()` is still the normal way out. Call `start()` from a thread that
 lives as long as the server should (the main thread): the signal follows the spawning thread, not the process.
+NOTE: `supervise()` restarts a server that died (killed, out of memory) on the same port with the same password, so
+the workers' clients reconnect by themselves; it comes back empty (no persistence) and every worker resyncs its
+cache under a new epoch (cluster/worker.py). `failure` says when restarts keep failing (the router's /live then
+answers 503: only a restart of the process helps).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 import secrets
 import shutil
@@ -23,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -32,10 +38,18 @@ import redis
 
 from cluster.redis_client import connect
 
+log = logging.getLogger(__name__)
+
 _PR_SET_PDEATHSIG = 1
 _LOG_NAME = "redis-server.log"
 # NOTE: reconfiguring the server, crashing or stalling it, loading native code: nothing the cluster needs
 ADMIN_COMMANDS = ("CONFIG", "DEBUG", "MODULE")
+SUPERVISE_POLL_S = 0.2
+RESTART_BACKOFF_S = (0.5, 10.0)  # first and largest wait between failed restarts
+RESTARTS_BEFORE_FAILURE = 3  # failed restarts in a row after which `failure` is set
+# NOTE: fault injection (tests): wait this long before restarting a dead server, so an outage can outlast a
+# worker's restart
+RESTART_DELAY_ENV = "PDC_FAULT_REDIS_RESTART_DELAY_S"
 
 
 def quote_config(value: str) -> str:
@@ -141,11 +155,17 @@ class EmbeddedRedis:
         self._password_file: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
+        self._lock = threading.Lock()  # start/stop vs the supervisor's restarts
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.restarts = 0  # servers started by the supervisor after one died
+        self.failure: str | None = None  # set while restarts keep failing: why
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         """Spawn the server and wait until it answers (its own pid, via INFO); returns self."""
         if self._proc is not None:
             raise RuntimeError("EmbeddedRedis is already started")
+        self._stopping.clear()
         # NOTE: a picked free port can be taken by someone else before the server binds it; pick again then.
         retries = 2 if self._requested_port == 0 else 0
         while True:
@@ -176,8 +196,8 @@ class EmbeddedRedis:
         # vfork. A preexec_fn forces a real fork, whose atfork handlers crash a process with live gRPC threads.
         setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
         wrapper = [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
-        with open(log_path, "wb") as log:
-            self._proc = subprocess.Popen(wrapper + args, stdin=subprocess.DEVNULL, stdout=log,
+        with open(log_path, "wb") as out:
+            self._proc = subprocess.Popen(wrapper + args, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=subprocess.STDOUT, cwd=self._dir,
                                           preexec_fn=None if setpriv else _death_signal_hook())
         deadline = time.monotonic() + timeout
@@ -187,7 +207,7 @@ class EmbeddedRedis:
                 code = self._proc.poll()
                 if code is not None:
                     tail = self._log_tail()
-                    self.stop()
+                    self._abandon()
                     raise RuntimeError(f"redis-server exited with code {code} on port {self.port}: {tail}")
                 try:
                     # NOTE: another server may hold the port; only an answer from our own process counts.
@@ -199,12 +219,22 @@ class EmbeddedRedis:
                     pass
                 if time.monotonic() > deadline:
                     tail = self._log_tail()
-                    self.stop()
+                    self._abandon()
                     raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout} s: "
                                        f"{tail}")
                 time.sleep(0.02)
         finally:
             client.close()
+
+    def _abandon(self) -> None:
+        """Kill a server that failed to come up and remove its temp dir."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        directory, self._dir = self._dir, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _log_tail(self, limit: int = 2000) -> str:
         if self._dir is None:
@@ -229,8 +259,66 @@ class EmbeddedRedis:
             raise RuntimeError("EmbeddedRedis is not started")
         return self._proc.pid
 
+    def supervise(self) -> EmbeddedRedis:
+        """Restart the server whenever it dies, on the same port with the same password, until `stop()`.
+
+        NOTE: the restarted server's death signal follows the supervisor thread, which lives until `stop()`.
+        """
+        if self._supervisor is None:
+            self._requested_port, self._given_password = self.port, self.password  # NOTE: what clients hold
+            self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="redis-supervisor")
+            self._supervisor.start()
+        return self
+
+    def _supervise(self) -> None:
+        wait, failed = RESTART_BACKOFF_S[0], 0
+        while not self._stopping.wait(SUPERVISE_POLL_S):
+            proc = self._proc
+            code = proc.poll() if proc is not None else None
+            if proc is None or code is None:
+                continue
+            log.error("the embedded Redis (pid %d, port %d) exited with code %s: restarting it", proc.pid, self.port,
+                      code)
+            delay = float(os.environ.get(RESTART_DELAY_ENV, "0") or 0)
+            if delay and self._stopping.wait(delay):
+                return
+            while not self._stopping.is_set():
+                try:
+                    with self._lock:
+                        if self._stopping.is_set():
+                            return
+                        self._discard(proc)
+                        self._spawn(10.0)
+                except (RuntimeError, OSError) as e:
+                    failed += 1
+                    if failed >= RESTARTS_BEFORE_FAILURE:
+                        self.failure = f"the embedded Redis on port {self.port} cannot be restarted: {e}"
+                    log.error("restarting the embedded Redis failed (%d in a row): %s", failed, e)
+                    if self._stopping.wait(wait):
+                        return
+                    wait = min(RESTART_BACKOFF_S[1], wait * 2)
+                    continue
+                self.restarts += 1
+                wait, failed, self.failure = RESTART_BACKOFF_S[0], 0, None
+                log.warning("the embedded Redis is back on port %d (pid %d); workers resync the prefix index",
+                            self.port, self.pid)
+                break
+
+    def _discard(self, proc: subprocess.Popen[bytes]) -> None:
+        """Forget a dead server's process and temp dir (its password file stays: the new server has the same)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(1.0)
+        self._proc = None
+        directory, self._dir = self._dir, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
     def stop(self) -> None:
         """SIGTERM, wait up to 5 s, then SIGKILL; removes the temp dir. Safe to call twice."""
+        self._stopping.set()
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None and supervisor is not threading.current_thread():
+            supervisor.join(timeout=15)
         proc, self._proc = self._proc, None
         if proc is not None:
             if proc.poll() is None:

@@ -41,6 +41,17 @@ def api_keys(config: ClusterConfig) -> frozenset[str]:
     return keys
 
 
+def admin_api_keys(config: ClusterConfig) -> frozenset[str]:
+    """The keys of admin calls (Scale), from `security.admin_api_keys_env`; empty: the API keys open them too."""
+    name = config.security.admin_api_keys_env
+    if name is None:
+        return frozenset()
+    keys = frozenset(k.strip() for k in _env(name, "security.admin_api_keys_env").split(",") if k.strip())
+    if not keys:
+        raise SetupError(f"security.admin_api_keys_env: {name} holds no key")
+    return keys
+
+
 def cluster_token(config: ClusterConfig) -> str:
     """The token KV transfer peers present: `security.cluster_token_env`, or a fresh random one per start."""
     name = config.security.cluster_token_env

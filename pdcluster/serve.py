@@ -72,14 +72,20 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
 async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None) -> None:
     cfg = cluster.config
     router = make_router(cluster)
+    # NOTE: /live answers 503 (restart this process) once the embedded Redis cannot be restarted
+    router.fatal_checks.append(lambda: cluster.redis.failure if cluster.redis is not None else None)
     keys, tls = security.api_keys(cfg), security.ssl_context(cfg)
     open_ok = cfg.security.allow_unauthenticated
     # NOTE: an extra router (attached) follows lost workers too, but only the process that started the workers
     # may start and stop them
     scaler = PoolScaler(router, None if cluster.attached else cluster)
+    if cluster.attached:  # NOTE: a restarted `serve` may replace the workers: follow them by name
+        from router.reattach import Reattacher
+
+        router.pinger.listen(Reattacher(router.pools, cluster.resolve, router.index).on_pings)
     server, port = await start_server(router, cfg.router.host, cfg.router.port, api_keys=keys,
                                       credentials=security.grpc_credentials(cfg), allow_unauthenticated=open_ok,
-                                      scaler=scaler)
+                                      scaler=scaler, admin_keys=security.admin_api_keys(cfg))
     autoscaler = None
     if cfg.autoscaler.enabled and cluster.attached:
         log.warning("autoscaler.enabled: this router joined workers another process started; that process runs "

@@ -27,6 +27,7 @@ from engine.block_hash import hash_prompt_blocks
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import open_sender
+from kv_transfer.pool import KVPool
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferError, TransferState
 
@@ -94,7 +95,7 @@ class PrefillRun:
         self.sender = open_sender(worker.spec.transfer, req.decode_address, self.request_id, engine.kv_layout,
                                   self.tokens, len(self.tokens),
                                   hash_prompt_blocks(self.tokens, engine.config.block_size, engine.scope),
-                                  sender_id=worker.name)
+                                  sender_id=worker.name, pool=KVPool(engine, worker.loop.between_steps))
         self.cached_blocks = 0  # leading blocks the decode worker caches: not sent
         self._first: asyncio.Future[FirstToken] = asyncio.get_running_loop().create_future()
 
@@ -118,8 +119,13 @@ class PrefillRun:
         w.loop.attach(rid, self.on_output)
 
     def on_layer(self, layer: int) -> None:
-        """Inside the forward pass: copy this layer's blocks out and hand them to the sender."""
-        kv = self.worker.engine.read_kv_layer(self.request_id, layer, self.cached_blocks, num_tokens=len(self.tokens))
+        """Inside the forward pass: copy this layer's blocks out and hand them to the sender (or, to a sender that
+        reads the KV pool itself, their block ids)."""
+        engine = self.worker.engine
+        if self.sender.reads_pool:
+            self.sender.send_blocks(layer, engine.kv_block_ids(self.request_id, self.cached_blocks, len(self.tokens)))
+            return
+        kv = engine.read_kv_layer(self.request_id, layer, self.cached_blocks, num_tokens=len(self.tokens))
         self.sender.send_layer(layer, *kv)
 
     # ---- 3. the first token --------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ import grpc
 PROTECTED_PREFIXES = ("/pdcluster.v1.Inference/", "/grpc.reflection.v1alpha.ServerReflection/",
                       "/grpc.reflection.v1.ServerReflection/")
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send the header 'authorization: Bearer <key>'"
+# NOTE: calls that change the cluster rather than use it; with admin keys (security.admin_api_keys_env) only those
+# open them, so a leaked inference key cannot resize (or empty) the pools
+ADMIN_METHODS = ("/pdcluster.v1.Inference/Scale",)
+FORBIDDEN_MESSAGE = "this is an admin call: it needs an admin key (security.admin_api_keys_env), not an inference key"
 
 
 def bearer_ok(header: str | None, keys: frozenset[str]) -> bool:
@@ -66,32 +70,53 @@ def _authorization(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls to the Inference service without a valid key with UNAUTHENTICATED."""
+    """Rejects calls to the Inference service without a valid key with UNAUTHENTICATED.
 
-    def __init__(self, keys: frozenset[str]) -> None:
+    `admin_keys` (may be empty: then `keys` open admin calls too) are the only keys that open ADMIN_METHODS; an
+    inference key there gets PERMISSION_DENIED. An admin key also opens inference calls.
+    """
+
+    def __init__(self, keys: frozenset[str], admin_keys: frozenset[str] = frozenset()) -> None:
         self.keys = keys
+        self.admin_keys = admin_keys
+
+    def _refusal(self, method: str, header: str | None) -> tuple[grpc.StatusCode, str] | None:
+        """Why a call is refused (status and message), or None when it may go through."""
+        if not method.startswith(PROTECTED_PREFIXES):
+            return None
+        if method in ADMIN_METHODS and self.admin_keys:
+            if bearer_ok(header, self.admin_keys):
+                return None
+            if self.keys and bearer_ok(header, self.keys):
+                return grpc.StatusCode.PERMISSION_DENIED, FORBIDDEN_MESSAGE
+            return grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
+        if not self.keys or bearer_ok(header, self.keys) or (self.admin_keys and bearer_ok(header, self.admin_keys)):
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
-        if (handler is None or not details.method.startswith(PROTECTED_PREFIXES)
-                or bearer_ok(_authorization(details.invocation_metadata), self.keys)):
+        header = _authorization(details.invocation_metadata)
+        refusal = None if handler is None else self._refusal(details.method, header)
+        if refusal is None:
             return handler
+        code, message = refusal
         if handler.request_streaming and handler.response_streaming:  # reflection
             async def deny_bidi(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+                await context.abort(code, message)
                 yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
             return grpc.stream_stream_rpc_method_handler(deny_bidi, handler.request_deserializer,
                                                          handler.response_serializer)
         if handler.response_streaming:
             async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+                await context.abort(code, message)
                 yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
             return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
                                                         handler.response_serializer)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+            await context.abort(code, message)
 
         return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)

@@ -32,6 +32,7 @@ from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
 from router.errors import Overloaded
 from router.flow import RequestRun
+from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
 from router.pinger import Ping, Pinger
 from router.policy import WorkerView
@@ -74,7 +75,10 @@ class Router:
         self.pinger = Pinger(self.pools)  # the one ping loop: this router's liveness and the scaler's watch read it
         self.pinger.listen(self._on_pings)
         self.health_listeners: list[Callable[[bool], None]] = []  # called when `healthy()` changes
+        self.fatal_checks: list[Callable[[], str | None]] = []  # each: why this process cannot recover, or None
+        self._dead: set[str] = set()  # workers whose actor Ray reported dead for good (no restart left)
         self.traffic = TrafficWindow(settings.slo_ttft_ms, settings.slo_itl_ms)  # what an autoscaler reads
+        self.leases = LeaseKeeper(self.pools, settings.lease_s)  # NOTE: workers abort what no live router renews
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -115,6 +119,7 @@ class Router:
                              req.request_id)
         self.inflight += 1
         self.metrics.set_inflight(self.inflight)
+        self.leases.hold(req.request_id)
         self._ensure_refresher()
         last_at, first_at, gaps = arrived, 0.0, []
         held: WorkerView | None = None
@@ -176,6 +181,7 @@ class Router:
             if held is not None:
                 held.pending_tokens -= route.decode_prefill_tokens
             tracing.end(span)
+            self.leases.release(req.request_id)
             self.inflight -= 1
             self.metrics.set_inflight(self.inflight)
 
@@ -253,11 +259,14 @@ class Router:
                                 if now - s.updated < HEALTH_STALE_S and (answering is None or n in answering)})
             except Exception as e:  # noqa: BLE001 - keep the last loads while Redis is away
                 log.debug("heartbeat refresh failed: %s", e)
+                if self._answering is not None:  # NOTE: no heartbeats to read: a worker is live while it answers
+                    self._set_live(set(self._answering))
             await asyncio.sleep(LOAD_REFRESH_S)
 
     async def _on_pings(self, pings: list[Ping]) -> None:
         """The workers whose actor answered this round within LIVE_PING_S."""
         self._answering = {p.worker.name for p in pings if not p.error and p.seconds <= LIVE_PING_S}
+        self._dead = {p.worker.name for p in pings if p.error == "ActorDiedError"}
 
     # ---- health ----------------------------------------------------------------------------------------------
     def start_health(self) -> None:
@@ -271,6 +280,17 @@ class Router:
         # NOTE: every role can prefill (a decode worker prefills when no prefill worker is left: router/flow.py,
         # stage 1), so a live worker that decodes is enough
         return any(w.role.decodes for name, w in self.pools.by_name.items() if name in self._live)
+
+    def unrecoverable(self) -> str | None:
+        """Why this router cannot serve again without a restart of its process (the liveness probe); None if it can.
+
+        NOTE: a worker that Ray is restarting, or Redis down, is not a reason (they come back by themselves); every
+        decode-capable worker dead for good (no restart left), or an embedded Redis that cannot be restarted, is.
+        """
+        decoders = [n for n, w in self.pools.by_name.items() if w.role.decodes]
+        if decoders and all(n in self._dead for n in decoders):
+            return f"every decode-capable worker is dead for good ({', '.join(sorted(decoders))})"
+        return next((reason for check in self.fatal_checks if (reason := check())), None)
 
     def _set_live(self, live: set[str]) -> None:
         was = self.healthy()
@@ -311,7 +331,8 @@ class Router:
         return out
 
     async def close(self) -> None:
-        """Stop the load refresher and the pinger."""
+        """Stop the load refresher, the pinger and the lease renewals."""
         self.pinger.close()
+        await self.leases.close()
         if self._refresher is not None:
             self._refresher.cancel()

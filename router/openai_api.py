@@ -136,7 +136,10 @@ class OpenAIFront:
                                   "worker (heartbeats in Redis)"}, status=503)
 
     async def live(self, request: web.Request) -> web.Response:
-        """Liveness of this process only: 200 while its event loop answers."""
+        """Liveness: 200 while this process serves or can recover by itself; 503 when only a restart helps."""
+        reason = self.router.unrecoverable()
+        if reason:
+            return web.json_response({"status": "dead", "reason": reason}, status=503)
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -49,7 +49,7 @@ class ChoiceBuilder:
             out = {"index": self.index, "text": text}
         out["finish_reason"] = chunk.finish_reason or None
         out["logprobs"] = self._logprobs(self._echo_entries(first) + list(chunk.logprobs))
-        if first and not self.chat and self.want_prompt_logprobs:
+        if first and self.want_prompt_logprobs:
             out["prompt_logprobs"] = self.prompt_logprobs()
         return out
 

@@ -184,6 +184,8 @@ def refuse_non_neutral(req: BaseModel) -> None:
     for name, neutral in NEUTRAL.items():
         if isinstance(req, CompletionRequest) and name == "echo":
             continue  # NOTE: a completion's echo is served (the prompt before the output); a chat's is not
+        if name == "best_of" and getattr(req, "best_of", None) == (getattr(req, "n", None) or 1):
+            continue  # NOTE: best_of = n changes nothing (vLLM's default)
         v = getattr(req, name, None)
         if v is None or any(_same(v, n) for n in neutral):
             continue

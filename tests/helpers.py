@@ -99,11 +99,12 @@ def open_kv_sender(transport: str, address: str, engine: LLMEngine, request_id: 
     """A sender of `engine`'s KV of `prompt` to `address` (not started: `prefill_layerwise` drives it)."""
     from engine.block_hash import hash_prompt_blocks
     from kv_transfer import TransferConfig, open_sender
+    from kv_transfer.pool import KVPool
 
     tc = TransferConfig(transport=transport, **config)
     hashes = hash_prompt_blocks(prompt, engine.config.block_size, engine.scope)
     sender = open_sender(tc, address, request_id, engine.kv_layout, prompt, len(prompt), hashes,
-                         sender_id=f"test-{id(engine)}")
+                         sender_id=f"test-{id(engine)}", pool=KVPool(engine))
     if sender_cls is None:
         return sender
     return sender_cls(sender.control, tc, request_id, engine.kv_layout, prompt, len(prompt), hashes,
@@ -132,6 +133,9 @@ def prefill_layerwise(engine: LLMEngine, sender: Any, prompt: list[int], params:
 def layer_sender(engine: LLMEngine, sender: Any, prompt: list[int]) -> Any:
     """The hand-over `prefill_layerwise` makes by default, for a `layers` function that wraps it."""
     def send(layer: int) -> None:
+        if sender.reads_pool:  # nixl: block ids of the pool, as the prefill worker hands them
+            sender.send_blocks(layer, engine.kv_block_ids(sender.request_id, sender.cached_blocks, len(prompt)))
+            return
         sender.send_layer(layer, *engine.read_kv_layer(sender.request_id, layer, sender.cached_blocks,
                                                        num_tokens=len(prompt)))
     return send

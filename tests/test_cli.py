@@ -66,12 +66,14 @@ def test_bench_transfer_prints_one_json_object_with_every_transport(tmp_path):
 
     out = tmp_path / "t.json"
     proc = subprocess.run([sys.executable, "-m", "pdcluster", "bench", "transfer", "--model", "tiny", "--tokens", "256",
-                           "--repeat", "1", "--overlap-repeat", "1", "--json", "--out", str(out)],
+                           "--repeat", "1", "--overlap-repeat", "1", "--idle-s", "0.2", "--json", "--out", str(out),
+                           "--transports", "grpc,torch,local,nixl,nixl-tcp"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     figures = json.loads(proc.stdout)
     assert figures == json.loads(out.read_text())
     assert figures["references"]["tcp"]["best_gb_s"] > 0 and figures["references"]["memcpy"]["best_gb_s"] > 0
-    for name in ("grpc", "torch", "local"):
+    for name in ("grpc", "torch", "local", "nixl", "nixl-tcp"):
         assert figures["transports"][name]["best_gb_s"] > 0
-    assert set(figures["overlap"]) == {"grpc", "torch"}
+    assert set(figures["overlap"]) == {"grpc", "torch", "nixl"}
+    assert figures["transports"]["nixl"]["idle_core_pct"] is not None

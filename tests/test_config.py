@@ -45,7 +45,7 @@ def test_local_yaml_is_the_embedded_laptop_default():
     assert cfg.mode == "disaggregated" and cfg.model == "smollm2"
     assert (cfg.prefill.replicas, cfg.decode.replicas) == (1, 1)
     assert cfg.ray.address == "local" and cfg.redis.url is None
-    assert cfg.transfer.transport == "grpc"
+    assert cfg.transfer.transport == "nixl"
     assert (cfg.router.host, cfg.router.port) == ("127.0.0.1", 50051)
     for pool in (cfg.prefill, cfg.decode):
         assert (pool.num_cpus, pool.torch_threads) == (1, 1)
@@ -116,9 +116,10 @@ BAD = {
     "zero cpus": (lines("decode:", "  num_cpus: 0"), "decode.num_cpus", 2, ["greater than 0"]),
     "transport local": (lines("transfer:", "  transport: local"), "transfer.transport", 2, ["separate processes"]),
     "transport carrier-pigeon": (lines("transfer:", "  transport: carrier-pigeon"), "transfer.transport", 2,
-                                 ["'grpc' or 'torch'"]),
+                                 ["'grpc', 'torch' or 'nixl'"]),
     "bad dtype": (lines("prefill:", "  dtype: fp8"), "prefill.dtype", 2, ["'bfloat16'"]),
     "nccl over grpc": (lines("transfer:", "  torch_backend: nccl"), "transfer.torch_backend", 2, ["transport 'torch'"]),
+    "tls over nixl": (lines("transfer:", "  transport: nixl", "  tls: true"), "transfer.tls", 3, ["'nixl'"]),
     "nccl with cpu pools": (lines("transfer:", "  transport: torch", "  torch_backend: nccl"),
                             "transfer.torch_backend", 3, ["prefill.device and decode.device", "'cuda'"]),
     "nccl with one cpu pool": (lines("transfer: {transport: torch, torch_backend: nccl}",

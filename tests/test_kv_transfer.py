@@ -15,7 +15,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, payload
-from kv_transfer.grpc_transport import GrpcKVSender
+from kv_transfer.transports.grpc_transport import GrpcKVSender
 from tests.helpers import (
     assert_idle,
     free_blocks,
@@ -28,7 +28,7 @@ from tests.helpers import (
     run_to_completion,
 )
 
-TRANSPORTS = ["grpc", "torch", "local"]
+TRANSPORTS = ["grpc", "torch", "local", "nixl"]
 N = 8
 FIRST = SamplingParams(max_tokens=1, temperature=0)
 PROMPT = random_prompts(1, [90], vocab=1000, seed=5)[0]  # 5 full blocks + 10 tokens
@@ -96,7 +96,7 @@ def test_layers_are_handed_over_in_order_during_the_prefill_step(tiny):
     assert all(running for _, running in seen)  # each layer arrives before the step (and the prefill) ends
 
 
-@pytest.mark.parametrize("transport", ["grpc", "local"])
+@pytest.mark.parametrize("transport", ["grpc", "local", "nixl"])
 def test_only_missing_blocks_move_when_the_receiver_caches_the_prefix(tiny, endpoints, transport):
     shared = random_prompts(1, [64], vocab=1000, seed=9)[0]  # 4 full blocks
     p1, p2 = shared + PROMPT[:20], shared + PROMPT[20:50]
@@ -208,7 +208,7 @@ def test_sender_abort_frees_the_receivers_reservation(tiny, endpoints, transport
 # (a live one keeps it with keep-alives while its prompt waits for prefill)
 
 
-@pytest.mark.parametrize("transport", ["grpc"])  # torch: a killed receiver process, test_kv_transfer_processes.py
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])  # torch: a killed receiver, test_kv_transfer_processes.py
 def test_receiver_gone_fails_the_sender_fast_and_the_prefill_side_is_idle(tiny, endpoints, transport):
     a, ep = engine(tiny), endpoints(transport)
     finished = threading.Event()

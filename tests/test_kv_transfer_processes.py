@@ -33,18 +33,18 @@ def _config(model: str) -> EngineConfig:
     return EngineConfig(num_threads=1, num_blocks=64 if model == "tiny" else None, kv_cache_memory_gb=0.25)
 
 
-def _receiver_child(conn, model: str) -> None:  # runs in a spawned process: a decode-side engine behind an endpoint
+def _receiver_child(conn, model: str, transport: str = "torch") -> None:  # a decode-side engine behind an endpoint
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         engine = LLMEngine(load_model(model), _config(model))
-        ep = ReceiverEndpoint(engine, TransferConfig(transport="torch"))  # serves grpc and torch
+        ep = ReceiverEndpoint(engine, TransferConfig(transport=transport))  # serves grpc, and torch or nixl
         conn.send(("ready", ep.address, engine.stats()))
         while True:
             op, *args = conn.recv()
             if op == "stop":
                 return
             if op == "stats":
-                conn.send(("stats", engine.stats()))
+                conn.send(("stats", engine.stats(), ep.receiver.num_inflight))
                 continue
             rid, max_tokens = args
             if ep.receiver.wait(rid, 60) is not TransferState.DONE:
@@ -142,10 +142,10 @@ def _sender_child(conn, address: str, transport: str, prompt: list[int]) -> None
         conn.send(("error", traceback.format_exc()))
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch"])
+@pytest.mark.parametrize("transport", ["grpc", "torch", "nixl"])
 def test_a_sender_killed_mid_stream_leaves_no_reservation_behind(tiny, transport):
     b = LLMEngine(tiny, _config("tiny"))
-    ep = ReceiverEndpoint(b, TransferConfig(transport="torch"))
+    ep = ReceiverEndpoint(b, TransferConfig(transport="nixl" if transport == "nixl" else "torch"))
     try:
         baseline = free_blocks(b)
         prompt = random_prompts(1, [90], vocab=1000, seed=5)[0]
@@ -162,9 +162,9 @@ def test_a_sender_killed_mid_stream_leaves_no_reservation_behind(tiny, transport
         ep.close()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch"])
+@pytest.mark.parametrize("transport", ["grpc", "torch", "nixl"])
 def test_a_killed_receiver_fails_the_sender_fast_and_the_prefill_side_is_idle(tiny, transport):
-    child = Child(_receiver_child, "tiny")
+    child = Child(_receiver_child, "tiny", "nixl" if transport == "nixl" else "torch")
     _, address, _ = child.recv()
     a = LLMEngine(tiny, _config("tiny"))
     baseline = free_blocks(a)

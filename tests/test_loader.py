@@ -342,3 +342,15 @@ def test_hf_config_eos_bias_and_unsupported():
         with pytest.raises(ModelLoadError) as err:
             config_from_hf(BASE_HF | bad, {}, name="m", model_id="m-1")
         assert err.value.field == "model"
+
+
+def test_a_gguf_loads_into_bfloat16_from_the_cache_and_a_miss_writes_no_float32_cache(cache, tiny_gguf):
+    # NOTE: the cache holds float32; a bf16 load converts tensor by tensor and, on a miss, never builds the float32
+    # model to write it (issue 26: an 8B model must load to a GPU without a float32 host copy)
+    path, (first_cache, first) = tiny_gguf
+    miss = load_model(path, dtype="bfloat16")
+    assert {w.dtype for w in miss.weights.values()} == {torch.bfloat16} and not os.path.exists(cache)
+    shutil.copytree(first_cache, cache)
+    hit = load_model(path, dtype="bfloat16")
+    assert all(torch.equal(hit.weights[k], w.bfloat16()) for k, w in first.weights.items())
+    assert all(torch.equal(miss.weights[k], w) for k, w in hit.weights.items())

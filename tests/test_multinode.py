@@ -37,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "multinode.sh"
 SUBNET = "10.78.0"  # NOTE: not the demo's 10.77.0, so a demo left running never meets the tests
 NET = {"PDC_MN_PREFIX": "pdcmt", "PDC_MN_SUBNET": SUBNET, "PDC_MN_PORT": "26479", "PDC_MN_DIR": "/tmp/pdcmt",
+       "PDCLUSTER_REDIS_PASSWORD": "multinode-test-redis-pw",  # deploy/cpu-multinode.yaml's redis.password_env
        "PDC_MN_NODES": "prefill decode decode"}
 NODE_OF_IP = {f"{SUBNET}.2": "n1", f"{SUBNET}.3": "n2", f"{SUBNET}.4": "n3"}
 ROUTER = f"{SUBNET}.1:50051"
@@ -173,7 +174,8 @@ def node_of_worker(name: str, status: dict[str, Any]) -> str:
     """The node a worker runs on: a decode worker's KV address, or the node whose address serves its /metrics."""
     if status[name].address:
         return NODE_OF_IP[status[name].address.rsplit(":", 1)[0]]
-    port = int(redis.Redis.from_url(REDIS_URL).hget(f"pdc:hb:{name}", "metrics_port") or 0)
+    port = int(redis.Redis.from_url(REDIS_URL, password=NET["PDCLUSTER_REDIS_PASSWORD"]).hget(
+        f"pdc:hb:{name}", "metrics_port") or 0)
     for ip, node in NODE_OF_IP.items():
         try:
             with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=5) as r:
@@ -186,12 +188,12 @@ def node_of_worker(name: str, status: dict[str, Any]) -> str:
 
 def index_entries(name: str) -> int:
     """Prefix-index entries naming worker `name`: its block set, its heartbeat, and block keys naming it."""
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(REDIS_URL, password=NET["PDCLUSTER_REDIS_PASSWORD"])
     named = sum(1 for key in r.scan_iter(match="pdc:blk:*") if r.hexists(key, name))
     return named + r.exists(f"pdc:wblk:{name}", f"pdc:hb:{name}")
 
 
-@pytest.mark.parametrize("transport", ["torch", "grpc"])
+@pytest.mark.parametrize("transport", ["torch", "nixl", "grpc"])  # NOTE: grpc last: the tests below serve on it
 def test_sixteen_requests_cross_nodes_token_exact(nodes, smollm2, transport):
     serve = serving(nodes, transport)
     texts = unique_prompts(transport, 16)

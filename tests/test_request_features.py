@@ -206,10 +206,17 @@ def test_tokenize_detokenize_and_models(front):
     assert models.data[0].model_extra["max_model_len"] == server.router.info.max_model_len
 
 
-# Fields refused before issue 28 (a value that changes the answer) and the vLLM ranges each is served in
-SERVED = [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
-          ("min_p", 0.1), ("logit_bias", {"42": 5}), ("logprobs", 2), ("echo", True), ("prompt_logprobs", 1),
-          ("return_tokens_as_token_ids", True)]
+# Fields refused before issue 28 (a value that changes the answer), a value each is served at, and what shows it
+SERVED: list[tuple[str, Any, Any]] = [
+    ("n", 2, lambda b: len(b["choices"]) == 2),
+    ("presence_penalty", 0.5, None), ("frequency_penalty", -0.5, None), ("repetition_penalty", 1.2, None),
+    ("min_p", 0.1, None),
+    ("logit_bias", {"42": 100}, lambda b: b["choices"][0]["text"] == "::"),  # token 42 is ":": forced
+    ("logprobs", 2, lambda b: len(b["choices"][0]["logprobs"]["token_logprobs"]) == 2),
+    ("echo", True, lambda b: b["choices"][0]["text"].startswith("Hello")),
+    ("prompt_logprobs", 1, lambda b: len(b["choices"][0]["prompt_logprobs"]) == b["usage"]["prompt_tokens"]),
+    ("return_tokens_as_token_ids", True, None),  # changes the logprobs' token names (the tests above)
+]
 CHAT_SERVED = [("logprobs", True), ("top_logprobs", 0)]
 STILL_REFUSED = [("best_of", 3), ("suffix", "x"), ("min_tokens", 2), ("use_beam_search", True),
                  ("include_stop_str_in_output", True), ("spaces_between_special_tokens", False)]
@@ -220,10 +227,10 @@ def test_every_field_refused_before_is_served_or_named(front):
     server, port, _ = front
     base = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "temperature": 0.5, "seed": 1}
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    for field, value in SERVED:
+    for field, value, shows in SERVED:
         status, body = post(port, "/v1/completions", {**base, field: value})
         assert status == 200, (field, body)
-        assert len(body["choices"]) == (value if field == "n" else 1)
+        assert shows is None or shows(body), (field, body)
     for field, value in CHAT_SERVED:
         status, body = post(port, "/v1/chat/completions", {**chat, "logprobs": True, field: value})
         assert status == 200 and body["choices"][0]["logprobs"]["content"], (field, body)

@@ -78,6 +78,10 @@ def test_a_field_refused_before_is_served_now(field, value, attr, carried):
     assert getattr(sampling_fields(req, 8), attr) == carried
 
 
+def test_best_of_equal_to_n_changes_nothing_and_is_taken():
+    assert sampling_fields(parse(CompletionRequest, {**BENCH_COMPLETION, "n": 2, "best_of": 2}), 8).n == 2
+
+
 @pytest.mark.parametrize("field, value", STILL_REFUSED)
 def test_a_field_that_would_change_the_answer_is_refused_naming_it(field, value):
     with pytest.raises(InvalidRequestError) as e:

@@ -1,156 +1,30 @@
 """Attention over paged KV blocks, for a flat batch of decode tokens and variable-length prefill chunks.
 
-`paged_attention` is the one kernel seam. Two backends behind it:
+`paged_attention` is the one kernel seam. Three backends behind it (engine.attention.select_backend picks one):
 - the compiled kernel (engine/csrc/, planned by engine/attention/inplace.py): reads K/V in place from the paged
   cache for decode and for short prefill chunks with cached context (long ones: gather + SDPA), and attends
   prefixes that several decode entries share once for all of them (cascade, engine/attention/cascade.py). It
   handles float32/bf16/fp16 and int8 caches.
-- the pure-torch gather path (this module): gathers each sequence's blocks into fresh tensors, then SDPA. Used when
-  the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
-Prefill chunks that start their sequence attend their own new K/V with SDPA in both: one fused (flash) SDPA call
-per chunk with GQA (`prefill="flash"`, the default), or the older 128-row chunks through SDPA's math path
-(`prefill="chunked"`, kept as the measured baseline of `pdcluster bench engine`).
-Everything that depends only on the batch (slots, plans, padded block tables, masks) is built once per step in
-`AttentionMetadata` and shared by all layers.
+- the pure-torch gather path (this module): gathers each sequence's blocks into fresh tensors, then SDPA, on any
+  device. Used when the kernel is not built or `PDCLUSTER_ATTENTION=gather` (engine/kernels.py).
+- the Triton kernels (engine/attention/triton_backend.py): paged decode with split-KV, varlen prefill over a cached
+  context, the KV write; the default on CUDA.
+Prefill chunks that start their sequence attend their own new K/V with SDPA (the Triton backend: only long ones):
+one fused (flash) SDPA call per chunk with GQA (`prefill="flash"`, the default), or the older 128-row chunks through
+SDPA's math path (`prefill="chunked"`, kept as the measured baseline of `pdcluster bench engine`).
+Everything that depends only on the batch (slots, plans, padded block tables, masks) is built on the host once per
+step in `AttentionMetadata` (engine/attention/metadata.py), moved to the device with one copy and shared by all
+layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-from engine.attention.inplace import KernelPlan, build_plan, in_place
-from engine.kernels import attention_kernel
+from engine.attention import triton_backend
+from engine.attention.metadata import PREFILL_CHUNK, AttentionMetadata, PrefillSpan
 from engine.kv_quant import gather_dequantized, write_quantized
-
-# NOTE: prefill="chunked" processes queries in chunks of this many rows (a boolean mask per chunk), which sends SDPA
-# down its math path (the broadcast GQA and the mask). prefill="flash" makes one SDPA call per prefill chunk with
-# enable_gqa and is_causal (or one boolean mask over its cached context), which torch's CPU flash kernel takes:
-# 1.5x faster on a 1,000-token prompt and ~5x on 32 rows over 900 cached tokens, per layer, on one core.
-PREFILL_CHUNK = 128
-PREFILL_MODES = ("flash", "chunked")
-
-
-@dataclass
-class PrefillSpan:
-    """A chunk of `q_len` query tokens of one sequence, starting at flat index `q_start`."""
-
-    q_start: int
-    q_len: int
-    context_len: int  # tokens with KV after this step (cached prefix + this chunk)
-    block_table: torch.Tensor  # [num_blocks] long
-    has_context: bool  # False when the chunk starts the sequence (its own K/V are all it attends to)
-    # chunked: per query chunk of PREFILL_CHUNK rows, [rows, keys up to its horizon] bool; flash: one
-    # [q_len, context_len] bool mask for a chunk with context, none without (is_causal); none when in_plan
-    masks: list[torch.Tensor]
-    in_plan: bool = False  # attended by the kernel's plan (then `masks` is empty)
-    flash: bool = True  # one fused SDPA call (prefill="flash") rather than PREFILL_CHUNK-row chunks
-
-
-@dataclass
-class DecodeGroup:
-    """Decode entries of similar context length, attended in one padded call."""
-
-    rows: torch.Tensor  # [n] long: their indices in the flat batch
-    block_tables: torch.Tensor  # [n, max_blocks] long, padded with block 0
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: True = attend
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step layout of the flat token batch: `num_decode` single-token entries, then prefill spans."""
-
-    slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset, where each new token's K/V goes
-    num_decode: int
-    decode_groups: list[DecodeGroup]  # gather path only
-    prefills: list[PrefillSpan]
-    plan: KernelPlan | None = None  # kernel path: every decode entry and prefill chunk with context
-
-    @staticmethod
-    def build(
-        block_tables: list[list[int]], starts: list[int], num_new: list[int], block_size: int,
-        kernel: ModuleType | None | Literal["auto"] = "auto", cascade: bool = True,
-        prefill: Literal["flash", "chunked"] = "flash",
-    ) -> AttentionMetadata:
-        """Lay out a step: sequence i computes tokens [starts[i], starts[i] + num_new[i]) (decode entries first).
-
-        `kernel`: the compiled kernel module, None for the gather path, "auto" for whatever engine/kernels.py
-        provides. `cascade`: attend shared prefixes of decode entries once per group (kernel path). `prefill`: how
-        prefill chunks the plan does not cover run SDPA (PREFILL_MODES).
-        """
-        if kernel == "auto":
-            kernel = attention_kernel()
-        slots: list[torch.Tensor] = []
-        num_decode = 0
-        while num_decode < len(num_new) and num_new[num_decode] == 1:
-            num_decode += 1
-        tables = [torch.tensor(t, dtype=torch.long) for t in block_tables]
-        for table, start, n in zip(tables, starts, num_new):
-            pos = torch.arange(start, start + n)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        plan = None
-        if kernel is not None:
-            plan = build_plan(kernel, block_tables, starts, num_new, num_decode, block_size, cascade,
-                              prefill == "flash")
-            groups = []
-        else:
-            groups = _decode_groups(tables[:num_decode], starts[:num_decode], block_size)
-        prefills: list[PrefillSpan] = []
-        q_start = num_decode
-        for table, start, n in zip(tables[num_decode:], starts[num_decode:], num_new[num_decode:]):
-            # NOTE: SDPA masks only for the chunks the kernel's plan does not cover.
-            flash = prefill == "flash"
-            planned = plan is not None and in_place(start, n, flash)
-            masks = [] if planned else _flash_mask(start, n) if flash else _chunk_masks(start, n)
-            prefills.append(PrefillSpan(q_start, n, start + n, table, start > 0, masks, planned, flash))
-            q_start += n
-        return AttentionMetadata(torch.cat(slots), num_decode, groups, prefills, plan)
-
-
-# NOTE: a padded decode call costs (entries x longest context); one 1,500-token context among short ones would
-# make every entry pay for 1,500 keys. Entries are grouped so no group pads to more than this x its shortest.
-DECODE_PAD_RATIO = 2.0
-
-
-def _decode_groups(tables: list[torch.Tensor], starts: list[int], block_size: int) -> list[DecodeGroup]:
-    """Decode entries sorted by context and cut into groups whose padding stays within DECODE_PAD_RATIO."""
-    order = sorted(range(len(tables)), key=lambda i: len(tables[i]))
-    cuts: list[list[int]] = []
-    for i in order:
-        if cuts and len(tables[i]) <= DECODE_PAD_RATIO * len(tables[cuts[-1][0]]):
-            cuts[-1].append(i)
-        else:
-            cuts.append([i])
-    groups = []
-    for idx in cuts:
-        max_blocks = len(tables[idx[-1]])
-        bt = torch.zeros(len(idx), max_blocks, dtype=torch.long)
-        for row, i in enumerate(idx):
-            bt[row, : len(tables[i])] = tables[i]
-        ctx = torch.tensor([starts[i] + 1 for i in idx])  # [n]
-        mask = (torch.arange(max_blocks * block_size)[None, :] < ctx[:, None])[:, None, None, :]
-        groups.append(DecodeGroup(torch.tensor(idx, dtype=torch.long), bt, mask))
-    return groups
-
-
-def _chunk_masks(start: int, n: int) -> list[torch.Tensor]:
-    """Causal masks of the query chunks of positions start..start+n-1 (key j visible to query i iff j <= i)."""
-    masks = []
-    for c in range(0, n, PREFILL_CHUNK):
-        horizon = start + min(c + PREFILL_CHUNK, n)
-        masks.append(torch.arange(horizon)[None, :] <= torch.arange(start + c, horizon)[:, None])
-    return masks
-
-
-def _flash_mask(start: int, n: int) -> list[torch.Tensor]:
-    """prefill="flash": no mask for a chunk that starts its sequence (is_causal), else one [n, start + n] bool."""
-    if start == 0:
-        return []
-    return [torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]]
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: list[torch.Tensor],
@@ -163,8 +37,17 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: list[torch.
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their slots of the paged cache."""
+             slots: torch.Tensor | AttentionMetadata) -> None:
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their slots of the paged cache.
+
+    `slots`: the step's metadata (its backend's write: a Triton kernel on the triton backend) or its slot mapping.
+    """
+    if isinstance(slots, AttentionMetadata):
+        if slots.backend == "triton":
+            triton_backend.write(k_cache, v_cache, k, v, slots.slot_mapping)
+            return
+        slots = slots.slot_mapping
+    slot_mapping = slots
     if k_cache.dtype == torch.int8:
         write_quantized(k_cache, k, slot_mapping)
         write_quantized(v_cache, v, slot_mapping)
@@ -181,7 +64,7 @@ def _causal_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: lis
     kvh = k.shape[0]
     qg = q.view(kvh, h // kvh, n, d)  # GQA: query heads grouped under their KV head
     kb, vb = k.unsqueeze(1), v.unsqueeze(1)  # [KVH, 1, L, D], broadcast over the group
-    out = torch.empty(kvh, h // kvh, n, d, dtype=q.dtype)
+    out = torch.empty(kvh, h // kvh, n, d, dtype=q.dtype, device=q.device)
     for i, mask in enumerate(masks):
         c, horizon = i * PREFILL_CHUNK, mask.shape[1]
         rows = slice(c, c + mask.shape[0])
@@ -207,7 +90,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of every query token over its sequence's cached context."""
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.triton is not None:
+        triton_backend.attend(q, k, v, k_cache, v_cache, meta.triton, scale, out)
+        return out
     h = q.shape[1]
     kvh, d = k.shape[1:]
     if meta.plan is not None:

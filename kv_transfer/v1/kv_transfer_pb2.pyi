@@ -23,7 +23,7 @@ class KVLayout(_message.Message):
     def __init__(self, scope: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id")
+    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id", "nixl_agent", "nixl_known")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class PrepareRequest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
+    NIXL_KNOWN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -40,7 +42,27 @@ class PrepareRequest(_message.Message):
     transport: str
     deadline_ms: int
     sender_id: str
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ...) -> None: ...
+    nixl_agent: str
+    nixl_known: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ...) -> None: ...
+
+class NixlTarget(_message.Message):
+    __slots__ = ("agent", "metadata", "kv_addr", "pool_blocks", "mem_type", "device_id", "block_ids")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDR_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    metadata: bytes
+    kv_addr: int
+    pool_blocks: int
+    mem_type: str
+    device_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., kv_addr: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TorchRendezvous(_message.Message):
     __slots__ = ("host", "port", "group_key", "backend", "tag", "device")
@@ -59,16 +81,18 @@ class TorchRendezvous(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group_key: _Optional[str] = ..., backend: _Optional[str] = ..., tag: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
-    __slots__ = ("transfer_id", "cached_blocks", "num_blocks", "torch")
+    __slots__ = ("transfer_id", "cached_blocks", "num_blocks", "torch", "nixl")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TORCH_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     cached_blocks: int
     num_blocks: int
     torch: TorchRendezvous
-    def __init__(self, transfer_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., torch: _Optional[_Union[TorchRendezvous, _Mapping]] = ...) -> None: ...
+    nixl: NixlTarget
+    def __init__(self, transfer_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., torch: _Optional[_Union[TorchRendezvous, _Mapping]] = ..., nixl: _Optional[_Union[NixlTarget, _Mapping]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("transfer_id",)
@@ -121,13 +145,25 @@ class CommitResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason")
+    __slots__ = ("transfer_id", "reason", "quiesced")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    QUIESCED_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    quiesced: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., quiesced: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("agent",)
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    def __init__(self, agent: _Optional[str] = ...) -> None: ...
+
+class WatchResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

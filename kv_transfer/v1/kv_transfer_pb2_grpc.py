@@ -59,6 +59,11 @@ class KVTransferStub:
                 request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/pdcluster.v1.KVTransfer/Watch',
+                request_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.WatchResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -94,6 +99,13 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """nixl: open while the sender may write
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +133,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortRequest.FromString,
                     response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.WatchRequest.FromString,
+                    response_serializer=kv__transfer_dot_v1_dot_kv__transfer__pb2.WatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +275,33 @@ class KVTransfer:
             '/pdcluster.v1.KVTransfer/Abort',
             kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortRequest.SerializeToString,
             kv__transfer_dot_v1_dot_kv__transfer__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdcluster.v1.KVTransfer/Watch',
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.WatchRequest.SerializeToString,
+            kv__transfer_dot_v1_dot_kv__transfer__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,9 @@ import torch
 
 from pdcluster.bench.engine_attention import add_arguments as add_attention_arguments
 from pdcluster.bench.engine_attention import format_attention, measure_attention
+from pdcluster.bench.engine_device import DEFAULT_OUT as DEFAULT_DEVICE_OUT
+from pdcluster.bench.engine_device import add_arguments as add_device_arguments
+from pdcluster.bench.engine_device import format_device, measure_device
 from pdcluster.bench.engine_features import add_arguments as add_features_arguments
 from pdcluster.bench.engine_features import format_features, measure_features
 from pdcluster.bench.engine_grammar import add_arguments as add_grammar_arguments
@@ -42,7 +45,8 @@ DEFAULT_OUT = "results/bench_engine.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', a .gguf file or a Hugging Face directory")
+    p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny', 'random:<arch>' (e.g. random:llama-3.1-8b), "
+                                                      "a .gguf file or a Hugging Face directory")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads for both engines")
     p.add_argument("--batches", default="1,8,16", help="comma-separated batch sizes")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill measurement")
@@ -59,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_attention_arguments(p)
     add_step_arguments(p)
     add_features_arguments(p)
+    add_device_arguments(p)
     add_grammar_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
@@ -307,5 +312,8 @@ def format_variants(v: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device is not None:  # NOTE: the device bench (pdcluster/bench/engine_device.py), e.g. --device cuda
+        out = DEFAULT_DEVICE_OUT if args.out == DEFAULT_OUT else args.out
+        return emit("engine", measure_device(args), out, args.json, format_device)
     r = measure(args)
     return emit("engine", r, args.out, args.json, format_table)

@@ -35,8 +35,14 @@ from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, cpu_seco
 from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender, Timing, cpu_since
 
 DEFAULT_OUT = "results/bench_transfer.json"
-TARGETS = {"grpc": 0.60, "torch": 0.80}  # fraction of raw TCP, from the KV transfer issue
-REFERENCE_OF = {"grpc": "tcp", "torch": "tcp", "local": "memcpy"}
+# fraction of raw TCP (the transfer issues)
+TARGETS = {"grpc": 0.60, "torch": 0.80, "nixl": 1.5, "nixl-tcp": 0.8, "nixl-scatter": 0.6}
+REFERENCE_OF = {"grpc": "tcp", "torch": "tcp", "local": "memcpy", "nixl": "tcp", "nixl-tcp": "tcp",
+                "nixl-scatter": "tcp"}
+# NOTE: "nixl-tcp" is nixl with UCX_TLS=tcp (as between hosts), run by a child bench process: UCX reads its
+# environment once per process, and both ends must use the same transports
+CHOICES = (*TRANSPORTS, "nixl-tcp", "nixl-scatter")  # nixl-scatter: 30 layers x 32 scattered 64 KiB blocks
+IDLE_S = 3.0  # default of --idle-s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,11 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed sends per transport (best and median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed sends per transport first")
     p.add_argument("--overlap-repeat", type=int, default=2, help="layer-wise overlap rounds per transport (0: skip)")
-    p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated subset of grpc,torch,local")
+    p.add_argument("--transports", default=",".join(CHOICES), help=f"comma-separated subset of {','.join(CHOICES)}")
     p.add_argument("--grpc-streams", type=int, default=TransferConfig.grpc_streams, help="grpc: parallel Push streams")
     p.add_argument("--chunk-bytes", type=int, default=TransferConfig.chunk_bytes, help="grpc: bytes per chunk")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="both ends' KV cache: the model's dtype, or int8 blocks with per-block-per-head scales")
+    p.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds each receiver process is watched idle, "
+                   "its transport up (0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -104,6 +112,52 @@ def tcp_figures(nbytes: int, warmup: int, repeat: int) -> dict[str, Any]:
     return _figures([r.seconds for r in runs[warmup:]], nbytes, runs[warmup:])
 
 
+def idle_core_pct(pid: int, seconds: float) -> float | None:
+    """% of one core process `pid` uses over `seconds` while nothing is sent to it (its transport up)."""
+    t0, c0 = time.perf_counter(), cpu_seconds(pid)
+    time.sleep(seconds)
+    c1 = cpu_seconds(pid)
+    return 100 * (c1 - c0) / (time.perf_counter() - t0) if c0 is not None and c1 is not None else None
+
+
+def _child_nixl_tcp(args: argparse.Namespace, refs: dict[str, Any]) -> dict[str, Any]:
+    """nixl over UCX's TCP transport: this bench's nixl row from a child process run with UCX_TLS=tcp."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/nixl-tcp.json"
+        cmd = [sys.executable, "-m", "pdcluster", "bench", "transfer", "--transports", "nixl", "--model", args.model,
+               "--tokens", str(args.tokens), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
+               "--overlap-repeat", "0", "--kv-cache-dtype", args.kv_cache_dtype, "--idle-s", str(args.idle_s),
+               "--out", out]
+        done = subprocess.run(cmd, env={**os.environ, "UCX_TLS": "tcp"}, stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise BenchError(f"nixl-tcp: the child bench failed (exit {done.returncode})")
+        with open(out) as f:
+            row: dict[str, Any] = json.load(f)["transports"]["nixl"]
+    row |= {"reference": "tcp", "ratio": row["best_gb_s"] / refs["tcp"]["best_gb_s"], "target": TARGETS["nixl-tcp"]}
+    row["target_met"] = row["ratio"] >= row["target"]
+    return row
+
+
+def _scatter(args: argparse.Namespace, refs: dict[str, Any]) -> dict[str, Any]:
+    """The scattered-blocks case (transfer_scatter.py) against raw TCP (per byte: its payload differs)."""
+    from pdcluster.bench import transfer_scatter as sc
+
+    peer = Peer("nixl-scatter", sc.scatter_sink)
+    try:
+        info = peer.address  # NOTE: the sink sends its agent and pool where other peers send an address
+        runs = sc.scatter_round(peer.conn, info, args.warmup + args.repeat)[args.warmup :]  # type: ignore[arg-type]
+    finally:
+        peer.close()
+    row = _figures(runs, sc.nbytes())
+    row |= {"reference": "tcp", "ratio": row["best_gb_s"] / refs["tcp"]["best_gb_s"], "target": TARGETS["nixl-scatter"]}
+    row["target_met"] = row["ratio"] >= row["target"]
+    return row
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from engine import EngineConfig
     from engine.loader import load_model
@@ -112,9 +166,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: a receiver that goes away makes gRPC log GOAWAY at info level on the channels this process keeps
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     names = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if bad := [t for t in names if t not in TRANSPORTS]:
-        raise BenchError(f"--transports: unknown {', '.join(bad)}; choose from {', '.join(TRANSPORTS)}")
-    transports = [t for n in names for t in TRANSPORTS if t == n]
+    if bad := [t for t in names if t not in CHOICES]:
+        raise BenchError(f"--transports: unknown {', '.join(bad)}; choose from {', '.join(CHOICES)}")
+    transports = [t for n in names for t in CHOICES if t == n]
     if args.tokens < 1 or args.repeat < 1 or args.warmup < 0 or args.overlap_repeat < 0:
         raise BenchError("--tokens and --repeat must be >= 1, --warmup and --overlap-repeat >= 0")
     torch.set_num_threads(1)
@@ -134,12 +188,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     overlap: dict[str, dict[str, Any]] = {}
     for name in transports:
+        if name == "nixl-scatter":
+            _log("nixl-scatter: 30 layers x 32 scattered 64 KiB blocks")
+            results[name] = _scatter(args, refs)
+            continue
+        if name == "nixl-tcp":
+            _log("nixl-tcp: a child bench with UCX_TLS=tcp")
+            results[name] = _child_nixl_tcp(args, refs)
+            continue
         _log(f"{name}: starting the receiver")
         peer: LocalPeer | Peer = (LocalPeer(loaded, num_blocks, max_batched, args.kv_cache_dtype) if name == "local"
                      else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched, args.kv_cache_dtype))
         try:
-            tc = TransferConfig(transport=name, deadline_s=DEADLINE_S, grpc_streams=args.grpc_streams,
-                                chunk_bytes=args.chunk_bytes)
+            tc = TransferConfig(transport=name, deadline_s=DEADLINE_S,  # type: ignore[arg-type]
+                                grpc_streams=args.grpc_streams, chunk_bytes=args.chunk_bytes)
             _log(f"{name}: {args.warmup} + {args.repeat} sends of the payload")
             runs = [sender.send(tc, peer, payload) for _ in range(args.warmup + args.repeat)][args.warmup :]
             row = _figures([r.seconds for r in runs], nbytes, runs)
@@ -151,6 +213,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if name != "local" and args.overlap_repeat:
                 _log(f"{name}: layer-wise overlap, {args.overlap_repeat} round(s) of 3 prefills")
                 overlap[name] = sender.overlap(tc, peer, args.overlap_repeat)
+            if peer.pid is not None and args.idle_s > 0:
+                row["idle_core_pct"] = idle_core_pct(peer.pid, args.idle_s)
         finally:
             peer.close()
     return {
@@ -161,7 +225,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "block_size": sender.engine.config.block_size, "prefill_s": payload_prefill_s},
         "workload": {"repeat": args.repeat, "warmup": args.warmup, "overlap_repeat": args.overlap_repeat,
                      "prefill_threads": 1, "deadline_s": DEADLINE_S, "grpc_streams": args.grpc_streams,
-                     "chunk_bytes": args.chunk_bytes},
+                     "chunk_bytes": args.chunk_bytes, "idle_s": args.idle_s},
         "references": refs, "transports": results, "overlap": overlap,
         "runtime_s": time.perf_counter() - t_start,
     }
@@ -173,17 +237,20 @@ def format_table(r: dict[str, Any]) -> str:
              f"{p['num_layers']} layers, {r['dtype']}: {p['bytes'] / 1e6:.1f} MB; best/median of {w['repeat']} "
              f"after {w['warmup']} warm-up; {r['machine']['cores']} cores, torch {r['machine']['torch']}",
              f"grpc: {w['grpc_streams']} streams, {w['chunk_bytes'] / 2**20:g} MiB chunks; CPU s/GB: CPU time of the "
-             "sending / receiving process per GB (local: both in one process)",
-             f"{'':8}{'best GB/s':>10}{'median GB/s':>13}{'CPU s/GB':>10}{'':>6}{'ratio':>8}  {'of':<7}{'target':>8}"
-             "  met"]
+             "sending / receiving process per GB (local: both in one process); idle %core: the receiver process's CPU "
+             f"over {r['workload']['idle_s']:g} s with nothing sent; nixl-tcp: nixl with UCX_TLS=tcp (a child bench)",
+             f"{'':13}{'best GB/s':>10}{'median GB/s':>13}{'CPU s/GB':>10}{'':>6}{'ratio':>8}  {'of':<7}{'target':>8}"
+             f"  met{'idle %core':>12}"]
     for name, row in [*r["references"].items(), *r["transports"].items()]:
         cpu = "/".join(f"{row[k]:.2f}" if row.get(k) is not None else "-"
                        for k in ("sender_cpu_s_per_gb", "receiver_cpu_s_per_gb"))
-        line = f"{name:8}{row['best_gb_s']:10.2f}{row['median_gb_s']:13.2f}{cpu:>16}"
+        line = f"{name:13}{row['best_gb_s']:10.2f}{row['median_gb_s']:13.2f}{cpu:>16}"
         if "ratio" in row:
             line += f"{row['ratio']:8.2f}  {row['reference']:<7}"
-            if row["target"] is not None:
-                line += f"{'>= ' + format(row['target'], '.2f'):>8}  {'yes' if row['target_met'] else 'NO'}"
+            line += (f"{'>= ' + format(row['target'], '.2f'):>8}  {'yes' if row['target_met'] else 'NO ':3}"
+                     if row["target"] is not None else f"{'':13}")
+            if row.get("idle_core_pct") is not None:
+                line += f"{row['idle_core_pct']:12.2f}"
         lines.append(line)
     if r["overlap"]:
         lines += ["", f"layer-wise overlap: 1-thread prefill of {p['tokens']} tokens, medians of "

@@ -35,6 +35,7 @@ class Payload:
     first_token_ids: list[int]
     layers: Layers
     crc: int
+    block_ids: list[int]  # the prompt's blocks in the sender's pool, pinned there (nixl sends from them)
 
     @property
     def nbytes(self) -> int:
@@ -102,21 +103,24 @@ class PrefillSender:
                 for layer in range(self.engine.kv_layout.num_layers)]
 
     def payload(self) -> Payload:
-        """A fresh prompt prefilled, its layers read as they are computed (and released)."""
+        """A fresh prompt prefilled, its layers read as they are computed (and released; its blocks stay pinned)."""
         prompt, rid = self.prompt(), self.rid("payload")
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         first = self.prefill(rid, prompt, lambda layer: layers.append(
             self.engine.read_kv_layer(rid, layer, 0, num_tokens=self.tokens)))
+        block_ids = self.engine.kv_block_ids(rid, 0, self.tokens)
+        self.engine.pin_kv_blocks(block_ids)
         self.release(rid)
-        return Payload(prompt, first, layers, kv_crc(layers))
+        return Payload(prompt, first, layers, kv_crc(layers), block_ids)
 
     def open(self, tc: TransferConfig, peer: ReceiverPeer, rid: str, prompt: list[int]) -> KVSender:
         from engine.block_hash import hash_prompt_blocks
         from kv_transfer import open_sender
+        from kv_transfer.pool import KVPool
 
         hashes = [bytes(h) for h in hash_prompt_blocks(prompt, self.engine.config.block_size, self.engine.scope)]
         return open_sender(tc, peer.address, rid, self.engine.kv_layout, prompt, len(prompt), hashes,
-                           sender_id=self.sender_id)
+                           sender_id=self.sender_id, pool=KVPool(self.engine))
 
     def prepare(self, sender: KVSender) -> int:
         from kv_transfer import TransferError
@@ -153,7 +157,10 @@ class PrefillSender:
         sender = self.open(tc, peer, rid, payload.prompt)
         self.prepare(sender)
         for layer, (k, v) in enumerate(payload.layers):
-            sender.send_layer(layer, k, v)
+            if sender.reads_pool:  # nixl: from the pool's blocks, as a prefill worker hands them
+                sender.send_blocks(layer, payload.block_ids)
+            else:
+                sender.send_layer(layer, k, v)
         sender.commit(payload.first_token_ids)
         sender.wait(DEADLINE_S)
         timing = Timing(time.perf_counter() - t0, *cpu_since(cpu0, peer.pid))
@@ -175,9 +182,13 @@ class PrefillSender:
         first = self.prefill(rid, prompt)
         t_prefill = time.perf_counter() - t0
         sender = self.open(tc, peer, rid, prompt)
-        layers = self.read_layers(rid, self.prepare(sender))
+        cached = self.prepare(sender)
+        layers = self.read_layers(rid, cached)
         for layer, (k, v) in enumerate(layers):
-            sender.send_layer(layer, k, v)
+            if sender.reads_pool:
+                sender.send_blocks(layer, self.engine.kv_block_ids(rid, cached, self.tokens))
+            else:
+                sender.send_layer(layer, k, v)
         sender.commit(first)
         sender.wait(DEADLINE_S)
         total = time.perf_counter() - t0
@@ -196,7 +207,10 @@ class PrefillSender:
 
         def on_layer(layer: int) -> None:  # what the prefill worker's hook does (the copy is kept for the CRC)
             layers.append(engine.read_kv_layer(rid, layer, cached, num_tokens=n))
-            sender.send_layer(layer, *layers[-1])
+            if sender.reads_pool:
+                sender.send_blocks(layer, engine.kv_block_ids(rid, cached, n))
+            else:
+                sender.send_layer(layer, *layers[-1])
 
         token_ids = self.prefill(rid, prompt, on_layer)
         t_prefill = time.perf_counter() - t0

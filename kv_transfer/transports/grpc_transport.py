@@ -99,6 +99,22 @@ class KVTransferService:
         self.receiver.abort(wire.abort_from_proto(request))
         return pb.AbortResponse()
 
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchResponse]:  # noqa: N802
+        """nixl: held open by a sender while it may write into this receiver's pool; its end lifts the fence of the
+        transfers it prepared (the sender died, or gave the pair up)."""
+        if self.receiver.on_watch is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nixl is not enabled on this receiver")
+            return
+        ended = threading.Event()
+        if not context.add_callback(ended.set):
+            return  # NOTE: the call already ended
+        release = self.receiver.on_watch(request.agent)
+        try:
+            yield pb.WatchResponse()
+            ended.wait()  # NOTE: one server thread per sender process, for the life of the pair
+        finally:
+            release()
+
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods under their wire names; Push reads KVChunks with `wire.chunk_from_wire`."""
         def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
@@ -111,6 +127,8 @@ class KVTransferService:
                                                          pb.PushResponse.SerializeToString),
             "Commit": unary(self.Commit, pb.CommitRequest, pb.CommitResponse),
             "Abort": unary(self.Abort, pb.AbortRequest, pb.AbortResponse),
+            "Watch": grpc.unary_stream_rpc_method_handler(self.Watch, pb.WatchRequest.FromString,
+                                                          pb.WatchResponse.SerializeToString),
         })
 
 
@@ -118,8 +136,11 @@ def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int =
           cluster_token: str = "", kv_tls: tls.KVTls | None = None) -> tuple[grpc.Server, int]:
     """Start the KV service (callers must present `cluster_token` if one is set, and a client certificate with
     `kv_tls`); returns the server and its port."""
+    # NOTE: with TLS, the caller's certificate must also be issued for the cluster's name (kv_transfer/tls.py)
+    checks = [CheckToken(cluster_token)] if cluster_token else []
+    checks += [tls.CheckPeerName(kv_tls.server_name)] if kv_tls is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-grpc"),
-                         options=CHANNEL_OPTIONS, interceptors=[CheckToken(cluster_token)] if cluster_token else None)
+                         options=CHANNEL_OPTIONS, interceptors=checks or None)
     server.add_generic_rpc_handlers((KVTransferService(receiver).handler(),))
     port = (server.add_secure_port(address, tls.server_credentials(kv_tls)) if kv_tls is not None
             else server.add_insecure_port(address))
@@ -239,7 +260,7 @@ class GrpcKVSender(KVSender):
 
     def _pieces(self, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """`t` ([n, *block_shape]) cut into even chunks of at most `chunk_bytes` (views, no copy)."""
-        t = t.contiguous()
+        t = t.contiguous().cpu()  # NOTE: a GPU pool's layer leaves through the host (gRPC sends bytes)
         n = t.shape[0]
         per_chunk = max(1, self.config.chunk_bytes // payload.block_nbytes(self.layout))
         step = -(-n // -(-n // per_chunk)) if n else 1

@@ -16,7 +16,9 @@ Up to `IN_FLIGHT_LAYERS` layers are in flight: the sender waits for a layer's se
 are queued, and the receiver keeps that many layers' receives posted (into a ring of buffers) while it checks and
 writes the oldest into the reserved blocks. Transfers of one pair run one after another in
 the order of their tags, on both sides (NCCL ignores tags; both sides post in the same order). With
-`device="cuda"` the layers are staged from the CPU KV pool to the GPU, sent with NCCL, and staged back.
+`device="cuda"` the layers are staged from the CPU KV pool to the GPU, sent with NCCL, and staged back; when the
+engines' KV pools are on the GPU themselves, layers go from the sender's pool (a device gather) over NCCL into the
+receiver's pool with no host copy, checked by a word sum computed on the device (`payload.device_sum`).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ import torch.distributed as dist
 
 from engine.errors import EngineError
 from kv_transfer import payload
-from kv_transfer.liveness import PeerWatch
 from kv_transfer.messages import Chunk, Prepared, PrepareRequest, TorchRendezvous
 from kv_transfer.receiver import Inbound, KVReceiver
 from kv_transfer.sender import KVSender, Layer
-from kv_transfer.state import TransferError, TransferState
-from kv_transfer.torch_pairs import (
+from kv_transfer.state import TransferConfig, TransferError, TransferState
+from kv_transfer.transports.liveness import PeerWatch
+from kv_transfer.transports.torch_pairs import (
     QUEUED_WAIT_S,
     RECEIVER,
     SENDER,
@@ -72,7 +74,7 @@ class TorchEndpoint:
         self._pairs: dict[str, Pair] = {}
         self._pair_of: dict[str, Pair] = {}  # transfer id → its pair
         self._lock = threading.Lock()
-        receiver.on_prepare = self.prepare
+        receiver.on_prepare, receiver.transport = self.prepare, "torch"
 
     def prepare(self, req: PrepareRequest, t: Inbound) -> TorchRendezvous:
         with self._lock:
@@ -139,7 +141,9 @@ class TorchEndpoint:
             if first == FILLER:
                 self.receiver.fail(t.transfer_id, "the sender stopped the transfer")
             elif t.state is TransferState.TRANSFERRING:
-                kv = buf.cpu() if buf.device.type != "cpu" else buf
+                # NOTE: checked on the wire buffer (the sender checked what it put on the wire), then written by the
+                # engine from wherever it is: a GPU pool straight from the GPU buffer, a CPU pool staged back
+                kv = buf
                 try:
                     self.receiver.on_tensor(Chunk(t.transfer_id, layer, 0, 0, n, crc_k), kv[0])
                     self.receiver.on_tensor(Chunk(t.transfer_id, layer, 1, 0, n, crc_v), kv[1])
@@ -227,7 +231,7 @@ class TorchKVSender(KVSender):
         works = [group.send([x], RECEIVER, self._tag) for x in out]
         # NOTE: K and V are on the wire while their checksums are computed; the header follows them
         crcs = [payload.checksum(self.transfer_id, layer.index, i, 0, k.shape[0], x) if first == 0 else 0
-                for i, x in enumerate((k, v))]
+                for i, x in enumerate(out)]
         header = torch.tensor([layer.index, first, k.shape[0], *crcs], dtype=torch.int64).to(self._device)
         works.append(group.send([header], RECEIVER, self._tag))
         in_flight.append((works, (k, v, *out, header)))
@@ -251,3 +255,8 @@ class TorchKVSender(KVSender):
 
     def _retire(self, pair: Pair) -> None:
         retire(pair, _pairs, _pairs_lock)
+
+
+def receiver_side(receiver: KVReceiver, config: TransferConfig, host: str) -> TorchEndpoint:
+    """The torch transport's receiving side (the registry's hook)."""
+    return TorchEndpoint(receiver, host, config.torch_backend, config.torch_device)

@@ -1,0 +1,136 @@
+"""CUDA graphs of decode-only steps, one per batch-size bucket, captured at warm-up (as nano-vllm and vLLM do).
+
+1. `graph_buckets(max_num_seqs)`: the batch sizes captured, [1, 2, 4, 8, 16, 32, 64, ...] up to max_num_seqs (and
+   max_num_seqs itself).
+2. `DecodeGraphs.capture()`: per bucket of `rows` rows, static input ids, positions and attention metadata
+   (engine/attention/__init__.py: shapes depend only on rows and the block-table width), one eager warm-up run,
+   then the capture of the forward pass (embeddings → layers → final hidden states) into a shared memory pool.
+3. `DecodeGraphs.run(...)`: a decode-only batch of n rows takes the smallest bucket >= n; its ids, positions and
+   metadata are copied into the bucket's static buffers (one pinned non_blocking copy each for ids+positions and
+   for the metadata), padded rows point at the runner's spare KV block (never a sequence's), and the graph replays.
+   The caller computes logits and samples outside the graph, on the device, from the first n rows.
+Only on CUDA, with the triton attention backend, and unless `enforce_eager` (engine/config.py); other steps
+(prefill chunks, speculative verification, layer hooks for KV sending, batches above the largest bucket) run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.attention.pack import pack
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]  # ids, positions, meta → hidden
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a graph: powers of two below max_num_seqs, then max_num_seqs."""
+    buckets = []
+    b = 1
+    while b < max_num_seqs:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, max_num_seqs]
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds n rows, or None when n exceeds them all (that step runs eagerly)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def pad_decode(ids: list[int], positions: list[int], rows: int) -> tuple[list[int], list[int]]:
+    """Input ids and positions padded to `rows` (token 0 at position 0: padded rows attend only the spare slot)."""
+    pad = rows - len(ids)
+    if pad < 0:
+        raise ValueError(f"{len(ids)} rows do not fit a bucket of {rows}")
+    return ids + [0] * pad, positions + [0] * pad
+
+
+def graphs_wanted(device: torch.device, backend: str, enforce_eager: bool) -> bool:
+    """Whether an engine captures decode graphs: on CUDA with the triton backend, unless enforce_eager."""
+    return device.type == "cuda" and backend == "triton" and not enforce_eager
+
+
+class _Graph:
+    """One captured bucket: its graph and the static tensors it reads and writes."""
+
+    def __init__(self, rows: int, ids: torch.Tensor, meta: AttentionMetadata, cuda: bool) -> None:
+        self.rows = rows
+        self.ids_pos = ids  # [2, rows] int64: input ids, then positions
+        self.meta = meta
+        self.graph = torch.cuda.CUDAGraph() if cuda else None
+        self.hidden: torch.Tensor | None = None  # [rows, d], written by every replay
+
+
+class DecodeGraphs:
+    """Decode-step graphs of one model runner, one per bucket (see the module docstring)."""
+
+    def __init__(self, forward: Forward, device: torch.device, block_size: int, spare_block: int, max_blocks: int,
+                 buckets: Sequence[int]) -> None:
+        self.forward = forward
+        self.device = device
+        self.block_size = block_size
+        self.spare_block = spare_block  # NOTE: outside the block manager: padded rows write and read only this block
+        self.max_blocks = max_blocks  # block-table width every graph takes (cdiv(max_model_len, block_size))
+        self.buckets = list(buckets)
+        self.graphs: dict[int, _Graph] = {}
+
+    def _static_meta(self, rows: int) -> AttentionMetadata:
+        s = self.spare_block
+        return AttentionMetadata.build([[s]] * rows, [0] * rows, [1] * rows, self.block_size, device=self.device,
+                                       backend="triton", pad_blocks=self.max_blocks, pad_block=s)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller ones then reuse the pool's memory).
+
+        NOTE: on a device without CUDA graphs (the CPU, with Triton's interpreter: the tests) only the static buffers
+        are made, and `run` computes the forward over them eagerly: the same padding and copies, no graph.
+        """
+        pool = None
+        cuda = self.device.type == "cuda"
+        for rows in sorted(self.buckets, reverse=True):
+            ids_pos = torch.zeros(2, rows, dtype=torch.long, device=self.device)
+            g = _Graph(rows, ids_pos, self._static_meta(rows), cuda)
+            if cuda:
+                # NOTE: the warm-up launch on a side stream: Triton compiles on a kernel's first launch, which must
+                # not happen during capture (engine/attention/__init__.py)
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self.forward(ids_pos[0], ids_pos[1], g.meta)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                assert g.graph is not None
+                with torch.cuda.graph(g.graph, pool=pool):
+                    g.hidden = self.forward(ids_pos[0], ids_pos[1], g.meta)
+                pool = g.graph.pool()
+            self.graphs[rows] = g
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def run(self, ids: list[int], positions: list[int], tables: list[list[int]],
+            starts: list[int]) -> torch.Tensor | None:
+        """Hidden states [n, d] of a decode-only batch by graph replay, or None when no bucket holds it."""
+        rows = bucket_for(len(ids), self.buckets)
+        if rows is None or rows not in self.graphs:
+            return None
+        g = self.graphs[rows]
+        AttentionMetadata.build(tables, starts, [1] * len(ids), self.block_size, device=self.device,
+                                backend="triton", pad_rows=rows, pad_blocks=self.max_blocks,
+                                pad_block=self.spare_block, out=g.meta)
+        padded_ids, padded_pos = pad_decode(ids, positions, rows)
+        cuda = g.graph is not None
+        host = pack([torch.tensor([padded_ids, padded_pos], dtype=torch.long)], torch.device("cpu"), pin=cuda).host
+        g.ids_pos.view(-1).view(torch.uint8).copy_(host, non_blocking=cuda)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.hidden = self.forward(g.ids_pos[0], g.ids_pos[1], g.meta)
+        assert g.hidden is not None
+        return g.hidden[: len(ids)]

@@ -1,0 +1,211 @@
+"""The `nixl` transport, receiving side: the decode engine's pool registered once, notifications checked, the fence.
+
+1. The endpoint registers the engine's KV pool with this process's agent when it starts (the metadata a sender
+   loads must already cover it);
+2. a sender's `Watch` call opens (`watch`): transfers it prepares are attached to that watch;
+3. `prepare` answers with a `NixlTarget` (the receiver's agent, its metadata unless the sender holds it, the pool,
+   the reserved block ids) and fences the transfer: from now on the sender may write into those blocks;
+4. the notification thread reads the per-layer notifications, checks the landed blocks against the sender's check
+   of them, and marks the layer received (a mismatch fails the transfer as retryable);
+5. the fence is lifted, and a failed transfer's blocks freed, once no write of the sender can be in flight: it
+   committed, it said so (`Abort.quiesced`), every layer's notification came, or its Watch ended (the sender died
+   or dropped the pair; NIXL is driven for `DRAIN_S` first, for what UCX already received).
+
+Progress: no NIXL progress thread. The notification thread sleeps on a condition while no transfer is open here,
+and polls NIXL (which also moves data arriving over UCX's TCP transport) while one is, backing off when idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.errors import InvalidRequestError
+from kv_transfer import payload
+from kv_transfer.messages import NixlTarget, PrepareRequest
+from kv_transfer.receiver import Inbound, KVReceiver
+from kv_transfer.state import TransferConfig, TransferError, TransferState
+from kv_transfer.transports import nixl_agent
+
+log = logging.getLogger(__name__)
+
+DRAIN_S = 0.1  # after a sender's Watch ended: NIXL driven this long before its transfers' blocks are freed
+FAST_POLL_S, SLOW_POLL_S = 0.00005, 0.005  # poll interval while data moves / after `BACKOFF_S` without news
+BACKOFF_S = 0.05
+
+
+def unavailable() -> str | None:
+    """Why nixl cannot run in this process (None: it can)."""
+    return nixl_agent.unavailable()
+
+
+def layer_check(kv: torch.Tensor, block_ids: np.ndarray, place: str, enabled: bool = True,
+                like: str | None = None) -> str:
+    """The check of blocks `block_ids` of one layer's K or V (`kv`: [num_blocks, *block_shape]), in order.
+
+    Host memory: CRC32C of `place`, continued over each run of consecutive blocks (views, no copy). GPU memory: "s"
+    and the int64 sum of the blocks' 32-bit words (computed on the device; weaker than a CRC, catches lost or
+    misplaced blocks). "-" when checks are turned off (`TransferConfig.nixl_checksum`). The receiver computes the
+    kind of check the sender sent (`like`), whichever memory its own pool is in.
+    """
+    if not enabled or like == "-":
+        return "-"
+    if (like is None and kv.device.type != "cpu") or (like is not None and like.startswith("s")):
+        words = kv[torch.as_tensor(block_ids, device=kv.device)].contiguous().view(torch.int32)
+        return f"s{int(words.sum(dtype=torch.int64))}"
+    value = payload.crc32c(place.encode())
+    if kv.device.type != "cpu":
+        return str(payload.crc32c(kv[torch.as_tensor(block_ids, device=kv.device)].cpu(), value))
+    if len(block_ids):
+        cuts = np.flatnonzero(np.diff(block_ids) != 1) + 1
+        for run in np.split(block_ids, cuts):
+            value = payload.crc32c(kv[int(run[0]) : int(run[-1]) + 1], value)
+    return str(value)
+
+
+@dataclass
+class _Watch:
+    """A sender agent's open Watch call and the transfers it prepared while it was open."""
+
+    agent: str
+    transfers: set[str] = field(default_factory=set)
+    open: bool = True
+
+
+class NixlEndpoint:
+    """Receiver side: the registered pool, the Watch bookkeeping, the notification thread (see the module doc)."""
+
+    def __init__(self, receiver: KVReceiver, config: TransferConfig) -> None:
+        self.receiver, self.config = receiver, config
+        self.agent = nixl_agent.agent()
+        self.pool = self.agent.pool(receiver.engine.runner.kv)
+        self._watches: dict[str, _Watch] = {}  # sender agent → its open watch
+        self._open: dict[str, tuple[Inbound, _Watch]] = {}  # transfer id → (transfer, its watch), until settled
+        self._cond = threading.Condition()
+        self._closed = False
+        receiver.on_prepare, receiver.on_watch, receiver.transport = self.prepare, self.watch, "nixl"
+        self._thread = threading.Thread(target=self._notifications, daemon=True, name="kv-nixl-notifs")
+        self._thread.start()
+
+    # ---- 2. watch -----------------------------------------------------------------------------------------------
+    def watch(self, agent: str) -> Callable[[], None]:
+        """A sender's Watch opened; returns what to call when it ends."""
+        w = _Watch(agent)
+        with self._cond:
+            old = self._watches.get(agent)
+            self._watches[agent] = w
+        if old is not None:
+            self._ended(old)  # NOTE: the sender dropped the pair and opened a new one
+        return lambda: self._ended(w)
+
+    def _ended(self, w: _Watch) -> None:
+        with self._cond:
+            if not w.open:
+                return
+            w.open = False
+            if self._watches.get(w.agent) is w:
+                del self._watches[w.agent]
+            fenced = [self._open[tid][0] for tid in w.transfers if tid in self._open]
+        if not fenced:
+            return
+        until = time.monotonic() + DRAIN_S
+        while time.monotonic() < until:
+            self._poll()
+            time.sleep(FAST_POLL_S)
+        for t in fenced:
+            if t.state is TransferState.TRANSFERRING:
+                self.receiver.fail(t.transfer_id, f"sender {w.agent} went away", retryable=True)
+            self.receiver.unfence(t)
+
+    # ---- 3. handshake -------------------------------------------------------------------------------------------
+    def prepare(self, req: PrepareRequest, t: Inbound) -> NixlTarget:
+        with self._cond:
+            w = self._watches.get(req.nixl_agent)
+            if w is None:
+                raise TransferError(f"nixl: sender agent {req.nixl_agent!r} has no open Watch", req.request_id,
+                                    retryable=True)
+            if not req.nixl_agent:
+                raise InvalidRequestError("nixl_agent", "is required for transport nixl", req.request_id)
+            w.transfers.add(t.transfer_id)
+            self._open[t.transfer_id] = (t, w)
+            if t.num_blocks:  # NOTE: with every block cached there is nothing to write (and no notification)
+                self.receiver.fence(t)
+                self.receiver.set_receiving(t, True)
+            self._cond.notify_all()
+        pool = self.pool
+        return NixlTarget(self.agent.name, b"" if req.nixl_known == self.agent.name else self.agent.metadata,
+                          pool.kv.data_ptr(), pool.num_blocks, pool.mem, pool.device, list(t.res.fresh_blocks))
+
+    # ---- 4. notifications ---------------------------------------------------------------------------------------
+    def _notifications(self) -> None:
+        last_news = time.monotonic()
+        while True:
+            with self._cond:
+                self._prune()
+                while not self._open and not self._closed:
+                    self._cond.wait()  # NOTE: idle: no CPU spent
+                    last_news = time.monotonic()
+                if self._closed:
+                    return
+            if self._poll():
+                last_news = time.monotonic()
+            time.sleep(FAST_POLL_S if time.monotonic() - last_news < BACKOFF_S else SLOW_POLL_S)
+
+    def _prune(self) -> None:
+        """Forget transfers that need no more notifications (under `_cond`)."""
+        for tid, (t, w) in list(self._open.items()):
+            if t.state is TransferState.DONE or (t.state is TransferState.FAILED and not t.fenced):
+                del self._open[tid]
+                w.transfers.discard(tid)
+
+    def _poll(self) -> bool:
+        """Drive NIXL once and handle what arrived; True if anything did."""
+        try:
+            got = self.agent.notifications()
+        except Exception as e:  # noqa: BLE001 - never let the thread die on a NIXL error
+            log.warning("nixl notifications: %s", e)
+            return False
+        for sender, msgs in got.items():
+            for msg in msgs:
+                self._landed(sender, msg)
+        return bool(got)
+
+    def _landed(self, sender: str, msg: bytes) -> None:
+        try:
+            tid, layer_s, check_k, check_v = msg.decode().split(":")
+            layer = int(layer_s)
+        except ValueError:
+            log.warning("nixl: malformed notification from %s", sender)
+            return
+        with self._cond:
+            entry = self._open.get(tid)
+        if entry is None or entry[1].agent != sender or not 0 <= layer < self.receiver.layout.num_layers:
+            return  # NOTE: a transfer already settled, or not this sender's
+        t = entry[0]
+        ids = np.asarray(t.res.fresh_blocks, dtype=np.int64)
+        kv = self.pool.kv
+        bad = [which for which, theirs in ((0, check_k), (1, check_v))
+               if layer_check(kv[layer, which], ids, f"{tid}/{layer}/{which}", like=theirs) != theirs]
+        if bad:
+            self.receiver.fail(tid, f"checksum mismatch in layer {layer} {'KV'[bad[0]]} (nixl)", retryable=True)
+        # NOTE: also for a failed transfer: this layer's write is no longer in flight (the fence counts layers)
+        all_landed = self.receiver.landed(t, layer, 0 if bad else 2 * len(ids) * self.pool.block_nbytes)
+        if all_landed and t.state is TransferState.FAILED:
+            self.receiver.unfence(t)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+
+
+def receiver_side(receiver: KVReceiver, config: TransferConfig, host: str) -> NixlEndpoint:
+    """The nixl transport's receiving side (the registry's hook)."""
+    return NixlEndpoint(receiver, config)

@@ -1,0 +1,279 @@
+"""The `nixl` transport, sending side: NIXL WRITE from the prefill engine's KV pool into the blocks reserved for it.
+
+Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote transport):
+1. before the handshake, the sender's process holds a `Watch` call open to the receiver (one per receiver address,
+   kept for the life of the pair); `prepare` says which receiver agent's metadata it already holds, the answer
+   (`NixlTarget`) carries the receiver's agent, metadata only if the sender lacks it (a new agent name: the receiver
+   restarted), its pool address and the reserved block ids; the remote descriptor list is prepared once per agent;
+2. `send_blocks(layer, block_ids)` from the prefill step pins the blocks (first layer) and queues the layer; the
+   sender's thread checksums the layer's K and V (from the pool) and posts one WRITE of all its blocks (NIXL merges
+   contiguous runs) with a notification "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's progress
+   while writes are in flight (no progress thread);
+3. after the last layer it waits for every write to complete, then commits; the blocks are unpinned;
+4. a transfer that fails with writes posted waits for them (or, failing that, drops the peer: the connection
+   closes and the Watch ends) before telling the receiver `Abort(quiesced)`: the receiver's fence
+   (`nixl_receiver.py`) keeps the reserved blocks until then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kv_transfer.messages import Abort, Prepared, PrepareRequest
+from kv_transfer.sender import _COMMIT, KVSender, Layer
+from kv_transfer.state import TransferError
+from kv_transfer.transports import nixl_agent
+from kv_transfer.transports.grpc_transport import GrpcControl, channel, transfer_error
+from kv_transfer.transports.nixl_agent import Peer, Pool
+from kv_transfer.transports.nixl_receiver import layer_check, receiver_side, unavailable
+from kv_transfer.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+__all__ = ["NixlKVSender", "receiver_side", "unavailable"]
+
+POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
+DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayer:
+    """One layer of pool blocks to write."""
+
+    index: int
+    block_ids: tuple[int, ...]
+
+
+class _Link:
+    """This process's Watch call to one receiver address (held open while any transfer may write there)."""
+
+    def __init__(self, control: GrpcControl) -> None:
+        stub = pb_grpc.KVTransferStub(channel(control.address, 0, control.cluster_token, control.tls))
+        self.call: Any = stub.Watch(pb.WatchRequest(agent=nixl_agent.agent().name))
+        try:
+            next(self.call)  # NOTE: the receiver answers once the watch holds; only then may anything be written
+        except grpc.RpcError as e:
+            raise transfer_error(e, "", f"watch at {control.address}") from None
+        except StopIteration:
+            raise TransferError(f"watch at {control.address} ended at once", retryable=True) from None
+
+    @property
+    def alive(self) -> bool:
+        return not self.call.done()
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+_links: dict[str, _Link] = {}
+_links_lock = threading.Lock()
+_known: dict[str, str] = {}  # receiver address → the agent name whose metadata this process loaded
+
+
+def _link(control: GrpcControl) -> _Link:
+    with _links_lock:
+        link = _links.get(control.address)
+        if link is None or not link.alive:
+            link = _links[control.address] = _Link(control)
+        return link
+
+
+def _drop(address: str, agent_name: str) -> None:
+    """Give a pair up: the peer's metadata and connection go (its posted writes with them), the Watch ends."""
+    nixl_agent.agent().forget(agent_name)
+    with _links_lock:
+        _known.pop(address, None)
+        link = _links.pop(address, None)
+    if link is not None:
+        link.close()
+
+
+class NixlKVSender(KVSender):
+    """Writes each layer's blocks from the prefill engine's pool into the receiver's reserved blocks."""
+
+    transport = "nixl"
+    control: GrpcControl
+    can_read_pool = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._peer: Peer | None = None
+        self._pool: Pool | None = None
+        self._remote_ids = np.zeros(0, dtype=np.int64)
+        self._pinned: list[int] = []
+        self._closed = False  # the sender's thread is past its data phase: nothing more is pinned
+        self._posted = False  # some write was posted: an abort must say whether it completed
+        self._quiet = False  # every posted write completed (the data phase ended without dropping the peer)
+        self._post_lock = threading.Lock()
+        self._first: object | None = None
+
+    # ---- handshake ----------------------------------------------------------------------------------------------
+    def _prepare_request(self, req: PrepareRequest) -> PrepareRequest:
+        _link(self.control)
+        return dataclasses.replace(req, nixl_agent=nixl_agent.agent().name,
+                                   nixl_known=_known.get(self.control.address, ""))
+
+    def _on_prepared(self, resp: Prepared) -> None:
+        target = resp.nixl
+        if target is None or self.pool is None:
+            raise TransferError("nixl: the receiver sent no target" if target is None
+                                else "nixl: the sender has no KV pool to read", self.request_id)
+        agent = nixl_agent.agent()
+        self._pool = agent.pool(self.pool.kv)
+        if _known.get(self.control.address) not in (None, target.agent):
+            # NOTE: the receiver restarted (a new agent at the same address): forget the old one; the Watch the
+            # handshake just used is the new process's already
+            agent.forget(_known.pop(self.control.address))
+        layers = self.layout.num_layers
+        try:
+            self._peer = agent.peer(target.agent, target.metadata, target.kv_addr, layers * 2, target.pool_blocks,
+                                    self._pool.block_nbytes, target.mem_type, target.device_id)
+        except KeyError:
+            _known.pop(self.control.address, None)
+            raise TransferError(f"nixl: no metadata for receiver agent {target.agent}", self.request_id,
+                                retryable=True) from None
+        _known[self.control.address] = target.agent
+        self._remote_ids = np.asarray(target.block_ids, dtype=np.int64)
+        if len(self._remote_ids) != resp.num_blocks:
+            raise TransferError(f"nixl: {len(self._remote_ids)} block ids for {resp.num_blocks} blocks",
+                                self.request_id)
+
+    # ---- the caller's side --------------------------------------------------------------------------------------
+    def send_layer(self, layer: int, k: Any, v: Any) -> None:
+        self.abort_after(TransferError("nixl reads the engine's KV pool: open the sender with pool= and call "
+                                       "send_blocks", self.request_id))
+
+    def send_blocks(self, layer: int, block_ids: list[int]) -> None:
+        if not self.state.finished and self.transfer_id:
+            with self._post_lock:
+                if self._closed or len(block_ids) != len(self._remote_ids):
+                    return
+                if not self._pinned and block_ids and self.pool is not None:
+                    self.pool.pin(block_ids)
+                    self._pinned = list(block_ids)
+            self._queue_item(PoolLayer(layer, tuple(block_ids)))
+
+    def _abort_message(self, reason: str) -> Abort:
+        with self._post_lock:  # NOTE: after _finish: a write not posted by now never will be
+            return Abort(self.transfer_id, reason, quiesced=not self._posted or self._quiet)
+
+    # ---- the sender's thread ------------------------------------------------------------------------------------
+    def _first_item(self) -> object | None:
+        self._first = super()._first_item()
+        return self._first
+
+    def _send_layers(self, layers: Iterator[Layer]) -> None:
+        del layers  # NOTE: read from the queue directly (after `_first`), so progress goes on between layers
+        pending: list[tuple[Any, int]] = []
+        try:
+            if self._first is not None:
+                self._write_all(pending, self._first)
+        finally:
+            self._settle(pending)
+
+    def _write_all(self, pending: list[tuple[Any, int]], first: object) -> None:
+        item: object = first
+        while not self.state.finished:
+            if item is None:
+                try:
+                    item = self._queue.get(timeout=POLL_S if pending else 0.05)
+                except queue.Empty:
+                    self._progress(pending)
+                    if time.monotonic() > self._deadline:
+                        raise TransferError(f"deadline of {self.config.deadline_s} s passed", self.request_id,
+                                            retryable=True) from None
+                    continue
+            if item is _COMMIT:
+                while pending and not self.state.finished:
+                    self._progress(pending)
+                    if time.monotonic() > self._deadline:
+                        raise TransferError("deadline passed while writing", self.request_id, retryable=True)
+                return
+            if isinstance(item, PoolLayer):
+                self._post(item, pending)
+            item = None
+            self._progress(pending)
+
+    def _post(self, layer: PoolLayer, pending: list[tuple[Any, int]]) -> None:
+        pool, peer = self._pool, self._peer
+        assert pool is not None and peer is not None
+        kv = pool.kv
+        src = np.asarray(layer.block_ids, dtype=np.int64)
+        if not len(src):
+            return  # NOTE: the receiver caches every block: nothing to write, nothing to notify
+        checks = [layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
+                              self.config.nixl_checksum) for which in (0, 1)]
+        base_l, base_r = layer.index * 2 * pool.num_blocks, layer.index * 2 * peer.num_blocks
+        local = np.concatenate([base_l + src, base_l + pool.num_blocks + src]).astype(np.int32)
+        remote = np.concatenate([base_r + self._remote_ids, base_r + peer.num_blocks + self._remote_ids])
+        notif = f"{self.transfer_id}:{layer.index}:{checks[0]}:{checks[1]}".encode()
+        nx = nixl_agent.agent().nixl
+        with self._post_lock:
+            if self.state.finished:
+                return
+            self._posted = True
+            try:
+                handle = nx.make_prepped_xfer("WRITE", pool.dlist, local, peer.dlist, remote.astype(np.int32), notif)
+                state = nx.transfer(handle)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own types (a peer dropped, disconnected)
+                raise TransferError(f"nixl: write of layer {layer.index} to {peer.name}: {type(e).__name__}: {e}",
+                                    self.request_id, retryable=True) from None
+        if state == "ERR":
+            nx.release_xfer_handle(handle)
+            raise TransferError(f"nixl: write of layer {layer.index} to {peer.name} failed", self.request_id,
+                                retryable=True)
+        pending.append((handle, layer.index))
+        self.bytes_sent += 2 * len(src) * pool.block_nbytes
+
+    def _progress(self, pending: list[tuple[Any, int]]) -> None:
+        """Drive NIXL once; completed writes leave `pending`; a failed one fails the transfer."""
+        nx = nixl_agent.agent().nixl
+        for item in list(pending):
+            handle, layer = item
+            try:
+                state = nx.check_xfer_state(handle)
+            except Exception:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError: the receiver's process is gone
+                state = "ERR"
+            if state == "PROC":
+                continue
+            pending.remove(item)
+            nx.release_xfer_handle(handle)
+            if state == "ERR":
+                raise TransferError(f"nixl: write of layer {layer} failed (receiver gone?)", self.request_id,
+                                    retryable=True)
+
+    def _settle(self, pending: list[tuple[Any, int]]) -> None:
+        """End of the data phase: posted writes completed (or the peer dropped), blocks unpinned, receiver told."""
+        with self._post_lock:
+            self._closed = True
+        dropped = False
+        until = time.monotonic() + DRAIN_S
+        while pending:
+            try:
+                self._progress(pending)
+            except TransferError:
+                dropped = True  # NOTE: a failed write: the connection to the peer is broken anyway
+                break
+            if time.monotonic() > until:
+                dropped = True
+                break
+            time.sleep(POLL_S)
+        if dropped and self._peer is not None:
+            _drop(self.control.address, self._peer.name)
+        with self._post_lock:
+            self._quiet = not dropped
+        if self._pinned and self.pool is not None:
+            self.pool.unpin(self._pinned)
+            self._pinned = []
+        if self.state.finished and self._posted and self.transfer_id and not dropped:
+            try:
+                self.control.abort(Abort(self.transfer_id, "writes done", quiesced=True), 2.0)
+            except TransferError:
+                pass  # NOTE: the receiver is gone, or our Watch ends when this process does
