@@ -37,6 +37,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import NgramProposer
 from engine.step_budget import StepBudget
+from engine.structured_output import StructuredOutputs
 
 
 @dataclass
@@ -85,6 +86,7 @@ class LLMEngine:
                                    config.prefill_order, StepBudget.of(config))
         self.runner.capture_graphs()
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort
         self._layer_watchers: dict[str, Callable[[int], None]] = {}
@@ -135,7 +137,7 @@ class LLMEngine:
                     self.config.block_size, self.scope) for i in range(1, params.n)]
         self.outputs.start(seq, sent_chars)
         self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        self.structured.admit(seq, self.scheduler.add)  # NOTE: parked until its grammar is compiled, if it has one
         return seq
 
     def warm_up(self) -> None:
@@ -189,6 +191,7 @@ class LLMEngine:
             self.kv_importer.free(res)
         else:
             self.scheduler.remove(seq)
+            self.structured.forget(seq)
             self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.outputs.forget(seq)
@@ -198,14 +201,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a new token (or finished)."""
+        results = self._release_grammars() if self.structured.num_parked else []
         if self.proposer is not None:
             self._propose(self.proposer)
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            self.structured.wait(0.01)  # NOTE: only grammars being compiled are left (no-op otherwise)
+            return results
         sampled = self.runner.execute(batch, self._layer_hook(batch))
         self._computed_tokens += batch.num_tokens
-        results: list[RequestOutput] = []
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled):
             drafted = len(seq.spec_token_ids)
             if drafted:  # NOTE: no new list per sequence per step when nothing was drafted (speculation off)
@@ -244,18 +248,18 @@ class LLMEngine:
             self.outputs.start(child)
             self._seqs[child.request_id] = child
             if cow is None:
-                self.scheduler.add(child)
+                self.structured.admit(child, self.scheduler.add)
                 continue
             self.runner.copy_block(*cow)
             child.num_cached_tokens = child.num_computed_tokens
-            self.scheduler.add_running(child)
+            self.structured.admit(child, self.scheduler.add_running)  # NOTE: its own matcher (a grammar's, if any)
 
     def _propose(self, proposer: NgramProposer) -> None:
         """Draft tokens for every decoding sequence, within its max_tokens and the context length."""
         for seq in self.scheduler.running:
             # NOTE: drafts are verified outside the sampler's pipeline: requests that use more than temperature and
-            # top-k/top-p decode one token at a time
-            if seq.num_pending_tokens == 1 and not _needs_sampler(seq.params):
+            # top-k/top-p decode one token at a time; drafts are not checked by a grammar either
+            if seq.num_pending_tokens == 1 and seq.grammar is None and not _needs_sampler(seq.params):
                 room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
                 seq.spec_token_ids = proposer.propose(seq.token_ids, room)
 
@@ -264,6 +268,7 @@ class LLMEngine:
         outs = []
         for tok in tokens:
             seq.token_ids.append(tok)
+            self.structured.accept(seq, tok)
             outs.append(self.outputs.process(seq, tok))
             if outs[-1].finished:
                 break
@@ -292,6 +297,17 @@ class LLMEngine:
             for fn in done:
                 fn(layer)
         return hook
+
+    def _release_grammars(self) -> list[RequestOutput]:
+        """Schedule the parked sequences whose grammar is compiled; one that cannot follow its grammar ends (abort)."""
+        outs = []
+        for seq in self.structured.release():
+            del self._seqs[seq.request_id]
+            self.block_manager.free(seq)
+            self.outputs.forget(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            outs.append(RequestOutput(seq.request_id, [], "", True, "abort", seq.output_token_ids))
+        return outs
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -370,7 +386,7 @@ class LLMEngine:
     def _adopt(self, seq: Sequence, sent_chars: int) -> Sequence:
         self.outputs.start(seq, sent_chars)
         self._seqs[seq.request_id] = seq
-        self.scheduler.add_running(seq)
+        self.structured.admit(seq, self.scheduler.add_running)
         return seq
 
     def _check_unused(self, request_id: str) -> None:

@@ -34,6 +34,7 @@ from engine.model import LlamaModel
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
 from engine.spec_decode import verify
+from engine.structured_output import grammar_bitmask
 
 
 def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
@@ -208,7 +209,7 @@ class ModelRunner:
             return out
         if step.sampling:
             seqs = [batch.seqs[i] for i in step.sampling]
-            sampled = sample(logits[: len(step.sampling)], seqs)
+            sampled = sample(logits[: len(step.sampling)], seqs, grammar_bitmask(seqs, logits.shape[-1]))
             # NOTE: the sampler keeps the draws on the logits' device; this is the step's one sync with the host
             tokens = sampled.token_ids.tolist()
             lps = sampled_logprobs(tokens, sampled.logprobs, sampled.logprob_token_ids,

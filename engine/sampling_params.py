@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec, check_spec_shape
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -43,6 +44,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
     n: int = 1  # sequences sampled from one prompt; sequence i draws from the stream of seed + i
+    # Structured outputs (engine/structured_output.py): the output follows this JSON schema / regex / choice / grammar.
+    structured: StructuredOutputSpec | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -78,6 +81,12 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise InvalidRequestError("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        if self.structured is not None:
+            error = check_spec_shape(self.structured)
+            if error is not None:
+                raise InvalidRequestError("structured", error)
+            if self.ignore_eos:  # NOTE: a grammar's output ends at an EOS token; ignoring it would never end
+                raise InvalidRequestError("ignore_eos", "cannot be combined with structured outputs")
         self._validate_extras()
 
     def _validate_extras(self) -> None:

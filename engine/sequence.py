@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, hash_block_tokens, root_hash
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 _arrival = itertools.count()
 
@@ -48,6 +52,7 @@ class Sequence:
         # NOTE: draft tokens proposed for the next step only (speculative decoding); not part of token_ids until
         # verified, and never sent anywhere.
         self.spec_token_ids: list[int] = []
+        self.grammar: GrammarState | None = None  # structured outputs: its matcher (engine/structured_output.py)
         self._hashes: list[BlockHash] = []
         # NOTE: logprobs of the tokens the last step sampled (the runner fills it, the engine drains it), and with
         # params.prompt_logprobs the prompt's, recorded as prefill chunks run ([None] for the first token).

@@ -10,6 +10,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec
 from router.v1 import inference_pb2 as pb
 from router.validate import (
     MAX_MESSAGES,
@@ -67,7 +68,7 @@ def reject_unknown_fields(msg: Message, path: str = "") -> None:
 
 def sampling_fields(s: pb.SamplingParams) -> SamplingFields:
     """The proto's sampling fields; an unset optional field stays None."""
-    return SamplingFields(
+    out = SamplingFields(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         temperature=s.temperature if s.HasField("temperature") else None,
         top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k,
@@ -76,6 +77,26 @@ def sampling_fields(s: pb.SamplingParams) -> SamplingFields:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None, min_p=s.min_p,
         logit_bias=dict(s.logit_bias), logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, n=s.n or 1)
+    if s.HasField("structured_output"):
+        out.structured, out.structured_field = structured_output(s.structured_output)
+    return out
+
+
+def structured_output(so: pb.StructuredOutput) -> tuple[StructuredOutputSpec, str]:
+    """The spec of a StructuredOutput message (exactly one field set) and the field it names in errors."""
+    names = [f.name for f, _ in so.ListFields()]
+    if len(names) != 1:
+        raise InvalidRequestError("sampling.structured_output", "set exactly one of json_schema, json_object, regex, "
+                                  f"choice, grammar (got {', '.join(names) or 'none'})")
+    name = names[0]
+    field = f"sampling.structured_output.{name}"
+    if name == "json_schema":
+        return StructuredOutputSpec("json", so.json_schema), field
+    if name == "json_object":
+        return StructuredOutputSpec("json_object"), field
+    if name == "choice":
+        return StructuredOutputSpec.choices(list(so.choice)), field
+    return StructuredOutputSpec(name, getattr(so, name)), field  # type: ignore[arg-type]  # regex or grammar
 
 
 class ProtoValidator:

@@ -144,6 +144,10 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none", "auto"), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
 }
+# Structured outputs are served (router/openai_params.py `structured_spec`): these are no longer refused.
+for _served in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs"):
+    del NEUTRAL[_served]
 # NOTE: a chat's add_special_tokens defaults to False and a completion's to True (vLLM's defaults)
 ADD_SPECIAL_TOKENS: dict[type[BaseModel], bool] = {CompletionRequest: True, ChatCompletionRequest: False}
 

@@ -10,6 +10,7 @@ import ctypes
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec
 from engine.sampling_params import MAX_LOGPROBS
 from router.openai_models import ChatMessage, CompletionRequest, SamplingBody, param_of
 from router.validate import ChatTurn, SamplingFields
@@ -68,6 +69,9 @@ def sampling_fields(s: SamplingBody, max_tokens: int | None, limit_key: str = "m
     out.stop_token_ids = unsigned_list(s.stop_token_ids or [], UINT32, "stop_token_ids")
     out.ignore_eos = bool(s.ignore_eos)
     _extras(s, out)
+    spec = structured_spec(s)
+    if spec is not None:
+        out.structured, out.structured_field = spec
     return out
 
 
@@ -99,6 +103,74 @@ def _extras(s: SamplingBody, out: SamplingFields) -> None:
     elif logprobs is not None:  # a completion's: k alternatives
         out.logprobs = unsigned(logprobs, UINT32, "logprobs")
     out.echo = isinstance(s, CompletionRequest) and bool(s.echo)
+
+
+# vLLM's `structured_outputs` keys taken at the value that matches what this server does, and the one that picks
+# the output's form (exactly one of them).
+_SO_NEUTRAL: dict[str, tuple[Any, ...]] = {"disable_fallback": (True, False), "disable_any_whitespace": (True,),
+                                           "disable_additional_properties": (False,), "whitespace_pattern": (),
+                                           "structural_tag": (), "backend": ()}
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_spec(body: Any) -> tuple[StructuredOutputSpec, str] | None:
+    """The structured output a body asks for (`response_format`, vLLM's `structured_outputs` or its older
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: one of them) and the parameter errors name.
+
+    Only the request's shape is checked here; whether the schema, regex or grammar is valid is checked with the
+    rest of the sampling fields (router/validate.py), off the event loop.
+    """
+    found: list[tuple[StructuredOutputSpec, str]] = []
+    rf = getattr(body, "response_format", None)
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append((StructuredOutputSpec("json_object"), "response_format"))
+        elif kind == "json_schema":
+            inner = rf.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict | bool):
+                raise InvalidRequestError("response_format.json_schema.schema", "must be a JSON schema object")
+            found.append((StructuredOutputSpec.json_schema(inner["schema"]), "response_format.json_schema.schema"))
+        elif kind != "text":
+            raise InvalidRequestError("response_format.type", "must be 'text', 'json_object' or 'json_schema', got "
+                                      f"{kind!r}")
+    so = getattr(body, "structured_outputs", None)
+    if so is not None:
+        for key, value in so.items():
+            if key in _SO_KINDS or value is None:
+                continue
+            if key not in _SO_NEUTRAL or not any(value == n and type(value) is type(n) for n in _SO_NEUTRAL[key]):
+                raise InvalidRequestError(f"structured_outputs.{key}", "is not supported by this server")
+        kinds = [k for k in _SO_KINDS if so.get(k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidRequestError("structured_outputs", f"set exactly one of {', '.join(_SO_KINDS)}")
+        param = f"structured_outputs.{kinds[0]}"
+        found.append((_spec(kinds[0], so[kinds[0]], param), param))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{key}", None)
+        if value is not None:
+            found.append((_spec(key, value, f"guided_{key}"), f"guided_{key}"))
+    if len(found) > 1:
+        raise InvalidRequestError(found[1][1].split(".")[0], f"set one structured output only (also {found[0][1]})")
+    return found[0] if found else None
+
+
+def _spec(kind: str, value: Any, param: str) -> StructuredOutputSpec:
+    if kind == "json":
+        if not isinstance(value, dict | bool | str):
+            raise InvalidRequestError(param, "must be a JSON schema (an object, or its JSON text)")
+        return StructuredOutputSpec.json_schema(value)
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequestError(param, "must be true")
+        return StructuredOutputSpec("json_object")
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError(param, "must be a list of strings")
+        return StructuredOutputSpec.choices([utf8(c, param) for c in value])
+    if not isinstance(value, str):
+        raise InvalidRequestError(param, "must be a string")
+    return StructuredOutputSpec("regex" if kind == "regex" else "grammar", utf8(value, param))
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:

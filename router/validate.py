@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from cluster.messages import WorkerInfo
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec, check_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -47,6 +48,8 @@ class SamplingFields:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
     n: int = 1  # choices sampled from the one prompt
     echo: bool = False  # completions: the prompt comes back before the output (with its logprobs when asked)
+    structured: StructuredOutputSpec | None = None  # structured outputs (engine/structured_output.py)
+    structured_field: str = "sampling.structured_output"  # where the client set it: errors name it
 
 
 @dataclass
@@ -173,6 +176,8 @@ class RequestValidator:
         prompt_logprobs = s.prompt_logprobs
         if s.echo and s.logprobs is not None:  # NOTE: echo + logprobs: the prompt's logprobs too (as vLLM)
             prompt_logprobs = max(s.logprobs, prompt_logprobs or 0)
+        if s.structured is not None:  # NOTE: builds the grammar (no vocabulary): here, off the router's event loop
+            check_spec(s.structured, s.structured_field, request_id)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=s.temperature if s.temperature is not None else 1.0,
@@ -181,7 +186,7 @@ class RequestValidator:
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                 repetition_penalty=s.repetition_penalty if s.repetition_penalty is not None else 1.0,
                 min_p=s.min_p, logit_bias=dict(s.logit_bias), logprobs=s.logprobs, prompt_logprobs=prompt_logprobs,
-                n=s.n)
+                n=s.n, structured=s.structured)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"sampling.{e.field}", e.reason.removeprefix(f"{e.field}: "),
                                       request_id) from None

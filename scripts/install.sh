@@ -12,6 +12,9 @@ pip install -q -e ".[dev]"
 # which would replace the pinned CPU build; numpy, its other need, is here already. Without it, `nixl` falls back
 # to grpc with one log line.
 pip install -q --no-deps "nixl-cu12==1.5.1"
+# NOTE: xgrammar (structured outputs) without its declared deps: they add triton (for a GPU kernel we do not use),
+# which a CUDA torch pins to its own version; what xgrammar imports is in pyproject.toml.
+pip install -q --no-deps "xgrammar==0.2.8"
 # The compiled kernels (engine/csrc/: paged attention, the float32 linear; built for this machine). NOTE: a failed
 # build does not stop the install: the engine then runs the pure-torch attention path and oneDNN, and logs so.
 "$PYTHON" -c 'import sys; from engine.kernels import main; sys.exit(main(["build"]))' || true

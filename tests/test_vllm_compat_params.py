@@ -14,6 +14,7 @@ from cluster import tracing
 from cluster.messages import WorkerLoad
 from cluster.worker_metrics import WorkerMetrics
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutputSpec
 from pdcluster.cli import apply_flags, build_parser
 from pdcluster.config import ClusterConfig, ConfigError
 from router.openai_models import (
@@ -61,6 +62,8 @@ SERVED_NOW = [
     ("presence_penalty", 0.5, "presence_penalty", 0.5), ("frequency_penalty", -1, "frequency_penalty", -1.0),
     ("logit_bias", {"42": 5}, "logit_bias", {42: 5.0}), ("n", 2, "n", 2), ("echo", True, "echo", True),
     ("logprobs", 0, "logprobs", 0), ("prompt_logprobs", 3, "prompt_logprobs", 3),
+    ("response_format", {"type": "json_object"}, "structured", StructuredOutputSpec("json_object")),
+    ("guided_json", {"type": "object"}, "structured", StructuredOutputSpec("json", '{"type": "object"}')),
 ]
 # Still not served: a 400 naming the field
 STILL_REFUSED = [

@@ -12,7 +12,9 @@ decode tok/s at batch 1 and 8 for float32, int8 weights and int8 weights + int8 
 float32 (teacher-forced top-1 agreement over 32 greedy tokens of varied prompts, perplexity on a fixed text); and
 n-gram speculation on a repetitive task (copying an edited text) against the same engine without it,
 with the acceptance rate. Then (unless --no-features) one decode step with a request feature on every row (logprobs
-k = 5, penalties) against plain decoding at batch 1 and 8 (pdcluster/bench/engine_features.py).
+k = 5, penalties) against plain decoding at batch 1 and 8 (pdcluster/bench/engine_features.py). Then (unless
+--no-grammar) one decode step with a JSON-schema grammar on every row against plain decoding at batch 1 and 8
+(pdcluster/bench/engine_grammar.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pdcluster.bench.engine_device import add_arguments as add_device_arguments
 from pdcluster.bench.engine_device import format_device, measure_device
 from pdcluster.bench.engine_features import add_arguments as add_features_arguments
 from pdcluster.bench.engine_features import format_features, measure_features
+from pdcluster.bench.engine_grammar import add_arguments as add_grammar_arguments
+from pdcluster.bench.engine_grammar import format_grammar, measure_grammar
 from pdcluster.bench.engine_step import add_arguments as add_step_arguments
 from pdcluster.bench.engine_step import format_step, measure_step
 from pdcluster.bench.report import emit, log, machine
@@ -60,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_step_arguments(p)
     add_features_arguments(p)
     add_device_arguments(p)
+    add_grammar_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -190,6 +195,7 @@ def measure(args: argparse.Namespace) -> dict:
         **({} if args.no_attention else {"decode_attention": measure_attention(args, loaded)}),
         **({} if args.no_step else {"step": measure_step(args, loaded)}),
         **({} if args.no_features else {"features": measure_features(args, loaded)}),
+        **({} if args.no_grammar else {"grammar": measure_grammar(args, loaded)}),
     }
 
 
@@ -213,6 +219,8 @@ def format_table(r: dict) -> str:
         lines.append(format_step(r["step"]))
     if "features" in r:
         lines.append(format_features(r["features"]))
+    if "grammar" in r:
+        lines.append(format_grammar(r["grammar"]))
     return "\n".join(lines)
 
 
