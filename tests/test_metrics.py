@@ -157,7 +157,7 @@ def test_names_follow_conventions() -> None:
     names = [fam.name for fam in m.registry.collect()]
     ours = [n for n in names if n.startswith("pdcluster_")]
     vllm = [n for n in names if n.startswith("vllm:")]  # vLLM's model-server names, for tools built on them
-    assert (len(ours), len(vllm), len(names)) == (28, 14, 42)
+    assert (len(ours), len(vllm), len(names)) == (30, 14, 44)
     text = m.render().decode()
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     counters = [n for n, t in types.items() if t == "counter"]

@@ -38,8 +38,10 @@ def test_a_deadline_an_idle_cluster_cannot_meet_is_deadline_exceeded_not_overloa
     err = run_until_refused(router, req, 0.05)
     assert isinstance(err, DeadlineExceeded) and status_of(err)[0] is Status.DEADLINE_EXCEEDED
     assert router.inflight == 0
-    # NOTE: the same deadline missed only because of the queue ahead is load: the client may retry elsewhere
-    router.pools["prefill-0"].view.pending_tokens = 200_000
+    # NOTE: the same deadline missed only because of the queue ahead is load: the client may retry elsewhere (both
+    # pools busy: with only the prefill pool queued, the router would place the prompt on the decode pool)
+    for name in ("prefill-0", "decode-0"):
+        router.pools[name].view.pending_tokens = 200_000
     err = run_until_refused(router, req, 5.0)
     assert isinstance(err, Overloaded) and status_of(err)[0] is Status.RESOURCE_EXHAUSTED
     assert router.inflight == 0
