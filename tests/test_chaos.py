@@ -61,7 +61,7 @@ def test_leaked_blocks_a_busy_router_and_memory_growth_fail() -> None:
     assert verdict(ok, held)["no_leak"] is False
     assert verdict(ok, busy)["no_leak"] is False
     assert verdict(ok, dead)["no_leak"] is True  # NOTE: a worker that is gone holds nothing
-    assert verdict(ok, rss={"serve": [300.0, 400.0]})["router_memory"] is False
+    assert verdict(ok, rss={"serve": [100.0] * 5 + [300.0, 400.0]})["router_memory"] is False
 
 
 def test_windows_count_outcomes_by_request_start() -> None:

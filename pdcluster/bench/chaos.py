@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     with serving_endpoints(config, "chaos") as ep:
         extra = ExtraRouter(config, ep)
         try:
-            records, events, rss, stalled = _traffic(args, ep, extra)
+            records, events, rss, stalled = _traffic(args, ep, extra, config.served_model_name)
             final = _final_state(ep, extra)
         finally:
             extra.stop()
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     return emit("chaos", figures, args.out, args.json, format_table)
 
 
-def _traffic(args: argparse.Namespace, ep: dict[str, str], extra: ExtraRouter
+def _traffic(args: argparse.Namespace, ep: dict[str, str], extra: ExtraRouter, model: str
              ) -> tuple[list[Record], list[chaos_faults.Event], dict[str, list[float]], list[str]]:
     from pdcluster.client import stub as make_stub
 
@@ -88,7 +88,7 @@ def _traffic(args: argparse.Namespace, ep: dict[str, str], extra: ExtraRouter
             if r.proto == "grpc":
                 chaos_traffic.send_grpc(stubs[r.router], r, args.deadline_s)
             else:
-                chaos_traffic.send_http(http[r.router], r, args.deadline_s)
+                chaos_traffic.send_http(http[r.router], model, r, args.deadline_s)
             if r.status != "OK":
                 time.sleep(0.5)  # NOTE: a client backs off a little after a failure, as real ones do
 
@@ -97,14 +97,14 @@ def _traffic(args: argparse.Namespace, ep: dict[str, str], extra: ExtraRouter
 
     def sample() -> None:
         while not stop.wait(2.0):
-            for name, pid in (("serve", int(ep["pid"])), (f"extra#{extra.starts}", extra.pid)):
+            for name, pid in (("serve", int(ep["pid"])), (f"extra#{extra.starts}", extra.ready_pid)):
                 mb = extra.rss_mb(pid)
                 if mb is not None:
                     rss.setdefault(name, []).append(mb)
 
     def stall() -> str:
         t = threading.Thread(target=lambda: stalled.append(chaos_traffic.stalled_stream(
-            http["serve"], 2000, args.stall_s)), daemon=True)
+            http["serve"], model, 2000, args.stall_s)), daemon=True)
         t.start()
         return f"reads its first bytes, then nothing for {args.stall_s:.0f} s (outcome below)"
 

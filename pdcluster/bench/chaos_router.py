@@ -54,6 +54,7 @@ class ExtraRouter:
         if "ray" in ep:
             self.argv += ["--ray", ep["ray"]]
         self.starts = 0
+        self.ready_pid = -1  # the process once it has printed its ready line (its memory is sampled from then on)
         self.proc: subprocess.Popen[str] | None = None
         self._start()
 
@@ -77,6 +78,7 @@ class ExtraRouter:
         threading.Thread(target=read, args=(self.proc.stdout,), daemon=True).start()
         if not ready.wait(START_TIMEOUT_S):
             raise RuntimeError(f"the extra router did not start within {START_TIMEOUT_S:.0f} s: {self.argv}")
+        self.ready_pid = self.proc.pid
         log("chaos", f"extra router #{self.starts} up at {self.grpc} (pid {self.proc.pid})")
 
     def restart(self) -> str:

@@ -20,8 +20,6 @@ import grpc
 from pdcluster.bench.chaos_check import Record
 from router.v1 import inference_pb2 as pb
 
-MODEL = "pdcluster"  # NOTE: the HTTP front serves any model name it is given under its own
-
 
 def new_record(i: int, rng: random.Random, start_s: float, args: Any) -> Record:
     """The i-th request: protocol, streaming and router by `rng`; a fresh prompt of random ids."""
@@ -52,10 +50,10 @@ def send_grpc(stub: Any, r: Record, deadline_s: float) -> None:
     r.token_ids = ids
 
 
-def send_http(addr: str, r: Record, deadline_s: float) -> None:
+def send_http(addr: str, model: str, r: Record, deadline_s: float) -> None:
     """Send `r` to the OpenAI completions endpoint; fill its outcome."""
     host, port = addr.rsplit(":", 1)
-    body = {"model": MODEL, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0.0,
+    body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": r.streamed}
     if r.streamed:
         body["stream_options"] = {"include_usage": True}
@@ -107,10 +105,10 @@ def _read_sse(resp: http.client.HTTPResponse, r: Record, end: float) -> None:
     r.status = "OK" if finish else "CUT"
 
 
-def stalled_stream(addr: str, max_tokens: int, hold_s: float) -> str:
+def stalled_stream(addr: str, model: str, max_tokens: int, hold_s: float) -> str:
     """Open a streamed completion, read its first bytes, then read nothing for `hold_s`; what became of it."""
     host, port = addr.rsplit(":", 1)
-    body = json.dumps({"model": MODEL, "prompt": [random.randrange(100, 49000) for _ in range(32)],
+    body = json.dumps({"model": model, "prompt": [random.randrange(100, 49000) for _ in range(32)],
                        "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True})
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         # NOTE: a small receive buffer, so the server's writes block soon after the client stops reading
