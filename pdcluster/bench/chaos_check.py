@@ -18,6 +18,8 @@ from typing import Any
 
 WARM_SAMPLES = 5  # router memory samples (2 s apart) before the baseline
 UNCLEAR = ("CUT", "HANG")  # failures that carry no status a client could act on
+# NOTE: REFUSED / DISCONNECTED are the HTTP client's view of a router process that is gone (gRPC says UNAVAILABLE):
+# clear to a client, which retries elsewhere; CUT is a stream the router ended with neither a finish nor an error
 
 
 @dataclass
@@ -31,7 +33,8 @@ class Record:
     router: str  # "serve" | "extra"
     prompt: list[int]
     max_tokens: int
-    status: str = ""  # "OK" or why it failed: a gRPC code name, "HTTP_503", "STREAM_ERROR", "CUT", "HANG"
+    status: str = ""  # "OK" or why it failed: a gRPC code, "HTTP_503", "STREAM_ERROR", "REFUSED", "DISCONNECTED",
+    # "CUT", "HANG"
     token_ids: list[int] | None = None  # gRPC: the ids received
     text: str = ""  # the text received
     usage_tokens: int = -1  # usage.completion_tokens the server reported (-1: none)
@@ -64,6 +67,11 @@ def check(records: list[Record], reference: dict[tuple[tuple[int, ...], int], tu
     short = [r for r in ok if _count(r) != r.max_tokens]
     leaks = [f"{w['name']}: {w['num_blocks'] - w['free_blocks']} blocks held, {w['running']} running"
              for w in final.workers if w["alive"] and (w["free_blocks"] != w["num_blocks"] or w["running"])]
+    # NOTE: every pool restarts its actors here (max_restarts), so a worker without a heartbeat at the end is one
+    # whose blocks nobody can check (Redis gone, or the worker itself): the invariant is not shown to hold
+    leaks += [f"{w['name']}: no heartbeat, its blocks cannot be checked" for w in final.workers if not w["alive"]]
+    if not final.workers:
+        leaks.append("serve did not report its workers")
     leaks += [f"router {name}: in-flight {v if v is not None else 'unknown (unreachable)'}"
               for name, v in final.router_inflight.items() if v != 0]
     # NOTE: from the 5th sample (~10 s in): a fresh process still imports and warms up in its first seconds

@@ -95,6 +95,7 @@ class FaultRunner:
         self.t0 = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="chaos-faults")
+        self._watchers: list[threading.Thread] = []  # NOTE: one per kill, so waiting for a come-back delays no fault
 
     def start(self, t0: float) -> None:
         self.t0 = t0
@@ -102,7 +103,9 @@ class FaultRunner:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=COME_BACK_S + self.freeze_s + 10)
+        self._thread.join(timeout=self.freeze_s + 10)
+        for w in self._watchers:
+            w.join(timeout=COME_BACK_S + 5)
 
     def _run(self) -> None:
         for at_s, kind in self.plan:
@@ -114,7 +117,8 @@ class FaultRunner:
                 self._do(event)
             except Exception as e:  # NOTE: a fault that could not be done is reported, the run goes on
                 event.outcome = f"could not be done: {type(e).__name__}: {e}"
-            log("chaos", f"{event.at_s:7.1f} s  {kind:<14} {event.target}  {event.outcome}")
+            if event.outcome:
+                log("chaos", f"{event.at_s:7.1f} s  {kind:<14} {event.target}  {event.outcome}")
 
     def _do(self, event: Event) -> None:
         kind = event.kind
@@ -126,8 +130,7 @@ class FaultRunner:
                 return
             event.target = f"{title} pid {victims[0].pid}"
             os.kill(victims[0].pid, signal.SIGKILL)
-            event.outcome = self._came_back(lambda: [p.pid for p in actors(self.serve_pid, title)], victims[0].pid,
-                                            len(victims))
+            self._watch(event, lambda: [p.pid for p in actors(self.serve_pid, title)], victims[0].pid, len(victims))
         elif kind == "kill-redis":
             victims = redis_servers(self.serve_pid)
             if not victims:
@@ -135,7 +138,7 @@ class FaultRunner:
                 return
             event.target = f"redis-server pid {victims[0].pid}"
             os.kill(victims[0].pid, signal.SIGKILL)
-            event.outcome = self._came_back(lambda: [p.pid for p in redis_servers(self.serve_pid)], victims[0].pid, 1)
+            self._watch(event, lambda: [p.pid for p in redis_servers(self.serve_pid)], victims[0].pid, 1)
         elif kind == "kill-router":
             event.target = "pdcluster router"
             event.outcome = self.restart_router()
@@ -154,11 +157,20 @@ class FaultRunner:
             event.target = "one HTTP stream"
             event.outcome = self.stall_client()
 
-    def _came_back(self, pids: Callable[[], list[int]], old: int, count: int) -> str:
-        t = time.monotonic()
-        while time.monotonic() - t < COME_BACK_S:
-            now = [p for p in pids() if p != old]
-            if len(now) >= count:
-                return f"back as pid {now[-1]} after {time.monotonic() - t:.1f} s"
-            time.sleep(0.5)
-        return f"did not come back within {COME_BACK_S:.0f} s"
+    def _watch(self, event: Event, pids: Callable[[], list[int]], old: int, count: int) -> None:
+        """Fill `event.outcome` on a thread of its own: whether `count` processes other than `old` came back."""
+
+        def watch() -> None:
+            t = time.monotonic()
+            event.outcome = f"did not come back within {COME_BACK_S:.0f} s"
+            while time.monotonic() - t < COME_BACK_S:
+                now = [p for p in pids() if p != old]
+                if len(now) >= count:
+                    event.outcome = f"back as pid {now[-1]} after {time.monotonic() - t:.1f} s"
+                    break
+                time.sleep(0.5)
+            log("chaos", f"{event.at_s:7.1f} s  {event.kind:<14} {event.target}  {event.outcome}")
+
+        w = threading.Thread(target=watch, daemon=True, name=f"chaos-{event.kind}")
+        self._watchers.append(w)
+        w.start()

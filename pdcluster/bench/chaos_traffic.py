@@ -3,7 +3,8 @@
 Every request is a fresh prompt of random token ids (so it crosses the prefill → decode handoff), greedy, with
 `ignore_eos` and an exact `max_tokens`. What the client saw goes into a `chaos_check.Record`: "OK" only when the
 request finished; otherwise the status it got (gRPC code, `HTTP_<status>`, `STREAM_ERROR` for an SSE error event),
-`CUT` for a stream that ended with neither, `HANG` when the client had to give up past the deadline.
+`REFUSED` / `DISCONNECTED` when the router's process is not there or went away (what gRPC calls UNAVAILABLE),
+`CUT` for a response that ended with neither a finish nor an error, `HANG` when the client gave up past the deadline.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def send_http(addr: str, model: str, r: Record, deadline_s: float) -> None:
         _read_sse(resp, r, end)
     except TimeoutError:
         r.status, r.detail = "HANG", f"nothing within the {deadline_s:.0f} s deadline"
+    except ConnectionRefusedError as e:
+        r.status, r.detail = "REFUSED", str(e)[:200]
+    except (ConnectionResetError, http.client.RemoteDisconnected, http.client.IncompleteRead) as e:
+        r.status, r.detail = "DISCONNECTED", f"{type(e).__name__}: {e}"[:200]
     except (OSError, http.client.HTTPException, json.JSONDecodeError, KeyError) as e:
         r.status, r.detail = "CUT", f"{type(e).__name__}: {e}"[:200]
     finally:
