@@ -162,13 +162,14 @@ class FaultRunner:
 
         def watch() -> None:
             t = time.monotonic()
-            event.outcome = f"did not come back within {COME_BACK_S:.0f} s"
+            outcome = f"did not come back within {COME_BACK_S:.0f} s"
             while time.monotonic() - t < COME_BACK_S:
                 now = [p for p in pids() if p != old]
                 if len(now) >= count:
-                    event.outcome = f"back as pid {now[-1]} after {time.monotonic() - t:.1f} s"
+                    outcome = f"back as pid {now[-1]} after {time.monotonic() - t:.1f} s"
                     break
                 time.sleep(0.5)
+            event.outcome = outcome
             log("chaos", f"{event.at_s:7.1f} s  {event.kind:<14} {event.target}  {event.outcome}")
 
         w = threading.Thread(target=watch, daemon=True, name=f"chaos-{event.kind}")
