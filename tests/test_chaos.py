@@ -70,3 +70,11 @@ def test_windows_count_outcomes_by_request_start() -> None:
           for i, (s, st) in enumerate([(1, "OK"), (2, "UNAVAILABLE"), (16, "OK"), (40, "OK")])]
     assert windows(rs, 15) == [{"from_s": 0, "OK": 1, "UNAVAILABLE": 1}, {"from_s": 15.0, "OK": 1},
                                {"from_s": 30.0, "OK": 1}]
+
+
+def test_a_stream_cut_by_its_routers_kill_is_expected_but_not_one_cut_at_another_time() -> None:
+    cut = Record(0, 10.0, "http", True, "extra", [1, 2, 3], 4, status="CUT", end_s=12.0)
+    during = check([cut], REF, IDLE, RSS, 64, router_kills_s=(11.0,))
+    later = check([cut], REF, IDLE, RSS, 64, router_kills_s=(30.0,))
+    assert during[0].name == "outcome" and during[0].passed and "cut by their router's kill -9" in during[0].detail
+    assert not later[0].passed

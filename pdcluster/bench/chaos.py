@@ -89,6 +89,7 @@ def _traffic(args: argparse.Namespace, ep: dict[str, str], extra: ExtraRouter, m
                 chaos_traffic.send_grpc(stubs[r.router], r, args.deadline_s)
             else:
                 chaos_traffic.send_http(http[r.router], model, r, args.deadline_s)
+            r.end_s = time.monotonic() - t0
             if r.status != "OK":
                 time.sleep(0.5)  # NOTE: a client backs off a little after a failure, as real ones do
 
@@ -154,7 +155,8 @@ def _reference(model: str, records: list[Record]) -> dict[tuple[tuple[int, ...],
 def _figures(args: argparse.Namespace, records: list[Record], events: list[chaos_faults.Event],
              rss: dict[str, list[float]], stalled: list[str], final: FinalState,
              reference: dict[tuple[tuple[int, ...], int], tuple[list[int], str]]) -> dict[str, Any]:
-    invariants = check(records, reference, final, rss, args.rss_limit_mb)
+    kills = tuple(e.at_s for e in events if e.kind == "kill-router")
+    invariants = check(records, reference, final, rss, args.rss_limit_mb, kills)
     for e in events:
         if e.kind == "stall-client":
             e.outcome += "; " + (stalled[0] if stalled else "no outcome (the stalled client did not finish)")
