@@ -3,7 +3,7 @@
 PYTHON ?= python3
 CONFIG ?= deploy/local.yaml
 
-.PHONY: install demo demo-multinode serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak \
+.PHONY: install demo demo-multinode serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak bench-chaos \
         bench-serve bench-compare bench-vllm bench-vllm-sweep
 
 .install-stamp: pyproject.toml scripts/install.sh engine/kernels.py $(wildcard engine/csrc/*.cpp engine/csrc/*.h)
@@ -41,6 +41,10 @@ bench-engine: .install-stamp
 
 bench-soak: .install-stamp
 	$(PYTHON) -m pdcluster bench soak --streams 32 --minutes 10
+
+# Kills, a freeze and a stalled client under mixed gRPC/HTTP traffic; invariants PASS/FAIL (about 15 minutes).
+bench-chaos: .install-stamp
+	$(PYTHON) -m pdcluster bench chaos --minutes 10
 
 # Disaggregated vs colocated and prefix-aware vs round-robin, the figures of BENCHMARKS.md (about 25 minutes).
 bench-compare: .install-stamp

@@ -52,6 +52,8 @@ BENCHES = {
                                              "layer-wise overlap"),
     "soak": ("pdcluster.bench.soak", "N streams for T minutes: requests failed, tokens lost/duplicated, KV blocks "
                                      "leaked, RSS growth"),
+    "chaos": ("pdcluster.bench.chaos", "mixed gRPC/HTTP traffic while actors, Redis and a router are killed: "
+                                       "invariants PASS/FAIL"),
     "serve": ("pdcluster.bench.serve", "open-loop Poisson load at one or more rates: TTFT/ITL/e2e percentiles, "
                                        "throughput, goodput, plots"),
     "compare": ("pdcluster.bench.compare", "one workload on disaggregated vs colocated (same cores) and prefix-aware "

@@ -52,7 +52,8 @@ def serving(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -
 
 @contextmanager
 def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -> Iterator[dict[str, str]]:
-    """As `serving`, yielding every endpoint of its ready line ({"grpc": HOST:PORT, "http": HOST:PORT, ...})."""
+    """As `serving`, yielding every endpoint of its ready line ({"grpc": HOST:PORT, "http": HOST:PORT, ...}) and
+    the child's "pid"."""
     _kernel_built()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdc-bench-", delete=False) as f:
         yaml.safe_dump(config.model_dump(mode="json"), f, sort_keys=False)
@@ -67,6 +68,7 @@ def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float 
     threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
     try:
         endpoints = _wait_ready(proc, start_timeout_s, tail)
+        endpoints["pid"] = str(proc.pid)
         log("serve", f"{label}: cluster up at {endpoints['grpc']} ({config.mode}, routing {config.router.routing})")
         yield endpoints
     finally:
