@@ -27,6 +27,9 @@ def cluster(ray_session):
     def edit(config):
         config.transfer.deadline_s = DEADLINE_S
         config.prefill.max_num_batched_tokens = 256  # NOTE: one prompt at a time: the backlog grows with each one
+        # NOTE: every prompt on the prefill pool, however long its queue (the placement rule would move some of the
+        # backlog to the decode pool's chunked path: tests/test_router_unit.py covers that choice)
+        config.router.slo_itl_ms = None
 
     c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0)
     yield c, server

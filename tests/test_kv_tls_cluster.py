@@ -32,6 +32,7 @@ def cluster(ray_session, tmp_path_factory):
     def edit(config):
         config.security.tls_cert_file, config.security.tls_key_file = cert, key
         config.transfer.tls = True
+        config.transfer.transport = "grpc"  # NOTE: TLS is the gRPC KV plane's; NIXL (local.yaml's) does not encrypt
 
     c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0)
     yield c, server, cert

@@ -222,7 +222,7 @@ def test_metrics_after_twenty_requests_match_what_was_sent(secured):
     assert value("pdcluster_inter_token_latency_seconds_count") == gen - 17  # one gap per token after the first
     assert value("pdcluster_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert value("pdcluster_prefix_cache_hit_tokens_total") == sum(u.cached_prompt_tokens for u in usages)
-    assert value("pdcluster_kv_transfer_bytes_total", transport="grpc") > 0
+    assert value("pdcluster_kv_transfer_bytes_total", transport=c.config.transfer.transport) > 0
     assert value("pdcluster_redis_lookup_seconds_count") == 18  # every routed request, the shed one excluded
 
 
