@@ -36,6 +36,39 @@ def prefill_tiles(dtype: torch.dtype) -> tuple[int, int]:
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, offs_n, n_mask, kvh, offs_d, d_mask,
+             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """The K and V tiles ([BLOCK_N, D_PAD] each) of keys `offs_n` of one KV head, read through the block table row
+    at `table_ptr`; masked keys read as 0."""
+    blk = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    within = offs_n % BLOCK_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One K/V tile into the running max `m_i`, sum `l_i` and output `acc` of q's rows; keys where `valid` (broadcast
+    to [rows, BLOCK_N]) is false get no weight. The caller sees to it that m_i is finite after the first tile."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, BLOCK_N]
+    qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, scale, split_len,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -65,24 +98,11 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        blk = tl.load(block_tables_ptr + row * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        within = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a valid key
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + row * stride_bt, offs_n, n_mask, kvh, offs_d,
+                        d_mask, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE,
+                        UPCAST)  # [BLOCK_N, D_PAD] each
+        # NOTE: every tile has a valid key, so m_i is finite after it
+        m_i, l_i, acc = _online_softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale, PRECISION)
     has = l_i > 0.0  # an empty range (a row shorter than this split's start) leaves lse -inf: weight 0 in the merge
     safe_l = tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log(safe_l), float("-inf"))
@@ -153,25 +173,12 @@ def _prefill_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        blk = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        within = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + within[:, None] * stride_ks + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + within[:, None] * stride_vs + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, offs_n, n_mask, kvh, offs_d,
+                        d_mask, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE,
+                        UPCAST)  # [BLOCK_N, D_PAD] each
         # NOTE: key 0 is in the first tile and visible to every row (padded ones too), so m_i is finite after it
-        qk = tl.where((offs_n[None, :] <= pos[:, None]) & n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        causal = (offs_n[None, :] <= pos[:, None]) & n_mask[None, :]  # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale, PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
