@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from pdcluster.bench.engine_grammar import add_arguments as add_grammar_argument
 from pdcluster.bench.engine_grammar import format_grammar, measure_grammar
 from pdcluster.bench.engine_step import add_arguments as add_step_arguments
 from pdcluster.bench.engine_step import format_step, measure_step
+from pdcluster.bench.engine_timing import OursTimer, ReferenceTimer, best
 from pdcluster.bench.report import emit, log, machine
 
 DEFAULT_OUT = "results/bench_engine.json"
@@ -76,62 +76,17 @@ def _log(msg: str) -> None:
 def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 5) -> float:
     """Sustained read bandwidth (GB/s): sum over a buffer far larger than the caches, best of `repeats`."""
     buf = torch.ones(mib * 2**20 // 4)
-    best = float("inf")
+    fastest = float("inf")
     for _ in range(repeats + 1):
         t = time.perf_counter()
         buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best / 1e9
+        fastest = min(fastest, time.perf_counter() - t)
+    return buf.numel() * 4 / fastest / 1e9
 
 
-class _Ours:
-    """Times our engine: prompts go in together, one continuous batch."""
-
-    def __init__(self, loaded: object, threads: int, budget: int, **options: Any) -> None:
-        from engine import EngineConfig, LLMEngine
-
-        self.engine = LLMEngine(loaded, EngineConfig(num_threads=threads, max_num_batched_tokens=budget,  # type: ignore[arg-type]
-                                                     max_num_seqs=256, enable_prefix_caching=False, **options))
-        self.n = 0
-
-    def run(self, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True) -> tuple[float, float]:
-        """(seconds to the first token of every prompt, seconds to the last token)."""
-        from engine import SamplingParams
-
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
-        t0 = time.perf_counter()
-        for p in prompts:
-            self.n += 1
-            self.engine.add_request(f"bench-{self.n}", p, params)
-        first, started = None, set()
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                started.add(out.request_id)
-            if first is None and len(started) == len(prompts):
-                first = time.perf_counter() - t0
-        return first or 0.0, time.perf_counter() - t0
-
-
-class _Reference:
-    """Times transformers' generate on the same weights (batch of equal-length prompts: no padding)."""
-
-    def __init__(self, loaded: object) -> None:
-        from pdcluster.bench.reference import hf_model_from
-
-        self.model: Any = hf_model_from(loaded)  # type: ignore[arg-type]
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], new_tokens: int) -> float:
-        ids = torch.tensor(prompts)
-        t0 = time.perf_counter()
-        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t0
-
-
-def _best(repeats: int, fn: Callable[[int], tuple[float, ...]]) -> tuple[float, ...]:
-    runs = [fn(r) for r in range(repeats)]
-    return tuple(min(col) for col in zip(*runs))
+def _ours(loaded: object, threads: int, budget: int, **options: Any) -> OursTimer:
+    """Our engine for these figures: `threads` torch threads, one continuous batch of up to 256 rows."""
+    return OursTimer(loaded, num_threads=threads, max_num_batched_tokens=budget, max_num_seqs=256, **options)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -145,8 +100,8 @@ def measure(args: argparse.Namespace) -> dict:
     budget = max(2048, args.prefill_len, max(batches) * args.decode_prompt_len)
     options = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                "speculative_config": args.speculative_config}
-    ours = _Ours(loaded, args.threads, budget, **options)
-    ref = None if args.no_reference else _Reference(loaded)
+    ours = _ours(loaded, args.threads, budget, **options)
+    ref = None if args.no_reference else ReferenceTimer(loaded)
     gen = torch.Generator().manual_seed(0)
 
     def prompts(b: int, n: int) -> list[list[int]]:
@@ -159,19 +114,19 @@ def measure(args: argparse.Namespace) -> dict:
     for b in batches:
         _log(f"batch {b}: prefill {args.prefill_len} tokens")
 
-        def prefill_once(_: int, b: int = b) -> tuple[float, float]:
+        def prefill_once(b: int = b) -> tuple[float, float]:
             p = prompts(b, args.prefill_len)
             return ours.run(p, 1)[0], (ref.run(p, 1) if ref else 0.0)
 
-        def decode_once(_: int, b: int = b) -> tuple[float, float]:
+        def decode_once(b: int = b) -> tuple[float, float]:
             p = prompts(b, args.decode_prompt_len)
             first, total = ours.run(p, args.decode_tokens)
             ref_decode = (ref.run(p, args.decode_tokens) - ref.run(p, 1)) if ref else 0.0
             return total - first, ref_decode
 
-        pre = _best(args.repeats, prefill_once)
+        pre = best(args.repeats, prefill_once)
         _log(f"batch {b}: decode {args.decode_tokens} tokens after {args.decode_prompt_len}")
-        dec = _best(args.repeats, decode_once)
+        dec = best(args.repeats, decode_once)
         for kind, (t_ours, t_ref), n_tok in (("prefill", pre, b * args.prefill_len),
                                               ("decode", dec, b * (args.decode_tokens - 1))):
             row = {"ours_tok_s": n_tok / t_ours}
@@ -240,7 +195,7 @@ EDIT_TEXT = ("The old lighthouse stood on the rocky cape for more than a century
              "the night, writing the weather, the ships he saw and the hours of the light in a worn leather logbook.")
 
 
-def _decode_tok_s(eng: _Ours, prompts: list[list[int]], n: int) -> float:
+def _decode_tok_s(eng: OursTimer, prompts: list[list[int]], n: int) -> float:
     first, total = eng.run(prompts, n)
     return len(prompts) * (n - 1) / (total - first)
 
@@ -259,7 +214,7 @@ def measure_variants(args: argparse.Namespace, loaded: Any) -> dict:
     rows: dict[str, dict[str, Any]] = {}
     for name, options in VARIANTS.items():
         _log(f"variant {name}")
-        eng = _Ours(loaded, args.threads, budget, **options)
+        eng = _ours(loaded, args.threads, budget, **options)
         eng.run(torch.randint(100, cfg.vocab_size, (2, 32), generator=gen).tolist(), 4)  # warm-up
         row: dict[str, Any] = {"options": options, "kv_bytes_per_block_layer": eng.engine.kv_layout.layer_nbytes(1)}
         for b in batches:
@@ -278,7 +233,7 @@ def measure_variants(args: argparse.Namespace, loaded: Any) -> dict:
         _log(f"speculation: batch {b}, {n} tokens of an edited copy")
         row = {}
         for name, sc in (("plain", None), ("ngram", SPEC)):
-            eng = _Ours(loaded, args.threads, budget, speculative_config=sc)
+            eng = _ours(loaded, args.threads, budget, speculative_config=sc)
             eng.run([edit[:32]], 4)  # warm-up
             row[f"{name}_tok_s"] = max(_decode_tok_s(eng, [edit] * b, n) for _ in range(args.repeats))
             st = eng.engine.stats()

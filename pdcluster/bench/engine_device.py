@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pdcluster.bench.engine_timing import OursTimer, ReferenceTimer, best, sync
 from pdcluster.bench.report import emit, log, machine
 
 DEFAULT_OUT = "results/bench_engine_device.json"
@@ -37,22 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=int, default=2048, help="--device: prompt tokens of the prefill figure")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(device: torch.device, fn: Any, repeats: int) -> float:
     """Best wall time of `fn()` over `repeats` runs (after one warm-up), the device synchronized around each."""
     fn()
-    best = float("inf")
+    fastest = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
+        sync(device)
+        fastest = min(fastest, time.perf_counter() - t)
+    return fastest
 
 
 def copy_bandwidth(device: torch.device, mib: int) -> float:
@@ -71,69 +67,18 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n**3 / t
 
 
-class _Ours:
-    def __init__(self, loaded: Any, device: str, dtype: str, num_blocks: int, max_seqs: int, budget: int,
-                 eager: bool) -> None:
-        from engine import EngineConfig, LLMEngine
-
-        self.engine = LLMEngine(loaded, EngineConfig(device=device, dtype=dtype, num_blocks=num_blocks,
-                                                     max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                                     enable_prefix_caching=False, enforce_eager=eager))
-        self.n = 0
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-        """(seconds to the first token of every prompt, seconds to the last); each step ends in its one sync."""
-        from engine import SamplingParams
-
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        for p in prompts:
-            self.n += 1
-            self.engine.add_request(f"bench-{self.n}", p, params)
-        first, started = None, set()
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                started.add(out.request_id)
-            if first is None and len(started) == len(prompts):
-                first = time.perf_counter() - t0
-        return first or 0.0, time.perf_counter() - t0
-
-
-class _Reference:
-    def __init__(self, loaded: Any, device: torch.device) -> None:
-        from pdcluster.bench.reference import hf_model_from
-
-        self.device = device
-        self.model: Any = hf_model_from(loaded)
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], new_tokens: int) -> float:
-        ids = torch.tensor(prompts, device=self.device)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        _sync(self.device)
-        return time.perf_counter() - t0
-
-
-def _best(repeats: int, fn: Any) -> tuple[float, ...]:
-    runs = [fn() for _ in range(repeats)]
-    return tuple(min(col) for col in zip(*runs))
-
-
-def _measure_ours(ours: _Ours, name: str, batches: list[int], prefill: bool, args: argparse.Namespace,
+def _measure_ours(ours: OursTimer, name: str, batches: list[int], prefill: bool, args: argparse.Namespace,
                   prompts: Any, figures: dict[str, Any]) -> None:
     ctx, n_dec, n_pre = args.context, args.decode_tokens, args.prefill_tokens
     ours.run(prompts(2, 32), 4)  # warm-up
     for b in batches:
         log("engine", f"ours ({name}): decode batch {b}, {n_dec} tokens after {ctx}")
-        first, total = _best(args.repeats, lambda b=b: ours.run(prompts(b, ctx), n_dec))
+        first, total = best(args.repeats, lambda b=b: ours.run(prompts(b, ctx), n_dec))
         tok_s = figures["decode"].setdefault(str(b), {})[f"ours_{name}_tok_s"] = b * (n_dec - 1) / (total - first)
         log("engine", f"  {tok_s:.1f} tok/s")  # NOTE: each figure in the log as it comes (a run cut short keeps it)
     if prefill:
         log("engine", f"ours: prefill {n_pre} tokens")
-        (first,) = _best(args.repeats, lambda: (ours.run(prompts(1, n_pre), 1)[0],))
+        (first,) = best(args.repeats, lambda: (ours.run(prompts(1, n_pre), 1)[0],))
         figures["prefill"][str(n_pre)] = {"ours_tok_s": n_pre / first}
         log("engine", f"  {n_pre / first:.1f} tok/s")
 
@@ -163,7 +108,8 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
     engines = {"graphs": False, "eager": True} if device.type == "cuda" else {"eager": True}
     main = list(engines)[0]
     for name, eager in engines.items():
-        ours = _Ours(loaded, str(device), dtype_name, num_blocks, max(batches), budget, eager)
+        ours = OursTimer(loaded, device=str(device), dtype=dtype_name, num_blocks=num_blocks,
+                         max_num_seqs=max(batches), max_num_batched_tokens=budget, enforce_eager=eager)
         figures.setdefault("cuda_graphs", ours.engine.runner.graphs is not None and name == "graphs")
         _measure_ours(ours, name, batches if name == main else [1], name == main, args, prompts, figures)
         del ours
@@ -171,18 +117,18 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if not args.no_reference:
-        ref = _Reference(loaded, device)
+        ref = ReferenceTimer(loaded, device)
         ref.run(prompts(2, 32), 4)
         for b in batches:
             log("engine", f"transformers: decode batch {b}")
             p = prompts(b, ctx)
-            t_all, t_one = _best(args.repeats, lambda p=p: (ref.run(p, n_dec), ref.run(p, 1)))
+            t_all, t_one = best(args.repeats, lambda p=p: (ref.run(p, n_dec), ref.run(p, 1)))
             row = figures["decode"][str(b)]
             row["transformers_tok_s"] = b * (n_dec - 1) / (t_all - t_one)
             row["ratio"] = row[f"ours_{main}_tok_s"] / row["transformers_tok_s"]
             log("engine", f"  {row['transformers_tok_s']:.1f} tok/s (ours {row['ratio']:.2f}x)")
         log("engine", f"transformers: prefill {n_pre}")
-        (t_pre,) = _best(args.repeats, lambda: (ref.run(prompts(1, n_pre), 1),))
+        (t_pre,) = best(args.repeats, lambda: (ref.run(prompts(1, n_pre), 1),))
         row = figures["prefill"][str(n_pre)]
         row["transformers_tok_s"] = n_pre / t_pre
         row["ratio"] = row["ours_tok_s"] / row["transformers_tok_s"]

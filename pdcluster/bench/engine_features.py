@@ -8,12 +8,10 @@ A feature is a name and the SamplingParams a row runs with (`FEATURES`); adding 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from pdcluster.bench.engine_timing import DecodeStepTimer, interleaved_medians
 
 # name → the settings of every row (greedy, EOS ignored, plus these); "plain" is the baseline
 FEATURES: dict[str, dict[str, Any]] = {
@@ -31,43 +29,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure_features(args: argparse.Namespace, loaded: Any, steps: int = 8) -> dict[str, Any]:
     """Median ms of one decode step per feature and batch, and its ratio to plain decoding."""
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import SamplingParams
 
-    engine = LLMEngine(loaded, EngineConfig(num_threads=args.threads, max_num_batched_tokens=2048, max_num_seqs=16,
-                                            enable_prefix_caching=False))
-    gen = torch.Generator().manual_seed(5)
-    count = [0]
+    timer = DecodeStepTimer(loaded, args.threads, seed=5, prefix="f")
 
-    def step_ms(batch: int, extra: dict[str, Any]) -> float:
-        for _ in range(batch):
-            count[0] += 1
-            prompt = torch.randint(100, loaded.config.vocab_size, (128,), generator=gen).tolist()
-            engine.add_request(f"f{count[0]}", prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0,
-                                                                      ignore_eos=True, **extra))
-        engine.step()  # the prompts
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        elapsed = (time.perf_counter() - t) / steps
-        while engine.has_unfinished_requests():
-            engine.step()
-        return elapsed * 1e3
+    def case(batch: int, extra: dict[str, Any]) -> Callable[[], float]:
+        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True, **extra)
+        return lambda: timer.ms(batch, params, steps)
 
-    def timer(batch: int, extra: dict[str, Any]) -> Callable[[], float]:
-        return lambda: step_ms(batch, extra)
-
-    cases = {(name, b): timer(b, extra) for b in BATCHES for name, extra in FEATURES.items()}
-    for fn in cases.values():  # warm-up
-        fn()
-    times: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
-    for _ in range(args.features_rounds):
-        for case, fn in cases.items():
-            times[case].append(fn())
+    medians = interleaved_medians({(name, b): case(b, extra) for b in BATCHES for name, extra in FEATURES.items()},
+                                  args.features_rounds)
     out: dict[str, Any] = {"threads": args.threads, "rounds": args.features_rounds, "steps": steps, "cases": {}}
-    for (name, b), ts in times.items():
-        ms = statistics.median(ts)
-        plain = statistics.median(times[("plain", b)])
-        out["cases"][f"{name}, batch {b}"] = {"feature": name, "batch": b, "ms": ms, "ratio_to_plain": ms / plain}
+    for (name, b), ms in medians.items():
+        out["cases"][f"{name}, batch {b}"] = {"feature": name, "batch": b, "ms": ms,
+                                              "ratio_to_plain": ms / medians[("plain", b)]}
     return out
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from collections.abc import Callable
 from typing import Any
 
-import torch
+from pdcluster.bench.engine_timing import DecodeStepTimer, interleaved_medians
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
@@ -33,44 +32,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure_grammar(args: argparse.Namespace, loaded: Any, steps: int = 8) -> dict[str, Any]:
     """Median ms of one decode step with and without the grammar per batch, and their ratio."""
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import SamplingParams
     from engine.grammar import StructuredOutputSpec
 
-    engine = LLMEngine(loaded, EngineConfig(num_threads=args.threads, max_num_batched_tokens=2048, max_num_seqs=16,
-                                            enable_prefix_caching=False))
     spec = StructuredOutputSpec.json_schema(SCHEMA)
-    gen = torch.Generator().manual_seed(7)
-    count = [0]
+    timer = DecodeStepTimer(loaded, args.threads, seed=7, prefix="g")
 
-    def step_ms(batch: int, grammar: bool) -> float:
-        for _ in range(batch):
-            count[0] += 1
-            prompt = torch.randint(100, loaded.config.vocab_size, (128,), generator=gen).tolist()
-            params = (SamplingParams(max_tokens=steps + 2, temperature=0.0, structured=spec) if grammar else
-                      SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
-            engine.add_request(f"g{count[0]}", prompt, params)
-        engine.step()  # the prompts (a grammar compiled in the warm-up is released in this same step)
-        while engine.structured.num_parked:  # NOTE: only in the warm-up: the first compile
-            engine.step()
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        elapsed = (time.perf_counter() - t) / steps
-        while engine.has_unfinished_requests():
-            engine.step()
-        return elapsed * 1e3
+    def case(batch: int, grammar: bool) -> Callable[[], float]:
+        params = (SamplingParams(max_tokens=steps + 2, temperature=0.0, structured=spec) if grammar else
+                  SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+        return lambda: timer.ms(batch, params, steps)
 
-    cases = [(b, g) for b in BATCHES for g in (False, True)]
-    for b, g in cases:  # warm-up (and the grammar's one compile)
-        step_ms(b, g)
-    times: dict[tuple[int, bool], list[float]] = {c: [] for c in cases}
-    for _ in range(args.grammar_rounds):
-        for b, g in cases:
-            times[(b, g)].append(step_ms(b, g))
+    # NOTE: the warm-up of interleaved_medians compiles the grammar (once)
+    medians = interleaved_medians({(b, g): case(b, g) for b in BATCHES for g in (False, True)}, args.grammar_rounds)
     out: dict[str, Any] = {"threads": args.threads, "rounds": args.grammar_rounds, "steps": steps,
                            "schema": json.dumps(SCHEMA), "cases": {}}
     for b in BATCHES:
-        plain, grammar = statistics.median(times[(b, False)]), statistics.median(times[(b, True)])
+        plain, grammar = medians[(b, False)], medians[(b, True)]
         out["cases"][f"batch {b}"] = {"batch": b, "plain_ms": plain, "grammar_ms": grammar,
                                       "ratio_to_plain": grammar / plain}
     return out

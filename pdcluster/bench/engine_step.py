@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from pdcluster.bench.engine_timing import timed_steps
+
 SETTINGS = ("before", "after")
 
 
@@ -105,13 +107,7 @@ def measure_step(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
                 max_tokens=steps + 2, temperature=temperature, top_p=0.95 if temperature else 1.0, seed=count[0],
                 ignore_eos=True))
         engine.step()  # the prompts (one step: 8 x 128 tokens fit the budget)
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        elapsed = (time.perf_counter() - t) / steps
-        while engine.has_unfinished_requests():
-            engine.step()
-        return elapsed
+        return timed_steps(engine, steps)
 
     context = rand(900)
     first_token(context)  # cached from now on (896 tokens: 56 full blocks)
