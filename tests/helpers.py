@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -267,3 +268,13 @@ def stream_greedy(server: Any, texts: list[str], max_tokens: int, tag: str,
         return ids, last
     with ThreadPoolExecutor(len(texts)) as pool:
         return list(pool.map(one, range(len(texts))))
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Whether `check()` holds within `timeout` seconds (polled every 50 ms; checked once more at the end)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -31,18 +29,10 @@ from router.pinger import Ping
 from router.service import start_server
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
+from tests.helpers import wait_for
 from tests.unit_router import unit_router
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def test_a_worker_started_while_redis_is_down_serves_and_registers_once_redis_is_back(tiny) -> None:

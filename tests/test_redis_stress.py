@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -22,6 +22,7 @@ from decode_workers.worker import DecodeWorker
 from engine import EngineConfig
 from kv_transfer.state import TransferConfig
 from pdcluster.redis_server import EmbeddedRedis, connect
+from tests.helpers import wait_for
 
 CFG = EngineConfig(num_blocks=64, num_threads=1)
 
@@ -42,15 +43,6 @@ def admin(server: EmbeddedRedis) -> Iterator[redis.Redis]:
 
 def prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def asleep(admin_url: str, seconds: float) -> threading.Thread:
