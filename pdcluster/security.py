@@ -64,8 +64,8 @@ def redis_auth(config: ClusterConfig) -> RedisAuth:
     password = _env(r.password_env, "redis.password_env") if r.password_env else None
     if password is None and r.url is not None:
         # NOTE: an extra router (`pdcluster router --redis 127.0.0.1:PORT`) of the user whose `serve` started the
-        # embedded server: its random password sits in a file only that user can read (pdcluster/redis_server.py)
-        from pdcluster.redis_server import embedded_password
+        # embedded server: its random password sits in a file only that user can read (pdcluster/redis_files.py)
+        from pdcluster.redis_files import embedded_password
 
         parts = urlsplit(r.url)
         if parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port and not parts.password:

@@ -18,7 +18,8 @@ import yaml
 from pdcluster import security
 from pdcluster.cli import build_parser, read_api_key_file
 from pdcluster.config import ClusterConfig
-from pdcluster.redis_server import EmbeddedRedis, connect, embedded_password, password_file
+from pdcluster.redis_files import embedded_password, password_file
+from pdcluster.redis_server import EmbeddedRedis, connect
 from router import auth
 from tests.unit_router import unit_router
 
