@@ -74,15 +74,16 @@ def build_triton(block_tables: list[list[int]], starts: list[int], num_new: list
     bt = _table(dec + [[pad_block]] * (rows - num_decode), width, pad_block)
     seq_lens = torch.tensor([s + 1 for s in starts[:num_decode]] + [1] * (rows - num_decode), dtype=torch.int32)
     ctx: list[int] = []
+    flat: list[int] = []  # the first flat row of each chunk in `ctx`
     own: list[tuple[int, int]] = []
     q_start = num_decode
     for i in range(num_decode, len(num_new)):
         if starts[i] > 0 or num_new[i] < SDPA_MIN_ROWS:
             ctx.append(i)
+            flat.append(q_start)
         else:
             own.append((q_start, num_new[i]))
         q_start += num_new[i]
-    flat = [num_decode + sum(num_new[num_decode:i]) for i in ctx]
     ctx_width = max([0] + [len(block_tables[i]) for i in ctx])
     return TritonMetadata(
         bt, seq_lens, num_kv_splits(rows, width, block_size),
