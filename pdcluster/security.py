@@ -30,26 +30,24 @@ def _env(name: str, field: str) -> str:
     return value
 
 
-def api_keys(config: ClusterConfig) -> frozenset[str]:
-    """The keys clients must present (empty: no check), from `security.api_keys_env` (comma-separated)."""
-    name = config.security.api_keys_env
+def _keys(name: str | None, field: str) -> frozenset[str]:
+    """The comma-separated keys in environment variable `name` (None: none asked for, empty); `field` names it."""
     if name is None:
         return frozenset()
-    keys = frozenset(k.strip() for k in _env(name, "security.api_keys_env").split(",") if k.strip())
+    keys = frozenset(k.strip() for k in _env(name, field).split(",") if k.strip())
     if not keys:
-        raise SetupError(f"security.api_keys_env: {name} holds no key")
+        raise SetupError(f"{field}: {name} holds no key")
     return keys
+
+
+def api_keys(config: ClusterConfig) -> frozenset[str]:
+    """The keys clients must present (empty: no check), from `security.api_keys_env` (comma-separated)."""
+    return _keys(config.security.api_keys_env, "security.api_keys_env")
 
 
 def admin_api_keys(config: ClusterConfig) -> frozenset[str]:
     """The keys of admin calls (Scale), from `security.admin_api_keys_env`; empty: the API keys open them too."""
-    name = config.security.admin_api_keys_env
-    if name is None:
-        return frozenset()
-    keys = frozenset(k.strip() for k in _env(name, "security.admin_api_keys_env").split(",") if k.strip())
-    if not keys:
-        raise SetupError(f"security.admin_api_keys_env: {name} holds no key")
-    return keys
+    return _keys(config.security.admin_api_keys_env, "security.admin_api_keys_env")
 
 
 def cluster_token(config: ClusterConfig) -> str:

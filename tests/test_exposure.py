@@ -118,6 +118,17 @@ def test_every_shipped_yaml_serves_other_machines_only_with_keys_from_the_enviro
     security.check_exposure(config)
 
 
+def test_admin_keys_come_from_their_own_variable_and_one_that_holds_none_is_refused(monkeypatch) -> None:
+    config = ClusterConfig()
+    assert security.admin_api_keys(config) == frozenset()  # unset: the API keys open admin calls too
+    config.security.admin_api_keys_env = "PDC_TEST_ADMIN_KEYS"
+    monkeypatch.setenv("PDC_TEST_ADMIN_KEYS", " sk-admin-1 ,sk-admin-2,")
+    assert security.admin_api_keys(config) == {"sk-admin-1", "sk-admin-2"}
+    monkeypatch.setenv("PDC_TEST_ADMIN_KEYS", " , ")
+    with pytest.raises(security.SetupError, match="security.admin_api_keys_env: PDC_TEST_ADMIN_KEYS holds no key"):
+        security.admin_api_keys(config)
+
+
 def test_the_ray_up_recipe_gives_the_router_its_keys() -> None:
     text = (REPO / "deploy" / "ray-cluster-aws.yaml").read_text()
     gpu = ClusterConfig.from_yaml(REPO / "deploy" / "gpu-cluster.yaml")
