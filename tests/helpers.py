@@ -278,3 +278,16 @@ def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return check()
+
+
+def first_then_rest(engine: LLMEngine, first: list[int], rest: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens (n each) of `first`, alone until its prompt is computed (so its blocks are cached), then of
+    `rest` joining it: [first's, rest's in order]."""
+    params = greedy(n)
+    engine.add_request("first", first, dataclasses.replace(params))
+    while engine.stats().computed_tokens < len(first):
+        engine.step()
+    for i, p in enumerate(rest):
+        engine.add_request(f"r{i}", p, dataclasses.replace(params))
+    final = run_to_completion(engine)
+    return [final["first"].token_ids] + [final[f"r{i}"].token_ids for i in range(len(rest))]

@@ -3,15 +3,13 @@ with the pure-torch gather path: shared and unshared prefixes, chunked prefill, 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from engine import LLMEngine
 from engine.attention import AttentionMetadata
 from engine.kernels import ENV, ensure_built
 from engine.loader import LoadedModel
-from tests.helpers import greedy, make_engine, run_to_completion
+from tests.helpers import first_then_rest, make_engine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,18 +39,6 @@ def plans(monkeypatch: pytest.MonkeyPatch) -> list[AttentionMetadata]:
     return seen
 
 
-def _run(engine: LLMEngine, first: list[int], rest: list[list[int]], n: int) -> list[list[int]]:
-    """`first` alone until its prompt is computed (so its blocks are cached), then the rest joining it."""
-    params = greedy(n)
-    engine.add_request("first", first, dataclasses.replace(params))
-    while engine.stats().computed_tokens < len(first):
-        engine.step()
-    for i, p in enumerate(rest):
-        engine.add_request(f"r{i}", p, dataclasses.replace(params))
-    final = run_to_completion(engine)
-    return [final["first"].token_ids] + [final[f"r{i}"].token_ids for i in range(len(rest))]
-
-
 SYSTEM = ("You are a careful assistant for a public library. Answer questions about opening hours, borrowing "
           "rules, reading rooms, events and the catalogue. Keep answers short and friendly, say when you do not know, "
           "and never invent a book that is not in the catalogue. The library opens at nine in the morning on weekdays "
@@ -79,7 +65,7 @@ def test_shared_and_unshared_prefixes_same_tokens(smollm2, monkeypatch, plans, k
         plans.clear()
         # NOTE: int8 KV (coarser logits) met a near-tie at the 16th token of one prompt, where the two paths' attention
         # outputs differed by 5e-6 (summation order); the numeric tests in test_attention.py bound that difference.
-        out[backend] = _run(engine, first, rest, 16 if kv_cache_dtype == "auto" else 12)
+        out[backend] = first_then_rest(engine, first, rest, 16 if kv_cache_dtype == "auto" else 12)
         assert engine.stats().cached_prompt_tokens >= 4 * 144  # the followers' system prompt came from the cache
     assert out["kernel"] == out["gather"]
     # the five sequences behind the system prompt decoded as one cascade group over its 9 full blocks
@@ -99,7 +85,7 @@ def test_chunked_prefill_and_preemption_same_tokens(smollm2, monkeypatch, plans)
         engine = _engine(smollm2, backend, monkeypatch, num_blocks=24, max_num_batched_tokens=64,
                          enable_prefix_caching=False)
         plans.clear()
-        out[backend] = _run(engine, prompts[0], prompts[1:], 40)
+        out[backend] = first_then_rest(engine, prompts[0], prompts[1:], 40)
         stats[backend] = engine.stats()
     assert out["kernel"] == out["gather"]
     assert stats["kernel"].num_preemptions > 0 and stats["gather"].num_preemptions > 0

@@ -234,21 +234,12 @@ def test_gather_path_runs_on_another_device_without_host_tensors() -> None:
 def _run_engine(loaded, backend: str, monkeypatch, first: list[int], rest: list[list[int]], n: int,
                 **cfg: object) -> tuple[list[list[int]], EngineStats]:
     """Greedy tokens of `first` (alone until its prompt is computed, so its blocks are cached), then `rest` joining."""
-    import dataclasses
-
-    from tests.helpers import greedy, make_engine, run_to_completion
+    from tests.helpers import first_then_rest, make_engine
 
     monkeypatch.setenv(ENV, backend)
     engine = make_engine(loaded, **cfg)
     assert engine.runner.attn_backend == backend
-    params = greedy(n)
-    engine.add_request("first", first, dataclasses.replace(params))
-    while engine.stats().computed_tokens < len(first):
-        engine.step()
-    for i, p in enumerate(rest):
-        engine.add_request(f"r{i}", p, dataclasses.replace(params))
-    final = run_to_completion(engine)
-    return [final["first"].token_ids] + [final[f"r{i}"].token_ids for i in range(len(rest))], engine.stats()
+    return first_then_rest(engine, first, rest, n), engine.stats()
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreted engine on the CPU; on a GPU pdcluster.bench.engine_gpu compares")
