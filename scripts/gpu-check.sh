@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26). At most 6 minutes (the step limits sum to
-# 360 s), about 4 on an H100.
+# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26), in at most 6 minutes (the step limits sum
+# to 360 s).
 #
 # Needs python3 with a CUDA torch, triton and transformers (a GPU image's); what engine/ and kv_transfer/ import
 # beyond that comes from the wheels in .whl/ (scripts/gpu-wheels.sh fetches them where a registry is reachable).
@@ -13,6 +13,8 @@
 #   4. gpu_engine   pytest -m gpu over the other files with gpu tests: Triton kernels compiled, CUDA graphs, the KV
 #                   pool sized by gpu_memory_utilization (the two checks of step 2 deselected)
 #   5. bench        pdcluster bench engine --device cuda on random:llama-3.1-8b (decode b1/b64 at 512, prefill 2048)
+# GPU_CHECK_STEPS="gpu_kv bench" runs only those steps (and setup, which every fresh machine needs): a rerun of what
+# failed, in the time a lent GPU has left.
 # OUTDIR gets: summary.json (each step's status, seconds and figures; for a figure missing, why, with the tail of
 # its step's log), gpu-check.log (everything printed), <step>.log, env.json, correctness.json, pytest_gpu_kv.xml,
 # pytest_gpu_engine.xml, bench_engine_device.json. Exit status 0 only when every step passed.
@@ -29,6 +31,10 @@ export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PDCLUSTER_CACHE_DIR=${PDCLUSTE
 
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, its output also in OUTDIR/NAME.log; record the rc
   local name=$1 limit=$2; shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [ "$name" != setup ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+    echo "=== [$name] left out (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)"
+    return
+  fi
   echo "=== [$name] $(date -u +%H:%M:%S) (limit ${limit}s): $*"
   local t0=$SECONDS
   { timeout --kill-after=10 "$limit" "$@"; echo $? > "$OUTDIR/.rc"; } 2>&1 | tee "$OUTDIR/$name.log"

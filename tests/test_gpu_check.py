@@ -118,7 +118,9 @@ def test_summary_reads_a_steps_junit_xml(tmp_path):
     (tmp_path / "pytest_gpu_engine.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
         '<testcase classname="tests.test_engine_gpu" name="test_x"><failure message="boom"/></testcase>'
-        '<testcase classname="tests.test_engine_gpu" name="test_y"/></testsuite></testsuites>')
+        '<testcase classname="tests.test_engine_gpu" name="test_y"><properties>'
+        '<property name="nixl_gb_s" value="41.5"/></properties></testcase></testsuite></testsuites>')
     summary = _steps(tmp_path, ["gpu_engine 1 90"], {})
     assert summary["gpu_engine"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1,
-                                     "failed": ["tests.test_engine_gpu::test_x"]}
+                                     "failed": ["tests.test_engine_gpu::test_x"],
+                                     "figures": {"test_y": {"nixl_gb_s": "41.5"}}}

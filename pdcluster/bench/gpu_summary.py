@@ -3,9 +3,10 @@
 The script records one line per finished step in OUTDIR/.steps ("name rc seconds") and each step's output in
 OUTDIR/<name>.log; after every step it runs `python -m pdcluster.bench.gpu_summary OUTDIR`, so a run cut short
 keeps what it had. A step's figures are its JSON file (env.json, correctness.json, bench_engine_device.json) or its
-JUnit XML (pytest_<name>.xml); when one is missing the summary says so, with the step's exit status (timed out or
-not) and the tail of its log, and for a pytest step that died before writing its XML, the results its `-v` log had
-printed. Standard library only: it runs where nothing else of the project may import.
+JUnit XML (pytest_<name>.xml: counts, failed tests, and the figures tests recorded as properties); when one is
+missing the summary says so, with the step's exit status (timed out or not) and the tail of its log, and for a
+pytest step that died before writing its XML, the results its `-v` log had printed. Standard library only: it runs
+where nothing else of the project may import.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _log(out: str, name: str) -> list[str]:
 def missing(out: str, name: str, file: str, step: dict[str, Any] | None) -> dict[str, Any]:
     """Why step `name` left no `file`: not run, timed out, or failed, with the tail of its log."""
     if step is None:
-        why = "the step did not run (the script stopped before it)"
+        why = "the step did not run (the script stopped before it, or GPU_CHECK_STEPS left it out)"
     elif step["timed_out"]:
         why = f"the step timed out after {step['seconds']} s (rc {step['rc']}) before writing it"
     else:
@@ -67,6 +68,9 @@ def junit(path: str) -> dict[str, Any]:
     res: dict[str, Any] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     res["failed"] = [c.get("classname", "") + "::" + c.get("name", "") for c in suite.iter("testcase")
                      if c.find("failure") is not None or c.find("error") is not None]
+    # NOTE: figures a test recorded with pytest's record_property (the NIXL GPU test's GB/s)
+    res["figures"] = {c.get("name", ""): {p.get("name", ""): p.get("value", "") for p in c.iter("property")}
+                      for c in suite.iter("testcase") if c.find("properties") is not None}
     return res
 
 
