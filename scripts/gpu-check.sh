@@ -27,6 +27,9 @@ exec > >(tee -a "$OUTDIR/gpu-check.log") 2>&1
 PY=${PYTHON:-python3}
 SITE=${PDCLUSTER_GPU_SITE:-/tmp/pdcluster-site}
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PDCLUSTER_CACHE_DIR=${PDCLUSTER_CACHE_DIR:-/tmp/pdcluster-cache}
+# NOTE: nothing outside a lent machine answers: transformers/huggingface_hub must not try (a connect that hangs until
+# its timeout eats a step); Triton's kernel cache in /tmp, whatever HOME allows
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/pdcluster-triton-cache}
 : > "$OUTDIR/.steps"
 
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, its output also in OUTDIR/NAME.log; record the rc
