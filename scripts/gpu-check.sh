@@ -25,7 +25,13 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 exec > >(tee -a "$OUTDIR/gpu-check.log") 2>&1
-PY=${PYTHON:-python3}
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then  # NOTE: the first python with torch (an image may have it under python, not python3)
+  for c in python3 python python3.12; do
+    if command -v "$c" > /dev/null && "$c" -c "import torch" 2> /dev/null; then PY=$c; break; fi
+  done
+  PY=${PY:-python3}
+fi
 SITE=${PDCLUSTER_GPU_SITE:-/tmp/pdcluster-site}
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PDCLUSTER_CACHE_DIR=${PDCLUSTER_CACHE_DIR:-/tmp/pdcluster-cache}
 # NOTE: nothing outside a lent machine answers: transformers/huggingface_hub must not try (a connect that hangs until
