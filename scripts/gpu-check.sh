@@ -105,16 +105,16 @@ PYTEST=("$PY" -m pytest -v -m gpu -p no:cacheprovider -o addopts="" -o console_o
 # NOTE: per-test limits need pytest-timeout (from .whl/); without it the steps still run, under their own limits
 KV_T=() ENG_T=()
 if "$PY" -c "import pytest_timeout" 2> /dev/null; then
-  KV_T=(--timeout $((40 * PCT / 100))) ENG_T=(--timeout $((80 * PCT / 100)))
+  KV_T=(--timeout $((45 * PCT / 100))) ENG_T=(--timeout $((80 * PCT / 100)))
 else
   echo "=== pytest-timeout missing (.whl/ not carried?): no per-test limits"
 fi
 # shellcheck disable=SC2086
-[ -n "$KV_FILES" ] && step gpu_kv 45 "${PYTEST[@]}" ${KV_T[@]+"${KV_T[@]}"} --junitxml "$OUTDIR/pytest_gpu_kv.xml" $KV_FILES
+[ -n "$KV_FILES" ] && step gpu_kv 55 "${PYTEST[@]}" ${KV_T[@]+"${KV_T[@]}"} --junitxml "$OUTDIR/pytest_gpu_kv.xml" $KV_FILES
 # NOTE: the two correctness tests repeat step 2 (its JSON has the figures)
 # shellcheck disable=SC2086
 [ -n "$ENGINE_FILES" ] && step gpu_engine 105 "${PYTEST[@]}" ${ENG_T[@]+"${ENG_T[@]}"} --junitxml "$OUTDIR/pytest_gpu_engine.xml" \
   -k "not equals_the_cpu and not matches_transformers" $ENGINE_FILES
-step bench 100 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 1 \
+step bench 90 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 1 \
   --out "$OUTDIR/bench_engine_device.json"
 "$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; exit 1; }
