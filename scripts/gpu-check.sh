@@ -49,6 +49,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, its output also
   limit=$((limit * PCT / 100))
   echo "=== [$name] $(date -u +%H:%M:%S) (limit ${limit}s): $*"
   local t0=$SECONDS
+  rm -f "$OUTDIR/.rc"  # NOTE: a step killed before it writes its rc must not inherit the last one's
   { timeout --kill-after=10 "$limit" "$@"; echo $? > "$OUTDIR/.rc"; } 2>&1 | tee "$OUTDIR/$name.log"
   local rc
   rc=$(cat "$OUTDIR/.rc" 2>/dev/null || echo 1)
