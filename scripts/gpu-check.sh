@@ -37,6 +37,16 @@ export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PDCLUSTER_CACHE_DIR=${PDCLUSTE
 # NOTE: nothing outside a lent machine answers: transformers/huggingface_hub must not try (a connect that hangs until
 # its timeout eats a step); Triton's kernel cache in /tmp, whatever HOME allows
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/pdcluster-triton-cache}
+# NOTE: UCX's CUDA modules (NIXL with VRAM) link libcudart.so.13, which a pip CUDA torch keeps under
+# site-packages/nvidia/: on the library path they load whether or not torch has loaded its copy first
+CUDART_DIR=$("$PY" - <<'PY' 2> /dev/null
+import glob, os, site
+dirs = site.getsitepackages() + [site.getusersitepackages()]
+hits = [h for d in dirs for h in glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so.*"), recursive=True)]
+print(os.path.dirname(sorted(hits)[-1]) if hits else "")
+PY
+)
+[ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH="$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && echo "=== libcudart from $CUDART_DIR"
 : > "$OUTDIR/.steps"
 PCT=${GPU_CHECK_LIMIT_PCT:-100}
 
