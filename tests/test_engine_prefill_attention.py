@@ -10,8 +10,8 @@ from engine import LLMEngine
 from engine.attention import AttentionMetadata
 from engine.kernels import ENV, ensure_built
 from engine.loader import LoadedModel
-from tests.helpers import make_engine
-from tests.test_attention_engine import OTHERS, QUESTIONS, SYSTEM, _run
+from tests.helpers import first_then_rest, make_engine
+from tests.test_attention_engine import OTHERS, QUESTIONS, SYSTEM
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,7 +54,7 @@ def test_shared_and_unshared_prefixes_same_tokens(smollm2, monkeypatch, modes, b
     for prefill in ("chunked", "flash"):
         engine = _engine(smollm2, backend, prefill, monkeypatch)
         modes.clear()
-        out[prefill] = _run(engine, first, rest, 16)
+        out[prefill] = first_then_rest(engine, first, rest, 16)
         assert engine.stats().cached_prompt_tokens >= 4 * 144
         assert {flash for flash, _ in modes} == {prefill == "flash"}
         assert (prefill == "flash", True) in modes and (prefill == "flash", False) in modes
@@ -72,7 +72,7 @@ def test_chunked_prefill_and_preemption_same_tokens(smollm2, monkeypatch, modes)
         engine = _engine(smollm2, "kernel", prefill, monkeypatch, num_blocks=24, max_num_batched_tokens=64,
                          enable_prefix_caching=False)
         modes.clear()
-        out[prefill] = _run(engine, prompts[0], prompts[1:], 40)
+        out[prefill] = first_then_rest(engine, prompts[0], prompts[1:], 40)
         stats[prefill] = engine.stats()
         assert (prefill == "flash", True) in modes  # chunks attended their cached context with this path
     assert out["flash"] == out["chunked"]
