@@ -1,8 +1,10 @@
 """The simulated router: the real `router.policy.Policy` deciding over simulated workers.
 
 The policy is the router's own code, so prefix-aware routing, round robin and the skip-prefill rule are mirrored by
-construction. It sees what one router sees: its own in-flight counts and pending prefill tokens (exact, where the
-real router adds heartbeat loads up to ~0.75 s old), each decode worker's free blocks, and an exact prefix index.
+construction. It sees what one router sees: its own in-flight counts and pending prefill tokens, each worker's
+heartbeat load (queues and the step cost it measured, `sim_load.SimLoad`: exact, where the real one is up to ~0.75 s
+old), free blocks, and an exact prefix index. With `slo_itl_ms` the policy's SLO placements follow (prompt chunks
+on the decode pool, a request that stays on its prefill worker).
 
 Scale: the policy scans the workers it is given. Pools of up to EXACT_POOL workers get all of them (the real
 router's choice exactly); larger pools get candidates: the CANDIDATES least loaded (a lazy heap per pool, O(log n) per
@@ -17,6 +19,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from cluster.messages import WorkerLoad
 from pdcluster.plan.sim_worker import Req, Worker
 from router.policy import Policy, Route, WorkerView
 
@@ -25,9 +28,17 @@ CANDIDATES = 4
 
 
 class SimView(WorkerView):
-    """A WorkerView whose free blocks are read from the simulated worker itself."""
+    """A WorkerView whose heartbeat load and free blocks are read from the simulated worker itself."""
 
     worker: Worker
+
+    @property  # type: ignore[override]
+    def load(self) -> WorkerLoad:
+        return self.worker.measured.load()
+
+    @load.setter
+    def load(self, value: WorkerLoad | None) -> None:
+        """NOTE: WorkerView's __init__ sets it to None; the worker's own is read instead."""
 
     def free_blocks(self) -> float:
         return float(self.worker.cache.num_free)
@@ -106,8 +117,9 @@ class Pool:
 class SimRouter:
     """Routes each request with the real policy; keeps the per-router counts the policy reads."""
 
-    def __init__(self, routing: str, block_size: int, skip_max: int, prefill: Pool | None, decode: Pool) -> None:
-        self.policy = Policy(routing, block_size, skip_max)
+    def __init__(self, routing: str, block_size: int, skip_max: int, prefill: Pool | None, decode: Pool,
+                 slo_itl_ms: float | None = None) -> None:
+        self.policy = Policy(routing, block_size, skip_max, slo_itl_ms)
         self.routing = routing
         self.prefill, self.decode = prefill, decode
         self.by_name = {w.name: (pool, i) for pool in (prefill, decode) if pool
