@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from pdcluster.bench.stats import dist
-from pdcluster.plan.sim_request import Req
+from pdcluster.plan.sim_worker import Req
 from pdcluster.plan.simulator import Simulator
 
 

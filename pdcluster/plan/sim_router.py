@@ -20,8 +20,7 @@ import itertools
 from collections.abc import Sequence
 
 from cluster.messages import WorkerLoad
-from pdcluster.plan.sim_request import Req
-from pdcluster.plan.sim_worker import Worker
+from pdcluster.plan.sim_worker import Req, Worker
 from router.policy import Policy, Route, WorkerView
 
 EXACT_POOL = 64

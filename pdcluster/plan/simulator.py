@@ -32,9 +32,8 @@ from pdcluster.config import ClusterConfig
 from pdcluster.plan.profile import Profile
 from pdcluster.plan.sim_cache import BlockCache, block_keys
 from pdcluster.plan.sim_cores import core_groups
-from pdcluster.plan.sim_request import Job, Req, answer_tokens
 from pdcluster.plan.sim_router import Pool, SimRouter
-from pdcluster.plan.sim_worker import Worker
+from pdcluster.plan.sim_worker import Job, Req, Worker, answer_tokens
 
 DEFAULT_MODEL_LEN = 8192
 
