@@ -19,7 +19,6 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from cluster.messages import WorkerLoad
 from pdcluster.plan.sim_worker import Req, Worker
 from router.policy import Policy, Route, WorkerView
 
@@ -28,17 +27,9 @@ CANDIDATES = 4
 
 
 class SimView(WorkerView):
-    """A WorkerView whose heartbeat load and free blocks are read from the simulated worker itself."""
+    """A WorkerView whose free blocks are read from the simulated worker itself (its load it sets, sim_load.py)."""
 
     worker: Worker
-
-    @property  # type: ignore[override]
-    def load(self) -> WorkerLoad:
-        return self.worker.measured.load()
-
-    @load.setter
-    def load(self, value: WorkerLoad | None) -> None:
-        """NOTE: WorkerView's __init__ sets it to None; the worker's own is read instead."""
 
     def free_blocks(self) -> float:
         return float(self.worker.cache.num_free)
@@ -52,7 +43,8 @@ class Pool:
         self.views: list[SimView] = []
         for w in self.workers:
             v = SimView(w.name, w.cache.num_blocks, w.max_seqs, prefill_tok_s=speed_tok_s)
-            v.worker = w
+            v.worker, v.load = w, w.measured.load
+            w.measured.view = v  # NOTE: it keeps the view's load current
             self.views.append(v)
         self.prefill_role = prefill_role
         self.index: dict[int, int] = {}  # block key -> the worker that last stored it (large pools only)
