@@ -13,7 +13,6 @@ from __future__ import annotations
 from cluster.messages import WorkerLoad
 from cluster.worker_metrics import PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S, LinearCost
 from engine.step_budget import StepBudget
-from router.policy import WorkerView
 
 
 class SimLoad:
@@ -26,23 +25,26 @@ class SimLoad:
         self._fixed = {"num_blocks": num_blocks, "max_num_batched_tokens": max_num_batched_tokens,
                        "shortest_first": int(shortest_first)}
         self._queues = (0, 0, 0, 0)  # running, waiting, reserved, pending prefill tokens
-        # NOTE: the router's view of this worker (sim_router.py): its `load` is replaced at each change (a WorkerLoad
-        # is frozen), so the policy reads a plain attribute, as it reads the real router's heartbeat
-        self.view: WorkerView | None = None
         self.load = self._build()
+        self.stale = False  # `load` lags the numbers above until `refresh`
 
     def stepped(self, tokens: int, seconds: float) -> None:
         """A step of `tokens` took `seconds`: refit, and pass the fit on as the worker does (cluster/worker.py)."""
         self.cost.observe(tokens, seconds)
         self.budget.set_cost(self.cost.base_s, self.cost.per_token_s)
-        self._publish()
+        self.stale = True
 
     def queues(self, running: int, waiting: int, reserved: int, pending_tokens: int) -> None:
         """The heartbeat's queue numbers, as the worker's engine would report them now."""
         queues = (running, waiting, reserved, pending_tokens)
         if queues != self._queues:
-            self._queues = queues
-            self._publish()
+            self._queues, self.stale = queues, True
+
+    def refresh(self) -> WorkerLoad:
+        """The heartbeat as of now (rebuilt only after a change: a WorkerLoad is frozen)."""
+        if self.stale:
+            self.load, self.stale = self._build(), False
+        return self.load
 
     def _build(self) -> WorkerLoad:
         cost, measured = self.cost, int(self.cost.observed > 0)
@@ -50,8 +52,3 @@ class SimLoad:
         return WorkerLoad(running=running, waiting=waiting, reserved=reserved, pending_prefill_tokens=pending,
                           free_blocks=0, step_base_us=measured and round(cost.base_s * 1e6),
                           step_token_ns=measured and max(1, round(cost.per_token_s * 1e9)), **self._fixed)
-
-    def _publish(self) -> None:
-        self.load = self._build()
-        if self.view is not None:
-            self.view.load = self.load

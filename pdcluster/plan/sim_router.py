@@ -27,7 +27,8 @@ CANDIDATES = 4
 
 
 class SimView(WorkerView):
-    """A WorkerView whose free blocks are read from the simulated worker itself (its load it sets, sim_load.py)."""
+    """A WorkerView whose free blocks are read from the simulated worker itself, its load refreshed from it
+    (sim_load.py) whenever the policy is given the view."""
 
     worker: Worker
 
@@ -44,7 +45,6 @@ class Pool:
         for w in self.workers:
             v = SimView(w.name, w.cache.num_blocks, w.max_seqs, prefill_tok_s=speed_tok_s)
             v.worker, v.load = w, w.measured.load
-            w.measured.view = v  # NOTE: it keeps the view's load current
             self.views.append(v)
         self.prefill_role = prefill_role
         self.index: dict[int, int] = {}  # block key -> the worker that last stored it (large pools only)
@@ -99,7 +99,9 @@ class Pool:
         views: list[WorkerView] = []
         matched: dict[str, int] = {}
         for i in idx:
-            views.append(self.views[i])
+            v = self.views[i]
+            v.load = self.workers[i].measured.refresh()  # NOTE: as a heartbeat read now
+            views.append(v)
             d = self.workers[i].cache.depth(keys)
             if d:
                 matched[self.workers[i].name] = d
