@@ -53,18 +53,34 @@ class LinearCost:
         self.base_s, self.per_token_s = base_s, per_token_s
         self.observed = 0  # observations so far (0: still the priors)
         self._window: deque[tuple[float, float]] = deque(maxlen=window)
+        # NOTE: running sums of x, y, x², xy over the window (O(1) per observation: the planner's simulator fits
+        # one per simulated worker and step); summed afresh once per window, so rounding cannot drift
+        self._sums = [0.0, 0.0, 0.0, 0.0]
 
     def observe(self, tokens: float, seconds: float) -> None:
         """One step (or transfer) of `tokens` that took `seconds`."""
         if tokens <= 0 or seconds <= 0:
             return
-        self._window.append((tokens, seconds))
+        w, sums = self._window, self._sums
+        if len(w) == w.maxlen:
+            ox, oy = w[0]
+            sums[0] -= ox
+            sums[1] -= oy
+            sums[2] -= ox * ox
+            sums[3] -= ox * oy
+        w.append((tokens, seconds))
         self.observed += 1
-        n = len(self._window)
-        mx = sum(x for x, _ in self._window) / n
-        my = sum(y for _, y in self._window) / n
-        sxx = sum((x - mx) ** 2 for x, _ in self._window)
-        sxy = sum((x - mx) * (y - my) for x, y in self._window)
+        if self.observed % (w.maxlen or 1) == 0:
+            sums[:] = [sum(x for x, _ in w), sum(y for _, y in w), sum(x * x for x, _ in w), sum(x * y for x, y in w)]
+        else:
+            sums[0] += tokens
+            sums[1] += seconds
+            sums[2] += tokens * tokens
+            sums[3] += tokens * seconds
+        n = len(w)
+        mx, my = sums[0] / n, sums[1] / n
+        sxx = max(0.0, sums[2] - n * mx * mx)
+        sxy = sums[3] - n * mx * my
         if n >= 8 and sxx / n >= (0.25 * mx) ** 2 and sxy > 0:  # sizes spread enough to fit both
             slope = sxy / sxx
             if my - slope * mx >= 0:

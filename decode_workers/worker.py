@@ -7,7 +7,8 @@ Life of a request on a decode worker:
 2. the moment the prefill worker commits, the transfer joins the running batch and decoding starts; no call from
    the router is awaited in between. With `token_ids` set the whole request runs here instead (the colocated
    mode, a prompt this worker already caches almost entirely, or a failover's continuation);
-3. each step's new tokens are merged into `Delta`s and yielded to the router until the request finishes. The
+3. each step's new tokens are merged into `Delta`s (cluster/request_stream.py, the one streaming loop of every
+   worker) and yielded to the router until the request finishes. The
    router opens the stream with a window (Ray's `_generator_backpressure_num_objects`): while that many deltas
    are unread (its client reads slowly) the yield waits, the engine goes on, and the next delta carries every
    step made meanwhile; a client that stops reading for good is cut off by the router, whose abort frees the blocks;
@@ -20,16 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from cluster import tracing
-from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
+from cluster.request_stream import RequestStream
 from cluster.worker import RequestAborted, Worker, WorkerSpec, node_address
 from decode_workers.handoff import KVWaiters, first_token_chars
 from engine.loader import LoadedModel
-from engine.output import RequestOutput
 from kv_transfer.endpoint import ReceiverEndpoint
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferError, TransferState
@@ -54,59 +53,30 @@ class DecodeWorker(Worker):
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
         """Stream the request's new tokens; the last Delta has `finished` set and the totals."""
-        arrived, rid = time.monotonic(), req.request_id
-        REQUEST_ID.set(rid)
-        aio = asyncio.get_running_loop()
-        # NOTE: each output with when the engine made it: a stream paused by backpressure (its client reads slowly)
-        # merges what came meanwhile, stamped with the engine's time, not the time it was sent (router/stall.py)
-        outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
+        stream = RequestStream(self, req)
+        rid = req.request_id
+        receiver = self.receiver
 
-        timing: list[tuple[float, float]] = []  # a request run whole here: its queue and prefill time (ms)
-        resumed = [req.sent_chars or 0]  # characters of the output text the client has when this stream starts
+        def join_kv(engine: object) -> None:  # the transfer is DONE: decoding starts now
+            self._check_not_aborted(rid)
+            if req.sent_chars is None:
+                stream.resumed_chars = first_token_chars(self.engine.tokenizer, receiver.next_token_ids(rid),
+                                                         req.params)
+            receiver.take(rid, req.params, sent_chars=stream.resumed_chars)
+            self.loop.attach(rid, stream.on_output)
 
-        def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock
-            if req.token_ids and not timing:
-                timing.append(self._first_token(rid, time.monotonic()))
-            aio.call_soon_threadsafe(outputs.put_nowait, (time.monotonic(), out))
-
-        if req.token_ids:
-            def start(engine: object) -> None:
-                self._check_not_aborted(rid)
-                seq = self.engine.add_request(rid, req.token_ids, req.params, output_token_ids=req.output_token_ids,
-                                              sent_chars=resumed[0])
-                self._track(seq, arrived)
-                self.loop.attach(rid, on_output)
-        else:
-            receiver = self.receiver
-            if not await self._kv_landed(rid, req.kv_wait_s):
-                yield Delta([], "", finished=True, finish_reason="abort")  # NOTE: the router fails it over
-                return
-
-            def start(engine: object) -> None:  # the transfer is DONE: decoding starts now
-                self._check_not_aborted(rid)
-                if req.sent_chars is None:
-                    resumed[0] = first_token_chars(self.engine.tokenizer, receiver.next_token_ids(rid), req.params)
-                receiver.take(rid, req.params, sent_chars=resumed[0])
-                self.loop.attach(rid, on_output)
-        finished = False
+        if not stream.whole and not await self._kv_landed(rid, req.kv_wait_s):
+            yield Delta([], "", finished=True, finish_reason="abort")  # NOTE: the router fails it over
+            return
         span = tracing.start("decode.worker", req.traceparent, **{"pdcluster.worker": self.name})
-        if span is not None and not req.token_ids:  # NOTE: the KV came over the transfer: its take is a span
-            take = tracing.start("kv_take", tracing.traceparent_of(span))
-        else:
-            take = None
-        # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and
-        # shielded: if this call is cancelled meanwhile, the start still completes before the abort below runs,
-        # so a request can never join the batch after its abort
-        starting = asyncio.ensure_future(asyncio.to_thread(self.loop.call, start))
+        # NOTE: the KV came over the transfer: its take is a span
+        kv = span is not None and not stream.whole
+        take = tracing.start("kv_take", tracing.traceparent_of(span)) if kv else None
         try:
-            await asyncio.shield(starting)
+            await stream.start(stream.join_whole if stream.whole else join_kv)
         except BaseException as e:
-            if isinstance(e, asyncio.CancelledError):
-                with contextlib.suppress(Exception):
-                    await starting
-                await asyncio.to_thread(self.abort, rid)
             tracing.end(span)
-            if not req.token_ids and isinstance(e, (RequestAborted, TransferError)):
+            if not stream.whole and isinstance(e, (RequestAborted, TransferError)):
                 # NOTE: aborted, or the transfer expired, between DONE and the take: nothing joined the batch
                 yield Delta([], "", finished=True, finish_reason="abort")
                 return
@@ -114,27 +84,12 @@ class DecodeWorker(Worker):
         finally:
             tracing.end(take)
         try:
-            first = True
-            while not finished:
-                batch = [await outputs.get()]
-                while not outputs.empty():
-                    batch.append(outputs.get_nowait())
-                delta = _merge([out for _, out in batch])
-                delta.made_at = batch[-1][0]
-                if first:
-                    delta.resumed_chars = resumed[0]
-                    if timing:
-                        delta.queue_ms, delta.prefill_ms = timing[0]
-                first = False
-                finished = delta.finished
-                self.metrics.generation.inc(len(delta.token_ids))
-                if finished:
-                    log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
-                yield delta
+            # NOTE: aclosing: a caller gone closes the deltas at once (their abort frees the blocks), not at collection
+            async with contextlib.aclosing(stream.deltas()) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             tracing.end(span)
-            if not finished:
-                await asyncio.to_thread(self.abort, rid)
 
     async def _kv_landed(self, rid: str, wait_s: float) -> bool:
         """Wait for the request's KV: True once DONE; False if it failed, was aborted or did not come in `wait_s`."""
@@ -174,15 +129,3 @@ class DecodeWorker(Worker):
             self.kv_endpoint.close()
         super().close()
 
-
-def _merge(outs: list[RequestOutput]) -> Delta:
-    """Several steps' outputs of one request as one Delta (the router sends fewer, larger messages)."""
-    last = outs[-1]
-    d = Delta([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs), last.finished,
-              last.finish_reason)
-    if last.finished:
-        d.final_text, d.all_token_ids = last.text, list(last.token_ids)
-    d.num_prompt_tokens, d.num_cached_tokens = last.num_prompt_tokens, last.num_cached_tokens
-    d.logprobs = [lp for o in outs for lp in o.new_logprobs]
-    d.prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
-    return d

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from engine.step_budget import STARVED_STEPS_MAX, StepBudget
+from engine.step_budget import StepBudget
 
 PREFILL_ORDERS = ("fcfs", "shortest_first")
 
@@ -66,7 +66,6 @@ class Scheduler:
         self.budget = budget or StepBudget()  # the ITL budget and the TTFT bound (the worker sets its step cost)
         self.clock = time.monotonic  # a prompt's age is measured with it
         self.prompt_cap: int | None = None  # the last step's ITL budget for prompt tokens (None: none applied)
-        self._starved = 0  # steps in a row whose prompt work got no token because decode filled them
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -128,18 +127,12 @@ class Scheduler:
 
     def _cap_prompt_work(self, has_prompt_work: bool) -> None:
         """Apply the ITL budget to what is left of this step once its decode tokens are in."""
-        cap = self.budget.prompt_tokens(self.max_num_batched_tokens - self._budget)
-        self.prompt_cap = cap
-        if cap is None or not has_prompt_work:
-            self._starved = 0
-            return
-        if cap > 0:
-            self._starved = 0
-        else:
-            self._starved += 1
-            if self._starved >= STARVED_STEPS_MAX:
-                cap = self.bm.block_size  # NOTE: a block a step from then on, until the budget comes back
-        self._budget = min(self._budget, cap)
+        decode_tokens = self.max_num_batched_tokens - self._budget
+        self.prompt_cap = self.budget.prompt_tokens(decode_tokens)
+        # NOTE: a block a step once prompt work starved STARVED_STEPS_MAX steps, until the budget comes back
+        cap = self.budget.step_cap(decode_tokens, has_prompt_work, self.bm.block_size)
+        if cap is not None:
+            self._budget = min(self._budget, cap)
 
     def _schedule_running(self, seq: Sequence) -> None:
         """Its next token or prompt chunk; preempt the latest-admitted others (or itself) when blocks run out."""

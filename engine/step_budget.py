@@ -37,6 +37,7 @@ class StepBudget:
     ttft_target_s: float | None = None  # a prompt's first token target (router.slo_ttft_ms): the promotion bound
     base_s: float = 0.02  # fixed cost of a step (prior until the worker measured; cluster/worker_metrics.py)
     per_token_s: float = 0.0005  # cost per token computed in a step
+    starved: int = 0  # steps in a row whose prompt work got no token because decode filled them
 
     @classmethod
     def of(cls, config: EngineConfig) -> StepBudget:
@@ -54,6 +55,16 @@ class StepBudget:
             return None
         room = (self.step_target_s - self.base_s) / self.per_token_s - decode_tokens
         return max(0, math.floor(room))
+
+    def step_cap(self, decode_tokens: int, has_prompt_work: bool, block_size: int) -> int | None:
+        """Prompt tokens this step may take (None: no cap): the ITL budget, or one block once prompt work has had
+        none for STARVED_STEPS_MAX steps in a row (counted here: call it once per step)."""
+        cap = self.prompt_tokens(decode_tokens)
+        if cap is None or not has_prompt_work or cap > 0:
+            self.starved = 0
+            return cap
+        self.starved += 1
+        return block_size if self.starved >= STARVED_STEPS_MAX else 0
 
     def overdue(self, waited_s: float, tokens_left: int, step_limit: int) -> bool:
         """Whether a prompt that waited `waited_s` with `tokens_left` to compute must go first to meet the target."""

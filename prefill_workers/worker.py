@@ -11,12 +11,14 @@ Life of a request on a prefill worker (each step is a method of `PrefillRun`, in
 4. `hand_off`: once the decode worker confirmed the KV, the result (first token, timings, bytes sent) goes back;
    a request that ended at its first token aborts the transfer instead.
 A request the router keeps here instead ("stay": the decode pool's steps are predicted slower) runs whole on this
-engine and streams back like a decode worker's (`generate`, cluster/whole_run.py): no handshake, no transfer.
+engine and streams back as a decode worker does (`generate`: cluster/request_stream.py, their one streaming loop):
+no handshake, no transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
-from cluster.whole_run import run_whole
+from cluster.request_stream import RequestStream
 from cluster.worker import Worker, WorkerSpec
 from engine.block_hash import hash_prompt_blocks
 from engine.loader import LoadedModel
@@ -68,8 +70,11 @@ class PrefillWorker(Worker):
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
         """Run a whole request here (`req.token_ids`: the prompt) and stream its tokens; no KV leaves this worker."""
-        async for delta in run_whole(self, req):
-            yield delta
+        stream = RequestStream(self, req)
+        await stream.start(stream.join_whole)
+        async with contextlib.aclosing(stream.deltas()) as deltas:  # NOTE: a caller gone aborts it at once
+            async for delta in deltas:
+                yield delta
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request here and its transfer (the decode side frees its reservation)."""

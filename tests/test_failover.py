@@ -228,10 +228,18 @@ def test_a_request_kept_on_its_prefill_worker_when_decode_is_the_bottleneck_give
     assert loads == dict.fromkeys(loads, (0, 0)), loads
 
 
+def decode_prompt_tokens(server) -> int:
+    """Prompt tokens the decode pool's engines took, as their heartbeats say."""
+    return sum(w.view.load.prompt_tokens for w in server.router.decode if w.view.load is not None)
+
+
 def test_a_prompt_placed_on_the_decode_pool_crosses_no_handoff_and_gives_one_engines_text(cluster, smollm2):
     _, server = cluster
-    texts = prompts("slo", 2)[:3]
+    # NOTE: two short prompts and one past the decode worker's step limit (max_num_batched_tokens 1,024): that one
+    # is prefilled in chunks over several of the decode worker's steps
+    texts = prompts("slo", 2)[:2] + prompts("slo-long", 45)[2:3]
     want = reference(smollm2, texts, 16)
+    before = decode_prompt_tokens(server)
     with prefill_pool_backlogged(server):
         results = stream_all(server, texts, 16, threading.Event())
     for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
@@ -239,6 +247,14 @@ def test_a_prompt_placed_on_the_decode_pool_crosses_no_handoff_and_gives_one_eng
         tl = last.timeline
         assert (tl.placement, tl.prefill_skipped, tl.prefill_worker, tl.kv_blocks_sent) == ("slo", True, "", 0)
         assert tl.predicted_ttft_ms > 0 and tl.decode_worker.startswith("decode-")
+    step_limit = max(w.view.load.max_num_batched_tokens for w in server.router.decode if w.view.load is not None)
+    assert results[2][2].usage.prompt_tokens > step_limit > 0  # more than one step's worth: chunks
+    # NOTE: the decode workers' own count: their engines took every prompt (heartbeats are ~0.5 s apart)
+    sent = sum(last.usage.prompt_tokens for _, _, last in results)
+    deadline = time.monotonic() + 10
+    while decode_prompt_tokens(server) < before + sent and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode_prompt_tokens(server) >= before + sent
     text = server.router.metrics.render().decode()
     assert 'pdcluster_ttft_prediction_error_seconds_count{placement="slo"}' in text
     loads = router_loads(server)

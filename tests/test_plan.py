@@ -214,6 +214,29 @@ def test_disaggregated_skips_prefill_for_a_turn_the_decode_worker_caches():
     assert s["prefill_skipped"] >= later_turns  # their new tokens fit under the 64-token limit
 
 
+def test_a_saturated_prefill_pool_sends_prompts_to_the_decode_pool_and_first_tokens_come_sooner():
+    """The router's SLO rule (router/policy.py) in the simulator: with the ITL target set, a prompt the prefill
+    queue would delay more is computed on the decode worker in chunks under its ITL budget."""
+    wl = build("summarization", 2.0, 60, input_scale=0.5, output_scale=0.2)  # ~0.4 s of prefill each, 2 req/s
+    off = simulate(shape(), wl).summary(2000, 150)
+    on = simulate(dataclasses.replace(shape(), slo_itl_ms=100.0, slo_ttft_ms=2000.0), wl).summary(2000, 150)
+    assert off["completed"] == on["completed"] == 60
+    assert off["placements"] == {"prefill_pool": 60}
+    assert on["placements"].get("slo", 0) >= 10 and on["prefill_skipped"] == on["placements"]["slo"]
+    assert on["ttft_ms"]["p50"] < 0.5 * off["ttft_ms"]["p50"]
+    assert on["ttft_ms"]["p99"] < off["ttft_ms"]["p99"]
+
+
+def test_a_saturated_decode_pool_keeps_requests_whole_on_idle_prefill_workers():
+    wl = build("sharegpt", 8.0, 120, output_scale=2.0)  # long answers: one decode worker is the bottleneck
+    off = simulate(shape(prefill=2), wl)
+    on = simulate(dataclasses.replace(shape(prefill=2), slo_itl_ms=100.0, slo_ttft_ms=2000.0), wl)
+    stayed = [r for r in on.done if r.placement == "stay"]
+    assert len(on.done) == len(off.done) == 120 and stayed
+    assert all(r.decode is not None and r.decode.role == "prefill" and r.transfer_s == 0 for r in stayed)
+    assert on.summary(2000, 100)["tpot_ms"]["p50"] < off.summary(2000, 100)["tpot_ms"]["p50"]
+
+
 def test_colocated_itl_suffers_from_long_prefills_that_disaggregation_avoids():
     prof = profile(CPU_LIKE, bw_gb_s=0.85, latency_s=0.004)
     wl = build("mixed", 1.0, 60, output_scale=0.5)

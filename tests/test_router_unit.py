@@ -299,16 +299,17 @@ def test_an_aborted_stream_ends_with_abort_and_frees_its_blocks(tiny, workers):
     assert (s.num_running, s.num_free_blocks) == (0, s.num_blocks)
 
 
-def test_a_client_that_goes_away_aborts_the_request(tiny, workers):
-    _, d = workers
+@pytest.mark.parametrize("where", ["decode", "prefill"])  # prefill: a request that stays where it is prefilled
+def test_a_client_that_goes_away_aborts_the_request(tiny, workers, where):
+    w = workers[where == "decode"]
     prompt = random_prompts(1, [40], seed=6, vocab=tiny.config.vocab_size)[0]
 
     async def run():
-        gen = d.generate(DecodeRequest("gone", dataclasses.replace(GREEDY, max_tokens=200), prompt))
+        gen = w.generate(DecodeRequest(f"gone-{where}", dataclasses.replace(GREEDY, max_tokens=200), prompt))
         await anext(gen)
         await gen.aclose()  # what Ray does when the router stops reading
-    asyncio.run(run())
-    s = d.engine.stats()
+        return w.engine.stats()  # NOTE: read before the event loop ends: the abort has run by now, not at collection
+    s = asyncio.run(run())
     assert (s.num_running, s.num_free_blocks) == (0, s.num_blocks)
 
 
@@ -395,7 +396,7 @@ def test_an_abort_that_overtakes_its_request_still_stops_it(tiny, workers):
 def test_a_request_kept_on_the_prefill_worker_streams_one_engines_tokens_and_text(tiny, workers):
     p, _ = workers
     prompt = random_prompts(1, [70], seed=11, vocab=tiny.config.vocab_size)[0]
-    params = dataclasses.replace(GREEDY, max_tokens=12)
+    params = dataclasses.replace(GREEDY, max_tokens=12, logprobs=1)
 
     async def stream():
         return [delta async for delta in p.generate(DecodeRequest("stay-1", dataclasses.replace(params), prompt))]
@@ -407,5 +408,7 @@ def test_a_request_kept_on_the_prefill_worker_streams_one_engines_tokens_and_tex
     assert [t for d in deltas for t in d.token_ids] == ref.token_ids == last.all_token_ids
     assert "".join(d.text for d in deltas) == ref.text == last.final_text
     assert last.finished and last.finish_reason == "length" and deltas[0].prefill_ms > 0
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == ref.token_ids  # the decode worker's deltas' fields
+    assert all(d.made_at > 0 for d in deltas)
     s = p.engine.stats()
     assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_blocks)

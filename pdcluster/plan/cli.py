@@ -155,6 +155,7 @@ def _summary_table(f: dict[str, Any]) -> str:
             f"{s['itl_ms']['p50']:.1f} / p99 {s['itl_ms']['p99']:.1f} ms; TPOT p50 {s['tpot_ms']['p50']:.1f} ms; "
             f"{s['req_per_s']} req/s, {s['output_tok_per_s']} tok/s; prefix hit rate {s['prefix_hit_rate']}; "
             f"prefill skipped {s['prefill_skipped']}; SLO attainment {s['slo_attainment']:.3f}\n"
+            f"placements: {', '.join(f'{k} {v}' for k, v in sorted(s.get('placements', {}).items()))}\n"
             f"simulated {s['duration_s']} s of {s['sim']['workers']} workers in {s['sim']['wall_s']} s "
             f"({s['sim']['events']} events)")
 

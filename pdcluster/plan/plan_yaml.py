@@ -1,7 +1,8 @@
 """Write a planned deploy YAML: a template from deploy/ with the pools' sizes set, under a header saying how.
 
 The template's comments and every other key are kept; only `replicas` (and `num_gpus` for tensor-parallel workers)
-of the planned pools change. The result must load with `ClusterConfig.from_yaml` before it is written.
+of the planned pools change, and the router's SLOs the plan was searched for (`slo_ttft_ms`, `slo_itl_ms`). The
+result must load with `ClusterConfig.from_yaml` before it is written.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def copy_section(text: str, src: str, dst: str) -> str:
 
 
 def render(template: str, mode: str, replicas: dict[str, int], header: list[str],
-           gpus_per_worker: int | None = None) -> str:
-    """The template with `mode` and each pool's replicas set, and `header` as leading comment lines."""
+           gpus_per_worker: int | None = None, router: dict[str, float] | None = None) -> str:
+    """The template with `mode`, each pool's replicas and the `router` settings given set, and `header` as leading
+    comment lines."""
     with open(template, encoding="utf-8") as f:
         text = f.read()
     text = set_top(text, "mode", mode)
@@ -68,6 +70,8 @@ def render(template: str, mode: str, replicas: dict[str, int], header: list[str]
         text = set_pool_field(text, pool, "replicas", n)
         if gpus_per_worker is not None and gpus_per_worker > 1:
             text = set_pool_field(text, pool, "num_gpus", gpus_per_worker)
+    for key, value in (router or {}).items():
+        text = set_pool_field(text, "router", key, value)
     text = "".join(f"# {line}\n" if line else "#\n" for line in header) + "#\n" + text
     ClusterConfig.from_yaml_text(text, "<planned>")  # NOTE: raises ConfigError naming the field if it broke
     return text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from collections.abc import Callable
@@ -81,8 +82,12 @@ def run_search(args: argparse.Namespace, profile: Profile, overheads: Callable[[
 
     started = time.perf_counter()
     template = args.template or (plan_yaml.GPU_TEMPLATE if profile.estimated else plan_yaml.CPU_TEMPLATE)
-    _, shape, colo = _shapes(template, profile)
     slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, attainment=args.attainment)
+    # NOTE: the planned YAML sets the router's SLOs to these (`router_slo`), and the router and the engines act on
+    # them (the ITL budget, the SLO placements): the simulated cluster does the same
+    targets = {"slo_itl_ms": slo.itl_ms, "slo_ttft_ms": slo.ttft_ms}
+    shape, colo = (dataclasses.replace(sh, slo_itl_ms=slo.itl_ms, slo_ttft_ms=slo.ttft_ms)
+                   for sh in _shapes(template, profile)[1:])
     planner = Planner(shape, colo, profile, overheads(args, profile), wl, slo, args.max_gpus, log)
     best = planner.cheapest()
     same, fewest = planner.colocated_for(best.prefill + best.decode if best else planner.max_workers)
@@ -93,7 +98,7 @@ def run_search(args: argparse.Namespace, profile: Profile, overheads: Callable[[
         replicas = {"colocated": plan.decode} if chosen == "colocated" else {"prefill": plan.prefill,
                                                                               "decode": plan.decode}
         text = plan_yaml.render(template, chosen, replicas, header(profile, wl, slo, best, same, fewest, chosen),
-                                profile.gpus_per_worker)
+                                profile.gpus_per_worker, router=targets)
         loaded = plan_yaml.write(args.yaml, text)
         log(f"wrote {args.yaml}: loads as {loaded.mode} with "
             + ", ".join(f"{p.replicas} {role}" for role, p in loaded.pools().items()))

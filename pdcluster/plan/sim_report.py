@@ -7,6 +7,7 @@ TTFT ≤ the TTFT SLO and TPOT ≤ the ITL SLO (DistServe); a request that never
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ class Timings:
                         "cached_tokens": r.cached_tokens, "transfer_ms": round(r.transfer_s * 1e3, 2),
                         "prefill_worker": r.prefill.name if r.prefill else "",
                         "decode_worker": r.decode.name if r.decode else "", "prefill_skipped": r.skipped,
+                        "placement": r.placement,
                         "error": None if ok else "UNFINISHED: still queued when the simulation ran out of events"})
         return out
 
@@ -71,6 +73,7 @@ class Timings:
             "transfer_ms": dist([r.transfer_s * 1e3 for r in done if r.prefill is not None]),
             "prefix_hit_rate": round(sum(r.cached_tokens for r in done) / prompt, 3) if prompt else 0.0,
             "prefill_skipped": sum(r.skipped for r in done),
+            "placements": dict(Counter(r.placement for r in done)),
             "slo_attainment": round(meets / total, 3) if total else 0.0,
             "sim": {"workers": len(self.sim.workers), "events": self.sim.num_events,
                     "wall_s": round(self.sim.wall_s, 3),

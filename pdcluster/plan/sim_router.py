@@ -1,8 +1,10 @@
 """The simulated router: the real `router.policy.Policy` deciding over simulated workers.
 
 The policy is the router's own code, so prefix-aware routing, round robin and the skip-prefill rule are mirrored by
-construction. It sees what one router sees: its own in-flight counts and pending prefill tokens (exact, where the
-real router adds heartbeat loads up to ~0.75 s old), each decode worker's free blocks, and an exact prefix index.
+construction. It sees what one router sees: its own in-flight counts and pending prefill tokens, each worker's
+heartbeat load (queues and the step cost it measured, `sim_load.SimLoad`: exact, where the real one is up to ~0.75 s
+old), free blocks, and an exact prefix index. With `slo_itl_ms` the policy's SLO placements follow (prompt chunks
+on the decode pool, a request that stays on its prefill worker).
 
 Scale: the policy scans the workers it is given. Pools of up to EXACT_POOL workers get all of them (the real
 router's choice exactly); larger pools get candidates: the CANDIDATES least loaded (a lazy heap per pool, O(log n) per
@@ -25,7 +27,8 @@ CANDIDATES = 4
 
 
 class SimView(WorkerView):
-    """A WorkerView whose free blocks are read from the simulated worker itself."""
+    """A WorkerView whose free blocks are read from the simulated worker itself, its load refreshed from it
+    (sim_load.py) whenever the policy is given the view."""
 
     worker: Worker
 
@@ -41,7 +44,7 @@ class Pool:
         self.views: list[SimView] = []
         for w in self.workers:
             v = SimView(w.name, w.cache.num_blocks, w.max_seqs, prefill_tok_s=speed_tok_s)
-            v.worker = w
+            v.worker, v.load = w, w.measured.load
             self.views.append(v)
         self.prefill_role = prefill_role
         self.index: dict[int, int] = {}  # block key -> the worker that last stored it (large pools only)
@@ -96,7 +99,9 @@ class Pool:
         views: list[WorkerView] = []
         matched: dict[str, int] = {}
         for i in idx:
-            views.append(self.views[i])
+            v = self.views[i]
+            v.load = self.workers[i].measured.refresh()  # NOTE: as a heartbeat read now
+            views.append(v)
             d = self.workers[i].cache.depth(keys)
             if d:
                 matched[self.workers[i].name] = d
@@ -106,8 +111,9 @@ class Pool:
 class SimRouter:
     """Routes each request with the real policy; keeps the per-router counts the policy reads."""
 
-    def __init__(self, routing: str, block_size: int, skip_max: int, prefill: Pool | None, decode: Pool) -> None:
-        self.policy = Policy(routing, block_size, skip_max)
+    def __init__(self, routing: str, block_size: int, skip_max: int, prefill: Pool | None, decode: Pool,
+                 slo_itl_ms: float | None = None) -> None:
+        self.policy = Policy(routing, block_size, skip_max, slo_itl_ms)
         self.routing = routing
         self.prefill, self.decode = prefill, decode
         self.by_name = {w.name: (pool, i) for pool in (prefill, decode) if pool

@@ -4,7 +4,10 @@ Each step mirrors `engine.scheduler.Scheduler.schedule` under the token budget `
 1. every decoding sequence computes one token;
 2. prompts already admitted compute their next chunk, in admission order;
 3. waiting prompts are admitted while budget, `max_num_seqs` and free blocks allow, after their longest cached
-   prefix; prompt work goes in arrival order, or fewest tokens left first (`prefill_order: shortest_first`).
+   prefix; prompt work goes in arrival order, or fewest tokens left first (`prefill_order: shortest_first`; a prompt
+   overdue for the TTFT target goes first, `StepBudget.overdue`).
+Prompt work beside decoding sequences gets at most the ITL budget (`StepBudget.step_cap`, from the step cost this
+worker measures on its own steps, `sim_load.SimLoad`), as the engine's scheduler gives it.
 Decoding sequences are kept in aggregate (count, sum and max of contexts, a heap of finishing steps), so a step costs
 O(1) plus the sequences that join or leave it: what lets a thousand workers simulate in seconds. Each request's
 token times are the end times of the steps it was in. Approximations: a decoding sequence gets the blocks for its
@@ -19,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.step_budget import StepBudget
 from pdcluster.plan.profile import StepModel, prefill_pairs
 from pdcluster.plan.sim_cache import BlockCache, block_keys
+from pdcluster.plan.sim_load import SimLoad
 
 if TYPE_CHECKING:
     from pdcluster.plan.sim_cores import SharedCore
@@ -41,6 +46,8 @@ class Req:
     decode: Worker | None = None
     cached_tokens: int = 0
     skipped: bool = False
+    placement: str = "prefill_pool"  # the route's `why` (router/policy.py), "prefill_pool" for the usual path
+    held_tokens: int = 0  # prompt tokens the router counts on `decode` until the first token (prefill None)
     t_first: float = 0.0
     transfer_s: float = 0.0
     dec_step: int = -1  # index of the decode worker's first step that decodes it
@@ -60,6 +67,7 @@ class Job:
     table: list[int] = field(default_factory=list)
     computed: int = 0
     registered: int = 0
+    arrived: float = 0.0  # when the prompt reached this worker (the age `shortest_first` bounds)
 
 
 @dataclass
@@ -76,7 +84,7 @@ class Worker:
 
     def __init__(self, idx: int, name: str, role: str, step: StepModel, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, cache: BlockCache, step_scale: float = 1.0,
-                 step_extra_s: float = 0.0, prefill_order: str = "fcfs") -> None:
+                 step_extra_s: float = 0.0, prefill_order: str = "fcfs", budget: StepBudget | None = None) -> None:
         self.idx, self.name, self.role = idx, name, role
         self.model = step
         self.cache = cache
@@ -104,6 +112,11 @@ class Worker:
         self._jobs: dict[int, Job] = {}  # decoding here, by request id
         self._step_s = 0.0
         self.padded = step.decode_attention == "padded"
+        self.step_budget = budget or StepBudget()
+        self.measured = SimLoad(num_blocks, max_num_batched_tokens, self.shortest_first, self.step_budget)
+        self.n_reserved = 0  # KV reservations not yet committed
+        self.pending_tokens = 0  # prompt tokens queued or prefilling, not yet computed (the heartbeat's count)
+        self._tokens = 0  # tokens of the step in progress
 
     @property
     def num_running(self) -> int:
@@ -113,9 +126,14 @@ class Worker:
         return bool(self.waiting or self.prefilling or self.joining or self.n_dec)
 
     # ---- requests in ------------------------------------------------------------------------------------------
-    def add_prompt(self, req: Req, decodes: bool) -> None:
+    def add_prompt(self, req: Req, decodes: bool, now: float = 0.0) -> None:
         """Queue a prompt to compute here (a prefill, or a whole request: colocated or prefill skipped)."""
-        self.waiting.append(Job(req, decodes))
+        self.waiting.append(Job(req, decodes, arrived=now))
+        self.pending_tokens += req.prompt_len
+        self._report()
+
+    def _report(self) -> None:
+        self.measured.queues(self.num_running, len(self.waiting), self.n_reserved, self.pending_tokens)
 
     def reserve(self, req: Req) -> tuple[Job, int]:
         """Reserve blocks for an incoming KV transfer; returns the job and how many leading blocks were cached."""
@@ -129,6 +147,8 @@ class Worker:
             fresh = []
         job.table += fresh
         job.computed, job.registered = req.prompt_len, hits
+        self.n_reserved += 1
+        self._report()
         return job, hits
 
     def adopt(self, job: Job) -> None:
@@ -137,10 +157,18 @@ class Worker:
         self._grow_for_answer(job)
         self.joining.append(job.req)
         self._jobs[job.req.id] = job
+        self.n_reserved -= 1
+        self._report()
 
     def release(self, job: Job) -> None:
         self.cache.release(job.table)
         job.table = []
+
+    def drop_reservation(self, job: Job) -> None:
+        """A reserved transfer that will not decode here (the request ended at its first token)."""
+        self.release(job)
+        self.n_reserved -= 1
+        self._report()
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def start_step(self, now: float) -> float | None:
@@ -161,11 +189,15 @@ class Worker:
         pairs = 0.0
         chunks: list[tuple[Job, int]] = []
         if self.prefilling or self.waiting:  # NOTE: the common decode-only step skips this
-            chunks = self._prompt_chunks(self.budget - self.n_dec)
+            room = self.budget - self.n_dec
+            cap = self.step_budget.step_cap(self.n_dec, True, self.bs)  # NOTE: the ITL budget beside decode
+            chunks = self._prompt_chunks(room if cap is None else min(room, cap), now)
             for job, n in chunks:
                 tokens += n
                 samples += job.computed + n == job.req.prompt_len
                 pairs += prefill_pairs(n, job.computed)
+        else:
+            self.step_budget.step_cap(self.n_dec, False, self.bs)  # NOTE: a step without prompt work ends a starving
         if tokens == 0:
             return None
         if self.padded:
@@ -175,17 +207,25 @@ class Worker:
         else:
             keys_dec = self.dec_base_sum + self.n_dec * s
         self._chunks = chunks
+        self._tokens = tokens
         self._step_s = self.model.time(tokens, samples, keys_dec, pairs) * self.scale + self.extra
         self.steps += 1
         self.busy = True
         self._started = now
+        if chunks:
+            self._report()  # NOTE: admitted prompts moved from waiting to running
         return self._step_s
 
-    def _prompt_chunks(self, budget: int) -> list[tuple[Job, int]]:
+    def _prompt_chunks(self, budget: int, now: float) -> list[tuple[Job, int]]:
         """Prompt work of a step: admitted prompts' next chunks and newly admitted ones, in `prefill_order`."""
         chunks: list[tuple[Job, int]] = []
         if self.shortest_first:
-            queue = sorted(self.prefilling + list(self.waiting), key=lambda j: j.req.prompt_len - j.computed)
+            sb, limit = self.step_budget, self.budget
+
+            def key(j: Job) -> tuple[int, float]:  # NOTE: engine/scheduler.py `_shortest_first_key`, no preemption
+                left = j.req.prompt_len - j.computed
+                return (0, j.arrived) if sb.overdue(now - j.arrived, left, limit) else (1, left)
+            queue = sorted(self.prefilling + list(self.waiting), key=key)
         else:
             queue = self.prefilling + list(self.waiting)
         admitting = True
@@ -212,6 +252,7 @@ class Worker:
             job.table = self.cache.acquire(keys[:hits]) + (self.cache.allocate(need) or [])
             job.computed, job.registered = hits * self.bs, hits
             job.req.cached_tokens = hits * self.bs
+            self.pending_tokens -= hits * self.bs
             if self.shortest_first:
                 self.waiting.remove(job)
             else:
@@ -226,9 +267,11 @@ class Worker:
         s = self.steps - 1
         self.step_ends.append(now)
         self.busy = False
+        self.measured.stepped(self._tokens, now - self._started)
         prompts: list[Job] = []
         for job, n in self._chunks if self._chunks else ():
             job.computed += n
+            self.pending_tokens -= n
             self._register(job, job.computed)
             if job.computed == job.req.prompt_len:
                 self.prefilling.remove(job)
@@ -251,6 +294,7 @@ class Worker:
             self._register_answer(job)
             self.release(job)
             answers.append(req)
+        self._report()
         return StepDone(now - self._started, prompts, answers)  # NOTE: longer than alone on a shared core
 
     # ---- blocks -----------------------------------------------------------------------------------------------

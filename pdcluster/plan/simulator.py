@@ -7,7 +7,10 @@ Life of a simulated request (the real one's, see router/flow.py and the workers'
    computes the prompt in its batch; the KV leaves layer by layer during the last step and its tail lands
    `TransferModel.tail_s` after; the first token reaches the client `result_s` later, and `decode_call_s` after
    that the decode worker takes the request into its batch;
-   colocated (or prefill skipped): the decode worker computes the prompt itself, mixed with its decode steps;
+   colocated (or prefill skipped): the decode worker computes the prompt itself, mixed with its decode steps, in
+   chunks under its ITL budget; the router's placements (router/policy.py) come with it: a prompt the decode worker
+   caches ("prefix"), one the prefill pool's queue would delay more ("slo"), and a whole request kept on a prefill
+   worker when the decode pool's steps are the bottleneck ("stay");
 3. every decode step's tokens reach the client `token_s` after the step; the last one finishes the request.
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.step_budget import StepBudget
 from pdcluster.bench.workloads import Session, Workload
 from pdcluster.config import ClusterConfig
 from pdcluster.plan.profile import Profile
@@ -74,6 +78,10 @@ class ClusterShape:
     routing: str
     skip_max: int
     pools: dict[str, PoolShape]
+    # the router's targets (router.slo_itl_ms, slo_ttft_ms): the engines' ITL budget and TTFT bound, and the
+    # router's SLO placements in disaggregated mode; None: off
+    slo_itl_ms: float | None = None
+    slo_ttft_ms: float | None = None
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig, profile: Profile) -> ClusterShape:
@@ -90,7 +98,7 @@ class ClusterShape:
             pools[str(role)] = PoolShape(p.replicas, blocks, p.block_size, p.max_num_seqs, p.max_num_batched_tokens,
                                     getattr(p, "prefill_order", "fcfs"), affinity)
         skip = cfg.router.skip_prefill_max_uncached_tokens if cfg.mode == "disaggregated" else 0
-        return cls(cfg.mode, cfg.router.routing, skip, pools)
+        return cls(cfg.mode, cfg.router.routing, skip, pools, cfg.router.slo_itl_ms, cfg.router.slo_ttft_ms)
 
     @property
     def num_workers(self) -> int:
@@ -98,7 +106,7 @@ class ClusterShape:
 
     def with_replicas(self, **replicas: int) -> ClusterShape:
         pools = {r: dataclasses.replace(p, replicas=replicas.get(r, p.replicas)) for r, p in self.pools.items()}
-        return ClusterShape(self.mode, self.routing, self.skip_max, pools)
+        return dataclasses.replace(self, pools=pools)
 
 
 ARRIVE, RECV_PREFILL, RECV_DECODE, STEP_END, TRANSFER_DONE, ADOPT, NEXT_TURN = range(7)
@@ -117,7 +125,9 @@ class Simulator:
             pools[role] = Pool(workers, speed, prefill_role=role == "prefill")
         self.bs = next(iter(shape.pools.values())).block_size
         decode = pools["colocated"] if shape.mode == "colocated" else pools["decode"]
-        self.router = SimRouter(shape.routing, self.bs, shape.skip_max, pools.get("prefill"), decode)
+        # NOTE: as router/settings.py `policy`: the SLO placements only with a prefill pool to place around
+        slo_itl = shape.slo_itl_ms if shape.mode == "disaggregated" else None
+        self.router = SimRouter(shape.routing, self.bs, shape.skip_max, pools.get("prefill"), decode, slo_itl)
         self.workers = [w for p in pools.values() for w in p.workers]
         affinity = {w.name: ps.cpu_affinity[w.idx % len(ps.cpu_affinity)] if ps.cpu_affinity else ()
                     for role, ps in shape.pools.items() for w in pools[role].workers}
@@ -135,9 +145,13 @@ class Simulator:
         self.num_events = 0
 
     def _worker(self, role: str, i: int, ps: PoolShape) -> Worker:
+        # NOTE: as pdcluster/launch.py sets every engine's step_target_ms and ttft_target_ms from the router's SLOs
+        sh = self.shape
+        budget = StepBudget(None if sh.slo_itl_ms is None else sh.slo_itl_ms / 1e3,
+                            None if sh.slo_ttft_ms is None else sh.slo_ttft_ms / 1e3)
         return Worker(i, f"{role}-{i}", role, self.profile.step, ps.num_blocks, ps.block_size, ps.max_num_seqs,
                       ps.max_num_batched_tokens, BlockCache(ps.num_blocks), self.ov.step_scale, self.ov.step_extra_s,
-                      ps.prefill_order)
+                      ps.prefill_order, budget)
 
     # ---- the event loop -------------------------------------------------------------------------------------
     def run(self, workload: Workload) -> list[Req]:
@@ -189,7 +203,9 @@ class Simulator:
         req.decode = d = self.router.worker(route.decode)
         if route.prefill is None:
             req.skipped = self.shape.mode == "disaggregated"
-            self.router.change(d, inflight=1)
+            req.placement, req.held_tokens = route.why or "prefill_pool", route.decode_prefill_tokens
+            # NOTE: as router/core.py: the prompt tokens `d` computes count in its queue until the first token
+            self.router.change(d, inflight=1, pending=req.held_tokens)
             self._push(self.now + self.ov.router_s, RECV_DECODE, req)
         else:
             req.prefill = p = self.router.worker(route.prefill)
@@ -215,12 +231,12 @@ class Simulator:
         """The decode worker reserved the blocks (linking what it caches): the prompt joins the prefill queue."""
         assert req.decode is not None and req.prefill is not None
         self._reserved[req.id] = req.decode.reserve(req)
-        req.prefill.add_prompt(req, decodes=False)
+        req.prefill.add_prompt(req, decodes=False, now=self.now)
         self._kick(req.prefill)
 
     def _recv_decode(self, req: Req) -> None:
         assert req.decode is not None
-        req.decode.add_prompt(req, decodes=True)
+        req.decode.add_prompt(req, decodes=True, now=self.now)
         self._kick(req.decode)
 
     def _step_end(self, obj: tuple[Worker, int]) -> None:
@@ -235,6 +251,8 @@ class Simulator:
             req = job.req
             if job.decodes:
                 req.t_first = self.now + self.ov.token_s
+                if req.held_tokens:
+                    self.router.change(w, pending=-req.held_tokens)
                 if req.max_tokens == 1:
                     self.router.change(w, inflight=-1)
                     self._finish(req, req.t_first)
@@ -263,7 +281,7 @@ class Simulator:
         req.t_first = self.now + self.ov.result_s
         job, _ = self._reserved.pop(req.id)
         if req.max_tokens == 1:
-            req.decode.release(job)
+            req.decode.drop_reservation(job)
             self._finish(req, req.t_first)
             return
         self.router.change(req.decode, inflight=1)

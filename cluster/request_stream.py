@@ -1,0 +1,120 @@
+"""RequestStream: one request's outputs on a worker's engine, streamed as `Delta`s (the one streaming loop).
+
+Every worker that streams a request's tokens does it here: a decode worker for a request whose KV it took, or one it
+runs whole (`token_ids` set: colocated, prefix rule, SLO rule, a failover's continuation), and a prefill worker for
+a request that stays where it is prefilled (router/policy.py, "stay"). Life of a stream:
+1. `start(fn)`: `fn` runs in the engine loop between two steps and puts the request in the batch with `on_output`
+   attached (`join_whole` for a whole request: the prompt, with any tokens a failed worker streamed before,
+   `output_token_ids`, recomputed; the engine cuts it into chunks under its ITL budget while it decodes for others);
+   a caller cancelled meanwhile still lets `fn` finish, then aborts the request, so nothing joins after its abort;
+2. `deltas()`: each batch of outputs the engine made since the last yield is merged into one Delta, stamped with the
+   time the engine made its last token (`made_at`); the first carries how many characters the client had
+   (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker;
+3. a caller that goes away before the last Delta (the generator closed or cancelled) aborts the request: the
+   worker's `abort` frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING
+
+from cluster.logs import REQUEST_ID
+from cluster.messages import DecodeRequest, Delta
+from engine.errors import InvalidRequestError
+from engine.output import RequestOutput
+
+if TYPE_CHECKING:
+    from cluster.worker import Worker
+
+
+class RequestStream:
+    """The outputs of one request on `worker`'s engine, from the start call to its last Delta."""
+
+    def __init__(self, worker: Worker, req: DecodeRequest) -> None:
+        self.worker, self.req = worker, req
+        self.request_id = req.request_id
+        self.arrived = time.monotonic()
+        REQUEST_ID.set(req.request_id)
+        self.whole = bool(req.token_ids)  # the prompt is computed here (no KV came for it)
+        self.resumed_chars = req.sent_chars or 0  # characters of the output text the client has at the start
+        self._aio = asyncio.get_running_loop()
+        # NOTE: each output with when the engine made it: a stream paused by backpressure (its client reads slowly)
+        # merges what came meanwhile, stamped with the engine's time, not the time it was sent (router/stall.py)
+        self._outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
+        self._timing: list[tuple[float, float]] = []  # a whole request: its queue and prefill time here (ms)
+        # NOTE: records under the worker's own module (decode_workers.worker, prefill_workers.worker), as before
+        self._log = logging.getLogger(type(worker).__module__)
+
+    def on_output(self, out: RequestOutput) -> None:
+        """The engine loop's hook (its thread, under the lock): queue the step's output for `deltas`."""
+        now = time.monotonic()
+        if self.whole and not self._timing:
+            self._timing.append(self.worker._first_token(self.request_id, now))
+        self._aio.call_soon_threadsafe(self._outputs.put_nowait, (now, out))
+
+    def join_whole(self, engine: object) -> None:
+        """A `start` function: the whole request (its prompt) joins the engine's batch."""
+        w, req = self.worker, self.req
+        if not req.token_ids:
+            raise InvalidRequestError("token_ids", "a whole request on this worker needs its prompt", self.request_id)
+        w._check_not_aborted(self.request_id)
+        seq = w.engine.add_request(self.request_id, req.token_ids, req.params, output_token_ids=req.output_token_ids,
+                                   sent_chars=self.resumed_chars)
+        w._track(seq, self.arrived)
+        w.loop.attach(self.request_id, self.on_output)
+
+    async def start(self, fn: Callable[[object], None]) -> None:
+        """Run `fn` in the engine loop between two steps; a cancelled caller aborts the request after it."""
+        # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and
+        # shielded: if this call is cancelled meanwhile, the start still completes before the abort below runs,
+        # so a request can never join the batch after its abort
+        starting = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, fn))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await starting
+            await asyncio.to_thread(self.worker.abort, self.request_id)
+            raise
+
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
+        """The request's Deltas until the one with `finished` set; a caller gone before it aborts the request."""
+        finished, first = False, True
+        try:
+            while not finished:
+                batch = [await self._outputs.get()]
+                while not self._outputs.empty():
+                    batch.append(self._outputs.get_nowait())
+                delta = merge([out for _, out in batch])
+                delta.made_at = batch[-1][0]
+                if first:
+                    delta.resumed_chars = self.resumed_chars
+                    if self._timing:
+                        delta.queue_ms, delta.prefill_ms = self._timing[0]
+                first = False
+                finished = delta.finished
+                self.worker.metrics.generation.inc(len(delta.token_ids))
+                if finished:
+                    self._log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
+                yield delta
+        finally:
+            if not finished:
+                await asyncio.to_thread(self.worker.abort, self.request_id)
+
+
+def merge(outs: list[RequestOutput]) -> Delta:
+    """Several steps' outputs of one request as one Delta (the router gets fewer, larger messages)."""
+    last = outs[-1]
+    d = Delta([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs), last.finished,
+              last.finish_reason)
+    if last.finished:
+        d.final_text, d.all_token_ids = last.text, list(last.token_ids)
+    d.num_prompt_tokens, d.num_cached_tokens = last.num_prompt_tokens, last.num_cached_tokens
+    d.logprobs = [lp for o in outs for lp in o.new_logprobs]
+    d.prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    return d
