@@ -9,8 +9,9 @@ Life of a request on a decode worker:
    mode, a prompt this worker already caches almost entirely, or a failover's continuation);
 3. each step's new tokens are merged into `Delta`s and yielded to the router until the request finishes. The
    router opens the stream with a window (Ray's `_generator_backpressure_num_objects`): while that many deltas
-   are unread (its client reads slowly) the yield waits, the engine goes on, and the next delta carries every
-   step made meanwhile; a client that stops reading for good is cut off by the router, whose abort frees the blocks;
+   are unread (its client reads slowly) the yield waits, and the next delta carries every step made meanwhile; with
+   as many steps undelivered the sequence pauses in the engine (its blocks kept, `backlog.py`) and resumes when the
+   router reads again; a client that stops reading for good is cut off by the router, whose abort frees the blocks;
 4. a caller that goes away (the generator is closed or cancelled) or an abort ends the request: its blocks (or the
    reservation it waited on) are freed.
 """
@@ -27,6 +28,7 @@ from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
 from cluster.worker import RequestAborted, Worker, WorkerSpec, node_address
+from decode_workers.backlog import Backlog
 from decode_workers.handoff import KVWaiters, first_token_chars
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
@@ -63,11 +65,15 @@ class DecodeWorker(Worker):
 
         timing: list[tuple[float, float]] = []  # a request run whole here: its queue and prefill time (ms)
         resumed = [req.sent_chars or 0]  # characters of the output text the client has when this stream starts
+        backlog = Backlog(req.window)
 
         def on_output(out: RequestOutput) -> None:  # the loop thread, under the lock
             if req.token_ids and not timing:
                 timing.append(self._first_token(rid, time.monotonic()))
-            aio.call_soon_threadsafe(outputs.put_nowait, (time.monotonic(), out))
+            made_at, pause = backlog.made()
+            if pause and not out.finished:  # NOTE: between two steps: the next one already leaves it out
+                self.engine.pause_request(rid)
+            aio.call_soon_threadsafe(outputs.put_nowait, (made_at, out))
 
         if req.token_ids:
             def start(engine: object) -> None:
@@ -131,6 +137,8 @@ class DecodeWorker(Worker):
                 if finished:
                     log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
                 yield delta
+                if backlog.delivered(len(batch)):
+                    await asyncio.to_thread(self.loop.call, lambda engine: engine.resume_request(rid))
         finally:
             tracing.end(span)
             if not finished:
