@@ -1,105 +1,131 @@
 #!/usr/bin/env bash
-# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26). About 6 minutes on an H100.
+# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26), in at most 6 minutes (the step limits sum
+# to 360 s).
 #
 # Needs python3 with a CUDA torch, triton and transformers (a GPU image's); what engine/ and kv_transfer/ import
 # beyond that comes from the wheels in .whl/ (scripts/gpu-wheels.sh fetches them where a registry is reachable).
 # Steps, each with its own time limit; a failing or timed-out step does not stop the next, and every step's figures
 # are kept as they come:
-#   1. setup        install .whl/*.whl into a private folder; record the GPU, torch, triton, transformers
+#   1. setup        install .whl/*.whl into a private folder; record the GPU, torch, triton, transformers, NIXL
 #   2. correctness  python -m pdcluster.bench.engine_gpu: fp32 greedy CUDA == CPU, bf16 ours vs transformers
-#   3. gpu tests    pytest -m gpu over the test files that hold gpu tests (the two checks above deselected)
-#   4. bench        pdcluster bench engine --device cuda on random:llama-3.1-8b (decode b1/b64 at 512, prefill 2048)
-# OUTDIR gets: summary.json (each step's status, seconds and figures), gpu-check.log (everything printed),
-# correctness.json, pytest.xml, bench_engine_device.json. Exit status 0 only when every step passed.
+#   3. gpu_kv       pytest -m gpu over tests/test_kv_*: KV between two processes on one GPU through NIXL (UCX
+#                   cuda_ipc, GB/s against a device-to-device copy; issue 30), the torch transport with GPU pools
+#   4. gpu_engine   pytest -m gpu over the other files with gpu tests: Triton kernels compiled, CUDA graphs, the KV
+#                   pool sized by gpu_memory_utilization (the two checks of step 2 deselected)
+#   5. bench        pdcluster bench engine --device cuda on random:llama-3.1-8b (decode b1/b64 at 512, prefill 2048)
+# GPU_CHECK_STEPS="gpu_kv bench" runs only those steps (and setup, which every fresh machine needs): a rerun of what
+# failed, in the time a lent GPU has left; GPU_CHECK_LIMIT_PCT=200 doubles every step's limit (a step that timed out;
+# on the same warm machine Triton's compiled kernels are cached by then).
+# OUTDIR gets: summary.json (each step's status, seconds and figures; for a figure missing, why, with the tail of
+# its step's log), gpu-check.log (everything printed), <step>.log, env.json, correctness.json, pytest_gpu_kv.xml,
+# pytest_gpu_engine.xml, bench_engine_device.json. Exit status 0 only when every step passed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu-check.sh OUTDIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 exec > >(tee -a "$OUTDIR/gpu-check.log") 2>&1
-PY=${PYTHON:-python3}
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then  # NOTE: the first python with torch (an image may have it under python, not python3)
+  for c in python3 python python3.12; do
+    if command -v "$c" > /dev/null && "$c" -c "import torch" 2> /dev/null; then PY=$c; break; fi
+  done
+  PY=${PY:-python3}
+fi
 SITE=${PDCLUSTER_GPU_SITE:-/tmp/pdcluster-site}
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PDCLUSTER_CACHE_DIR=${PDCLUSTER_CACHE_DIR:-/tmp/pdcluster-cache}
-STATUS="$OUTDIR/.steps"
-: > "$STATUS"
+# NOTE: nothing outside a lent machine answers: transformers/huggingface_hub must not try (a connect that hangs until
+# its timeout eats a step); Triton's kernel cache in /tmp, whatever HOME allows
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/pdcluster-triton-cache}
+# NOTE: UCX's CUDA modules (NIXL with VRAM) link libcudart.so.13, which a pip CUDA torch keeps under
+# site-packages/nvidia/: on the library path they load whether or not torch has loaded its copy first
+CUDART_DIR=$("$PY" - <<'PY' 2> /dev/null
+import glob, os, site
+dirs = site.getsitepackages() + [site.getusersitepackages()]
+hits = [h for d in dirs for h in glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so.*"), recursive=True)]
+print(os.path.dirname(sorted(hits)[-1]) if hits else "")
+PY
+)
+[ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH="$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && echo "=== libcudart from $CUDART_DIR"
+: > "$OUTDIR/.steps"
+PCT=${GPU_CHECK_LIMIT_PCT:-100}
 
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, record "name rc seconds"
+step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, its output also in OUTDIR/NAME.log; record the rc
   local name=$1 limit=$2; shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [ "$name" != setup ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+    echo "=== [$name] left out (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)"
+    return
+  fi
+  limit=$((limit * PCT / 100))
   echo "=== [$name] $(date -u +%H:%M:%S) (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@"
-  local rc=$?
-  echo "$name $rc $((SECONDS - t0))" >> "$STATUS"
+  rm -f "$OUTDIR/.rc"  # NOTE: a step killed before it writes its rc must not inherit the last one's
+  { timeout --kill-after=10 "$limit" "$@"; echo $? > "$OUTDIR/.rc"; } 2>&1 | tee "$OUTDIR/$name.log"
+  local rc
+  rc=$(cat "$OUTDIR/.rc" 2>/dev/null || echo 1)
+  echo "$name $rc $((SECONDS - t0))" >> "$OUTDIR/.steps"
   echo "=== [$name] rc=$rc in $((SECONDS - t0))s"
-  summarize
-}
-
-summarize() {
-  "$PY" - "$OUTDIR" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-steps = {}
-for line in open(os.path.join(out, ".steps")):
-    name, rc, secs = line.split()
-    steps[name] = {"rc": int(rc), "passed": rc == "0", "timed_out": rc in ("124", "137"), "seconds": int(secs)}
-figures = {}
-for key, name in (("setup", "env.json"), ("correctness", "correctness.json"), ("bench", "bench_engine_device.json")):
-    try:
-        with open(os.path.join(out, name)) as f:
-            figures[key] = json.load(f)
-    except (OSError, ValueError):
-        pass
-xml = os.path.join(out, "pytest.xml")
-if os.path.exists(xml):
-    import xml.etree.ElementTree as ET
-    suite = ET.parse(xml).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    figures["gpu_tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    figures["gpu_tests"]["failed"] = [c.get("classname", "") + "::" + c.get("name", "") for c in suite.iter("testcase")
-                                      if c.find("failure") is not None or c.find("error") is not None]
-summary = {"steps": steps, "passed": bool(steps) and all(s["passed"] for s in steps.values()), **figures}
-with open(os.path.join(out, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-PY
+  "$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" || echo "=== summary.json not written (see above)"
 }
 
 setup() {
   if compgen -G ".whl/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-      || return 1
+    if "$PY" -m pip --version > /dev/null 2>&1; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        .whl/*.whl || return 1
+    else  # NOTE: no pip in the image: a wheel is a zip laid out as site-packages (dist-info keeps entry points)
+      echo "no pip: unpacking the wheels into $SITE"
+      for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE" || return 1; done
+    fi
   fi
   if [ -f .whl/smollm2-tokenizer.json ]; then
     mkdir -p "$PDCLUSTER_CACHE_DIR/tokenizers" && cp .whl/smollm2-tokenizer.json "$PDCLUSTER_CACHE_DIR/tokenizers/smollm2.json"
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$PY" - "$OUTDIR/env.json" <<'PY'
-import json, sys, importlib
+import importlib, json, sys
 import torch
-env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
-       "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
-for mod in ("triton", "transformers", "gguf", "crc32c"):
+env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+if env["cuda_available"]:
+    env["gpu"] = torch.cuda.get_device_name(0)
+    env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+for mod in ("triton", "transformers", "numpy", "gguf", "crc32c", "pytest_timeout"):
     try:
         env[mod] = getattr(importlib.import_module(mod), "__version__", "present")
     except Exception as e:  # noqa: BLE001
         env[mod] = f"missing: {type(e).__name__}: {e}"
 from kv_transfer.transports import nixl_agent  # NOTE: the cu13 wheel's module is nixl_cu13; load() tries each name
 env["nixl"] = nixl_agent.unavailable() or "present"
-import engine, kv_transfer  # noqa: F401  (what the checks import: fails here rather than in every step)
+import engine, kv_transfer, pdcluster.bench.engine_device, pdcluster.bench.engine_gpu  # noqa: F401,E401
 json.dump(env, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(env))
+sys.exit(0 if env["cuda_available"] and not str(env["pytest_timeout"]).startswith("missing") else 1)
 PY
 }
 
 export PY SITE OUTDIR
 export -f setup
 step setup 30 bash -c setup  # NOTE: timeout runs programs, not shell functions
-step correctness 90 "$PY" -m pdcluster.bench.engine_gpu --device cuda --out "$OUTDIR/correctness.json"
-GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
-# NOTE: the two correctness tests repeat step 2 (its JSON has the figures); the files without gpu tests are not
-# collected at all (they import ray, pydantic or redis, which the GPU image lacks).
-step gpu_tests 130 "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 90 -o addopts="" --junitxml "$OUTDIR/pytest.xml" \
-  -k "not equals_the_cpu and not matches_transformers" $GPU_TESTS
-step bench 110 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 1 \
+step correctness 80 "$PY" -m pdcluster.bench.engine_gpu --device cuda --out "$OUTDIR/correctness.json"
+# NOTE: only the files with gpu tests are collected (the others import ray, pydantic or redis, which the GPU image
+# lacks); -v prints each result as it comes, so a step killed before its XML still shows them (summary.json)
+GPU_FILES=$(grep -lE "^(pytestmark = .*|@)pytest\.mark\.gpu" tests/test_*.py)
+KV_FILES=$(echo "$GPU_FILES" | grep "^tests/test_kv_" | tr '\n' ' ')
+ENGINE_FILES=$(echo "$GPU_FILES" | grep -v "^tests/test_kv_" | tr '\n' ' ')
+PYTEST=("$PY" -m pytest -v -m gpu -p no:cacheprovider -o addopts="" -o console_output_style=classic)
+# NOTE: per-test limits need pytest-timeout (from .whl/); without it the steps still run, under their own limits
+KV_T=() ENG_T=()
+if "$PY" -c "import pytest_timeout" 2> /dev/null; then
+  KV_T=(--timeout $((45 * PCT / 100))) ENG_T=(--timeout $((80 * PCT / 100)))
+else
+  echo "=== pytest-timeout missing (.whl/ not carried?): no per-test limits"
+fi
+# shellcheck disable=SC2086
+[ -n "$KV_FILES" ] && step gpu_kv 55 "${PYTEST[@]}" ${KV_T[@]+"${KV_T[@]}"} --junitxml "$OUTDIR/pytest_gpu_kv.xml" $KV_FILES
+# NOTE: the two correctness tests repeat step 2 (its JSON has the figures)
+# shellcheck disable=SC2086
+[ -n "$ENGINE_FILES" ] && step gpu_engine 105 "${PYTEST[@]}" ${ENG_T[@]+"${ENG_T[@]}"} --junitxml "$OUTDIR/pytest_gpu_engine.xml" \
+  -k "not equals_the_cpu and not matches_transformers" $ENGINE_FILES
+step bench 90 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 1 \
   --out "$OUTDIR/bench_engine_device.json"
-"$PY" -c "import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps(s, indent=1)); sys.exit(0 if s['passed'] else 1)" \
-  "$OUTDIR/summary.json"
+"$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; exit 1; }

