@@ -256,7 +256,7 @@ class Worker:
         """Abort every running request whose lease no live router renewed (its blocks are freed)."""
         with self.loop.lock:
             scheduler = self.engine.scheduler
-            running = [seq.request_id for seq in (*scheduler.running, *scheduler.waiting)]
+            running = [seq.request_id for seq in (*scheduler.running, *scheduler.waiting, *scheduler.paused)]
         for rid in self.leases.expired(running):
             log.warning("%s: no live router renewed the lease of %s for %.0f s: aborting it", self.name, rid,
                         self.leases.lease_s or 0.0)

@@ -197,7 +197,19 @@ class LLMEngine:
         self.outputs.forget(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._seqs)
+        """Whether a step has anything to do (paused requests wait for `resume_request`)."""
+        return len(self._seqs) > len(self.scheduler.paused)
+
+    def pause_request(self, request_id: str) -> bool:
+        """Stop stepping a request whose consumer is not reading (its blocks are kept); False if not scheduled."""
+        seq = self._seqs.get(request_id)
+        return seq is not None and self.scheduler.pause(seq)
+
+    def resume_request(self, request_id: str) -> None:
+        """Step a paused request again (unknown or finished ids are ignored)."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.resume(seq)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a new token (or finished)."""
@@ -397,7 +409,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool = self.block_manager.pool
         return EngineStats(pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks,
-                           len(self.scheduler.waiting), len(self.scheduler.running), len(self._reserved),
+                           len(self.scheduler.waiting), len(self.scheduler.running) + len(self.scheduler.paused),
+                           len(self._reserved),
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
                            self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted)
 

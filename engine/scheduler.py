@@ -62,6 +62,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # NOTE: paused by their consumer (a client that stopped reading): never scheduled; a RUNNING one keeps its
+        # blocks until the pool runs dry, then it is the first preempted (recomputed on resume, mostly from cache)
+        self.paused: list[Sequence] = []
         self.num_preemptions = 0
         self.budget = budget or StepBudget()  # the ITL budget and the TTFT bound (the worker sets its step cost)
         self.clock = time.monotonic  # a prompt's age is measured with it
@@ -84,6 +87,30 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.paused:
+            self.paused.remove(seq)
+
+    def pause(self, seq: Sequence) -> bool:
+        """Stop scheduling `seq` until `resume` (it keeps its blocks); False when it is in neither queue."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            return False
+        seq.spec_token_ids.clear()
+        self.paused.append(seq)
+        return True
+
+    def resume(self, seq: Sequence) -> None:
+        """Schedule a paused sequence again: decoding on where it held its blocks, else queued first."""
+        if seq not in self.paused:
+            return
+        self.paused.remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.append(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledBatch:
         self._budget = self.max_num_batched_tokens
@@ -107,7 +134,8 @@ class Scheduler:
                 self._schedule_running(seq)
             elif admitting and id(seq) not in self._in_step:
                 # NOTE: after a preemption the pool is tight; admitting new work would only cause more of it.
-                admitting = not self._preempted and len(self.running) < self.max_num_seqs and self._admit(seq)
+                admitting = (not self._preempted and len(self.running) + len(self.paused) < self.max_num_seqs
+                             and self._admit(seq))
         picked = self._picked
         picked.sort(key=lambda p: p[1] != 1)  # stable: single-token (decode) entries first
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked])
@@ -146,6 +174,8 @@ class Scheduler:
                 seq.spec_token_ids.clear()
                 n = min(seq.num_pending_tokens, self._budget)
                 continue
+            if self._preempt_paused():
+                continue
             victim = next(s for s in reversed(self.running) if id(s) not in self._in_step)
             self.running.remove(victim)
             self._preempt(victim)
@@ -160,8 +190,9 @@ class Scheduler:
         """Start a waiting sequence after its longest cached prefix; False when its blocks do not fit."""
         hits = self.bm.match_prefix(seq)
         n = min(len(seq) - len(hits) * self.bm.block_size, self._budget)
-        if not self.bm.allocate(seq, n, hits):
-            return False
+        while not self.bm.allocate(seq, n, hits):
+            if not self._preempt_paused():
+                return False
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = len(hits) * self.bm.block_size
         self.waiting.remove(seq)
@@ -170,6 +201,17 @@ class Scheduler:
         self._picked.append((seq, n))
         self._in_step.add(id(seq))
         self._budget -= n
+        return True
+
+    def _preempt_paused(self) -> bool:
+        """Free the blocks of a paused sequence that holds some (it computes nothing meanwhile); False if none."""
+        held = next((s for s in self.paused if s.status is SequenceStatus.RUNNING), None)
+        if held is None:
+            return False
+        self.bm.free(held)
+        held.status = SequenceStatus.WAITING
+        held.num_preemptions += 1
+        self.num_preemptions += 1
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 from cluster import tracing
@@ -32,7 +32,7 @@ from cluster.messages import WorkerLoad
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
 from router.admission import Admission, check_deadline
-from router.errors import Overloaded
+from router.errors import ClientStalled, Overloaded
 from router.flow import RequestRun
 from router.leases import LeaseKeeper
 from router.metrics import RouterMetrics
@@ -200,7 +200,9 @@ class Router:
             self.metrics.set_inflight(self.inflight)
 
     async def stream_within(self, req: Checked, arrived: float, budget_s: float, traceparent: str = "",
-                            admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:
+                            admission: Admission | None = None,
+                            on_cut: Callable[[ClientStalled], Awaitable[None]] | None = None
+                            ) -> AsyncGenerator[Chunk, None]:
         """`stream`, raising TimeoutError once `budget_s` passed since `arrived`; closing it aborts the request.
 
         NOTE: through a bounded buffer (router/relay.py): a client that reads slowly pauses the decode worker's
@@ -209,7 +211,7 @@ class Router:
         chunks = relayed(self._within(req, arrived, budget_s, traceparent, admission),
                          self.settings.stream_buffer_chunks,
                          self.settings.client_stall_timeout_s, req.request_id, self.metrics.stream_buffered.inc,
-                         self.metrics.client_stalls.inc)
+                         self.metrics.client_stalls.inc, on_cut)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

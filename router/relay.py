@@ -6,8 +6,9 @@
    then pauses the worker's yields: a client that reads slowly piles nothing up in the router;
 3. a buffer that stays full for `stall_s` (the client took nothing meanwhile: its writes are blocked) ends the run
    with ClientStalled: the run is closed (its `finally` aborts the request on every worker, freeing the KV blocks,
-   and the router's admission slot), and the front's task blocked in the write is cancelled, which closes the
-   client's stream or connection.
+   and the router's admission slot), and the front's write that waits for the client is ended: by `on_cut` when
+   the front gives one (gRPC: the call ends at once with a status naming the limit), else by cancelling the
+   front's task (HTTP: the connection is closed).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 from router.errors import ClientStalled
@@ -73,7 +74,8 @@ class Relay:
 
 async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, request_id: str = "",
                   on_size: Callable[[int], None] | None = None,
-                  on_stall: Callable[[], None] | None = None) -> AsyncGenerator[T, None]:
+                  on_stall: Callable[[], None] | None = None,
+                  on_cut: Callable[[ClientStalled], Awaitable[None]] | None = None) -> AsyncGenerator[T, None]:
     """`chunks` through a buffer of `limit`; closing this closes `chunks` (at once: the request is aborted)."""
     relay = Relay(limit, on_size)
     owner = asyncio.current_task()
@@ -94,7 +96,9 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
                 log.warning("%s", e)
                 if on_stall is not None:
                     on_stall()
-                if writing[0] and owner is not None:  # NOTE: its write would wait for the client forever
+                if writing[0] and on_cut is not None:  # NOTE: its write would wait for the client forever
+                    await on_cut(e)
+                elif writing[0] and owner is not None:
                     owner.cancel()
 
     task = asyncio.create_task(pump())

@@ -24,7 +24,7 @@ from engine.logprobs import TokenLogprobs
 from router.admission import Admission
 from router.auth import ApiKeyInterceptor, check_exposure
 from router.core import Router
-from router.errors import Status, status_of
+from router.errors import ClientStalled, Status, status_of
 from router.fanout import fan_out
 from router.grpc_requests import ProtoValidator, tolerant_parser
 from router.results import Chunk, ClusterStatus
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 GRPC_CODE = {s: grpc.StatusCode[s.name] for s in Status}  # NOTE: a Status is named after its gRPC code
 MAX_MESSAGE_BYTES = 16 << 20  # a request: the longest prompt (1 Mi characters) with room to spare
-# NOTE: a stream cut off for a client that stopped reading (router/relay.py) frees its admission slot and blocks,
-# but grpc.aio cannot reset it from the server: it holds one of these until the client's deadline or disconnect
 MIN_CONCURRENT_RPCS = 256  # calls at once at least; else 4 x router.max_inflight
 
 
@@ -158,8 +156,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             # NOTE: aclosing: a generator left early is closed now (its finally aborts the request), not at GC
             # NOTE: the client's W3C trace context (gRPC metadata keys are lower case)
             traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
-            runs = fan_out(lambda c: self.router.stream_within(c, arrived, budget, str(traceparent),
-                                                                 admission), req)
+            runs = fan_out(lambda c: self.router.stream_within(c, arrived, budget, str(traceparent), admission,
+                                                                 lambda e: self._cut(e, context)), req)
             async with contextlib.aclosing(runs) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -176,6 +174,19 @@ class InferenceService(pb_grpc.InferenceServicer):
             if admission is not None:
                 admission.release()
         self.router.metrics.request_done("grpc", Status.OK.name)
+
+
+    async def _cut(self, stalled: ClientStalled, context: grpc.aio.ServicerContext) -> None:
+        """End a call whose client stopped reading (router/relay.py) with its status, now.
+
+        NOTE: the handler's task waits in a write the client's full window holds; an abort from another task still
+        ends the call at once (gRPC sends the status and resets the stream), so the client hears why, and the
+        call's slot is free before the client's own deadline.
+        """
+        status, message = status_of(stalled)
+        self.router.metrics.request_done("grpc", status.name)
+        with contextlib.suppress(grpc.aio.AbortError):
+            await context.abort(GRPC_CODE[status], message)
 
 
 def add_inference_service(service: InferenceService, server: grpc.aio.Server) -> None:

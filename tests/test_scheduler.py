@@ -204,3 +204,22 @@ def test_a_short_prompt_overtakes_a_long_one_mid_prefill_only_when_shortest_firs
     assert final["long"].token_ids == run_alone(tiny, long_prompt, greedy(4))
     assert final["short"].token_ids == run_alone(tiny, short_prompt, greedy(4))
     assert_idle(engine)
+
+
+def test_a_paused_request_is_not_stepped_gives_its_blocks_first_and_resumes_with_the_same_tokens(tiny, reference):
+    """A paused request (its consumer stopped reading) is left out of every step; when the pool runs dry its blocks
+    go before a running request's; resumed, it finishes with the tokens of an unpaused run."""
+    longest = max(len(PROMPTS[i]) + MAX_TOKENS[i] for i in (3, 4))
+    engine = make_engine(tiny, num_blocks=-(-longest // 16) + 1)  # NOTE: room for one of them, not both
+    held, other = submit(engine, range(3, 5))
+    while held.num_output_tokens < 2:
+        engine.step()
+    assert engine.pause_request(IDS[3])
+    made = held.num_output_tokens
+    final = run_to_completion(engine)  # the other one runs alone: it needs the paused one's blocks
+    assert set(final) == {IDS[4]} and held.num_output_tokens == made
+    assert held.status is SequenceStatus.WAITING and held.block_table == []  # preempted while paused
+    engine.resume_request(IDS[3])
+    final.update(run_to_completion(engine))
+    assert [final[r].token_ids for r in IDS[3:5]] == reference[3:5]
+    assert_idle(engine)

@@ -22,8 +22,8 @@ from dataclasses import asdict
 from typing import Any
 
 from pdcluster.bench import chaos_faults, chaos_traffic
-from pdcluster.bench.chaos_check import FinalState, Record, check, windows
-from pdcluster.bench.chaos_router import ExtraRouter, inflight, wait_idle
+from pdcluster.bench.chaos_check import FinalState, Invariant, Record, check, windows
+from pdcluster.bench.chaos_router import ExtraRouter, inflight, metric, wait_idle
 from pdcluster.bench.report import emit, log
 
 
@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-tokens", type=int, default=8, help="exact output length, at least (ignore_eos)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--freeze-s", type=float, default=15.0, help="how long the frozen worker stays stopped")
-    p.add_argument("--stall-s", type=float, default=45.0, help="how long the stalled client reads nothing")
+    p.add_argument("--stall-s", type=float, default=120.0, help="how long the stalled client reads nothing at most "
+                   "(it reads again once the router counts a client stall)")
     p.add_argument("--max-restarts", type=int, default=3, help="each pool's max_restarts at least this")
     p.add_argument("--rss-limit-mb", type=float, default=256.0, help="a router's allowed resident memory growth")
     p.add_argument("--window-s", type=float, default=15.0, help="width of the outcome-count windows")
@@ -104,10 +105,12 @@ def _traffic(args: argparse.Namespace, ep: dict[str, str], extra: ExtraRouter, m
                     rss.setdefault(name, []).append(mb)
 
     def stall() -> str:
+        counted = metric(ep.get("metrics"), "pdcluster_client_stalls_total") or 0.0
         t = threading.Thread(target=lambda: stalled.append(chaos_traffic.stalled_stream(
-            http["serve"], model, 2000, args.stall_s)), daemon=True)
+            http["serve"], model, 2000, args.stall_s,
+            lambda: (metric(ep.get("metrics"), "pdcluster_client_stalls_total") or 0.0) > counted)), daemon=True)
         t.start()
-        return f"reads its first bytes, then nothing for {args.stall_s:.0f} s (outcome below)"
+        return f"reads its first bytes, then nothing until cut off (at most {args.stall_s:.0f} s; outcome below)"
 
     faults = chaos_faults.FaultRunner(chaos_faults.schedule(args.minutes), int(ep["pid"]), extra.restart, stall,
                                       args.freeze_s)
@@ -160,6 +163,9 @@ def _figures(args: argparse.Namespace, records: list[Record], events: list[chaos
     for e in events:
         if e.kind == "stall-client":
             e.outcome += "; " + (stalled[0] if stalled else "no outcome (the stalled client did not finish)")
+            # NOTE: the client that stopped reading is cut off (its slot and blocks freed), not served or held open
+            invariants.append(Invariant("client_stall", bool(stalled) and stalled[0].startswith("cut off"),
+                                        stalled[0] if stalled else "the stalled client did not finish"))
     return {"bench": "chaos", "config": args.config, "minutes": args.minutes, "clients": args.clients,
             "requests": len(records), "finished": sum(r.status == "OK" for r in records),
             "invariants": [asdict(i) for i in invariants],

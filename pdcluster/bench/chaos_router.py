@@ -115,6 +115,11 @@ class ExtraRouter:
 
 def inflight(metrics_addr: str | None) -> float | None:
     """The router's `pdcluster_router_inflight_requests` gauge from its /metrics (None: unreachable)."""
+    return metric(metrics_addr, "pdcluster_router_inflight_requests")
+
+
+def metric(metrics_addr: str | None, name: str) -> float | None:
+    """One unlabelled sample of the router's /metrics (None: unreachable or absent)."""
     if not metrics_addr:
         return None
     try:
@@ -122,7 +127,7 @@ def inflight(metrics_addr: str | None) -> float | None:
             text = resp.read().decode()
     except OSError:
         return None
-    m = re.search(r"^pdcluster_router_inflight_requests (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else None
 
 

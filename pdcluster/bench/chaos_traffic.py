@@ -14,6 +14,7 @@ import json
 import random
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -110,31 +111,43 @@ def _read_sse(resp: http.client.HTTPResponse, r: Record, end: float) -> None:
     r.status = "OK" if finish else "CUT"
 
 
-def stalled_stream(addr: str, model: str, max_tokens: int, hold_s: float) -> str:
-    """Open a streamed completion, read its first bytes, then read nothing for `hold_s`; what became of it."""
+def stalled_stream(addr: str, model: str, max_tokens: int, hold_s: float, cut: Callable[[], bool]) -> str:
+    """Open a streamed completion, read its first bytes, then read nothing until the router says it cut a stream
+    off (`cut()`, its stall counter) or `hold_s` passed; what became of it ("cut off ..." when it was)."""
     host, port = addr.rsplit(":", 1)
     body = json.dumps({"model": model, "prompt": [random.randrange(100, 49000) for _ in range(32)],
                        "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True})
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        # NOTE: a small receive buffer, so the server's writes block soon after the client stops reading
+    with socket.socket() as sock:
+        # NOTE: a small receive buffer, so the server's writes block soon after the client stops reading; set before
+        # connecting (the window the client offers is fixed then): set after, a whole generation fits in the buffers
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        sock.connect((host, int(port)))
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
         first = sock.recv(512)
         if not first.startswith(b"HTTP/1.1 200"):
             status_line = first.split(b"\r\n", 1)[0].decode(errors="replace")
             return f"refused: {status_line}"
-        time.sleep(hold_s)
+        # NOTE: the router's limit runs from when its writes block (the socket buffers full), not from the last read
+        held = time.monotonic()
+        while time.monotonic() - held < hold_s and not cut():
+            time.sleep(1.0)
+        hold_s = time.monotonic() - held
         # NOTE: after the pause, drain: a router that cut the stream off has closed it (EOF comes quickly)
         sock.settimeout(5)
-        got, t = 0, time.monotonic()
+        data, t = bytearray(first), time.monotonic()
         try:
             while chunk := sock.recv(65536):
-                got += len(chunk)
+                data += chunk
                 if time.monotonic() - t > 30:
                     return f"still streaming {hold_s:.0f} s after the client stopped reading (not cut off)"
         except TimeoutError:
+            if b"data: [DONE]" in data:  # NOTE: the whole response fit in the socket buffers: nothing stalled
+                return f"finished: the whole response ({len(data)} bytes) fit in the socket buffers"
             return f"held open, silent, {hold_s:.0f} s after the client stopped reading (not cut off)"
         except OSError as e:
-            return f"the router closed it ({type(e).__name__}) while the client did not read"
-        return f"the router ended it ({got} bytes buffered) while the client did not read for {hold_s:.0f} s"
+            return f"cut off: the router closed it ({type(e).__name__}) {hold_s:.0f} s after the client's last read"
+        if b"data: [DONE]" in data:
+            return f"finished ({len(data)} bytes) while the client did not read for {hold_s:.0f} s"
+        return f"cut off: the router ended it ({len(data)} bytes buffered) {hold_s:.0f} s after the client's last read"
