@@ -12,7 +12,11 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
 3. after the last layer it waits for every write to complete, then commits; the blocks are unpinned;
 4. a transfer that fails with writes posted waits for them (or, failing that, drops the peer: the connection
    closes and the Watch ends) before telling the receiver `Abort(quiesced)`: the receiver's fence
-   (`nixl_receiver.py`) keeps the reserved blocks until then.
+   (`nixl_receiver.py`) keeps the reserved blocks until then;
+5. a handshake that failed without an answer (its deadline passed while the receiver hung) may still be answered
+   there later, and fenced: the sender names it in an `Abort(attempt_id, quiesced)` (retried in the background
+   while the pair lives), which frees those blocks or refuses the late handshake. The sender never learned their
+   ids, so it cannot write into them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 __all__ = ["NixlKVSender", "receiver_side", "unavailable"]
 
+ABORT_RETRY_S = 0.5  # a handshake's abort that did not get through is sent again this often (while the pair lives)
 POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
 DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
 
@@ -159,6 +164,26 @@ class NixlKVSender(KVSender):
                     self.pool.pin(block_ids)
                     self._pinned = list(block_ids)
             self._queue_item(PoolLayer(layer, tuple(block_ids)))
+
+    def _prepare_failed(self, req: PrepareRequest, err: TransferError) -> None:
+        if err.retryable:  # NOTE: not retryable: the receiver answered with a refusal, it reserved nothing
+            threading.Thread(target=self._abort_attempt, args=(req.attempt_id, err.reason), daemon=True,
+                             name=f"kv-nixl-abort-{self.request_id}").start()
+
+    def _abort_attempt(self, attempt_id: str, reason: str) -> None:
+        msg = Abort("", f"handshake given up: {reason}", quiesced=True, attempt_id=attempt_id)
+        until = time.monotonic() + self.config.deadline_s
+        while True:
+            try:
+                self.control.abort(msg, 2.0)
+                return
+            except TransferError:
+                pass
+            with _links_lock:
+                link = _links.get(self.control.address)
+            if link is None or not link.alive or time.monotonic() > until:
+                return  # NOTE: the Watch ended: the receiver lifts the fence of everything this process prepared
+            time.sleep(ABORT_RETRY_S)
 
     def _abort_message(self, reason: str) -> Abort:
         with self._post_lock:  # NOTE: after _finish: a write not posted by now never will be
