@@ -45,7 +45,7 @@ def test_local_yaml_is_the_embedded_laptop_default():
     assert cfg.mode == "disaggregated" and cfg.model == "smollm2"
     assert (cfg.prefill.replicas, cfg.decode.replicas) == (1, 1)
     assert cfg.ray.address == "local" and cfg.redis.url is None
-    assert cfg.transfer.transport == "grpc"
+    assert cfg.transfer.transport == "nixl"
     assert (cfg.router.host, cfg.router.port) == ("127.0.0.1", 50051)
     for pool in (cfg.prefill, cfg.decode):
         assert (pool.num_cpus, pool.torch_threads) == (1, 1)

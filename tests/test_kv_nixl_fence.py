@@ -1,8 +1,9 @@
 """nixl: a posted write cannot be recalled, so a failed transfer's blocks stay reserved until no write can land.
 
-1. A sender frozen (SIGSTOP) mid-transfer with its Watch open: the receiver's deadline fails the transfer but keeps
-   its blocks; meanwhile other requests run on the rest of the pool; resumed, the sender writes its next layer into
-   the kept blocks and says it is done: they are freed, and no other block of the pool changed.
+1. A sender frozen (SIGSTOP) mid-transfer with its Watch open: the receiver's deadline (or an abort on the decode
+   side, the router's) fails the transfer but keeps its blocks; meanwhile other requests run on the rest of the
+   pool; resumed, the sender writes its next layer into the kept blocks and says it is done: they are freed, and no
+   other block of the pool changed.
 2. A frozen receiver: the sender's deadline frees everything on its side at once, the receiver's when it thaws.
 3. A handshake the receiver answers after its sender gave up (the decode engine hung past the sender's deadline):
    the sender never learned the block ids, so they are freed at once, whether the sender's abort of the handshake
@@ -37,14 +38,14 @@ from tests.helpers import (
 from tests.test_kv_transfer_processes import Child, _config, _receiver_child
 
 
-def _frozen_sender_child(conn, address: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+def _frozen_sender_child(conn, address: str, prompt: list[int], deadline_s: float) -> None:  # type: ignore[no-untyped-def]
     """Prefill `prompt`, write its layer 0 to `address`, then wait for "go" (the test freezes it meanwhile)."""
     try:
         a = LLMEngine(load_model("tiny"), _config("tiny"))
         a.add_request("frozen", prompt, greedy(2))  # NOTE: two tokens: the request keeps its blocks after the first
         while not any(o.request_id == "frozen" for o in a.step()):
             pass
-        sender = open_kv_sender("nixl", address, a, "frozen", prompt, deadline_s=1.0)
+        sender = open_kv_sender("nixl", address, a, "frozen", prompt, deadline_s=deadline_s)
         sender.prepare()
         ids = a.kv_block_ids("frozen", sender.cached_blocks, len(prompt))
         sender.send_blocks(0, ids)
@@ -68,17 +69,20 @@ def _others(pool: torch.Tensor, kept: list[int]) -> torch.Tensor:
     return pool[:, :, mask].clone()
 
 
-def test_a_frozen_sender_keeps_its_blocks_fenced_and_no_other_block_changes(tiny):
+@pytest.mark.parametrize("failure", ["deadline", "abort"])
+def test_a_frozen_sender_keeps_its_blocks_fenced_and_no_other_block_changes(tiny, failure):
     b = LLMEngine(tiny, _config("tiny"))
     ep = ReceiverEndpoint(b, TransferConfig(transport="nixl"))
     child = None
     try:
         baseline = free_blocks(b)
         prompt = random_prompts(1, [90], vocab=1000, seed=31)[0]
-        child = Child(_frozen_sender_child, ep.address, prompt)
+        child = Child(_frozen_sender_child, ep.address, prompt, 1.0 if failure == "deadline" else 60.0)
         child.recv()
         os.kill(child.proc.pid, signal.SIGSTOP)
-        assert ep.receiver.wait("frozen", 10) is TransferState.FAILED  # its 1 s deadline passed
+        if failure == "abort":  # NOTE: the router aborts the request while the sender's writes may be in flight
+            ep.receiver.abort_request("frozen", "aborted by the router")
+        assert ep.receiver.wait("frozen", 10) is TransferState.FAILED  # its 1 s deadline passed, or the abort
         kept = list(ep.receiver._by_request["frozen"].res.fresh_blocks)
         assert free_blocks(b) == baseline - len(kept), "the failed transfer's blocks must stay reserved"
         # other requests use the rest of the pool while the sender is frozen (its writes could be in flight)
@@ -92,7 +96,7 @@ def test_a_frozen_sender_keeps_its_blocks_fenced_and_no_other_block_changes(tiny
         os.kill(child.proc.pid, signal.SIGCONT)
         child.conn.send("go")
         _, state, reason, sender_free = child.recv(30)
-        assert state == "failed" and "deadline" in reason
+        assert state == "failed" and ("deadline" in reason if failure == "deadline" else "aborted" in reason)
         deadline = time.monotonic() + 10
         while free_blocks(b) != baseline and time.monotonic() < deadline:
             time.sleep(0.05)

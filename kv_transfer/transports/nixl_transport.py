@@ -21,11 +21,14 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import grpc
@@ -44,6 +47,7 @@ from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 __all__ = ["NixlKVSender", "receiver_side", "unavailable"]
 
 ABORT_RETRY_S = 0.5  # a handshake's abort that did not get through is sent again this often (while the pair lives)
+CHECK_THREADS = 2  # per process: layers' checks computed ahead of the writes
 POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
 DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
 
@@ -80,6 +84,16 @@ class _Link:
 _links: dict[str, _Link] = {}
 _links_lock = threading.Lock()
 _known: dict[str, str] = {}  # receiver address → the agent name whose metadata this process loaded
+_checkers: ThreadPoolExecutor | None = None
+
+
+def _checker() -> ThreadPoolExecutor:
+    """The threads that compute layers' checks for every nixl sender of this process (CRC32C releases the GIL)."""
+    global _checkers
+    with _links_lock:
+        if _checkers is None:
+            _checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kv-nixl-check")
+        return _checkers
 
 
 def _link(control: GrpcControl) -> _Link:
@@ -204,37 +218,57 @@ class NixlKVSender(KVSender):
             self._settle(pending)
 
     def _write_all(self, pending: list[tuple[Any, int]], first: object) -> None:
+        """Post each queued layer once its checks are computed; the checks of later layers run on `_checker`'s
+        threads meanwhile (the post copies on this one: UCX's cma writes inside the call)."""
+        checking: collections.deque[tuple[PoolLayer, Future[tuple[str, str]]]] = collections.deque()
         item: object = first
+        committing = False
         while not self.state.finished:
-            if item is None:
-                try:
-                    item = self._queue.get(timeout=POLL_S if pending else 0.05)
-                except queue.Empty:
-                    self._progress(pending)
-                    if time.monotonic() > self._deadline:
-                        raise TransferError(f"deadline of {self.config.deadline_s} s passed", self.request_id,
-                                            retryable=True) from None
-                    continue
-            if item is _COMMIT:
+            while item is not None:  # NOTE: every layer queued so far starts its checks now
+                if item is _COMMIT:
+                    committing = True
+                elif isinstance(item, PoolLayer) and item.block_ids:
+                    checking.append((item, _checker().submit(self._checks, item)))
+                item = self._next_item()
+            if checking and checking[0][1].done():
+                layer, checks = checking.popleft()
+                self._post(layer, checks.result(), pending)
+            elif committing and not checking:
                 while pending and not self.state.finished:
                     self._progress(pending)
                     if time.monotonic() > self._deadline:
                         raise TransferError("deadline passed while writing", self.request_id, retryable=True)
+                    time.sleep(POLL_S)
                 return
-            if isinstance(item, PoolLayer):
-                self._post(item, pending)
-            item = None
+            elif checking:
+                futures_wait([checking[0][1]], timeout=POLL_S)
+            else:
+                try:
+                    item = self._queue.get(timeout=POLL_S if pending else 0.05)
+                except queue.Empty:
+                    if time.monotonic() > self._deadline:
+                        raise TransferError(f"deadline of {self.config.deadline_s} s passed", self.request_id,
+                                            retryable=True) from None
             self._progress(pending)
 
-    def _post(self, layer: PoolLayer, pending: list[tuple[Any, int]]) -> None:
+    def _next_item(self) -> object | None:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _checks(self, layer: PoolLayer) -> tuple[str, str]:
+        """The checks of one layer's K and V blocks, as the notification carries them (on a `_checker` thread)."""
+        assert self._pool is not None
+        kv, src = self._pool.kv, np.asarray(layer.block_ids, dtype=np.int64)
+        k, v = (layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
+                            self.config.nixl_checksum) for which in (0, 1))
+        return k, v
+
+    def _post(self, layer: PoolLayer, checks: tuple[str, str], pending: list[tuple[Any, int]]) -> None:
         pool, peer = self._pool, self._peer
         assert pool is not None and peer is not None
-        kv = pool.kv
         src = np.asarray(layer.block_ids, dtype=np.int64)
-        if not len(src):
-            return  # NOTE: the receiver caches every block: nothing to write, nothing to notify
-        checks = [layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
-                              self.config.nixl_checksum) for which in (0, 1)]
         base_l, base_r = layer.index * 2 * pool.num_blocks, layer.index * 2 * peer.num_blocks
         local = np.concatenate([base_l + src, base_l + pool.num_blocks + src]).astype(np.int32)
         remote = np.concatenate([base_r + self._remote_ids, base_r + peer.num_blocks + self._remote_ids])
