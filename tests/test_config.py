@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -38,6 +40,21 @@ def test_every_deploy_file_loads_and_runs_pools(path):
     for pool in pools.values():
         assert isinstance(pool.engine_config(), EngineConfig)
         assert isinstance(cfg.transfer.transfer_config(pool.device), TransferConfig)
+
+
+def test_serving_falls_back_to_grpc_with_one_log_line_where_nixl_cannot_be_imported():
+    code = ("import logging, sys\n"
+            "for name in ('nixl_cu13', 'nixl_cu12', 'nixl'): sys.modules[name] = None  # NOTE: no NIXL installed\n"
+            "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+            "from pdcluster.config import ClusterConfig\n"
+            "transfer = ClusterConfig.from_yaml('deploy/local.yaml').transfer\n"
+            "used = [transfer.transfer_config(device).transport for device in ('cpu', 'cpu')]\n"
+            "print(transfer.transport, *used)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["nixl", "grpc", "grpc"]
+    said = [line for line in done.stderr.splitlines() if "transfer.transport" in line]
+    assert len(said) == 1 and "nixl cannot run here" in said[0] and "grpc" in said[0], done.stderr
 
 
 def test_local_yaml_is_the_embedded_laptop_default():
