@@ -6,9 +6,10 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
    (`NixlTarget`) carries the receiver's agent, metadata only if the sender lacks it (a new agent name: the receiver
    restarted), its pool address and the reserved block ids; the remote descriptor list is prepared once per agent;
 2. `send_blocks(layer, block_ids)` from the prefill step pins the blocks (first layer) and queues the layer; the
-   sender's thread checksums the layer's K and V (from the pool) and posts one WRITE of all its blocks (NIXL merges
-   contiguous runs) with a notification "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's progress
-   while writes are in flight (no progress thread);
+   layer's K and V checks are computed from the pool on the checker threads (ahead of the writes), and the sender's
+   thread posts one WRITE of all its blocks (NIXL merges contiguous runs) with a notification
+   "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's progress while writes are in flight (no progress
+   thread);
 3. after the last layer it waits for every write to complete, then commits; the blocks are unpinned;
 4. a transfer that fails with writes posted waits for them (or, failing that, drops the peer: the connection
    closes and the Watch ends) before telling the receiver `Abort(quiesced)`: the receiver's fence
