@@ -28,27 +28,23 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kv_transfer.messages import Abort, Prepared, PrepareRequest
 from kv_transfer.sender import _COMMIT, KVSender, Layer
 from kv_transfer.state import TransferError
-from kv_transfer.transports import nixl_agent
-from kv_transfer.transports.grpc_transport import GrpcControl, channel, transfer_error
+from kv_transfer.transports import nixl_agent, nixl_links
+from kv_transfer.transports.grpc_transport import GrpcControl
 from kv_transfer.transports.nixl_agent import Peer, Pool
 from kv_transfer.transports.nixl_receiver import layer_check, receiver_side, unavailable
-from kv_transfer.v1 import kv_transfer_pb2 as pb
-from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 __all__ = ["NixlKVSender", "receiver_side", "unavailable"]
 
 ABORT_RETRY_S = 0.5  # a handshake's abort that did not get through is sent again this often (while the pair lives)
-CHECK_THREADS = 2  # per process: layers' checks computed ahead of the writes
 POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
 DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
 
@@ -59,60 +55,6 @@ class PoolLayer:
 
     index: int
     block_ids: tuple[int, ...]
-
-
-class _Link:
-    """This process's Watch call to one receiver address (held open while any transfer may write there)."""
-
-    def __init__(self, control: GrpcControl) -> None:
-        stub = pb_grpc.KVTransferStub(channel(control.address, 0, control.cluster_token, control.tls))
-        self.call: Any = stub.Watch(pb.WatchRequest(agent=nixl_agent.agent().name))
-        try:
-            next(self.call)  # NOTE: the receiver answers once the watch holds; only then may anything be written
-        except grpc.RpcError as e:
-            raise transfer_error(e, "", f"watch at {control.address}") from None
-        except StopIteration:
-            raise TransferError(f"watch at {control.address} ended at once", retryable=True) from None
-
-    @property
-    def alive(self) -> bool:
-        return not self.call.done()
-
-    def close(self) -> None:
-        self.call.cancel()
-
-
-_links: dict[str, _Link] = {}
-_links_lock = threading.Lock()
-_known: dict[str, str] = {}  # receiver address → the agent name whose metadata this process loaded
-_checkers: ThreadPoolExecutor | None = None
-
-
-def _checker() -> ThreadPoolExecutor:
-    """The threads that compute layers' checks for every nixl sender of this process (CRC32C releases the GIL)."""
-    global _checkers
-    with _links_lock:
-        if _checkers is None:
-            _checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kv-nixl-check")
-        return _checkers
-
-
-def _link(control: GrpcControl) -> _Link:
-    with _links_lock:
-        link = _links.get(control.address)
-        if link is None or not link.alive:
-            link = _links[control.address] = _Link(control)
-        return link
-
-
-def _drop(address: str, agent_name: str) -> None:
-    """Give a pair up: the peer's metadata and connection go (its posted writes with them), the Watch ends."""
-    nixl_agent.agent().forget(agent_name)
-    with _links_lock:
-        _known.pop(address, None)
-        link = _links.pop(address, None)
-    if link is not None:
-        link.close()
 
 
 class NixlKVSender(KVSender):
@@ -136,9 +78,9 @@ class NixlKVSender(KVSender):
 
     # ---- handshake ----------------------------------------------------------------------------------------------
     def _prepare_request(self, req: PrepareRequest) -> PrepareRequest:
-        _link(self.control)
+        nixl_links.link(self.control)
         return dataclasses.replace(req, nixl_agent=nixl_agent.agent().name,
-                                   nixl_known=_known.get(self.control.address, ""))
+                                   nixl_known=nixl_links.known.get(self.control.address, ""))
 
     def _on_prepared(self, resp: Prepared) -> None:
         target = resp.nixl
@@ -147,19 +89,19 @@ class NixlKVSender(KVSender):
                                 else "nixl: the sender has no KV pool to read", self.request_id)
         agent = nixl_agent.agent()
         self._pool = agent.pool(self.pool.kv)
-        if _known.get(self.control.address) not in (None, target.agent):
+        if nixl_links.known.get(self.control.address) not in (None, target.agent):
             # NOTE: the receiver restarted (a new agent at the same address): forget the old one; the Watch the
             # handshake just used is the new process's already
-            agent.forget(_known.pop(self.control.address))
+            agent.forget(nixl_links.known.pop(self.control.address))
         layers = self.layout.num_layers
         try:
             self._peer = agent.peer(target.agent, target.metadata, target.kv_addr, layers * 2, target.pool_blocks,
                                     self._pool.block_nbytes, target.mem_type, target.device_id)
         except KeyError:
-            _known.pop(self.control.address, None)
+            nixl_links.known.pop(self.control.address, None)
             raise TransferError(f"nixl: no metadata for receiver agent {target.agent}", self.request_id,
                                 retryable=True) from None
-        _known[self.control.address] = target.agent
+        nixl_links.known[self.control.address] = target.agent
         self._remote_ids = np.asarray(target.block_ids, dtype=np.int64)
         if len(self._remote_ids) != resp.num_blocks:
             raise TransferError(f"nixl: {len(self._remote_ids)} block ids for {resp.num_blocks} blocks",
@@ -194,9 +136,7 @@ class NixlKVSender(KVSender):
                 return
             except TransferError:
                 pass
-            with _links_lock:
-                link = _links.get(self.control.address)
-            if link is None or not link.alive or time.monotonic() > until:
+            if not nixl_links.alive(self.control.address) or time.monotonic() > until:
                 return  # NOTE: the Watch ended: the receiver lifts the fence of everything this process prepared
             time.sleep(ABORT_RETRY_S)
 
@@ -229,7 +169,7 @@ class NixlKVSender(KVSender):
                 if item is _COMMIT:
                     committing = True
                 elif isinstance(item, PoolLayer) and item.block_ids:
-                    checking.append((item, _checker().submit(self._checks, item)))
+                    checking.append((item, nixl_links.checker().submit(self._checks, item)))
                 item = self._next_item()
             if checking and checking[0][1].done():
                 layer, checks = checking.popleft()
@@ -326,7 +266,7 @@ class NixlKVSender(KVSender):
                 break
             time.sleep(POLL_S)
         if dropped and self._peer is not None:
-            _drop(self.control.address, self._peer.name)
+            nixl_links.drop(self.control.address, self._peer.name)
         with self._post_lock:
             self._quiet = not dropped
         if self._pinned and self.pool is not None:
