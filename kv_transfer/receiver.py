@@ -227,8 +227,10 @@ class KVReceiver:
             self._progress.wait_for(lambda: not (t.receiving or t.writers) or t.state is not TransferState.TRANSFERRING,
                                     timeout=max(0.0, t.deadline - time.monotonic()))
             if t.state is not TransferState.TRANSFERRING:
+                # NOTE: as retryable as what failed it (nixl learns of a checksum mismatch only here)
                 raise TransferError(f"cannot commit a {t.state.value} transfer"
-                                    + (f": {t.error.reason}" if t.error else ""), t.request_id)
+                                    + (f": {t.error.reason}" if t.error else ""), t.request_id,
+                                    retryable=t.error is not None and t.error.retryable)
             missing = np.argwhere(~t.received)
             if len(missing) == 0 and t.writers == 0:
                 t.next_token_ids = list(req.next_token_ids)
