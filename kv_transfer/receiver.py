@@ -41,6 +41,7 @@ from kv_transfer.messages import Abort, Chunk, Commit, NixlTarget, Prepared, Pre
 from kv_transfer.state import TRANSPORTS, TransferError, TransferState
 
 log = logging.getLogger(__name__)
+MAX_ABANDONED = 4096  # handshakes remembered as aborted before they came (each for max_deadline_s)
 
 
 @dataclass
@@ -304,6 +305,8 @@ class KVReceiver:
         with self._lock:
             t = next((t for t in self._by_id.values() if t.attempt_id == req.attempt_id), None)
             if t is None:
+                if len(self._abandoned) >= MAX_ABANDONED:  # NOTE: the oldest goes (the gRPC handler's check remains)
+                    del self._abandoned[next(iter(self._abandoned))]
                 self._abandoned[req.attempt_id] = time.monotonic() + self.max_deadline_s
                 return
         self.abandon(t.transfer_id, f"aborted by sender before the handshake's answer: {req.reason}")
