@@ -1,5 +1,4 @@
-"""The `nixl` sender's per-process state: its Watch call to each receiver, the agents whose metadata it loaded,
-and the threads that compute layers' checks.
+"""The `nixl` sender's per-process state: its Watch call to each receiver and the agents whose metadata it loaded.
 
 A receiver keeps the blocks of every transfer a sender's process prepared fenced while that process's Watch call
 is open (`nixl_receiver.py`); dropping a pair ends the call, which lifts the fence there.
@@ -8,7 +7,6 @@ is open (`nixl_receiver.py`); dropping a pair ends the call, which lifts the fen
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -18,8 +16,6 @@ from kv_transfer.transports import nixl_agent
 from kv_transfer.transports.grpc_transport import GrpcControl, channel, transfer_error
 from kv_transfer.v1 import kv_transfer_pb2 as pb
 from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
-
-CHECK_THREADS = 2  # per process: layers' checks computed ahead of the writes
 
 
 class Link:
@@ -46,16 +42,6 @@ class Link:
 _links: dict[str, Link] = {}
 _lock = threading.Lock()
 known: dict[str, str] = {}  # receiver address → the agent name whose metadata this process loaded
-_checkers: ThreadPoolExecutor | None = None
-
-
-def checker() -> ThreadPoolExecutor:
-    """The threads that compute layers' checks for every nixl sender of this process (CRC32C releases the GIL)."""
-    global _checkers
-    with _lock:
-        if _checkers is None:
-            _checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kv-nixl-check")
-        return _checkers
 
 
 def link(control: GrpcControl) -> Link:

@@ -6,10 +6,9 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
    (`NixlTarget`) carries the receiver's agent, metadata only if the sender lacks it (a new agent name: the receiver
    restarted), its pool address and the reserved block ids; the remote descriptor list is prepared once per agent;
 2. `send_blocks(layer, block_ids)` from the prefill step pins the blocks (first layer) and queues the layer; the
-   layer's K and V checks are computed from the pool on the checker threads (ahead of the writes), and the sender's
-   thread posts one WRITE of all its blocks (NIXL merges contiguous runs) with a notification
-   "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's progress while writes are in flight (no progress
-   thread);
+   sender's thread computes the layer's K and V checks from the pool and posts one WRITE of all its blocks (NIXL
+   merges contiguous runs) with a notification "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's
+   progress while writes are in flight (no progress thread);
 3. after the last layer it waits for every write to complete, then commits; the blocks are unpinned;
 4. a transfer that fails with writes posted waits for them (or, failing that, drops the peer: the connection
    closes and the Watch ends) before telling the receiver `Abort(quiesced)`: the receiver's fence
@@ -22,14 +21,11 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
@@ -159,47 +155,33 @@ class NixlKVSender(KVSender):
             self._settle(pending)
 
     def _write_all(self, pending: list[tuple[Any, int]], first: object) -> None:
-        """Post each queued layer once its checks are computed; the checks of later layers run on `_checker`'s
-        threads meanwhile (the post copies on this one: UCX's cma writes inside the call)."""
-        checking: collections.deque[tuple[PoolLayer, Future[tuple[str, str]]]] = collections.deque()
+        # NOTE: each layer's checks are computed here, right before its post. Computing them ahead on other
+        # threads (while the post copies on this one) measured slower on the 2-core machine (BENCHMARKS.md): both
+        # ends already keep a core busy each (the checks, the cma copy)
         item: object = first
-        committing = False
         while not self.state.finished:
-            while item is not None:  # NOTE: every layer queued so far starts its checks now
-                if item is _COMMIT:
-                    committing = True
-                elif isinstance(item, PoolLayer) and item.block_ids:
-                    checking.append((item, nixl_links.checker().submit(self._checks, item)))
-                item = self._next_item()
-            if checking and checking[0][1].done():
-                layer, checks = checking.popleft()
-                self._post(layer, checks.result(), pending)
-            elif committing and not checking:
+            if item is None:
+                try:
+                    item = self._queue.get(timeout=POLL_S if pending else 0.05)
+                except queue.Empty:
+                    self._progress(pending)
+                    if time.monotonic() > self._deadline:
+                        raise TransferError(f"deadline of {self.config.deadline_s} s passed", self.request_id,
+                                            retryable=True) from None
+                    continue
+            if item is _COMMIT:
                 while pending and not self.state.finished:
                     self._progress(pending)
                     if time.monotonic() > self._deadline:
                         raise TransferError("deadline passed while writing", self.request_id, retryable=True)
-                    time.sleep(POLL_S)
                 return
-            elif checking:
-                futures_wait([checking[0][1]], timeout=POLL_S)
-            else:
-                try:
-                    item = self._queue.get(timeout=POLL_S if pending else 0.05)
-                except queue.Empty:
-                    if time.monotonic() > self._deadline:
-                        raise TransferError(f"deadline of {self.config.deadline_s} s passed", self.request_id,
-                                            retryable=True) from None
+            if isinstance(item, PoolLayer) and item.block_ids:
+                self._post(item, self._checks(item), pending)
+            item = None
             self._progress(pending)
 
-    def _next_item(self) -> object | None:
-        try:
-            return self._queue.get_nowait()
-        except queue.Empty:
-            return None
-
     def _checks(self, layer: PoolLayer) -> tuple[str, str]:
-        """The checks of one layer's K and V blocks, as the notification carries them (on a `_checker` thread)."""
+        """The checks of one layer's K and V blocks, as its notification carries them."""
         assert self._pool is not None
         kv, src = self._pool.kv, np.asarray(layer.block_ids, dtype=np.int64)
         k, v = (layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
