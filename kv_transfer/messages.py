@@ -28,6 +28,7 @@ class PrepareRequest:
     sender_id: str = ""  # identifies the sender's end of a torch.distributed pair group
     nixl_agent: str = ""  # nixl: the sender's agent name (its Watch is open)
     nixl_known: str = ""  # nixl: the receiver agent whose metadata the sender already holds
+    attempt_id: str = ""  # the sender's id of this handshake (an `Abort` naming it frees what it reserved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +100,5 @@ class Abort:
     transfer_id: str
     reason: str
     quiesced: bool = False  # nixl, from the sender: none of its writes into the transfer's blocks is in flight
+    # instead of transfer_id: the handshake (`PrepareRequest.attempt_id`) the sender gave up before its answer came
+    attempt_id: str = ""

@@ -10,6 +10,9 @@ Life of an inbound transfer:
 4. a failure, an abort from either side, a broken stream, or a missed deadline frees the reservation (FAILED),
    once no write into it is in flight: the receiver's own writes end first, and a transport that writes into the
    pool from the other side (nixl) `fence`s the transfer until the sender is known to write no more (`unfence`).
+   A handshake whose sender gave up before the answer reached it (its call ended: `abandon`; or it sent an `Abort`
+   naming the handshake's `attempt_id`) is freed at once, fenced or not: the sender never learned the block ids,
+   so it cannot write into them; an `Abort` that arrives before its handshake refuses it.
 A background thread expires transfers whose deadline passed, including DONE ones nobody took. The deadline runs
 from the handshake, again from each keep-alive, and from the first data on (then no keep-alive moves it).
 """
@@ -38,6 +41,7 @@ from kv_transfer.messages import Abort, Chunk, Commit, NixlTarget, Prepared, Pre
 from kv_transfer.state import TRANSPORTS, TransferError, TransferState
 
 log = logging.getLogger(__name__)
+MAX_ABANDONED = 4096  # handshakes remembered as aborted before they came (each for max_deadline_s)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Inbound:
     next_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     bytes_received: int = 0
+    attempt_id: str = ""  # the sender's id of the handshake (`PrepareRequest.attempt_id`)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -83,6 +88,7 @@ class KVReceiver:
         self._progress = threading.Condition(self._lock)  # notified as data lands and receive threads end
         self._by_id: dict[str, Inbound] = {}
         self._by_request: dict[str, Inbound] = {}
+        self._abandoned: dict[str, float] = {}  # attempt id → when to forget it: handshakes aborted before they came
         # transport hooks (torch): set up on handshake, tear down on failure
         self.on_prepare: Callable[[PrepareRequest, Inbound], TorchRendezvous | NixlTarget | None] | None = None
         self.transport = ""  # the transport whose hooks are set ("torch", "nixl")
@@ -111,10 +117,15 @@ class KVReceiver:
             res = self.engine.reserve_kv(rid, req.layout, req.token_ids, req.num_prompt_tokens, req.block_hashes)
         n = len(res.fresh_blocks)
         t = Inbound(uuid.uuid4().hex, res, time.monotonic() + req.deadline_ms / 1000,
-                    np.zeros((self.layout.num_layers, 2, n), dtype=bool), req.deadline_ms / 1000)
+                    np.zeros((self.layout.num_layers, 2, n), dtype=bool), req.deadline_ms / 1000,
+                    attempt_id=req.attempt_id)
         with self._lock:
             self._by_id[t.transfer_id] = t
             self._by_request[rid] = t
+            abandoned = self._abandoned.pop(req.attempt_id, None) is not None if req.attempt_id else False
+        if abandoned:  # NOTE: the sender's abort of this handshake overtook it (e.g. while this engine hung)
+            self._fail(t, "the sender gave this handshake up before it was answered", retryable=True)
+            raise TransferError("handshake aborted by the sender", rid, retryable=True)
         extra = None
         if req.transport in ("torch", "nixl"):
             if self.on_prepare is None or self.transport != req.transport:
@@ -125,6 +136,9 @@ class KVReceiver:
             except EngineError as e:
                 self._fail(t, e.reason, retryable=isinstance(e, TransferError) and e.retryable)
                 raise
+            if t.state is TransferState.FAILED:  # NOTE: aborted (by its attempt id) while the transport set up
+                self.unfence(t)
+                raise t.error or TransferError("aborted during the handshake", rid, retryable=True)
         if isinstance(extra, NixlTarget):
             return Prepared(t.transfer_id, res.start_block, n, nixl=extra)
         return Prepared(t.transfer_id, res.start_block, n, extra)
@@ -214,8 +228,10 @@ class KVReceiver:
             self._progress.wait_for(lambda: not (t.receiving or t.writers) or t.state is not TransferState.TRANSFERRING,
                                     timeout=max(0.0, t.deadline - time.monotonic()))
             if t.state is not TransferState.TRANSFERRING:
+                # NOTE: as retryable as what failed it (nixl learns of a checksum mismatch only here)
                 raise TransferError(f"cannot commit a {t.state.value} transfer"
-                                    + (f": {t.error.reason}" if t.error else ""), t.request_id)
+                                    + (f": {t.error.reason}" if t.error else ""), t.request_id,
+                                    retryable=t.error is not None and t.error.retryable)
             missing = np.argwhere(~t.received)
             if len(missing) == 0 and t.writers == 0:
                 t.next_token_ids = list(req.next_token_ids)
@@ -273,12 +289,35 @@ class KVReceiver:
         return t.state
 
     def abort(self, req: Abort) -> None:
-        """The sender stopped the transfer."""
+        """The sender stopped the transfer (named by its id, or by the handshake's `attempt_id`)."""
+        if not req.transfer_id and req.attempt_id:
+            self._abort_attempt(req)
+            return
         t = self._by_id.get(req.transfer_id)
         if t is not None:
             self._fail(t, f"aborted by sender: {req.reason}")
             if req.quiesced:
                 self.unfence(t)
+
+    def _abort_attempt(self, req: Abort) -> None:
+        """The sender gave up a handshake before its answer came: it never learned the block ids, so nothing of
+        it is written into them; free its reservation now, or refuse the handshake if it has not come yet."""
+        with self._lock:
+            t = next((t for t in self._by_id.values() if t.attempt_id == req.attempt_id), None)
+            if t is None:
+                if len(self._abandoned) >= MAX_ABANDONED:  # NOTE: the oldest goes (the gRPC handler's check remains)
+                    del self._abandoned[next(iter(self._abandoned))]
+                self._abandoned[req.attempt_id] = time.monotonic() + self.max_deadline_s
+                return
+        self.abandon(t.transfer_id, f"aborted by sender before the handshake's answer: {req.reason}")
+
+    def abandon(self, transfer_id: str, reason: str) -> None:
+        """The sender never got the handshake's answer (its call ended first): it cannot write into the blocks,
+        so they are freed at once, fenced or not."""
+        t = self._by_id.get(transfer_id)
+        if t is not None:
+            self._fail(t, reason, retryable=True)
+            self.unfence(t)
 
     def find(self, transfer_id: str) -> Inbound | None:
         return self._by_id.get(transfer_id)
@@ -286,7 +325,7 @@ class KVReceiver:
     def fence(self, t: Inbound) -> None:
         """The sender writes into `t`'s blocks itself: a failure keeps them until `unfence` (see the module doc)."""
         with self._lock:
-            t.fenced = True
+            t.fenced = t.state is not TransferState.FAILED  # NOTE: one abandoned meanwhile is freed already
 
     def unfence(self, t: Inbound) -> None:
         """No write of the sender into `t`'s blocks is in flight any more (it said so, every layer landed, or it is
@@ -387,6 +426,8 @@ class KVReceiver:
                 what = "not taken" if t.state is TransferState.DONE else "not committed"
                 self._fail(t, f"deadline passed: {what} in time", retryable=True)
             with self._lock:  # failed transfers stay pollable for a minute
+                for attempt in [a for a, until in self._abandoned.items() if until < now]:
+                    del self._abandoned[attempt]
                 for t in [t for t in self._by_id.values()
                           if t.state is TransferState.FAILED and not t.fenced and t.deadline + 60 < now]:
                     del self._by_id[t.transfer_id]

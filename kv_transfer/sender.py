@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -102,11 +103,12 @@ class KVSender(ABC):
         self._deadline = self.started + self.config.deadline_s
         req = PrepareRequest(self.request_id, self.layout, self.token_ids, self.num_prompt_tokens,
                              [bytes(h) for h in self.block_hashes], self.transport,
-                             int(self.config.deadline_s * 1000), self.sender_id)
+                             int(self.config.deadline_s * 1000), self.sender_id, attempt_id=uuid.uuid4().hex)
         try:
             resp = self.control.prepare(self._prepare_request(req), self.remaining())
         except TransferError as e:
             self._finish(e)
+            self._prepare_failed(req, e)
             raise
         self.transfer_id, self.cached_blocks, self.num_blocks = resp.transfer_id, resp.cached_blocks, resp.num_blocks
         self.state = TransferState.TRANSFERRING
@@ -175,6 +177,10 @@ class KVSender(ABC):
     def _prepare_request(self, req: PrepareRequest) -> PrepareRequest:
         """Hook for transports that add to the handshake (nixl: its agent)."""
         return req
+
+    def _prepare_failed(self, req: PrepareRequest, err: TransferError) -> None:
+        """Hook for transports whose receiver keeps a reservation the sender never learned of (nixl's fence)."""
+        return None
 
     def _abort_message(self, reason: str) -> Abort:
         """What the receiver is told when this side stops the transfer (nixl: whether writes are in flight)."""

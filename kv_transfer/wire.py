@@ -23,7 +23,8 @@ def prepare_to_proto(req: PrepareRequest) -> pb.PrepareRequest:
     return pb.PrepareRequest(request_id=req.request_id, layout=layout_to_proto(req.layout), token_ids=req.token_ids,
                              num_prompt_tokens=req.num_prompt_tokens, block_hashes=req.block_hashes,
                              transport=req.transport, deadline_ms=req.deadline_ms, sender_id=req.sender_id,
-                             nixl_agent=req.nixl_agent, nixl_known=req.nixl_known)
+                             nixl_agent=req.nixl_agent, nixl_known=req.nixl_known,
+                             attempt_id=req.attempt_id)
 
 
 def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
@@ -33,7 +34,7 @@ def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
         raise InvalidRequestError("layout", "is required", rid)
     return PrepareRequest(msg.request_id, layout_from_proto(msg.layout), list(msg.token_ids), msg.num_prompt_tokens,
                           list(msg.block_hashes), transport_from_proto(msg.transport, rid), msg.deadline_ms,
-                          msg.sender_id, msg.nixl_agent, msg.nixl_known)
+                          msg.sender_id, msg.nixl_agent, msg.nixl_known, msg.attempt_id)
 
 
 def transport_from_proto(name: str, request_id: str | None) -> Transport:
@@ -136,8 +137,9 @@ def commit_from_proto(msg: pb.CommitRequest) -> Commit:
 
 
 def abort_to_proto(req: Abort) -> pb.AbortRequest:
-    return pb.AbortRequest(transfer_id=req.transfer_id, reason=req.reason, quiesced=req.quiesced)
+    return pb.AbortRequest(transfer_id=req.transfer_id, reason=req.reason, quiesced=req.quiesced,
+                           attempt_id=req.attempt_id)
 
 
 def abort_from_proto(msg: pb.AbortRequest) -> Abort:
-    return Abort(msg.transfer_id, msg.reason, msg.quiesced)
+    return Abort(msg.transfer_id, msg.reason, msg.quiesced, msg.attempt_id)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -40,12 +42,27 @@ def test_every_deploy_file_loads_and_runs_pools(path):
         assert isinstance(cfg.transfer.transfer_config(pool.device), TransferConfig)
 
 
+def test_serving_falls_back_to_grpc_with_one_log_line_where_nixl_cannot_be_imported():
+    code = ("import logging, sys\n"
+            "for name in ('nixl_cu13', 'nixl_cu12', 'nixl'): sys.modules[name] = None  # NOTE: no NIXL installed\n"
+            "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+            "from pdcluster.config import ClusterConfig\n"
+            "transfer = ClusterConfig.from_yaml('deploy/local.yaml').transfer\n"
+            "used = [transfer.transfer_config(device).transport for device in ('cpu', 'cpu')]\n"
+            "print(transfer.transport, *used)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["nixl", "grpc", "grpc"]
+    said = [line for line in done.stderr.splitlines() if "transfer.transport" in line]
+    assert len(said) == 1 and "nixl cannot run here" in said[0] and "grpc" in said[0], done.stderr
+
+
 def test_local_yaml_is_the_embedded_laptop_default():
     cfg = ClusterConfig.from_yaml(os.path.join(REPO, "deploy", "local.yaml"))
     assert cfg.mode == "disaggregated" and cfg.model == "smollm2"
     assert (cfg.prefill.replicas, cfg.decode.replicas) == (1, 1)
     assert cfg.ray.address == "local" and cfg.redis.url is None
-    assert cfg.transfer.transport == "grpc"
+    assert cfg.transfer.transport == "nixl"
     assert (cfg.router.host, cfg.router.port) == ("127.0.0.1", 50051)
     for pool in (cfg.prefill, cfg.decode):
         assert (pool.num_cpus, pool.torch_threads) == (1, 1)

@@ -15,7 +15,9 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, payload
+from kv_transfer.pool import KVPool
 from kv_transfer.transports.grpc_transport import GrpcKVSender
+from kv_transfer.transports.nixl_transport import NixlKVSender
 from tests.helpers import (
     assert_idle,
     free_blocks,
@@ -151,6 +153,28 @@ def test_a_corrupted_chunk_fails_the_transfer_and_is_retried_once_if_asked(tiny,
         assert sender.state is TransferState.DONE, sender.error
         assert first + decode_on(ep, "r")[1:] == run_alone(tiny, PROMPT, greedy(N))
         assert free_blocks(b) == baseline
+    assert_idle(a)
+
+
+class CorruptCheck(NixlKVSender):
+    """Sends layer 0's K check one bit off: to the receiver, as if those blocks had changed on the way."""
+
+    def _checks(self, layer):  # type: ignore[no-untyped-def]
+        k, v = super()._checks(layer)
+        return (str(int(k) ^ 1), v) if layer.index == 0 else (k, v)
+
+
+def test_a_nixl_layer_unlike_its_check_fails_the_transfer_as_retryable_and_frees_it(tiny, endpoints):
+    a, ep = engine(tiny), endpoints("nixl")
+    b = ep.receiver.engine
+    baseline = free_blocks(b)
+    sender = open_kv_sender("nixl", ep.address, a, "r", PROMPT, sender_cls=CorruptCheck)
+    sender.pool = KVPool(a)  # NOTE: nixl writes from the sending engine's pool
+    prefill_layerwise(a, sender, PROMPT, FIRST)
+    assert sender.wait(10) is TransferState.FAILED and sender.error.retryable, sender.error
+    assert "checksum mismatch in layer 0 K (nixl)" in sender.error.reason
+    assert ep.receiver.poll("r") is TransferState.FAILED
+    assert wait_for(lambda: free_blocks(b) == baseline)  # NOTE: every layer's notification came: the fence lifts
     assert_idle(a)
 
 

@@ -141,7 +141,7 @@ def test_pdcluster_env_overrides_any_yaml_field(monkeypatch):
     monkeypatch.setenv("PDCLUSTER_API_KEY", "sk-not-a-config-field")  # the client's variable: no field, ignored
     cfg = ClusterConfig.from_yaml("deploy/local.yaml")
     assert (cfg.router.port, cfg.prefill.replicas, cfg.decode.replicas) == (50052, 2, 1)
-    assert cfg.tracing.otlp_endpoint == "http://127.0.0.1:4317" and cfg.transfer.transport == "grpc"
+    assert cfg.tracing.otlp_endpoint == "http://127.0.0.1:4317" and cfg.transfer.transport == "nixl"
 
 
 def test_a_bad_env_override_names_the_variable(monkeypatch):

@@ -67,8 +67,14 @@ class KVTransferService:
             context.abort(status_of(e), str(e))
 
     def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.PrepareResponse:  # noqa: N802
-        return self._call(context, lambda: wire.prepared_to_proto(  # type: ignore[no-any-return]
-            self.receiver.prepare(wire.prepare_from_proto(request))))
+        prepared = self._call(context, lambda: self.receiver.prepare(wire.prepare_from_proto(request)))
+        left = context.time_remaining()
+        if not context.is_active() or (left is not None and left <= 0):
+            # NOTE: the call ended before its answer (the sender's deadline passed while this engine hung): gRPC
+            # drops the answer, the sender never learns the block ids, so none of them can be written (nixl's fence)
+            self.receiver.abandon(prepared.transfer_id, "the sender's handshake ended before its answer")
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the handshake was answered too late")
+        return wire.prepared_to_proto(prepared)
 
     def KeepAlive(self, request: pb.KeepAliveRequest,  # noqa: N802
                   context: grpc.ServicerContext) -> pb.KeepAliveResponse:

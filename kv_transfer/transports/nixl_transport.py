@@ -6,13 +6,17 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
    (`NixlTarget`) carries the receiver's agent, metadata only if the sender lacks it (a new agent name: the receiver
    restarted), its pool address and the reserved block ids; the remote descriptor list is prepared once per agent;
 2. `send_blocks(layer, block_ids)` from the prefill step pins the blocks (first layer) and queues the layer; the
-   sender's thread checksums the layer's K and V (from the pool) and posts one WRITE of all its blocks (NIXL merges
-   contiguous runs) with a notification "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's progress
-   while writes are in flight (no progress thread);
+   sender's thread computes the layer's K and V checks from the pool and posts one WRITE of all its blocks (NIXL
+   merges contiguous runs) with a notification "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's
+   progress while writes are in flight (no progress thread);
 3. after the last layer it waits for every write to complete, then commits; the blocks are unpinned;
 4. a transfer that fails with writes posted waits for them (or, failing that, drops the peer: the connection
    closes and the Watch ends) before telling the receiver `Abort(quiesced)`: the receiver's fence
-   (`nixl_receiver.py`) keeps the reserved blocks until then.
+   (`nixl_receiver.py`) keeps the reserved blocks until then;
+5. a handshake that failed without an answer (its deadline passed while the receiver hung) may still be answered
+   there later, and fenced: the sender names it in an `Abort(attempt_id, quiesced)` (retried in the background
+   while the pair lives), which frees those blocks or refuses the late handshake. The sender never learned their
+   ids, so it cannot write into them.
 """
 
 from __future__ import annotations
@@ -24,21 +28,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kv_transfer.messages import Abort, Prepared, PrepareRequest
 from kv_transfer.sender import _COMMIT, KVSender, Layer
 from kv_transfer.state import TransferError
-from kv_transfer.transports import nixl_agent
-from kv_transfer.transports.grpc_transport import GrpcControl, channel, transfer_error
+from kv_transfer.transports import nixl_agent, nixl_links
+from kv_transfer.transports.grpc_transport import GrpcControl
 from kv_transfer.transports.nixl_agent import Peer, Pool
 from kv_transfer.transports.nixl_receiver import layer_check, receiver_side, unavailable
-from kv_transfer.v1 import kv_transfer_pb2 as pb
-from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 __all__ = ["NixlKVSender", "receiver_side", "unavailable"]
 
+ABORT_RETRY_S = 0.5  # a handshake's abort that did not get through is sent again this often (while the pair lives)
 POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
 DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
 
@@ -49,50 +51,6 @@ class PoolLayer:
 
     index: int
     block_ids: tuple[int, ...]
-
-
-class _Link:
-    """This process's Watch call to one receiver address (held open while any transfer may write there)."""
-
-    def __init__(self, control: GrpcControl) -> None:
-        stub = pb_grpc.KVTransferStub(channel(control.address, 0, control.cluster_token, control.tls))
-        self.call: Any = stub.Watch(pb.WatchRequest(agent=nixl_agent.agent().name))
-        try:
-            next(self.call)  # NOTE: the receiver answers once the watch holds; only then may anything be written
-        except grpc.RpcError as e:
-            raise transfer_error(e, "", f"watch at {control.address}") from None
-        except StopIteration:
-            raise TransferError(f"watch at {control.address} ended at once", retryable=True) from None
-
-    @property
-    def alive(self) -> bool:
-        return not self.call.done()
-
-    def close(self) -> None:
-        self.call.cancel()
-
-
-_links: dict[str, _Link] = {}
-_links_lock = threading.Lock()
-_known: dict[str, str] = {}  # receiver address → the agent name whose metadata this process loaded
-
-
-def _link(control: GrpcControl) -> _Link:
-    with _links_lock:
-        link = _links.get(control.address)
-        if link is None or not link.alive:
-            link = _links[control.address] = _Link(control)
-        return link
-
-
-def _drop(address: str, agent_name: str) -> None:
-    """Give a pair up: the peer's metadata and connection go (its posted writes with them), the Watch ends."""
-    nixl_agent.agent().forget(agent_name)
-    with _links_lock:
-        _known.pop(address, None)
-        link = _links.pop(address, None)
-    if link is not None:
-        link.close()
 
 
 class NixlKVSender(KVSender):
@@ -116,9 +74,9 @@ class NixlKVSender(KVSender):
 
     # ---- handshake ----------------------------------------------------------------------------------------------
     def _prepare_request(self, req: PrepareRequest) -> PrepareRequest:
-        _link(self.control)
+        nixl_links.link(self.control)
         return dataclasses.replace(req, nixl_agent=nixl_agent.agent().name,
-                                   nixl_known=_known.get(self.control.address, ""))
+                                   nixl_known=nixl_links.known.get(self.control.address, ""))
 
     def _on_prepared(self, resp: Prepared) -> None:
         target = resp.nixl
@@ -127,19 +85,19 @@ class NixlKVSender(KVSender):
                                 else "nixl: the sender has no KV pool to read", self.request_id)
         agent = nixl_agent.agent()
         self._pool = agent.pool(self.pool.kv)
-        if _known.get(self.control.address) not in (None, target.agent):
+        if nixl_links.known.get(self.control.address) not in (None, target.agent):
             # NOTE: the receiver restarted (a new agent at the same address): forget the old one; the Watch the
             # handshake just used is the new process's already
-            agent.forget(_known.pop(self.control.address))
+            agent.forget(nixl_links.known.pop(self.control.address))
         layers = self.layout.num_layers
         try:
             self._peer = agent.peer(target.agent, target.metadata, target.kv_addr, layers * 2, target.pool_blocks,
                                     self._pool.block_nbytes, target.mem_type, target.device_id)
         except KeyError:
-            _known.pop(self.control.address, None)
+            nixl_links.known.pop(self.control.address, None)
             raise TransferError(f"nixl: no metadata for receiver agent {target.agent}", self.request_id,
                                 retryable=True) from None
-        _known[self.control.address] = target.agent
+        nixl_links.known[self.control.address] = target.agent
         self._remote_ids = np.asarray(target.block_ids, dtype=np.int64)
         if len(self._remote_ids) != resp.num_blocks:
             raise TransferError(f"nixl: {len(self._remote_ids)} block ids for {resp.num_blocks} blocks",
@@ -160,6 +118,24 @@ class NixlKVSender(KVSender):
                     self._pinned = list(block_ids)
             self._queue_item(PoolLayer(layer, tuple(block_ids)))
 
+    def _prepare_failed(self, req: PrepareRequest, err: TransferError) -> None:
+        if err.retryable:  # NOTE: not retryable: the receiver answered with a refusal, it reserved nothing
+            threading.Thread(target=self._abort_attempt, args=(req.attempt_id, err.reason), daemon=True,
+                             name=f"kv-nixl-abort-{self.request_id}").start()
+
+    def _abort_attempt(self, attempt_id: str, reason: str) -> None:
+        msg = Abort("", f"handshake given up: {reason}", quiesced=True, attempt_id=attempt_id)
+        until = time.monotonic() + self.config.deadline_s
+        while True:
+            try:
+                self.control.abort(msg, 2.0)
+                return
+            except TransferError:
+                pass
+            if not nixl_links.alive(self.control.address) or time.monotonic() > until:
+                return  # NOTE: the Watch ended: the receiver lifts the fence of everything this process prepared
+            time.sleep(ABORT_RETRY_S)
+
     def _abort_message(self, reason: str) -> Abort:
         with self._post_lock:  # NOTE: after _finish: a write not posted by now never will be
             return Abort(self.transfer_id, reason, quiesced=not self._posted or self._quiet)
@@ -179,6 +155,9 @@ class NixlKVSender(KVSender):
             self._settle(pending)
 
     def _write_all(self, pending: list[tuple[Any, int]], first: object) -> None:
+        # NOTE: each layer's checks are computed here, right before its post. Computing them ahead on other
+        # threads (while the post copies on this one) measured slower on the 2-core machine (BENCHMARKS.md): both
+        # ends already keep a core busy each (the checks, the cma copy)
         item: object = first
         while not self.state.finished:
             if item is None:
@@ -196,20 +175,23 @@ class NixlKVSender(KVSender):
                     if time.monotonic() > self._deadline:
                         raise TransferError("deadline passed while writing", self.request_id, retryable=True)
                 return
-            if isinstance(item, PoolLayer):
-                self._post(item, pending)
+            if isinstance(item, PoolLayer) and item.block_ids:
+                self._post(item, self._checks(item), pending)
             item = None
             self._progress(pending)
 
-    def _post(self, layer: PoolLayer, pending: list[tuple[Any, int]]) -> None:
+    def _checks(self, layer: PoolLayer) -> tuple[str, str]:
+        """The checks of one layer's K and V blocks, as its notification carries them."""
+        assert self._pool is not None
+        kv, src = self._pool.kv, np.asarray(layer.block_ids, dtype=np.int64)
+        k, v = (layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
+                            self.config.nixl_checksum) for which in (0, 1))
+        return k, v
+
+    def _post(self, layer: PoolLayer, checks: tuple[str, str], pending: list[tuple[Any, int]]) -> None:
         pool, peer = self._pool, self._peer
         assert pool is not None and peer is not None
-        kv = pool.kv
         src = np.asarray(layer.block_ids, dtype=np.int64)
-        if not len(src):
-            return  # NOTE: the receiver caches every block: nothing to write, nothing to notify
-        checks = [layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
-                              self.config.nixl_checksum) for which in (0, 1)]
         base_l, base_r = layer.index * 2 * pool.num_blocks, layer.index * 2 * peer.num_blocks
         local = np.concatenate([base_l + src, base_l + pool.num_blocks + src]).astype(np.int32)
         remote = np.concatenate([base_r + self._remote_ids, base_r + peer.num_blocks + self._remote_ids])
@@ -266,7 +248,7 @@ class NixlKVSender(KVSender):
                 break
             time.sleep(POLL_S)
         if dropped and self._peer is not None:
-            _drop(self.control.address, self._peer.name)
+            nixl_links.drop(self.control.address, self._peer.name)
         with self._post_lock:
             self._quiet = not dropped
         if self._pinned and self.pool is not None:

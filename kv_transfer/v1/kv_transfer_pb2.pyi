@@ -23,7 +23,7 @@ class KVLayout(_message.Message):
     def __init__(self, scope: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id", "nixl_agent", "nixl_known")
+    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id", "nixl_agent", "nixl_known", "attempt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class PrepareRequest(_message.Message):
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
     NIXL_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -44,7 +45,8 @@ class PrepareRequest(_message.Message):
     sender_id: str
     nixl_agent: str
     nixl_known: str
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class NixlTarget(_message.Message):
     __slots__ = ("agent", "metadata", "kv_addr", "pool_blocks", "mem_type", "device_id", "block_ids")
@@ -145,14 +147,16 @@ class CommitResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason", "quiesced")
+    __slots__ = ("transfer_id", "reason", "quiesced", "attempt_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     QUIESCED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
     quiesced: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., quiesced: _Optional[bool] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., quiesced: _Optional[bool] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()

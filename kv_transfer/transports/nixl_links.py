@@ -1,0 +1,70 @@
+"""The `nixl` sender's per-process state: its Watch call to each receiver and the agents whose metadata it loaded.
+
+A receiver keeps the blocks of every transfer a sender's process prepared fenced while that process's Watch call
+is open (`nixl_receiver.py`); dropping a pair ends the call, which lifts the fence there.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+
+from kv_transfer.state import TransferError
+from kv_transfer.transports import nixl_agent
+from kv_transfer.transports.grpc_transport import GrpcControl, channel, transfer_error
+from kv_transfer.v1 import kv_transfer_pb2 as pb
+from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+
+class Link:
+    """This process's Watch call to one receiver address (held open while any transfer may write there)."""
+
+    def __init__(self, control: GrpcControl) -> None:
+        stub = pb_grpc.KVTransferStub(channel(control.address, 0, control.cluster_token, control.tls))
+        self.call: Any = stub.Watch(pb.WatchRequest(agent=nixl_agent.agent().name))
+        try:
+            next(self.call)  # NOTE: the receiver answers once the watch holds; only then may anything be written
+        except grpc.RpcError as e:
+            raise transfer_error(e, "", f"watch at {control.address}") from None
+        except StopIteration:
+            raise TransferError(f"watch at {control.address} ended at once", retryable=True) from None
+
+    @property
+    def alive(self) -> bool:
+        return not self.call.done()
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+_links: dict[str, Link] = {}
+_lock = threading.Lock()
+known: dict[str, str] = {}  # receiver address → the agent name whose metadata this process loaded
+
+
+def link(control: GrpcControl) -> Link:
+    """The open Watch call to `control`'s receiver (opened now if there is none, or it ended)."""
+    with _lock:
+        current = _links.get(control.address)
+        if current is None or not current.alive:
+            current = _links[control.address] = Link(control)
+        return current
+
+
+def alive(address: str) -> bool:
+    """Whether this process's Watch call to `address` is open."""
+    with _lock:
+        current = _links.get(address)
+    return current is not None and current.alive
+
+
+def drop(address: str, agent_name: str) -> None:
+    """Give a pair up: the peer's metadata and connection go (its posted writes with them), the Watch ends."""
+    nixl_agent.agent().forget(agent_name)
+    with _lock:
+        known.pop(address, None)
+        current = _links.pop(address, None)
+    if current is not None:
+        current.close()
