@@ -7,7 +7,10 @@
    decode worker's blocks are shared by reference;
 3. each choice is an ordinary run (its own failover: a decode worker that dies continues each of the n) with its
    own random stream: choice i samples with seed + i; chunks carry their choice's `index`;
-4. a choice that fails fails the request: the others are closed (aborted on their workers).
+4. a choice that fails fails the request: the others are closed (aborted on their workers);
+5. backpressure: at most `2 n` chunks wait between the choices and the front; a client that stops reading leaves
+   each choice's relay (router/relay.py) full, the relay cuts the choice off at `router.client_stall_timeout_s`, and
+   a choice cut off that way ends the whole response (the front's task is cancelled, as for one choice).
 """
 
 from __future__ import annotations
@@ -42,16 +45,26 @@ async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, Non
                 yield chunk
         return
     queue: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
+    # NOTE: chunks take a slot, ends and errors do not (they must never wait): the choices' relays see a front that
+    # does not read and cut it off, instead of the router buffering whole generations for it
+    slots = asyncio.Semaphore(2 * n)
     first_out = asyncio.Event()
+    owner = asyncio.current_task()
+    closing = [False]
 
     async def pump(index: int) -> None:
         try:
             async with contextlib.aclosing(open_run(choice_request(checked, index))) as chunks:
                 async for chunk in chunks:
                     chunk.index = index
+                    await slots.acquire()
                     queue.put_nowait(chunk)
                     first_out.set()
             queue.put_nowait(None)
+        except asyncio.CancelledError:
+            if not closing[0] and owner is not None:  # NOTE: the choice's relay cut a client that stopped reading
+                owner.cancel()
+            raise
         except Exception as e:  # noqa: BLE001 - handed to the reader, which fails the whole request
             queue.put_nowait(e)
 
@@ -69,8 +82,10 @@ async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, Non
                 if len(tasks) == 1:  # NOTE: choice 0 ended without a token: start the others all the same
                     tasks += [asyncio.create_task(pump(i)) for i in range(1, n)]
                 continue
+            slots.release()
             yield item
     finally:
+        closing[0] = True
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

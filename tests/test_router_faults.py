@@ -292,3 +292,40 @@ def test_a_failure_of_the_run_reaches_the_client_after_the_chunks_before_it():
                 got.append(chunk)
         return got
     assert asyncio.run(client()) == [1, 2]
+
+
+def test_n_choices_for_a_client_that_stops_reading_are_cut_off_and_closed():
+    from engine.sampling_params import SamplingParams
+    from router.fanout import fan_out
+    from router.relay import relayed
+    from router.results import Chunk
+    from router.validate import Checked
+
+    made: dict[str, int] = {}
+    closed: set[str] = set()
+
+    async def run(c: Checked):  # one choice's run: chunks as fast as they are taken
+        try:
+            for i in range(1000):
+                made[c.request_id] = i + 1
+                yield Chunk(c.request_id, [i], "x")
+        finally:
+            closed.add(c.request_id)  # the run's finally is what aborts the choice on the workers
+
+    async def client() -> None:
+        checked = Checked("r", [1, 2, 3], SamplingParams(n=3, max_tokens=1000))
+        async with contextlib.aclosing(fan_out(lambda c: relayed(run(c), 4, 0.3, c.request_id), checked)) as out:
+            seen = set()
+            async for chunk in out:
+                seen.add(chunk.index)
+                if len(seen) == 3:  # every choice is running: now the client stops reading
+                    await asyncio.sleep(3600)  # its write never completes
+
+    async def go() -> None:
+        task = asyncio.create_task(client())
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)  # NOTE: a choice's relay cut it off: the whole response ends
+    asyncio.run(go())
+    assert set(made) == closed == {"r", "r-1", "r-2"}  # every choice's run was closed (aborted on its workers)
+    # nothing piled up: what the client read, the fan-out's slots, each choice's relay buffer and the chunk in hand
+    assert sum(made.values()) <= 40
