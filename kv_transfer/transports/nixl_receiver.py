@@ -5,9 +5,8 @@
 2. a sender's `Watch` call opens (`watch`): transfers it prepares are attached to that watch;
 3. `prepare` answers with a `NixlTarget` (the receiver's agent, its metadata unless the sender holds it, the pool,
    the reserved block ids) and fences the transfer: from now on the sender may write into those blocks;
-4. the notification thread reads the per-layer notifications and hands each to the checker threads, which check the
-   landed blocks against the sender's check of them and mark the layer received (a mismatch fails the transfer as
-   retryable); the notification thread goes on driving NIXL meanwhile (UCX's TCP transport moves data only then);
+4. the notification thread reads the per-layer notifications, checks the landed blocks against the sender's check
+   of them, and marks the layer received (a mismatch fails the transfer as retryable);
 5. the fence is lifted, and a failed transfer's blocks freed, once no write of the sender can be in flight: it
    committed, it said so (`Abort.quiesced`), every layer's notification came, or its Watch ended (the sender died
    or dropped the pair; NIXL is driven for `DRAIN_S` first, for what UCX already received).
@@ -22,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +38,6 @@ log = logging.getLogger(__name__)
 DRAIN_S = 0.1  # after a sender's Watch ended: NIXL driven this long before its transfers' blocks are freed
 FAST_POLL_S, SLOW_POLL_S = 0.00005, 0.005  # poll interval while data moves / after `BACKOFF_S` without news
 BACKOFF_S = 0.05
-CHECK_THREADS = 2  # per endpoint: landed layers checked concurrently
 
 
 def unavailable() -> str | None:
@@ -92,7 +89,6 @@ class NixlEndpoint:
         self._open: dict[str, tuple[Inbound, _Watch]] = {}  # transfer id → (transfer, its watch), until settled
         self._cond = threading.Condition()
         self._closed = False
-        self._checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kv-nixl-check")
         receiver.on_prepare, receiver.on_watch, receiver.transport = self.prepare, self.watch, "nixl"
         self._thread = threading.Thread(target=self._notifications, daemon=True, name="kv-nixl-notifs")
         self._thread.start()
@@ -191,19 +187,14 @@ class NixlEndpoint:
             entry = self._open.get(tid)
         if entry is None or entry[1].agent != sender or not 0 <= layer < self.receiver.layout.num_layers:
             return  # NOTE: a transfer already settled, or not this sender's
-        self._checkers.submit(self._check, entry[0], layer, check_k, check_v)
-
-    def _check(self, t: Inbound, layer: int, check_k: str, check_v: str) -> None:
-        """Check one landed layer against the sender's checks and count it (on a checker thread)."""
-        tid = t.transfer_id
+        # NOTE: checked here, on the notification thread: checking on other threads (this one driving NIXL meanwhile),
+        # and on the sender computing the checks ahead of its posts, both measured slower on the 2-core machine
+        # (BENCHMARKS.md): each end already keeps a core busy
+        t = entry[0]
         ids = np.asarray(t.res.fresh_blocks, dtype=np.int64)
         kv = self.pool.kv
-        try:
-            bad = [which for which, theirs in ((0, check_k), (1, check_v))
-                   if layer_check(kv[layer, which], ids, f"{tid}/{layer}/{which}", like=theirs) != theirs]
-        except Exception as e:  # noqa: BLE001 - a check that cannot run fails its transfer, never the thread
-            log.warning("nixl: checking layer %d of %s: %s", layer, tid, e)
-            bad = [0]
+        bad = [which for which, theirs in ((0, check_k), (1, check_v))
+               if layer_check(kv[layer, which], ids, f"{tid}/{layer}/{which}", like=theirs) != theirs]
         if bad:
             self.receiver.fail(tid, f"checksum mismatch in layer {layer} {'KV'[bad[0]]} (nixl)", retryable=True)
         # NOTE: also for a failed transfer: this layer's write is no longer in flight (the fence counts layers)
@@ -216,7 +207,6 @@ class NixlEndpoint:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=1.0)
-        self._checkers.shutdown(wait=False)
 
 
 def receiver_side(receiver: KVReceiver, config: TransferConfig, host: str) -> NixlEndpoint:

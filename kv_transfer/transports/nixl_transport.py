@@ -155,9 +155,8 @@ class NixlKVSender(KVSender):
             self._settle(pending)
 
     def _write_all(self, pending: list[tuple[Any, int]], first: object) -> None:
-        # NOTE: each layer's checks are computed here, right before its post. Computing them ahead on other
-        # threads (while the post copies on this one) measured slower on the 2-core machine (BENCHMARKS.md): both
-        # ends already keep a core busy each (the checks, the cma copy)
+        # NOTE: each layer's checks are computed here, right before its post: computing them ahead on other threads
+        # (while the post copies on this one) measured slower on the 2-core machine (BENCHMARKS.md)
         item: object = first
         while not self.state.finished:
             if item is None:
