@@ -77,3 +77,5 @@ class TransferConfig:
             raise ValueError("tls: NIXL does not encrypt; transport 'nixl' cannot run with tls (use 'grpc')")
         if self.torch_backend == "nccl" and not self.torch_device.startswith("cuda"):
             raise ValueError("torch_device: nccl sends CUDA tensors; set torch_device to 'cuda'")
+        if self.torch_backend == "gloo" and self.torch_device != "cpu":
+            raise ValueError("torch_device: gloo sends host tensors only; set torch_device to 'cpu' (or use nccl)")

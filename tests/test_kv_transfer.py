@@ -284,7 +284,9 @@ def test_an_unclaimed_transfer_is_freed_at_its_deadline(tiny, endpoints):
 
 def test_transfer_config_names_the_bad_field():
     for kwargs, field in (({"transport": "rdma"}, "transport"), ({"chunk_bytes": 10}, "chunk_bytes"),
-                          ({"torch_backend": "nccl"}, "torch_device"), ({"grpc_streams": 0}, "grpc_streams")):
+                          ({"torch_backend": "nccl"}, "torch_device"),
+                          ({"torch_backend": "gloo", "torch_device": "cuda"}, "torch_device"),
+                          ({"grpc_streams": 0}, "grpc_streams")):
         with pytest.raises(ValueError, match=f"^{field}:"):
             TransferConfig(**kwargs)  # type: ignore[arg-type]
 
