@@ -28,6 +28,7 @@ from tests.helpers import (
     random_prompts,
     run_alone,
     run_to_completion,
+    wait_for,
 )
 
 TRANSPORTS = ["grpc", "torch", "local", "nixl"]
@@ -61,15 +62,6 @@ def decode_on(ep: ReceiverEndpoint, request_id: str, max_tokens: int = N) -> lis
     ep.receiver.take(request_id, greedy(max_tokens))
     with ep.receiver.engine_lock:
         return run_to_completion(ep.receiver.engine)[request_id].token_ids
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

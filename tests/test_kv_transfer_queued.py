@@ -23,6 +23,7 @@ from tests.helpers import (
     random_prompts,
     run_alone,
     run_to_completion,
+    wait_for,
 )
 
 N = 6
@@ -54,15 +55,6 @@ def decode_on(ep: ReceiverEndpoint, request_id: str) -> list[int]:
     ep.receiver.take(request_id, greedy(N))
     with ep.receiver.engine_lock:
         return run_to_completion(ep.receiver.engine)[request_id].token_ids
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 # ---- item 4: the deadline runs from the first layer, keep-alives hold a queued transfer ---------------------------
