@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from cluster import faults, tracing
+from cluster.cores import CoreShare
 from cluster.leases import RequestLeases
 from cluster.messages import Role, WorkerInfo, WorkerLoad
 from cluster.process import pin_cpus, process_info, set_nice
@@ -72,6 +73,18 @@ class WorkerSpec:
     metrics_host: str = "127.0.0.1"  # where this worker's own /metrics listens
     metrics_port: int | None = None  # its port (0: a free one, advertised in the heartbeat); None: not served
     tracing: TracingSettings = field(default_factory=TracingSettings)
+    cores_group: str = ""  # the node's core-lending file of this cluster (cluster/cores.py); empty: not shared
+    lend_cores: bool = False  # step on idle peers' cores too (the pool's lend_idle_cores)
+
+
+def join_cores(spec: WorkerSpec) -> CoreShare | None:
+    """This worker's slot in its node's core-lending file (cluster/cores.py); None when the cluster shares none."""
+    if not spec.cores_group:
+        return None
+    share = CoreShare.join(spec.cores_group, spec.cpus, spec.engine.threads, lend=spec.lend_cores)
+    log.info("%s: core lending: slot %d, own cores %s, %d threads%s", spec.name, share.index,
+             list(spec.cpus) or "all", spec.engine.threads, "; steps on idle peers' cores" if spec.lend_cores else "")
+    return share
 
 
 def rss_bytes() -> int:
@@ -117,7 +130,10 @@ class Worker:
         self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
-        self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step)
+        self.cores = join_cores(spec)
+        self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step,
+                               before_step=self.cores.before_step if self.cores else None,
+                               on_idle=self.cores.idle if self.cores else None)
         self.step_cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)  # what the router predicts with
         self._computed = 0  # engine's computed tokens after the last step
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
@@ -337,6 +353,8 @@ class Worker:
         self._closed.set()
         self._publisher.join(timeout=2)
         self.loop.close()
+        if self.cores is not None:
+            self.cores.leave()
         self.metrics.close()
         tracing.flush()
         if self.index is not None and self._registered:
@@ -375,7 +393,10 @@ class WorkerActor:
     async def process(self) -> dict[str, object]:
         """This actor's process: pid, cores, nice values of its threads, torch threads (cluster/worker.process_info)."""
         # NOTE: from a fresh thread, as the engine loop's own: its OpenMP pool size is the one such a thread gets
-        return await asyncio.to_thread(process_info)
+        info = await asyncio.to_thread(process_info)
+        if self.worker.cores is not None:
+            info["lent_steps"] = self.worker.cores.lent_steps  # steps run on idle peers' cores (cluster/cores.py)
+        return info
 
     async def load(self) -> WorkerLoad:
         return self.worker.load()

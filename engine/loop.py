@@ -33,8 +33,12 @@ class EngineLoop:
     """One engine, one stepping thread, one lock; callers never step the engine themselves."""
 
     def __init__(self, engine: LLMEngine, *, name: str = "engine",
-                 on_step: Callable[[float], None] | None = None) -> None:
+                 on_step: Callable[[float], None] | None = None, before_step: Callable[[], object] | None = None,
+                 on_idle: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        # NOTE: both on the loop thread: before each step (e.g. cluster/cores.py sets this thread's torch threads)
+        # and once each time the loop runs out of work
+        self._before_step, self._on_idle = before_step, on_idle
         self.lock = threading.RLock()  # NOTE: the KV receiver takes this same lock to reserve and commit
         self._wake = threading.Condition(self.lock)
         self._sinks: dict[str, Sink] = {}
@@ -85,12 +89,16 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._wake:
+                if self._on_idle is not None and not self.engine.has_unfinished_requests():
+                    self._on_idle()
                 while not self._closed and not self.engine.has_unfinished_requests():
                     self._wake.wait(0.5)
                 if self._closed:
                     return
                 started = time.monotonic()
                 try:
+                    if self._before_step is not None:
+                        self._before_step()
                     outputs = self.engine.step()
                 except Exception:  # noqa: BLE001 - a failed step must not kill the worker: fail its requests
                     log.exception("engine step failed; aborting the running requests")

@@ -75,6 +75,9 @@ class PoolConfig(BaseModel):
     env_vars: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
         default_factory=dict, description="environment of the actor's process on top of the launcher's, e.g. "
         "{GOMP_SPINCOUNT: '0'}; OMP_NUM_THREADS comes from torch_threads")
+    lend_idle_cores: bool = Field(
+        default=False, description="cpu: step on the cores of this node's idle workers too, a torch thread per core, "
+        "back to torch_threads / cpu_affinity at the next step once they have work (cluster/cores.py)")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the actor computes ('cuda': num_gpus > 0)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="weights and KV dtype; auto: bfloat16 on cuda, float32 on cpu")
@@ -102,6 +105,9 @@ class PoolConfig(BaseModel):
     def _check(self) -> PoolConfig:
         if self.device == "cuda" and self.num_gpus <= 0:
             raise _RuleError("num_gpus", "device 'cuda' needs num_gpus > 0 (Ray must reserve a GPU for the actor)")
+        if self.lend_idle_cores and self.device == "cuda":
+            # NOTE: a GPU step's compute is not torch's CPU threads: more of them would only take cores from peers
+            raise _RuleError("lend_idle_cores", "lends CPU cores to CPU workers: device 'cuda' computes on its GPU")
         if self.gpu_memory_utilization is not None and self.device != "cuda":
             raise _RuleError("gpu_memory_utilization", "sizes a GPU's KV pool: needs device 'cuda' (on the CPU use "
                                                        "kv_cache_memory_gb or num_kv_blocks)")

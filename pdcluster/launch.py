@@ -25,6 +25,7 @@ import secrets
 import time
 from typing import Any, cast
 
+from cluster import cores
 from cluster.messages import Role, WorkerInfo
 from cluster.prefix_index import PrefixIndex, heartbeat_key
 from cluster.worker import WorkerSpec
@@ -253,6 +254,10 @@ class Cluster:
                           metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
                           metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
                           if cfg.metrics.workers else None)
+        if pool.device == "cpu" and any(p.lend_idle_cores for p in cfg.pools().values()):
+            # NOTE: every CPU worker of the cluster marks busy/idle on its node; only lending pools borrow
+            spec = dataclasses.replace(spec, cores_group=cores.group_name(cfg.redis.key_prefix, self.cluster_token),
+                                       lend_cores=pool.lend_idle_cores)
         cls = PrefillActor if role is Role.PREFILL else DecodeActor
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
