@@ -11,9 +11,10 @@ Life of a worker's share:
 2. before each engine step, on the engine loop's thread, `before_step()` marks this worker busy (one byte in the
    mapped file) and, when it lends, reads every slot and applies `plan()`: torch threads, and the cores of every
    thread of this process (idle OpenMP threads sleep: OMP_WAIT_POLICY=PASSIVE, pdcluster/launch.py);
-3. when the loop runs out of work, `idle()` marks it idle: the peers read that before their next step;
-4. `leave()` frees the slot (a killed worker's slot is reclaimed by the next `join`, and a dead peer never counts
-   as busy).
+3. when the loop runs out of work, `idle()` marks it idle (the peers read that before their next step) and puts
+   it back on its own cores and threads;
+4. `leave()` frees the slot and removes the file after the node's last worker (a killed worker's slot is reclaimed
+   by the next `join`, and a dead peer never counts as busy).
 """
 
 from __future__ import annotations
@@ -118,9 +119,8 @@ class CoreShare:
         if any(c >= 64 for c in cores):
             raise ValueError(f"cpu_affinity: core lending handles cores 0-63, got {sorted(cores)}")
         path = os.path.join(directory, group)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = cls._open_locked(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 if os.fstat(fd).st_size < MAX_SLOTS * _SLOT_BYTES:
                     os.ftruncate(fd, MAX_SLOTS * _SLOT_BYTES)
@@ -132,6 +132,19 @@ class CoreShare:
             os.close(fd)
             raise
         return cls(path, index, fd, buf, Share(threads, frozenset(cores)), lend=lend)
+
+    @staticmethod
+    def _open_locked(path: str) -> int:
+        """The share file, created if missing, locked; never one the node's last worker has just removed."""
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # NOTE: unlinked by `leave` while we waited for the lock: open the new one
 
     @staticmethod
     def _claim(buf: mmap.mmap, cores: tuple[int, ...], threads: int) -> int:
@@ -182,13 +195,19 @@ class CoreShare:
         self.current = share
 
     def idle(self) -> None:
-        """This worker has no work: its peers may use its cores from their next step."""
+        """This worker has no work: its peers may use its cores from their next step; it keeps only its own."""
         self._mark(False)
+        if self.current != self.own:
+            # NOTE: on the loop thread, like before_step: an idle worker holds no core it borrowed
+            self._apply(self.own)
 
     def leave(self) -> None:
         """Free the slot (the worker is closing)."""
         try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
             _SLOT.pack_into(self._buf, self.index * _SLOT_BYTES, 0, 0, 0, 0)
+            if not any(_SLOT.unpack_from(self._buf, i * _SLOT_BYTES)[0] for i in range(MAX_SLOTS)):
+                os.unlink(self.path)  # NOTE: the last worker of the cluster on this node: nothing left in /dev/shm
             self._buf.close()
         finally:
             os.close(self._fd)

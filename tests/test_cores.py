@@ -115,6 +115,8 @@ def _peer(directory: str, core: int, conn: Any) -> None:
         elif cmd == "abort":
             loop.abort(args[0])
             conn.send(None)
+        elif cmd == "cpus":
+            conn.send(sorted(os.sched_getaffinity(0)))
         elif cmd == "records":
             with loop.lock:
                 conn.send((list(steps), list(idles)))
@@ -151,7 +153,7 @@ def test_a_busy_worker_takes_an_idle_peers_core_and_gives_it_back_within_a_step(
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("core lending needs two cores")
-    from tests.helpers import random_prompts
+    from tests.helpers import random_prompts, wait_for
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # NOTE: as a worker's environment (pdcluster/launch.py)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
@@ -167,6 +169,7 @@ def test_a_busy_worker_takes_an_idle_peers_core_and_gives_it_back_within_a_step(
         t = time.monotonic()
         lent_tokens = a.ask("generate", "lent", prompt, 24)
         assert {(s[2], s[3], tuple(s[4])) for s in a.steps_since(t)} == {(2, 2, tuple(lent_view))}
+        assert wait_for(lambda: a.ask("cpus") == [cores[0]])  # idle again: A keeps only its own core
 
         # 2. A busy on both cores; B gets work: A is back on its own core from its next step on
         a.ask("start", "long-a", long_a, 100_000)
@@ -188,6 +191,10 @@ def test_a_busy_worker_takes_an_idle_peers_core_and_gives_it_back_within_a_step(
         assert {s[2:4] for s in a.steps_since(t)} == {(1, 1)}
         assert not [i for i in b.ask("records")[1] if i >= b_busy], "B went idle meanwhile: the check proved nothing"
         b.ask("abort", "long-b")
+        for p in (a, b):
+            p.ask("close")
+            p.proc.join(10)
+        assert not os.listdir(tmp_path)  # the node's last worker removed the share file
     finally:
         for p in (a, b):
             if p.proc.is_alive():
