@@ -242,5 +242,13 @@ def test_the_device_bench_runs_on_the_cpu_and_reports_its_limits(tmp_path):
                  "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert set(r["decode"]) == {"1", "2"} and r["decode"]["1"]["ours_eager_tok_s"] > 0
-    assert r["limits"]["copy_bandwidth_gb_s"] > 0 and r["limits"]["decode_batch1_share_of_bound"] > 0
+    lim, cfg = r["limits"], load_model("tiny").config
+    # the bound is what one copy of the weights and the context's KV per token allows at the measured bandwidth
+    params = sum(w.numel() for k, w in load_model("tiny").weights.items()
+                 if k != "model.embed_tokens.weight" or cfg.tie_word_embeddings)
+    assert lim["weight_bytes"] == params * 4  # float32
+    assert lim["kv_bytes_at_context"] == 16 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    bound = lim["copy_bandwidth_gb_s"] * 1e9 / (lim["weight_bytes"] + lim["kv_bytes_at_context"])
+    assert lim["decode_bound_tok_s_batch1"] == pytest.approx(bound)
+    assert lim["decode_batch1_share_of_bound"] == pytest.approx(r["decode"]["1"]["ours_eager_tok_s"] / bound)
     assert r["cuda_graphs"] is False and r["dtype"] == "float32"

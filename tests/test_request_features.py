@@ -191,11 +191,11 @@ def test_penalties_and_logit_bias_over_grpc_equal_the_engine(front, engine):
     assert list(resp.token_ids) == list(resp.choices[0].token_ids) and len(resp.logprobs) == 4
 
 
-def test_tokenize_detokenize_and_models(front):
+def test_tokenize_detokenize_and_models(front, engine):
     server, port, _ = front
     status, tok = post(port, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
     assert status == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) > 0
-    assert tok["max_model_len"] == server.router.info.max_model_len
+    assert tok["max_model_len"] == engine.max_model_len  # the model's, as an engine of its own loads it
     status, detok = post(port, "/detokenize", {"tokens": tok["tokens"]})
     assert status == 200 and detok["prompt"] == "Hello world"
     status, err = post(port, "/detokenize", {"tokens": [10**7]})
@@ -203,7 +203,7 @@ def test_tokenize_detokenize_and_models(front):
     status, err = post(port, "/tokenize", {"model": "smollm2"})
     assert status == 400 and err["error"]["param"] == "prompt"
     models = client(port).models.list()
-    assert models.data[0].model_extra["max_model_len"] == server.router.info.max_model_len
+    assert models.data[0].model_extra["max_model_len"] == engine.max_model_len
 
 
 # Fields refused before issue 28 (a value that changes the answer), a value each is served at, and what shows it
