@@ -171,9 +171,9 @@ class NixlKVSender(KVSender):
 
     def _write_all(self, pending: list[tuple[Any, int]], first: object) -> None:
         # NOTE: a layer's checks are computed on this thread right before its post, unless more layers wait behind
-        # it: theirs go to the checker thread meanwhile (UCX's cma copies inside the post, on this thread). On 2
-        # cores this moved a backlog 10-15% faster (BENCHMARKS.md); one layer at a time (layer-wise during a prefill)
-        # a hand-off to another thread only adds a wait for the GIL to the tail
+        # it: theirs go to the checker thread meanwhile (UCX's cma copies inside the post, on this thread). In
+        # alternated runs on 2 cores a backlog moved up to 15% faster so, within the noise in others (BENCHMARKS.md);
+        # one layer at a time (layer-wise during a prefill) a hand-off only adds a wait for the GIL to the tail
         ahead: collections.deque[tuple[PoolLayer, Future[tuple[str, str]] | None]] = collections.deque()
         committed = False
         item: object = first
