@@ -162,7 +162,7 @@ class BlockManager:
         for bid in hits:
             self.pool.acquire(bid)
         seq.block_table.extend(hits)
-        seq.block_table.extend(self.pool.allocate() for _ in range(max(need, 0)))
+        seq.block_table.extend(sorted(self.pool.allocate() for _ in range(max(need, 0))))  # NOTE: nixl merges runs
         if hits:
             seq.num_computed_tokens += len(hits) * self.block_size
             seq.num_registered_blocks = len(hits)

@@ -94,6 +94,7 @@ class KVReceiver:
         self.transport = ""  # the transport whose hooks are set ("torch", "nixl")
         self.on_watch: Callable[[str], Callable[[], None]] | None = None  # nixl: a sender's Watch opens (→ its end)
         self.on_fail: Callable[[Inbound], None] | None = None
+        self.on_commit: Callable[[Inbound], None] | None = None  # nixl: the commit came, the last layers are due
         # NOTE: the decode worker starts decoding the moment a transfer settles (DONE or FAILED), not when the
         # router next calls: called after the state changed, outside the receiver's lock, on the settling thread
         self.on_settled: Callable[[str, TransferState], None] | None = None
@@ -223,6 +224,8 @@ class KVReceiver:
     def commit(self, req: Commit) -> int:
         """The sender is done: DONE if every block arrived (returns the bytes received), else fail naming the gap."""
         t = self._get(req.transfer_id)
+        if self.on_commit is not None:
+            self.on_commit(t)
         with self._lock:
             # NOTE: torch sends complete when the bytes left the sender; the receive thread may still be writing.
             self._progress.wait_for(lambda: not (t.receiving or t.writers) or t.state is not TransferState.TRANSFERRING,

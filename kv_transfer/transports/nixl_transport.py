@@ -21,11 +21,13 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,19 @@ __all__ = ["NixlKVSender", "receiver_side", "unavailable"]
 ABORT_RETRY_S = 0.5  # a handshake's abort that did not get through is sent again this often (while the pair lives)
 POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
 DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
+
+
+_checker_pool: ThreadPoolExecutor | None = None
+_checker_lock = threading.Lock()
+
+
+def _checker() -> ThreadPoolExecutor:
+    """This process's one thread computing the checks of layers queued behind the one being posted."""
+    global _checker_pool
+    with _checker_lock:
+        if _checker_pool is None:
+            _checker_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-nixl-check")
+        return _checker_pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,29 +170,53 @@ class NixlKVSender(KVSender):
             self._settle(pending)
 
     def _write_all(self, pending: list[tuple[Any, int]], first: object) -> None:
-        # NOTE: each layer's checks are computed here, right before its post: computing them ahead on other threads
-        # (while the post copies on this one) measured slower on the 2-core machine (BENCHMARKS.md)
+        # NOTE: a layer's checks are computed on this thread right before its post, unless more layers wait behind
+        # it: theirs go to the checker thread meanwhile (UCX's cma copies inside the post, on this thread). In
+        # alternated runs on 2 cores a backlog moved up to 15% faster so, within the noise in others (BENCHMARKS.md);
+        # one layer at a time (layer-wise during a prefill) a hand-off only adds a wait for the GIL to the tail
+        ahead: collections.deque[tuple[PoolLayer, Future[tuple[str, str]] | None]] = collections.deque()
+        committed = False
         item: object = first
-        while not self.state.finished:
-            if item is None:
-                try:
-                    item = self._queue.get(timeout=POLL_S if pending else 0.05)
-                except queue.Empty:
+        try:
+            while not self.state.finished:
+                while item is not None:  # everything queued so far
+                    if item is _COMMIT:
+                        committed = True
+                    elif isinstance(item, PoolLayer) and item.block_ids:
+                        ahead.append((item, None))
+                    item = self._next(0)
+                if ahead:
+                    layer, checks = ahead.popleft()
+                    for i, (behind, fut) in enumerate(ahead):
+                        if fut is None:
+                            ahead[i] = (behind, _checker().submit(self._checks, behind))
+                    ch = checks.result() if checks is not None else self._checks(layer)
+                    self._post(layer, ch, pending)
+                    self._progress(pending)
+                    continue
+                if committed:
+                    while pending and not self.state.finished:
+                        self._progress(pending)
+                        if time.monotonic() > self._deadline:
+                            raise TransferError("deadline passed while writing", self.request_id, retryable=True)
+                    return
+                item = self._next(POLL_S if pending else 0.05)
+                if item is None:
                     self._progress(pending)
                     if time.monotonic() > self._deadline:
                         raise TransferError(f"deadline of {self.config.deadline_s} s passed", self.request_id,
-                                            retryable=True) from None
-                    continue
-            if item is _COMMIT:
-                while pending and not self.state.finished:
-                    self._progress(pending)
-                    if time.monotonic() > self._deadline:
-                        raise TransferError("deadline passed while writing", self.request_id, retryable=True)
-                return
-            if isinstance(item, PoolLayer) and item.block_ids:
-                self._post(item, self._checks(item), pending)
-            item = None
-            self._progress(pending)
+                                            retryable=True)
+        finally:
+            for _, fut in ahead:
+                if fut is not None:
+                    fut.cancel()
+
+    def _next(self, timeout: float) -> object | None:
+        """The next queued item (None: none within `timeout`; 0: only what is queued now)."""
+        try:
+            return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+        except queue.Empty:
+            return None
 
     def _checks(self, layer: PoolLayer) -> tuple[str, str]:
         """The checks of one layer's K and V blocks, as its notification carries them."""
