@@ -22,7 +22,6 @@ class Backlog:
         self.window = max(1, window)
         self.undelivered = 0
         self.paused = False
-        self.pauses = 0  # how many times the stream was paused (logs and tests)
         self._lock = threading.Lock()
         self._paused_at = 0.0
         self._paused_s = 0.0  # total time paused so far
@@ -35,7 +34,6 @@ class Backlog:
             if self.paused or self.undelivered < self.window:
                 return now - self._paused_s, False
             self.paused, self._paused_at = True, now
-            self.pauses += 1
             return now - self._paused_s, True
 
     def delivered(self, n: int) -> bool:

@@ -35,7 +35,7 @@ SHARE_DIR = "/dev/shm"
 MAX_SLOTS = 32  # workers of one cluster on one node
 _SLOT = struct.Struct("<iiQB")  # pid (0: free), own threads, own cores (bitmask; 0: not pinned), busy
 _SLOT_BYTES = 32
-_BUSY_OFFSET = 16  # the busy byte inside a slot (after pid, threads, cores)
+_BUSY_OFFSET = _SLOT.size - 1  # the busy byte inside a slot: its last field (after pid, threads, cores)
 
 
 @dataclass(frozen=True)

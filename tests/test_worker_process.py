@@ -65,6 +65,10 @@ def test_workers_run_with_their_pools_nice_threads_cores_and_env(ray_session):
             env = _environ(pid)
             assert env["OMP_NUM_THREADS"] == str(threads) and env["OMP_WAIT_POLICY"] == "PASSIVE", name
             assert env.get("GOMP_SPINCOUNT") == ("0" if name.startswith("decode") else None), name
+        # NOTE: the YAML's lend_idle_cores reaches the workers: the decode worker stepped on the prefill worker's
+        # other cores once the prefill worker was idle, and is back on its own one above
+        decode_info = ray.get(ray.get_actor("decode-0", namespace=NAMESPACE).process.remote(), timeout=60)
+        assert cluster.config.decode.lend_idle_cores and (decode_info["lent_steps"] > 0 or len(cores) == 1)
     finally:
         server.close()
         cluster.stop()
