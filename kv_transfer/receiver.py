@@ -94,7 +94,7 @@ class KVReceiver:
         self.transport = ""  # the transport whose hooks are set ("torch", "nixl")
         self.on_watch: Callable[[str], Callable[[], None]] | None = None  # nixl: a sender's Watch opens (→ its end)
         self.on_fail: Callable[[Inbound], None] | None = None
-        self.on_commit: Callable[[Inbound], None] | None = None  # nixl: the commit came, the last layers are due
+        self.on_commit: Callable[[], None] | None = None  # nixl: the commit came, the last layers are due
         # NOTE: the decode worker starts decoding the moment a transfer settles (DONE or FAILED), not when the
         # router next calls: called after the state changed, outside the receiver's lock, on the settling thread
         self.on_settled: Callable[[str, TransferState], None] | None = None
@@ -123,7 +123,7 @@ class KVReceiver:
         with self._lock:
             self._by_id[t.transfer_id] = t
             self._by_request[rid] = t
-            abandoned = self._abandoned.pop(req.attempt_id, None) is not None if req.attempt_id else False
+            abandoned = self._abandoned.pop(req.attempt_id, None) is not None  # NOTE: "" is never remembered
         if abandoned:  # NOTE: the sender's abort of this handshake overtook it (e.g. while this engine hung)
             self._fail(t, "the sender gave this handshake up before it was answered", retryable=True)
             raise TransferError("handshake aborted by the sender", rid, retryable=True)
@@ -225,7 +225,7 @@ class KVReceiver:
         """The sender is done: DONE if every block arrived (returns the bytes received), else fail naming the gap."""
         t = self._get(req.transfer_id)
         if self.on_commit is not None:
-            self.on_commit(t)
+            self.on_commit()
         with self._lock:
             # NOTE: torch sends complete when the bytes left the sender; the receive thread may still be writing.
             self._progress.wait_for(lambda: not (t.receiving or t.writers) or t.state is not TransferState.TRANSFERRING,

@@ -34,6 +34,7 @@ from tests.helpers import (
     prefill_layerwise,
     random_prompts,
     run_to_completion,
+    wait_for,
 )
 from tests.test_kv_transfer_processes import Child, _config, _receiver_child
 
@@ -144,19 +145,11 @@ def test_a_frozen_receiver_is_freed_by_the_deadline_on_both_sides(tiny):
         child.kill()
 
 
-
 class _AbortLost(NixlKVSender):
     """A nixl sender whose abort of a failed handshake never reaches the receiver."""
 
     def _prepare_failed(self, req, err):  # type: ignore[no-untyped-def]
         return None
-
-
-def _until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return bool(cond())
 
 
 @pytest.mark.parametrize("abort", ["reaches the receiver first", "is lost"])
@@ -172,11 +165,12 @@ def test_a_handshake_answered_after_its_sender_gave_up_frees_its_blocks(tiny, ab
             with pytest.raises(TransferError, match="DEADLINE_EXCEEDED"):
                 sender.prepare()
             if abort.startswith("reaches"):
-                assert _until(lambda: ep.receiver._abandoned), "the sender's abort of its handshake did not arrive"
+                assert wait_for(lambda: bool(ep.receiver._abandoned), 10), \
+                    "the sender's abort of its handshake did not arrive"
         # the hang ended: the late handshake reserves blocks and answers a call that ended long ago
-        assert _until(lambda: "late" in ep.receiver._by_request)
+        assert wait_for(lambda: "late" in ep.receiver._by_request, 10)
         assert ep.receiver.wait("late", 10) is TransferState.FAILED
-        assert _until(lambda: free_blocks(b) == baseline), "blocks nobody will ever write stay reserved"
+        assert wait_for(lambda: free_blocks(b) == baseline, 10), "blocks nobody will ever write stay reserved"
         assert b.stats().num_reserved == 0 and ep.receiver.num_inflight == 0
         # the pair goes on: the next transfer over the same Watch completes
         sender = open_kv_sender("nixl", ep.address, a, "fresh", fresh)

@@ -102,8 +102,8 @@ class NixlEndpoint:
         self._cond = threading.Condition()
         self._closed = False
         receiver.on_prepare, receiver.on_watch, receiver.transport = self.prepare, self.watch, "nixl"
-        receiver.on_commit = self._hurry
         self._wake = threading.Event()  # set: poll NIXL now and fast again (a commit came)
+        receiver.on_commit = self._hurry
         self._thread = threading.Thread(target=self._notifications, daemon=True, name="kv-nixl-notifs")
         self._thread.start()
 
@@ -173,14 +173,13 @@ class NixlEndpoint:
                 self._wake.clear()
                 last_news = time.monotonic()
 
-    def _hurry(self, t: Inbound) -> None:
+    def _hurry(self) -> None:
         """A commit came: its last layers' notifications are due now, poll fast again.
 
         NOTE: layer-wise, layers come one prefill layer apart (~0.1 s for 2,048 tokens on one thread): the thread
         has backed off to `SLOW_POLL_S` by the last one, and the commit waited for the next slow poll (up to 5 ms
         of the tail after the prefill, issue 30's send profile).
         """
-        del t
         self._wake.set()
 
     def _prune(self) -> None:
@@ -213,9 +212,8 @@ class NixlEndpoint:
             entry = self._open.get(tid)
         if entry is None or entry[1].agent != sender or not 0 <= layer < self.receiver.layout.num_layers:
             return  # NOTE: a transfer already settled, or not this sender's
-        # NOTE: checked here, on the notification thread: checking on other threads (this one driving NIXL meanwhile),
-        # and on the sender computing the checks ahead of its posts, both measured slower on the 2-core machine
-        # (BENCHMARKS.md): each end already keeps a core busy
+        # NOTE: checked here, on the notification thread: checking on other threads (this one driving NIXL meanwhile)
+        # measured slower on the 2-core machine (BENCHMARKS.md): each end already keeps a core busy
         t = entry[0]
         ids = np.asarray(t.res.fresh_blocks, dtype=np.int64)
         kv = self.pool.kv
