@@ -105,10 +105,11 @@ def _traffic(args: argparse.Namespace, ep: dict[str, str], extra: ExtraRouter, m
                     rss.setdefault(name, []).append(mb)
 
     def stall() -> str:
-        counted = metric(ep.get("metrics"), "pdcluster_client_stalls_total") or 0.0
+        def stalls() -> float:  # the router's count of clients it cut off for not reading
+            return metric(ep.get("metrics"), "pdcluster_client_stalls_total") or 0.0
+        counted = stalls()
         t = threading.Thread(target=lambda: stalled.append(chaos_traffic.stalled_stream(
-            http["serve"], model, 2000, args.stall_s,
-            lambda: (metric(ep.get("metrics"), "pdcluster_client_stalls_total") or 0.0) > counted)), daemon=True)
+            http["serve"], model, 2000, args.stall_s, lambda: stalls() > counted)), daemon=True)
         t.start()
         return f"reads its first bytes, then nothing until cut off (at most {args.stall_s:.0f} s; outcome below)"
 

@@ -83,8 +83,8 @@ def run_search(args: argparse.Namespace, profile: Profile, overheads: Callable[[
     started = time.perf_counter()
     template = args.template or (plan_yaml.GPU_TEMPLATE if profile.estimated else plan_yaml.CPU_TEMPLATE)
     slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, attainment=args.attainment)
-    # NOTE: the planned YAML sets the router's SLOs to these (`router_slo`), and the router and the engines act on
-    # them (the ITL budget, the SLO placements): the simulated cluster does the same
+    # NOTE: the planned YAML sets the router's SLOs to these (`router=targets` below), and the router and the engines
+    # act on them (the ITL budget, the SLO placements): the simulated cluster does the same
     targets = {"slo_itl_ms": slo.itl_ms, "slo_ttft_ms": slo.ttft_ms}
     shape, colo = (dataclasses.replace(sh, slo_itl_ms=slo.itl_ms, slo_ttft_ms=slo.ttft_ms)
                    for sh in _shapes(template, profile)[1:])

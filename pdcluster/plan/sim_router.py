@@ -111,10 +111,9 @@ class Pool:
 class SimRouter:
     """Routes each request with the real policy; keeps the per-router counts the policy reads."""
 
-    def __init__(self, routing: str, block_size: int, skip_max: int, prefill: Pool | None, decode: Pool,
-                 slo_itl_ms: float | None = None) -> None:
-        self.policy = Policy(routing, block_size, skip_max, slo_itl_ms)
-        self.routing = routing
+    def __init__(self, policy: Policy, prefill: Pool | None, decode: Pool) -> None:
+        self.policy = policy
+        self.routing = policy.routing
         self.prefill, self.decode = prefill, decode
         self.by_name = {w.name: (pool, i) for pool in (prefill, decode) if pool
                         for i, w in enumerate(pool.workers)}

@@ -188,16 +188,17 @@ class Worker:
         tokens = samples = self.n_dec
         pairs = 0.0
         chunks: list[tuple[Job, int]] = []
-        if self.prefilling or self.waiting:  # NOTE: the common decode-only step skips this
+        prompt_work = bool(self.prefilling or self.waiting)
+        # NOTE: the ITL budget beside decode; once every step, as the engine (a step without prompt work ends a
+        # starving streak)
+        cap = self.step_budget.step_cap(self.n_dec, prompt_work, self.bs)
+        if prompt_work:  # NOTE: the common decode-only step skips this
             room = self.budget - self.n_dec
-            cap = self.step_budget.step_cap(self.n_dec, True, self.bs)  # NOTE: the ITL budget beside decode
             chunks = self._prompt_chunks(room if cap is None else min(room, cap), now)
             for job, n in chunks:
                 tokens += n
                 samples += job.computed + n == job.req.prompt_len
                 pairs += prefill_pairs(n, job.computed)
-        else:
-            self.step_budget.step_cap(self.n_dec, False, self.bs)  # NOTE: a step without prompt work ends a starving
         if tokens == 0:
             return None
         if self.padded:

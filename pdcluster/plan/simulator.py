@@ -34,6 +34,7 @@ from pdcluster.plan.sim_cache import BlockCache, block_keys
 from pdcluster.plan.sim_cores import core_groups
 from pdcluster.plan.sim_router import Pool, SimRouter
 from pdcluster.plan.sim_worker import Job, Req, Worker, answer_tokens
+from router.settings import RouterSettings
 
 DEFAULT_MODEL_LEN = 8192
 
@@ -97,8 +98,8 @@ class ClusterShape:
             affinity = tuple(tuple(c) for c in (getattr(p, "cpu_affinity", None) or ()))
             pools[str(role)] = PoolShape(p.replicas, blocks, p.block_size, p.max_num_seqs, p.max_num_batched_tokens,
                                     getattr(p, "prefill_order", "fcfs"), affinity)
-        skip = cfg.router.skip_prefill_max_uncached_tokens if cfg.mode == "disaggregated" else 0
-        return cls(cfg.mode, cfg.router.routing, skip, pools, cfg.router.slo_itl_ms, cfg.router.slo_ttft_ms)
+        return cls(cfg.mode, cfg.router.routing, cfg.router.skip_prefill_max_uncached_tokens, pools,
+                   cfg.router.slo_itl_ms, cfg.router.slo_ttft_ms)
 
     @property
     def num_workers(self) -> int:
@@ -125,9 +126,10 @@ class Simulator:
             pools[role] = Pool(workers, speed, prefill_role=role == "prefill")
         self.bs = next(iter(shape.pools.values())).block_size
         decode = pools["colocated"] if shape.mode == "colocated" else pools["decode"]
-        # NOTE: as router/settings.py `policy`: the SLO placements only with a prefill pool to place around
-        slo_itl = shape.slo_itl_ms if shape.mode == "disaggregated" else None
-        self.router = SimRouter(shape.routing, self.bs, shape.skip_max, pools.get("prefill"), decode, slo_itl)
+        # NOTE: the router's own rule: the skip and the SLO placements only with a prefill pool to place around
+        settings = RouterSettings(model="", mode=shape.mode, routing=shape.routing,
+                                  skip_prefill_max_uncached_tokens=shape.skip_max, slo_itl_ms=shape.slo_itl_ms)
+        self.router = SimRouter(settings.policy(self.bs), pools.get("prefill"), decode)
         self.workers = [w for p in pools.values() for w in p.workers]
         affinity = {w.name: ps.cpu_affinity[w.idx % len(ps.cpu_affinity)] if ps.cpu_affinity else ()
                     for role, ps in shape.pools.items() for w in pools[role].workers}
