@@ -108,8 +108,10 @@ def open_kv_sender(transport: str, address: str, engine: LLMEngine, request_id: 
                          sender_id=f"test-{id(engine)}", pool=KVPool(engine))
     if sender_cls is None:
         return sender
-    return sender_cls(sender.control, tc, request_id, engine.kv_layout, prompt, len(prompt), hashes,
-                      sender_id=f"test-{id(engine)}")
+    custom = sender_cls(sender.control, tc, request_id, engine.kv_layout, prompt, len(prompt), hashes,
+                        sender_id=f"test-{id(engine)}")
+    custom.pool = sender.pool  # NOTE: as open_sender gives it: nixl writes from the sending engine's pool
+    return custom
 
 
 def prefill_layerwise(engine: LLMEngine, sender: Any, prompt: list[int], params: SamplingParams | None = None, *,

@@ -15,7 +15,6 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState, payload
-from kv_transfer.pool import KVPool
 from kv_transfer.transports.grpc_transport import GrpcKVSender
 from kv_transfer.transports.nixl_transport import NixlKVSender
 from tests.helpers import (
@@ -161,7 +160,6 @@ def test_a_nixl_layer_unlike_its_check_fails_the_transfer_as_retryable_and_frees
     b = ep.receiver.engine
     baseline = free_blocks(b)
     sender = open_kv_sender("nixl", ep.address, a, "r", PROMPT, sender_cls=CorruptCheck)
-    sender.pool = KVPool(a)  # NOTE: nixl writes from the sending engine's pool
     prefill_layerwise(a, sender, PROMPT, FIRST)
     assert sender.wait(10) is TransferState.FAILED and sender.error.retryable, sender.error
     assert "checksum mismatch in layer 0 K (nixl)" in sender.error.reason
