@@ -56,7 +56,6 @@ class EngineStats:
     num_preemptions: int
     spec_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted_tokens: int = 0  # of those, accepted by the target model
-    num_paused: int = 0  # of the running ones, paused by their consumer (a client that stopped reading)
 
 
 class LLMEngine:
@@ -413,8 +412,7 @@ class LLMEngine:
                            len(self.scheduler.waiting), len(self.scheduler.running) + len(self.scheduler.paused),
                            len(self._reserved),
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
-                           self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted,
-                           len(self.scheduler.paused))
+                           self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted)
 
 
 
