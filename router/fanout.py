@@ -69,6 +69,10 @@ async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, Non
             queue.put_nowait(e)
 
     tasks = [asyncio.create_task(pump(0))]
+    # NOTE: a front whose task ends with this generator left open: the choices go with it (router/relay.py)
+    gone = lambda _: [t.cancel() for t in tasks]  # noqa: E731
+    if owner is not None:
+        owner.add_done_callback(gone)
     try:
         done = 0
         while done < n:
@@ -85,6 +89,8 @@ async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, Non
             slots.release()
             yield item
     finally:
+        if owner is not None:
+            owner.remove_done_callback(gone)
         closing[0] = True
         for t in tasks:
             t.cancel()

@@ -102,6 +102,12 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
                     owner.cancel()
 
     task = asyncio.create_task(pump())
+    # NOTE: a front whose task ends with this generator left open (suspended at its yield: gRPC's generator
+    # handlers were) would keep the run, its lease and its KV blocks until a garbage collection: the pump, whose
+    # close closes the run, goes with the front's task
+    gone = lambda _: task.cancel()  # noqa: E731
+    if owner is not None:
+        owner.add_done_callback(gone)
     try:
         while True:
             while not relay.buffer and not relay.ended:
@@ -117,6 +123,8 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
                 raise relay.error
             return
     finally:
+        if owner is not None:
+            owner.remove_done_callback(gone)
         if not task.done():
             task.cancel()
         await asyncio.wait([task])  # NOTE: the run's abort has been sent when this returns

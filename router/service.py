@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -77,18 +77,27 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         return await self._unary(request, lambda: self.validator.generate(request), context)
 
-    async def GenerateStream(self, request: pb.GenerateRequest,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        async for chunk in self._stream(request, lambda: self.validator.generate(request), context):
-            yield chunk_pb(chunk)
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._write(self._stream(request, lambda: self.validator.generate(request), context), context)
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         return await self._unary(request, lambda: self.validator.chat(request), context)
 
-    async def ChatStream(self, request: pb.ChatRequest,
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        async for chunk in self._stream(request, lambda: self.validator.chat(request), context):
-            yield chunk_pb(chunk)
+    async def ChatStream(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._write(self._stream(request, lambda: self.validator.chat(request), context), context)
+
+    @staticmethod
+    async def _write(chunks: AsyncGenerator[Chunk, None], context: grpc.aio.ServicerContext) -> None:
+        """A streaming call's chunks, each written to its client: a coroutine handler, never a generator one.
+
+        NOTE: gRPC cancels the handler's task (the client went away) wherever it waits, most often in a write. A
+        handler that is an async generator is left suspended there, unclosed: its run (the worker's stream and
+        lease, the KV blocks, the admission slot) lived on until a garbage collection or the client-stall cut.
+        Here the write is ours, so the cancel closes `chunks` at once (aclosing).
+        """
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                await context.write(chunk_pb(chunk))
 
     async def GetClusterStatus(self, request: pb.ClusterStatusRequest,
                                context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
@@ -114,21 +123,22 @@ class InferenceService(pb_grpc.InferenceServicer):
         resp = pb.GenerateResponse()
         choices: dict[int, pb.Choice] = {}
         completion_tokens = 0
-        async for chunk in self._stream(request, check, context):
-            c = choices.setdefault(chunk.index, pb.Choice(index=chunk.index))
-            c.token_ids.extend(chunk.token_ids)
-            c.text += chunk.text
-            c.logprobs.extend(logprobs_pb(chunk.logprobs))
-            if chunk.prompt_logprobs is not None:
-                resp.prompt_logprobs.extend(logprobs_pb([e for e in chunk.prompt_logprobs if e is not None]))
-            if chunk.finish_reason:
-                c.finish_reason = chunk.finish_reason
-                last = chunk_pb(chunk)
-                completion_tokens += last.usage.completion_tokens
-                if chunk.index == 0:
-                    resp.request_id = chunk.request_id
-                    resp.usage.CopyFrom(last.usage)
-                    resp.timeline.CopyFrom(last.timeline)
+        async with contextlib.aclosing(self._stream(request, check, context)) as chunks:
+            async for chunk in chunks:
+                c = choices.setdefault(chunk.index, pb.Choice(index=chunk.index))
+                c.token_ids.extend(chunk.token_ids)
+                c.text += chunk.text
+                c.logprobs.extend(logprobs_pb(chunk.logprobs))
+                if chunk.prompt_logprobs is not None:
+                    resp.prompt_logprobs.extend(logprobs_pb([e for e in chunk.prompt_logprobs if e is not None]))
+                if chunk.finish_reason:
+                    c.finish_reason = chunk.finish_reason
+                    last = chunk_pb(chunk)
+                    completion_tokens += last.usage.completion_tokens
+                    if chunk.index == 0:
+                        resp.request_id = chunk.request_id
+                        resp.usage.CopyFrom(last.usage)
+                        resp.timeline.CopyFrom(last.timeline)
         first = choices.get(0, pb.Choice())
         resp.token_ids.extend(first.token_ids)
         resp.text, resp.finish_reason = first.text, first.finish_reason
@@ -139,7 +149,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return resp
 
     async def _stream(self, request: object, check: Callable[[], Checked],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+                      context: grpc.aio.ServicerContext) -> AsyncGenerator[Chunk, None]:
         arrived = time.monotonic()
         admission: Admission | None = None
         try:
@@ -161,7 +171,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             async with contextlib.aclosing(runs) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        except asyncio.CancelledError:  # the client went away (or its deadline passed)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or its deadline passed)
             self.router.metrics.request_done("grpc", Status.CANCELLED.name)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status for this request only

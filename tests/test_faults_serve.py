@@ -165,6 +165,37 @@ def test_clients_that_stop_reading_are_cut_off_and_free_their_slots(serve):
     assert status.router_inflight == 0
 
 
+def test_a_grpc_stream_cancelled_while_its_write_waits_is_closed_at_once_not_at_the_stall_limit(serve):
+    """A client that cancels while the router's write to it waits (its window full) frees its run at the cancel.
+
+    NOTE: gRPC cancels the handler's task inside that write; a handler that is a generator is then left suspended,
+    and its run (the decode worker's stream, the lease, the admission slot) was closed only by the stall cut or a
+    garbage collection: with the engine paused on an unread stream, that held the request's KV blocks meanwhile.
+    """
+    stalls = serve.metric("pdcluster_client_stalls_total")
+    cancelled = serve.metric("pdcluster_requests_total", api="grpc", status="CANCELLED")
+    channel = grpc.insecure_channel(serve.endpoints["grpc"], options=[("grpc.http2.bdp_probe", 0)])
+    call = pb_grpc.InferenceStub(channel).GenerateStream(pb.GenerateRequest(
+        prompt=f"cancelled while blocked {time.time()}", sampling=pb.SamplingParams(max_tokens=2000,
+                                                                                   ignore_eos=True)), timeout=90)
+    next(call)
+    # the client reads nothing more: once its window is full the router's write waits, and its buffer fills
+    deadline = time.monotonic() + 60  # NOTE: a bound for a hang, not a speed check
+    while serve.metric("pdcluster_stream_buffered_chunks") < 16:  # router.stream_buffer_chunks
+        assert time.monotonic() < deadline, "the router's buffer for the stream never filled"
+        time.sleep(0.05)
+    call.cancel()
+    stub = serve.stub()
+    while (stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=10).router_inflight
+           or serve.metric("pdcluster_stream_buffered_chunks")):
+        assert time.monotonic() < deadline + 30, "the cancelled stream still holds its slot or its buffer"
+        time.sleep(0.05)
+    # ended by the cancel (counted as such), not by the client-stall cut that came CLIENT_STALL_S later before
+    assert serve.metric("pdcluster_requests_total", api="grpc", status="CANCELLED") == cancelled + 1
+    assert serve.metric("pdcluster_client_stalls_total") == stalls
+    channel.close()
+
+
 def test_a_deadline_an_idle_cluster_cannot_meet_is_deadline_exceeded(serve):
     stub = serve.stub()
     with pytest.raises(grpc.RpcError) as info:

@@ -261,6 +261,54 @@ def test_a_client_that_stops_reading_pauses_the_run_then_cuts_it_off():
     assert sum(sizes) == 0 and max(itertools.accumulate(sizes)) == 4  # the gauge went back to zero
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_front_task_that_ends_with_its_stream_left_open_still_closes_every_run(n):
+    """The front's task is cancelled while the stream is suspended at a yield and is never closed (what gRPC did
+    to a generator handler cancelled inside its write): the runs are closed with the task, not at a GC."""
+    from engine.sampling_params import SamplingParams
+    from router.fanout import fan_out
+    from router.relay import relayed
+    from router.results import Chunk
+    from router.validate import Checked
+
+    closed: set[str] = set()
+    seen_all: set[int] = set()
+    kept = []  # NOTE: holds the stream, as a framework's frame would: no refcount finalizer closes it
+
+    async def run(c: Checked):
+        try:
+            for i in range(1000):
+                yield Chunk(c.request_id, [i], "x")
+        finally:
+            closed.add(c.request_id)
+
+    async def front() -> None:
+        checked = Checked("r", [1, 2, 3], SamplingParams(n=n, max_tokens=1000))
+        stream = fan_out(lambda c: relayed(run(c), 4, 3600, c.request_id), checked)
+        kept.append(stream)
+        async for chunk in stream:  # NOTE: no aclosing: left suspended when the task is cancelled below
+            seen_all.add(chunk.index)
+            if len(seen_all) == n:
+                break
+        await asyncio.sleep(3600)  # the write that the cancel lands in
+
+    async def go() -> None:
+        task = asyncio.create_task(front())
+        while not kept or len(seen_all) < n:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(500):  # NOTE: a bound for a hang; the cancelled pumps close their runs within a few turns
+            if len(closed) == n:
+                break
+            await asyncio.sleep(0.01)
+        # NOTE: asserted before asyncio.run's end, which closes every open generator itself
+        assert closed == ({"r"} if n == 1 else {"r", "r-1", "r-2"})
+        assert kept  # still referenced here: it was the task's end that closed the runs
+    asyncio.run(go())
+
+
 def test_a_slow_client_gets_every_chunk_in_order_without_being_cut_off():
     from router.relay import relayed
 
