@@ -39,6 +39,7 @@ class WorkerLoad:
     """
 
     running: int = 0  # sequences in the running batch
+    paused: int = 0  # of those, paused until their client reads again (cluster/backlog.py)
     waiting: int = 0  # sequences queued for their first step
     reserved: int = 0  # KV reservations waiting for a transfer to land
     num_blocks: int = 0  # KV blocks in the pool
@@ -133,6 +134,9 @@ class DecodeRequest:
     sent_chars: int | None = 0  # characters of the output text already streamed to the client
     traceparent: str = ""  # W3C trace context of the router's span for this step ("" when tracing is off)
     kv_wait_s: float = 150.0  # a handoff: how long to wait for the KV before giving the request up
+    # NOTE: the router's window on this stream (Ray's generator backpressure): with this many engine outputs not yet
+    # taken, the worker pauses the sequence in its engine until the router reads again (cluster/backlog.py)
+    window: int = 16
 
 
 @dataclass

@@ -8,8 +8,10 @@ a request that stays where it is prefilled (router/policy.py, "stay"). Life of a
    `output_token_ids`, recomputed; the engine cuts it into chunks under its ITL budget while it decodes for others);
    a caller cancelled meanwhile still lets `fn` finish, then aborts the request, so nothing joins after its abort;
 2. `deltas()`: each batch of outputs the engine made since the last yield is merged into one Delta, stamped with the
-   time the engine made its last token (`made_at`); the first carries how many characters the client had
-   (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker;
+   time the engine made its last token (`made_at`, on the backlog's busy clock); the first carries how many
+   characters the client had (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker;
+   with `req.window` outputs not yet taken (the router's window: its client reads slowly or not at all) the sequence
+   pauses in the engine (blocks kept, cluster/backlog.py) and resumes when the consumer takes a delta again;
 3. a caller that goes away before the last Delta (the generator closed or cancelled) aborts the request: the
    worker's `abort` frees its blocks.
 """
@@ -23,6 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
+from cluster.backlog import Backlog
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
 from engine.errors import InvalidRequestError
@@ -46,6 +49,7 @@ class RequestStream:
         # NOTE: each output with when the engine made it: a stream paused by backpressure (its client reads slowly)
         # merges what came meanwhile, stamped with the engine's time, not the time it was sent (router/stall.py)
         self._outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
+        self._backlog = Backlog(req.window)
         self._timing: list[tuple[float, float]] = []  # a whole request: its queue and prefill time here (ms)
         # NOTE: records under the worker's own module (decode_workers.worker, prefill_workers.worker), as before
         self._log = logging.getLogger(type(worker).__module__)
@@ -54,10 +58,10 @@ class RequestStream:
         """The engine loop's hook (its thread, under the lock): queue the step's output for `deltas`."""
         if self.whole and not self._timing:
             self._timing.append(self.worker._first_token(self.request_id, time.monotonic()))
-        # NOTE: pausing the sequence at the backlog's window (LLMEngine.pause_request) is off: with it, a cancelled
-        # stream's paused sequence once kept 20 blocks past the test's 20 s (tests/test_reliability.py); until that
-        # is found, the engine runs an unread stream to max_tokens and Ray's window bounds what piles up
-        self._aio.call_soon_threadsafe(self._outputs.put_nowait, (time.monotonic(), out))
+        made_at, pause = self._backlog.made()
+        if pause and not out.finished:  # NOTE: between two steps: the next one already leaves it out
+            self.worker.engine.pause_request(self.request_id)
+        self._aio.call_soon_threadsafe(self._outputs.put_nowait, (made_at, out))
 
     def join_whole(self, engine: object) -> None:
         """A `start` function: the whole request (its prompt) joins the engine's batch."""
@@ -69,6 +73,10 @@ class RequestStream:
                                    sent_chars=self.resumed_chars)
         w._track(seq, self.arrived)
         w.loop.attach(self.request_id, self.on_output)
+
+    def _resume(self, engine: object) -> None:
+        """A loop call: the paused sequence is stepped again (its consumer took a delta)."""
+        self.worker.engine.resume_request(self.request_id)
 
     async def start(self, fn: Callable[[object], None]) -> None:
         """Run `fn` in the engine loop between two steps; a cancelled caller aborts the request after it."""
@@ -104,6 +112,8 @@ class RequestStream:
                 if finished:
                     self._log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
                 yield delta
+                if self._backlog.delivered(len(batch)):
+                    await asyncio.to_thread(self.worker.loop.call, self._resume)
         finally:
             if not finished:
                 await asyncio.to_thread(self.worker.abort, self.request_id)

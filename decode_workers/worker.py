@@ -10,8 +10,10 @@ Life of a request on a decode worker:
 3. each step's new tokens are merged into `Delta`s (cluster/request_stream.py, the one streaming loop of every
    worker) and yielded to the router until the request finishes. The
    router opens the stream with a window (Ray's `_generator_backpressure_num_objects`): while that many deltas
-   are unread (its client reads slowly) the yield waits, the engine goes on, and the next delta carries every
-   step made meanwhile; a client that stops reading for good is cut off by the router, whose abort frees the blocks;
+   are unread (its client reads slowly) the yield waits, and the next delta carries every step made meanwhile; with
+   as many steps undelivered the sequence pauses in the engine (its blocks kept, `cluster/backlog.py`) and resumes
+   when the router reads again; a client that stops reading for good is cut off by the router, whose abort frees
+   the blocks;
 4. a caller that goes away (the generator is closed or cancelled) or an abort ends the request: its blocks (or the
    reservation it waited on) are freed.
 """

@@ -56,6 +56,7 @@ class EngineStats:
     num_preemptions: int
     spec_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted_tokens: int = 0  # of those, accepted by the target model
+    num_paused: int = 0  # of the running ones, paused by their consumer (a client that stopped reading)
 
 
 class LLMEngine:
@@ -412,7 +413,8 @@ class LLMEngine:
                            len(self.scheduler.waiting), len(self.scheduler.running) + len(self.scheduler.paused),
                            len(self._reserved),
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
-                           self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted)
+                           self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted,
+                           len(self.scheduler.paused))
 
 
 

@@ -214,6 +214,7 @@ class RequestRun:
         if span is not None:
             request = dataclasses.replace(request, traceparent=tracing.traceparent_of(span))
         self.touched.add((worker.name, request.request_id))
+        request = dataclasses.replace(request, window=self.stream_window)
         # NOTE: without a window Ray sends every delta as it is made, whether the router reads or not: a client
         # that stops reading would pile the whole generation up in the router's memory
         stream = worker.actor.generate.options(num_returns="streaming",

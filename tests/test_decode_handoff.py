@@ -64,20 +64,29 @@ def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, sm
         # NOTE: what the decode worker computed, a counter, not a sample of its running batch: under load the
         # machine stalls for seconds, and a request that decoded to its end before the first sample would never be
         # seen running (the race that once failed this test)
-        decoded, deadline = 0, time.monotonic() + 240  # NOTE: a bound for a hang, not a speed check
-        while time.monotonic() < deadline:  # the decode worker runs the request to its end on its own
+        # NOTE: the router reads nothing: the worker decodes up to its window of undelivered steps, then pauses the
+        # sequence in its engine (cluster/backlog.py) until the router reads again. Under load the first pause can
+        # come early and lift (Ray's window was not full yet), so wait until it holds: paused, nothing computed for 2 s
+        decoded, paused, held_since = -1, 0, time.monotonic()
+        deadline = held_since + 240  # NOTE: a bound for a hang, not a speed check
+        while time.monotonic() < deadline:
             load = await decode.load.remote()
-            decoded = load.computed_tokens - computed
-            if decoded >= 199 and load.running == 0:
+            now = load.computed_tokens - computed
+            if now != decoded or not load.paused:
+                decoded, paused, held_since = now, load.paused, time.monotonic()
+            if (paused and time.monotonic() - held_since >= 2.0) or (load.running == 0 and decoded >= 199):
                 break
             await asyncio.sleep(0.05)
+        assert paused == 1, f"the unread stream was not paused ({decoded} decode steps)"
         rest = [chunk async for chunk in chunks]
         assert rest[-1].timeline is not None and rest[-1].timeline.prefill_worker == "prefill-0"  # the handoff
         return first.token_ids + [t for chunk in rest for t in chunk.token_ids], decoded
 
     tokens, decoded = asyncio.run_coroutine_threadsafe(run(), server.loop).result(400)
-    # the 199 decode steps after the prefill worker's token, before the router asked for a single decode token
-    assert decoded >= 199, "the decode worker did not run the request to its end while the router held its stream"
+    # decode steps after the prefill worker's token, before the router asked for a single decode token, up to the
+    # window (a client that reads nothing costs no decode steps past it); read again, the stream finishes
+    window = server.router.settings.stream_buffer_chunks
+    assert window <= decoded < 199, decoded
     assert tokens == want  # the relayed stream is an undisturbed greedy run, every token once
 
 

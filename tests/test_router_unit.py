@@ -413,3 +413,30 @@ def test_a_request_kept_on_the_prefill_worker_streams_one_engines_tokens_and_tex
     s = p.engine.stats()
     assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_blocks)
 
+
+def test_a_stream_nobody_reads_pauses_in_the_engine_and_resumes_with_the_same_tokens(tiny, workers):
+    """Its sequence stops at the window while another stream on the worker decodes on; read again, it finishes with
+    the tokens of a run that never paused."""
+    from tests.helpers import run_alone
+
+    _, d = workers
+    held_prompt, other_prompt = random_prompts(2, [24], seed=41, vocab=tiny.config.vocab_size)
+    window, params = 4, dataclasses.replace(GREEDY, max_tokens=48)
+
+    def engine_seqs():
+        return d.loop.call(lambda e: {s.request_id: s.num_output_tokens for s in e.scheduler.paused})
+
+    async def scenario():
+        held = d.generate(DecodeRequest("held", params, held_prompt, window=window))
+        tokens = list((await anext(held)).token_ids)  # one delta read, then nothing
+        other = [t async for delta in d.generate(DecodeRequest("other", params, other_prompt, window=window))
+                 for t in delta.token_ids]
+        paused = engine_seqs()  # NOTE: the engine is idle now: nothing else can advance it
+        tokens += [t async for delta in held for t in delta.token_ids]
+        return other, paused, tokens
+
+    other, paused, tokens = asyncio.run(scenario())
+    assert len(other) == 48  # the other stream decoded all the while
+    assert list(paused) == ["held"] and paused["held"] <= window + 1, paused  # 48 steps ran, not for it
+    assert tokens == run_alone(tiny, held_prompt, params)
+    assert engine_seqs() == {} and d.engine.stats().num_running == 0
