@@ -127,5 +127,9 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
             owner.remove_done_callback(gone)
         if not task.done():
             task.cancel()
-        await asyncio.wait([task])  # NOTE: the run's abort has been sent when this returns
-        relay.drop()
+        try:
+            await asyncio.wait([task])  # NOTE: the run's abort has been sent when this returns
+        finally:
+            # NOTE: even when the wait is cut short: gRPC cancels a call's task when the client's cancel reaches it,
+            # also after the failed write that closes this; the pump, cancelled already, ends on its own
+            relay.drop()

@@ -90,10 +90,10 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def _write(chunks: AsyncGenerator[Chunk, None], context: grpc.aio.ServicerContext) -> None:
         """A streaming call's chunks, each written to its client: a coroutine handler, never a generator one.
 
-        NOTE: gRPC cancels the handler's task (the client went away) wherever it waits, most often in a write. A
-        handler that is an async generator is left suspended there, unclosed: its run (the worker's stream and
-        lease, the KV blocks, the admission slot) lived on until a garbage collection or the client-stall cut.
-        Here the write is ours, so the cancel closes `chunks` at once (aclosing).
+        NOTE: a client that goes away ends the handler wherever it waits, most often in a write (which fails, and
+        then gRPC cancels the task as well). A handler that is an async generator is left suspended there,
+        unclosed: its run (the worker's stream and lease, the KV blocks, the admission slot) lived on until a
+        garbage collection or the client-stall cut. Here the write is ours, so `chunks` is closed at once.
         """
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
