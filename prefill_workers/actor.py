@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import ray
@@ -23,5 +24,6 @@ class PrefillActor(WorkerActor):
         return await self.worker.prefill(req)
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
-        async for delta in self.worker.generate(req):
-            yield delta
+        async with contextlib.aclosing(self.worker.generate(req)) as deltas:  # NOTE: closed now when we are
+            async for delta in deltas:
+                yield delta

@@ -18,6 +18,7 @@ Life of a request run (`RequestRun.chunks`), stage by stage:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -118,8 +119,10 @@ class RequestRun:
                 if self.done:  # NOTE: nothing was handed off: the decode stream waiting for the KV is let go
                     return
             opened, self.handoff = self.handoff, None
-            async for chunk in self.decode_with_failover(opened):
-                yield chunk
+            # NOTE: aclosing: a run closed at its yield closes the attempt now (the worker's inflight count)
+            async with contextlib.aclosing(self.decode_with_failover(opened)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             if self.handoff is not None:
                 self._drop(self.handoff)
@@ -235,8 +238,9 @@ class RequestRun:
             worker = opened.worker
             worker.view.inflight += 1
             try:
-                async for chunk in self._decode(opened):
-                    yield chunk
+                async with contextlib.aclosing(self._decode(opened)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except Exception as e:  # noqa: BLE001 - classified below
                 if not can_fail_over(e) or attempt == MAX_FAILOVERS:
