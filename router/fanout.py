@@ -56,6 +56,8 @@ async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, Non
         try:
             async with contextlib.aclosing(open_run(choice_request(checked, index))) as chunks:
                 async for chunk in chunks:
+                    if closing[0]:  # NOTE: a cancel this pump missed (router/relay.py): it stops all the same
+                        raise asyncio.CancelledError
                     chunk.index = index
                     await slots.acquire()
                     queue.put_nowait(chunk)

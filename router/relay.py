@@ -35,18 +35,21 @@ class Relay:
         self.buffer: deque[object] = deque()
         self.readable, self.writable = asyncio.Event(), asyncio.Event()
         self.ended = False
+        self.closed = False  # the front went away: the pump stops at its next put
         self.error: BaseException | None = None
         self.high_water = 0  # the most chunks buffered at once (tests and logs)
 
     async def put(self, item: object, stall_s: float, request_id: str) -> None:
         """Buffer `item`, waiting while the buffer is full; ClientStalled after `stall_s` without room."""
-        while len(self.buffer) >= self.limit:
+        while len(self.buffer) >= self.limit and not self.closed:
             self.writable.clear()
             try:
                 await asyncio.wait_for(self.writable.wait(), stall_s)
             except TimeoutError:
                 raise ClientStalled(f"the client read nothing for {stall_s:.0f} s with {len(self.buffer)} chunks "
                                     "waiting (router.client_stall_timeout_s)", request_id) from None
+        if self.closed:  # NOTE: a pump that missed its cancel (see `relayed`) stops here all the same
+            raise asyncio.CancelledError
         self.buffer.append(item)
         self.high_water = max(self.high_water, len(self.buffer))
         self._sized(1)
@@ -125,6 +128,10 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
     finally:
         if owner is not None:
             owner.remove_done_callback(gone)
+        # NOTE: the flag as well as the cancel: a cancel can be lost (asyncio.wait_for before Python 3.12 returns
+        # a result that came in with the cancel), and such a pump went on reading the run into a buffer nobody
+        # reads, until the client-stall cut, its sequence paused on the worker meanwhile; it stops at its next put
+        relay.closed = True
         if not task.done():
             task.cancel()
         try:

@@ -309,6 +309,34 @@ def test_a_front_task_that_ends_with_its_stream_left_open_still_closes_every_run
     asyncio.run(go())
 
 
+def test_a_pump_that_misses_its_cancel_still_stops_and_closes_the_run():
+    """A cancel can be lost (asyncio.wait_for before Python 3.12 returns a result that came in with it): the pump
+    must stop all the same when the front goes away, not read on into a buffer nobody reads until the stall cut."""
+    from router.relay import relayed
+
+    closed = asyncio.Event()
+    lost = []
+
+    async def run():
+        try:
+            for i in range(1000):
+                try:
+                    await asyncio.sleep(0.001)
+                except asyncio.CancelledError:
+                    lost.append(i)  # NOTE: swallowed: the run goes on as if never cancelled
+                yield i
+        finally:
+            closed.set()
+
+    async def front() -> None:
+        out = relayed(run(), 4, 3600, "r")
+        assert [await anext(out), await anext(out)] == [0, 1]
+        await asyncio.wait_for(out.aclose(), 10)  # NOTE: a bound for a hang (the stall cut is an hour away)
+        assert closed.is_set()
+    asyncio.run(front())
+    assert lost  # the cancel did reach the run, which lost it
+
+
 def test_a_slow_client_gets_every_chunk_in_order_without_being_cut_off():
     from router.relay import relayed
 
