@@ -89,7 +89,7 @@ def check(records: list[Record], reference: dict[tuple[tuple[int, ...], int], tu
                   + (f" ({len(killed)} cut by their router's kill -9)" if killed else "")
                   + (f", {sum(unclear.values())} without one {dict(unclear)}" if unclear else "")),
         Invariant("text", not wrong, f"{len(ok) - len(wrong)}/{len(ok)} finished requests gave the engine's text"
-                  + (f"; first wrong: request {wrong[0].index} ({wrong[0].proto})" if wrong else "")),
+                  + (f"; first wrong: {_wrong_detail(wrong[0], reference)}" if wrong else "")),
         Invariant("tokens", not short, f"{lost} tokens lost, {repeated} repeated in {len(short)} requests"),
         Invariant("no_leak", not leaks, "; ".join(leaks) or "every worker's blocks free, nothing running, "
                                                             "routers' in-flight 0"),
@@ -108,6 +108,15 @@ def _wrong_text(r: Record, reference: dict[tuple[tuple[int, ...], int], tuple[li
     if ref is None:
         return True
     return r.token_ids != ref[0] if r.token_ids is not None else r.text != ref[1]
+
+
+def _wrong_detail(r: Record, reference: dict[tuple[tuple[int, ...], int], tuple[list[int], str]]) -> str:
+    """Which request gave a wrong text, when and where, and what it got against the engine's (to look into it)."""
+    ref = reference.get((tuple(r.prompt), r.max_tokens))
+    want = "no reference" if ref is None else repr(ref[1][:120])
+    got = repr(r.text[:120]) if r.token_ids is None else f"ids {r.token_ids[:40]} vs {ref[0][:40] if ref else None}"
+    return (f"request {r.index} ({r.proto}, {'streamed' if r.streamed else 'unary'}, router {r.router}, "
+            f"{r.start_s:.1f}–{r.end_s:.1f} s): got {got}, the engine gave {want}")
 
 
 def windows(records: list[Record], width_s: float) -> list[dict[str, Any]]:
