@@ -179,7 +179,7 @@ class Worker:
 
     def load(self) -> WorkerLoad:
         """The heartbeat's numbers: what the router weighs when it picks a worker."""
-        with self.loop.lock:
+        with self.loop.between_steps:
             s = self.engine.stats()
             pending = sum(len(st.seq) - st.seq.num_computed_tokens for st in self._starting.values())
             cost, measured = self.step_cost, int(self.step_cost.observed > 0)
@@ -270,7 +270,7 @@ class Worker:
 
     def _expire_leases(self) -> None:
         """Abort every running request whose lease no live router renewed (its blocks are freed)."""
-        with self.loop.lock:
+        with self.loop.between_steps:
             scheduler = self.engine.scheduler
             running = [seq.request_id for seq in (*scheduler.running, *scheduler.waiting, *scheduler.paused)]
         for rid in self.leases.expired(running):
@@ -293,7 +293,7 @@ class Worker:
                 if not self._try_register():
                     continue
                 self._resync = True  # NOTE: the whole cache goes to the index (events drained meanwhile are lost)
-            with self.loop.lock:
+            with self.loop.between_steps:
                 stored, removed = self.engine.block_manager.pool.drain_events()
                 if self._resync:
                     stored, removed = self.engine.block_manager.pool.cached_hashes(), []
@@ -309,7 +309,7 @@ class Worker:
                 if not failing:
                     log.warning("%s: prefix index unreachable (%s); will resync", self.name, e)
                 failing, self._resync = True, True
-                with self.loop.lock:
+                with self.loop.between_steps:
                     self._hits[0] += hits[0]
                     self._hits[1] += hits[1]
                 continue

@@ -182,14 +182,16 @@ def test_a_router_killed_with_8_streams_in_flight_frees_every_block_and_a_new_se
             for t in threads:
                 t.start()
             started.wait()
-            busy = _blocks(index)["decode-0"]
+            busy = _blocks(index)
             first.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             first.wait(30)
         finally:
             if first.poll() is None:
                 first.kill()
-        assert busy[1] < busy[2]  # the 8 streams hold decode blocks when the router dies
+        # the 8 streams hold blocks when the router dies: on decode-0, or on prefill-0 for a stream the router kept
+        # there whole (its `stay` rule, when a loaded machine makes decode-0's measured steps exceed slo_itl_ms)
+        assert sum(total - free for _, free, total in busy.values()) > 0, busy
         # the workers live on; no live router renews their requests' leases: every block comes back
         freed_after = None
         while time.monotonic() - killed_at < 30:
