@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from cluster import tracing
 from cluster.messages import DecodeRequest, Delta
@@ -53,7 +53,7 @@ class DecodeWorker(Worker):
     def kv_address(self) -> str:
         return self.kv_endpoint.address if self.kv_endpoint is not None else ""
 
-    async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
+    async def generate(self, req: DecodeRequest) -> AsyncGenerator[Delta, None]:
         """Stream the request's new tokens; the last Delta has `finished` set and the totals."""
         stream = RequestStream(self, req)
         rid = req.request_id

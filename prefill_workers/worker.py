@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from cluster import tracing
@@ -68,7 +68,7 @@ class PrefillWorker(Worker):
             self._senders.pop(req.request_id, None)
         return run.result(first)
 
-    async def generate(self, req: DecodeRequest) -> AsyncIterator[Delta]:
+    async def generate(self, req: DecodeRequest) -> AsyncGenerator[Delta, None]:
         """Run a whole request here (`req.token_ids`: the prompt) and stream its tokens; no KV leaves this worker."""
         stream = RequestStream(self, req)
         await stream.start(stream.join_whole)

@@ -78,3 +78,41 @@ def test_a_stream_cut_by_its_routers_kill_is_expected_but_not_one_cut_at_another
     later = check([cut], REF, IDLE, RSS, 64, router_kills_s=(30.0,))
     assert during[0].name == "outcome" and during[0].passed and "cut by their router's kill -9" in during[0].detail
     assert not later[0].passed
+
+
+# NOTE: request 529 of a chaos run (seed 0): served beside other requests it went " ... World Cup was the first time",
+# the reference batch went " ... was a sporting event": at token 15 the top two logits ("the", "a") tie to 5 decimals
+TIED_PROMPT = [1076, 37863, 39650, 39484, 19394, 7094, 22495, 45547, 6074, 10164, 25331, 30008, 17287, 22950, 18341,
+               41042, 44992, 14616, 46605, 12097, 36221, 29875, 30670, 17077, 31279, 6259, 5541, 45127, 11403, 36327,
+               3522, 16548, 23704, 21886, 23691, 3837, 25258]
+HEAD = [  # " in the world.\n\nThe 2017 World Cup was"
+    281, 260, 905, 30, 198, 198, 504, 216, 34, 32, 33, 39, 2260, 23278, 436]
+THE = HEAD + [260, 808, 655, 338, 253, 1798, 553, 3763]  # " the first time that a country has won"
+A = HEAD + [253, 25003, 2121, 338, 2637, 1379, 281, 216]  # " a sporting event that took place in "
+
+
+@pytest.mark.slow
+def test_an_output_that_leaves_the_reference_only_at_a_near_tie_passes_and_any_other_fails() -> None:
+    from engine import LLM, SamplingParams
+    from pdcluster.bench.chaos_reference import near_ties
+
+    llm = LLM("smollm2")
+    greedy = llm.generate([TIED_PROMPT], SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True))[0].token_ids
+    tied = A if greedy == THE else THE  # the branch this machine's batch of one did not take
+    assert greedy in (THE, A)
+    wrong_token = tied[:15] + [tied[15] + 1] + tied[16:]  # another token where the tie was
+    off_later = tied[:20] + [tied[20] + 7] + tied[21:]  # the tie, then a token that is not the greedy one
+    text = llm.tokenizer.decode(tied)
+
+    def r(i: int, ids: list[int] | None, proto: str = "grpc", text: str = "") -> Record:
+        return Record(i, 1.0, proto, True, "serve", TIED_PROMPT, 23, status="OK", token_ids=ids, text=text,
+                      usage_tokens=23)
+
+    records = [r(0, tied), r(1, None, "http", text), r(2, wrong_token), r(3, off_later),
+               r(4, None, "http", text.replace(" event", " events"))]
+    ref = {(tuple(TIED_PROMPT), 23): (greedy, llm.tokenizer.decode(greedy))}
+    ties = near_ties(llm, records, ref)
+    assert set(ties) == {0, 1} and ties[0].startswith("token 15 (top-2 gap"), ties
+    verdicts = check(records[:2], ref, IDLE, RSS, 64, ties=ties)
+    assert verdicts[1].name == "text" and verdicts[1].passed and "2 after a near tie" in verdicts[1].detail
+    assert not check(records, ref, IDLE, RSS, 64, ties=ties)[1].passed

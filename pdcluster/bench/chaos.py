@@ -7,7 +7,8 @@
 3. the faults of `chaos_faults.schedule` run on their own thread (kills, a freeze, a client that stops reading);
    the routers' resident memory is sampled every 2 s;
 4. when the traffic stops, the cluster has a minute to go idle; its workers' blocks and the routers' in-flight
-   counts are read, serve is stopped, and one in-process engine computes the reference of every finished request;
+   counts are read, serve is stopped, and one in-process engine computes the reference of every finished request
+   (`chaos_reference`: greedy, up to near ties);
 5. `chaos_check.check` prints each invariant as PASS/FAIL, with the fault events and per-window outcome counts;
    the figures are saved as JSON (`--out`). The exit code is 0 either way: the invariants are the result.
 """
@@ -21,8 +22,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from pdcluster.bench import chaos_faults, chaos_traffic
-from pdcluster.bench.chaos_check import FinalState, Invariant, Record, check, windows
+from pdcluster.bench import chaos_faults, chaos_reference, chaos_traffic
+from pdcluster.bench.chaos_check import FinalState, Invariant, Record, check, windows, wrong_text
+from pdcluster.bench.chaos_reference import Reference
 from pdcluster.bench.chaos_router import ExtraRouter, inflight, metric, wait_idle
 from pdcluster.bench.report import emit, log
 
@@ -64,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
             final = _final_state(ep, extra)
         finally:
             extra.stop()
-    reference = _reference(config.model, records)
-    figures = _figures(args, records, events, rss, stalled, final, reference)
+    reference, llm = chaos_reference.compute(config.model, records)
+    ties = {} if llm is None else chaos_reference.near_ties(
+        llm, [r for r in records if r.status == "OK" and wrong_text(r, reference)], reference)
+    figures = _figures(args, records, events, rss, stalled, final, reference, ties)
     return emit("chaos", figures, args.out, args.json, format_table)
 
 
@@ -142,25 +146,11 @@ def _final_state(ep: dict[str, str], extra: ExtraRouter) -> FinalState:
     return FinalState(workers, {"serve": inflight(ep.get("metrics")), "extra": inflight(extra.metrics)})
 
 
-def _reference(model: str, records: list[Record]) -> dict[tuple[tuple[int, ...], int], tuple[list[int], str]]:
-    """(ids, text) one in-process engine gives, greedy, for each finished request's prompt."""
-    from engine import LLM, SamplingParams
-
-    todo = sorted({(tuple(r.prompt), r.max_tokens) for r in records if r.status == "OK"})
-    if not todo:
-        return {}
-    log("chaos", f"computing the reference of {len(todo)} requests with one in-process engine")
-    llm = LLM(model)
-    out = llm.generate([list(p) for p, _ in todo],
-                       [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in todo])
-    return {key: (list(c.token_ids), c.text) for key, c in zip(todo, out)}
-
-
 def _figures(args: argparse.Namespace, records: list[Record], events: list[chaos_faults.Event],
              rss: dict[str, list[float]], stalled: list[str], final: FinalState,
-             reference: dict[tuple[tuple[int, ...], int], tuple[list[int], str]]) -> dict[str, Any]:
+             reference: Reference, ties: dict[int, str]) -> dict[str, Any]:
     kills = tuple(e.at_s for e in events if e.kind == "kill-router")
-    invariants = check(records, reference, final, rss, args.rss_limit_mb, kills)
+    invariants = check(records, reference, final, rss, args.rss_limit_mb, kills, ties)
     for e in events:
         if e.kind == "stall-client":
             e.outcome += "; " + (stalled[0] if stalled else "no outcome (the stalled client did not finish)")
