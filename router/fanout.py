@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 
+from router.relay import ending_with_front
 from router.results import Chunk
 from router.validate import Checked
 
@@ -71,29 +72,24 @@ async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, Non
             queue.put_nowait(e)
 
     tasks = [asyncio.create_task(pump(0))]
-    # NOTE: a front whose task ends with this generator left open: the choices go with it (router/relay.py)
-    gone = lambda _: [t.cancel() for t in tasks]  # noqa: E731
-    if owner is not None:
-        owner.add_done_callback(gone)
-    try:
-        done = 0
-        while done < n:
-            if len(tasks) == 1 and first_out.is_set():
-                tasks += [asyncio.create_task(pump(i)) for i in range(1, n)]
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                done += 1
-                if len(tasks) == 1:  # NOTE: choice 0 ended without a token: start the others all the same
+    with ending_with_front(tasks):  # NOTE: the choices go with the front's task (router/relay.py)
+        try:
+            done = 0
+            while done < n:
+                if len(tasks) == 1 and first_out.is_set():
                     tasks += [asyncio.create_task(pump(i)) for i in range(1, n)]
-                continue
-            slots.release()
-            yield item
-    finally:
-        if owner is not None:
-            owner.remove_done_callback(gone)
-        closing[0] = True
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    done += 1
+                    if len(tasks) == 1:  # NOTE: choice 0 ended without a token: start the others all the same
+                        tasks += [asyncio.create_task(pump(i)) for i in range(1, n)]
+                    continue
+                slots.release()
+                yield item
+        finally:
+            closing[0] = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

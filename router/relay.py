@@ -17,13 +17,31 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 from router.errors import ClientStalled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def ending_with_front(tasks: list[asyncio.Task[Any]]) -> Iterator[None]:
+    """While open, the front's task ending cancels `tasks` (a stream's pumps).
+
+    NOTE: a front whose task ends with its generator left open (suspended at its yield: gRPC's generator handlers
+    were) would keep the run, its lease and its KV blocks until a garbage collection: the pumps, whose close closes
+    the run, go with the front's task. `tasks` is read when the front ends (pumps started later count)."""
+    owner = asyncio.current_task()
+    gone = lambda _: [t.cancel() for t in tasks]  # noqa: E731
+    if owner is not None:
+        owner.add_done_callback(gone)
+    try:
+        yield
+    finally:
+        if owner is not None:
+            owner.remove_done_callback(gone)
 
 
 class Relay:
@@ -105,38 +123,31 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
                     owner.cancel()
 
     task = asyncio.create_task(pump())
-    # NOTE: a front whose task ends with this generator left open (suspended at its yield: gRPC's generator
-    # handlers were) would keep the run, its lease and its KV blocks until a garbage collection: the pump, whose
-    # close closes the run, goes with the front's task
-    gone = lambda _: task.cancel()  # noqa: E731
-    if owner is not None:
-        owner.add_done_callback(gone)
-    try:
-        while True:
-            while not relay.buffer and not relay.ended:
-                relay.readable.clear()
-                await relay.readable.wait()
-            if relay.buffer:
-                item = relay.take()
-                writing[0] = True
-                yield item  # type: ignore[misc]
-                writing[0] = False
-                continue
-            if relay.error is not None:
-                raise relay.error
-            return
-    finally:
-        if owner is not None:
-            owner.remove_done_callback(gone)
-        # NOTE: the flag as well as the cancel: a cancel can be lost (asyncio.wait_for before Python 3.12 returns
-        # a result that came in with the cancel), and such a pump went on reading the run into a buffer nobody
-        # reads, until the client-stall cut, its sequence paused on the worker meanwhile; it stops at its next put
-        relay.closed = True
-        if not task.done():
-            task.cancel()
+    with ending_with_front([task]):
         try:
-            await asyncio.wait([task])  # NOTE: the run's abort has been sent when this returns
+            while True:
+                while not relay.buffer and not relay.ended:
+                    relay.readable.clear()
+                    await relay.readable.wait()
+                if relay.buffer:
+                    item = relay.take()
+                    writing[0] = True
+                    yield item  # type: ignore[misc]
+                    writing[0] = False
+                    continue
+                if relay.error is not None:
+                    raise relay.error
+                return
         finally:
-            # NOTE: even when the wait is cut short: gRPC cancels a call's task when the client's cancel reaches it,
-            # also after the failed write that closes this; the pump, cancelled already, ends on its own
-            relay.drop()
+            # NOTE: the flag as well as the cancel: a cancel can be lost (asyncio.wait_for before Python 3.12 returns
+            # a result that came in with the cancel), and such a pump went on reading the run into a buffer nobody
+            # reads, until the client-stall cut, its sequence paused on the worker meanwhile; it stops at its next put
+            relay.closed = True
+            if not task.done():
+                task.cancel()
+            try:
+                await asyncio.wait([task])  # NOTE: the run's abort has been sent when this returns
+            finally:
+                # NOTE: even when the wait is cut short: gRPC cancels a call's task when the client's cancel reaches it,
+                # also after the failed write that closes this; the pump, cancelled already, ends on its own
+                relay.drop()
