@@ -56,12 +56,14 @@ def vllm_table(f: dict[str, Any]) -> str:
             lines.append(f"| {r['workload']} | {r['rate']:g} | {who} | {r['ttft_p50_ms'][i]:,.0f} | "
                          f"{r['itl_p50_ms'][i]:,.0f} | {r['itl_p99_ms'][i]:,.0f} | "
                          f"{100 * r['slo_attainment'][i]:.0f}% | {r['failed'][i]} |")
-    lines += ["", "| workload | SLO attainment >= vLLM | ITL p99 / vLLM (goal <= 0.5) | TTFT p50 / vLLM (goal <= 1) |",
+    lines += ["", "| workload | SLO attainment >= vLLM | ITL p99 / vLLM (goal <= 0.5) "
+                  "| TTFT p50 / vLLM (goal <= 1.5) |",
               "|" + " --- |" * 4]
     for r in rows_:
         g = r["goals_met"]
         lines.append(f"| {r['workload']} | {_met(g['slo_attainment_ge_vllm'])} | {r['itl_p99_ratio']} "
-                     f"({_met(g['itl_p99_le_half_vllm'])}) | {r['ttft_p50_ratio']} ({_met(g['ttft_p50_le_vllm'])}) |")
+                     f"({_met(g['itl_p99_le_half_vllm'])}) | {r['ttft_p50_ratio']} "
+                     f"({_met(g['ttft_p50_le_1_5x_vllm'])}) |")
     return "\n".join(lines)
 
 

