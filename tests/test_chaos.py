@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.bench.chaos_check import FinalState, Record, check, windows
+from pdcluster.bench.chaos_check import FinalState, Record, Reference, check, windows
 from pdcluster.bench.chaos_faults import KINDS, schedule
 
-REF: dict[tuple[tuple[int, ...], int], tuple[list[int], str]] = {((1, 2, 3), 4): ([10, 11, 12, 13], " a b c d")}
+REF: Reference = {((1, 2, 3), 4): ([10, 11, 12, 13], " a b c d")}
 IDLE = FinalState([{"name": "decode-0", "alive": True, "running": 0, "free_blocks": 8, "num_blocks": 8}],
                   {"serve": 0.0, "extra": 0.0})
 RSS = {"serve": [300.0, 320.0, 310.0]}
@@ -81,7 +81,7 @@ def test_a_stream_cut_by_its_routers_kill_is_expected_but_not_one_cut_at_another
 
 
 # NOTE: request 529 of a chaos run (seed 0): served beside other requests it went " ... World Cup was the first time",
-# the reference batch went " ... was a sporting event": at token 15 the top two logits ("the", "a") tie to 5 decimals
+# the reference batch went " ... was a sporting event": at token 15 the top two tokens (" the", " a") are a near tie
 TIED_PROMPT = [1076, 37863, 39650, 39484, 19394, 7094, 22495, 45547, 6074, 10164, 25331, 30008, 17287, 22950, 18341,
                41042, 44992, 14616, 46605, 12097, 36221, 29875, 30670, 17077, 31279, 6259, 5541, 45127, 11403, 36327,
                3522, 16548, 23704, 21886, 23691, 3837, 25258]
@@ -109,7 +109,7 @@ def test_an_output_that_leaves_the_reference_only_at_a_near_tie_passes_and_any_o
                       usage_tokens=23)
 
     records = [r(0, tied), r(1, None, "http", text), r(2, wrong_token), r(3, off_later),
-               r(4, None, "http", text.replace(" event", " events"))]
+               r(4, None, "http", text.replace(" that", " which"))]  # NOTE: both branches say " that"
     ref = {(tuple(TIED_PROMPT), 23): (greedy, llm.tokenizer.decode(greedy))}
     ties = near_ties(llm, records, ref)
     assert set(ties) == {0, 1} and ties[0].startswith("token 15 (top-2 gap"), ties

@@ -23,8 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pdcluster.bench import chaos_faults, chaos_reference, chaos_traffic
-from pdcluster.bench.chaos_check import FinalState, Invariant, Record, check, windows, wrong_text
-from pdcluster.bench.chaos_reference import Reference
+from pdcluster.bench.chaos_check import FinalState, Invariant, Record, Reference, check, windows, wrong_text
 from pdcluster.bench.chaos_router import ExtraRouter, inflight, metric, wait_idle
 from pdcluster.bench.report import emit, log
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WARM_SAMPLES = 5  # router memory samples (2 s apart) before the baseline
+Reference = dict[tuple[tuple[int, ...], int], tuple[list[int], str]]  # (prompt, max_tokens) → (ids, text)
 UNCLEAR = ("CUT", "HANG")  # failures that carry no status a client could act on
 # NOTE: REFUSED / DISCONNECTED are the HTTP client's view of a router process that is gone (gRPC says UNAVAILABLE):
 # clear to a client, which retries elsewhere; CUT is a stream the router ended with neither a finish nor an error
@@ -58,7 +59,7 @@ class FinalState:
     router_inflight: dict[str, float | None] = field(default_factory=dict)  # router → in-flight (None: unreachable)
 
 
-def check(records: list[Record], reference: dict[tuple[tuple[int, ...], int], tuple[list[int], str]],
+def check(records: list[Record], reference: Reference,
           final: FinalState, rss_mb: dict[str, list[float]], rss_limit_mb: float,
           router_kills_s: tuple[float, ...] = (), ties: dict[int, str] | None = None) -> list[Invariant]:
     """The five invariants over the run; `reference[(prompt, max_tokens)]` = (ids, text) of one engine;
@@ -110,14 +111,14 @@ def _count(r: Record) -> int:
     return len(r.token_ids) if r.token_ids is not None else r.usage_tokens
 
 
-def wrong_text(r: Record, reference: dict[tuple[tuple[int, ...], int], tuple[list[int], str]]) -> bool:
+def wrong_text(r: Record, reference: Reference) -> bool:
     ref = reference.get((tuple(r.prompt), r.max_tokens))
     if ref is None:
         return True
     return r.token_ids != ref[0] if r.token_ids is not None else r.text != ref[1]
 
 
-def _wrong_detail(r: Record, reference: dict[tuple[tuple[int, ...], int], tuple[list[int], str]]) -> str:
+def _wrong_detail(r: Record, reference: Reference) -> str:
     """Which request gave a wrong text, when and where, and what it got against the engine's (to look into it)."""
     ref = reference.get((tuple(r.prompt), r.max_tokens))
     want = "no reference" if ref is None else repr(ref[1][:120])

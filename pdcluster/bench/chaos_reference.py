@@ -4,19 +4,19 @@
    all in one continuous batch;
 2. `near_ties`: greedy outputs are not batch-invariant (on the CPU, the matmul's blocking and the reduction order
    follow the batch), so where the top two tokens tie to float rounding a request served beside other requests can
-   take the other one, and go on from there. Seen in a chaos run: one request of 2,783, whose top two logits at its
-   16th token were equal to 5 decimals. A request whose output differs from the reference is fed back to the
-   engine (its prompt and its own output as one prompt, with prompt logprobs): it passes only when each of its tokens
-   is the engine's most likely there or within `NEAR_TIE` of it, the rule the correctness tests apply against
-   transformers (tests/test_correctness.py). An HTTP client gets text only: its text is encoded back to ids, which
-   must decode to exactly that text.
+   take the other one, and go on from there. Seen in chaos runs: one request of ~2,800, whose top two tokens at its
+   16th token were 3.8e-06 apart (this check's figure, BENCHMARKS.md "Chaos"). A request whose output differs from
+   the reference is fed back to the engine (its prompt and its own output as one prompt, with prompt logprobs): it
+   passes only when each of its tokens is the engine's most likely there or within `NEAR_TIE` of it, the rule the
+   correctness tests apply against transformers (tests/test_correctness.py). An HTTP client gets text only: its
+   text is encoded back to ids, which must decode to exactly that text.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdcluster.bench.chaos_check import Record
+from pdcluster.bench.chaos_check import Record, Reference
 from pdcluster.bench.report import log
 
 if TYPE_CHECKING:
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from engine.logprobs import TokenLogprobs
 
 NEAR_TIE = 1e-3  # logprob gap to the most likely token that still counts as a tie (rounding, not a different model)
-Reference = dict[tuple[tuple[int, ...], int], tuple[list[int], str]]  # (prompt, max_tokens) → (ids, text)
 
 
 def compute(model: str, records: list[Record]) -> tuple[Reference, LLM | None]:
