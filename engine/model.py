@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,20 +40,36 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
 
 
 class Rotary:
-    """Precomputed cos/sin tables (rotate-half convention); `at` picks the rows of one step's positions.
+    """Precomputed cos/sin tables (rotate-half convention); `rotation` makes one step's rotation of q and k.
 
     NOTE: built on the model's device at load, so a step reads them with an on-device gather (no host tensor).
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str = "cpu",
+                 triton: bool = False) -> None:
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos, self.sin = emb.cos(), emb.sin()
+        self.triton = triton
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, [T, 1, D] each (computed once per step, shared by all layers)."""
+        """cos and sin for these positions, [T, 1, D] each."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The rotation of [T, heads, D] tensors at these positions (made once per step, used by every layer): the
+        Triton kernel in place, or the torch ops over the gathered rows."""
+        if self.triton:
+            from engine import triton_ops
+
+            def rotate_in_place(x: torch.Tensor) -> torch.Tensor:
+                triton_ops.rotary_(x, positions, self.cos, self.sin)
+                return x
+
+            return rotate_in_place
+        cos, sin = self.at(positions, dtype)
+        return lambda x: apply_rotary(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
@@ -60,12 +77,42 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(r) * weight, r) for r = x or x + delta: the residual stream's add and the next norm (torch ops)."""
+    r = x if delta is None else x + delta
+    return F.rms_norm(r, (r.shape[-1],), weight, eps), r
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2f] (gate, up) -> [T, f]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class PointwiseOps(NamedTuple):
+    """The layer's norm (with the residual add) and activation: torch ops, or engine/triton_ops.py's kernels."""
+
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def pointwise_ops(triton: bool) -> PointwiseOps:
+    """The Triton kernels for the Triton backend (CUDA, or the interpreter in tests), else the torch ops."""
+    if not triton:
+        return PointwiseOps(rms_norm, silu_mul)
+    from engine import triton_ops
+
+    return PointwiseOps(triton_ops.rms_norm, triton_ops.silu_mul)
+
+
 class DecoderLayer:
     """Pre-norm attention + SwiGLU MLP; q/k/v and gate/up are fused into single (packed) matmuls."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
-                 quantization: str | None = None, device: torch.device | str = "cpu") -> None:
+                 quantization: str | None = None, device: torch.device | str = "cpu",
+                 ops: PointwiseOps | None = None) -> None:
         self.cfg = cfg
+        self.ops = ops or pointwise_ops(False)
         linear = make_linear(quantization)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -85,26 +132,27 @@ class DecoderLayer:
 
     def __call__(
         self,
-        h: torch.Tensor,  # [T, d]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
+        h: torch.Tensor,  # [T, d]: the last layer's MLP output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, d]: the residual stream before h is added (None for layer 0)
+        rotate: Callable[[torch.Tensor], torch.Tensor],  # this step's rotary (Rotary.rotation)
         k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (int8 KV: see engine/kv_quant.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
         cfg = self.cfg
         t = h.shape[0]
-        x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
+        norm, eps = self.ops.rms_norm, cfg.rms_norm_eps
+        # NOTE: the residual adds are fused into the norms that follow them (one kernel each on the Triton path)
+        x, residual = norm(h, self.input_norm, eps) if residual is None else norm(residual, self.input_norm, eps, h)
         qk, v = self.qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)  # [T, (H + 2 KVH) D]
         # NOTE: one rotary over q and k together (the same per-element math as two calls, half the ops per layer)
-        qk = apply_rotary(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
+        qk = rotate(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D] (strided views)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k_cache, v_cache, k, v, meta)  # the backend's write (a Triton kernel on CUDA)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        h = h + self.o(attn.view(t, self.q_size))
-        x = F.rms_norm(h, (cfg.hidden_size,), self.post_attn_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, f] each
-        return h + self.down(F.silu(gate) * up)
+        x, residual = norm(residual, self.post_attn_norm, eps, self.o(attn.view(t, self.q_size)))
+        return self.down(self.ops.silu_mul(self.gate_up(x))), residual
 
 
 class LlamaModel:
@@ -113,21 +161,24 @@ class LlamaModel:
     Built from Hugging Face-named weights; every expected tensor must be there. `quantization="int8"` stores the
     linear layers and the head as int8 (the embedding table stays in `dtype`: a lookup reads one row per token).
     Every weight and table lives on `device`; weights already there in `dtype` are used as they are (no copy).
+    `triton`: the pointwise work (norms, activation, rotary) in engine/triton_ops.py's kernels (the Triton backend).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int, quantization: str | None = None, device: torch.device | str = "cpu") -> None:
+                 max_positions: int, quantization: str | None = None, device: torch.device | str = "cpu",
+                 triton: bool = False) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
+        self.ops = pointwise_ops(triton)
         self.embed = weights["model.embed_tokens.weight"].to(device=device, dtype=dtype).contiguous()  # [vocab, d]
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype, quantization, device)
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype, quantization, device, self.ops)
                        for i in range(cfg.num_layers)]
         self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
         # NOTE: a tied head gets its own packed copy: the packed layout cannot serve embedding lookups.
         head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"].to(
             device=device, dtype=dtype).contiguous()
         self.lm_head = make_linear(quantization)(head)
-        self.rotary = Rotary(cfg, max_positions, device)
+        self.rotary = Rotary(cfg, max_positions, device, triton)
 
     def __call__(
         self,
@@ -138,12 +189,13 @@ class LlamaModel:
         layer_hook: Callable[[int], None] | None = None,  # called after each layer wrote its K/V
     ) -> torch.Tensor:  # [T, d]
         h = F.embedding(input_ids, self.embed)
-        rope = self.rotary.at(positions, h.dtype)
+        rotate = self.rotary.rotation(positions, h.dtype)
+        residual: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            h = layer(h, rope, k_cache, v_cache, meta)
+            h, residual = layer(h, residual, rotate, k_cache, v_cache, meta)
             if layer_hook is not None:
                 layer_hook(i)
-        return h
+        return h if residual is None else residual + h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, d] → [N, vocab]
-        return self.lm_head(F.rms_norm(h, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps))
+        return self.lm_head(self.ops.rms_norm(h, self.norm, self.cfg.rms_norm_eps)[0])

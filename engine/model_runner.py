@@ -87,13 +87,14 @@ class ModelRunner:
         self.dtype = engine_cfg.torch_dtype
         self.kv_dtype = kv_cache_dtype(engine_cfg)
         self.block_size = engine_cfg.block_size
-        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len, engine_cfg.quantization, self.device)
+        # NOTE: read once here so every step of this engine takes the same path; the Triton backend also takes the
+        # layers' pointwise work (engine/triton_ops.py)
+        self.attn_backend = select_backend(self.device, self.kv_dtype)  # engine/attention/backend.py
+        self.model = LlamaModel(cfg, weights, self.dtype, max_model_len, engine_cfg.quantization, self.device,
+                                triton=self.attn_backend == "triton")
         if self.kv_dtype == torch.int8 and cfg.head_dim < 4:
             raise InvalidRequestError("kv_cache_dtype", f"int8 KV needs head_dim >= 4 (its scale row), got "
                                       f"{cfg.head_dim}")
-        # NOTE: None = the pure-torch gather path (kernel not built, or PDCLUSTER_ATTENTION=gather); read once here
-        # so every step of this engine takes the same path.
-        self.attn_backend = select_backend(self.device, self.kv_dtype)  # engine/attention/backend.py
         self.attn_kernel = attention_kernel() if self.attn_backend == "kernel" else None
         self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
         self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention/paged.py PREFILL_MODES

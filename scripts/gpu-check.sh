@@ -89,7 +89,7 @@ env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available":
 if env["cuda_available"]:
     env["gpu"] = torch.cuda.get_device_name(0)
     env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-for mod in ("triton", "transformers", "numpy", "gguf", "crc32c", "pytest_timeout"):
+for mod in ("triton", "transformers", "numpy", "gguf", "crc32c", "grpc", "pytest_timeout"):
     try:
         env[mod] = getattr(importlib.import_module(mod), "__version__", "present")
     except Exception as e:  # noqa: BLE001

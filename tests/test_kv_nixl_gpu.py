@@ -4,7 +4,8 @@ Two processes on one GPU, each with a KV pool in VRAM shaped like the engine's (
 SmolLM2-135M's block): the sending process writes 128 blocks of every layer into the receiver's pool through the
 same agent code as the transport (pool registered once, descriptor lists prepared once, one WRITE per layer with a
 notification carrying the layer's device checks), UCX picking cuda_ipc. The receiver checks every layer. The
-figure printed is GB/s against a device-to-device copy of the same bytes in the sending process.
+figure printed is the second round's GB/s (the first pays the pair's first use; its figure is kept too) against a
+device-to-device copy of the same bytes in the sending process.
 """
 
 from __future__ import annotations
@@ -71,37 +72,49 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property)
         src_ids, dst_ids = np.arange(SENT, dtype=np.int64), np.arange(SENT, 2 * SENT, dtype=np.int64)
         nbytes = SHAPE[0] * 2 * SENT * block_nbytes
         nx = agent.nixl
-        t0 = time.perf_counter()
-        handles = []
-        for layer in range(SHAPE[0]):
-            checks = [layer_check(src[layer, w], src_ids, f"{layer}/{w}") for w in (0, 1)]
-            base_l, base_r = layer * 2 * pool.num_blocks, layer * 2 * peer.num_blocks
-            local = np.concatenate([base_l + src_ids, base_l + pool.num_blocks + src_ids]).astype(np.int32)
-            remote = np.concatenate([base_r + dst_ids, base_r + peer.num_blocks + dst_ids]).astype(np.int32)
-            h = nx.make_prepped_xfer("WRITE", pool.dlist, local, peer.dlist, remote,
-                                     f"{layer}:{checks[0]}:{checks[1]}".encode())
-            assert nx.transfer(h) != "ERR"
-            handles.append(h)
-        for h in handles:
-            while (state := nx.check_xfer_state(h)) == "PROC":
-                pass
-            assert state == "DONE"
-        nixl_s = time.perf_counter() - t0
+        checks = [[layer_check(src[layer, w], src_ids, f"{layer}/{w}") for w in (0, 1)] for layer in range(SHAPE[0])]
+
+        def send_all() -> float:
+            """One WRITE per layer (its notification carries the layer's checks); seconds until every one is done."""
+            t0 = time.perf_counter()
+            handles = []
+            for layer in range(SHAPE[0]):
+                base_l, base_r = layer * 2 * pool.num_blocks, layer * 2 * peer.num_blocks
+                local = np.concatenate([base_l + src_ids, base_l + pool.num_blocks + src_ids]).astype(np.int32)
+                remote = np.concatenate([base_r + dst_ids, base_r + peer.num_blocks + dst_ids]).astype(np.int32)
+                h = nx.make_prepped_xfer("WRITE", pool.dlist, local, peer.dlist, remote,
+                                         f"{layer}:{checks[layer][0]}:{checks[layer][1]}".encode())
+                assert nx.transfer(h) != "ERR"
+                handles.append(h)
+            for h in handles:
+                while (state := nx.check_xfer_state(h)) == "PROC":
+                    pass
+                assert state == "DONE"
+                nx.release_xfer_handle(h)
+            return time.perf_counter() - t0
+
+        # NOTE: the first round pays UCX's first use of the pair (the peer's memory handles opened, cuda_ipc
+        # mappings made); the figure is the second, as a worker's steady state sends
+        first_s = send_all()
+        nixl_s = send_all()
         dst = torch.empty_like(src)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst[:, :, :SENT].copy_(src[:, :, :SENT])
-        torch.cuda.synchronize()
-        copy_s = time.perf_counter() - t0
+        copy_s = float("inf")
+        for _ in range(2):  # NOTE: the second, as NIXL's
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst[:, :, :SENT].copy_(src[:, :, :SENT])
+            torch.cuda.synchronize()
+            copy_s = time.perf_counter() - t0
         assert conn.poll(60), "receiver did not report"
         kind, landed = conn.recv()
         assert kind == "landed" and len(landed) == SHAPE[0] and all(landed.values()), landed
         # NOTE: the figures also go into the JUnit XML (scripts/gpu-check.sh's summary.json reads them from there)
         for key, value in (("mb", nbytes / 1e6), ("nixl_gb_s", nbytes / nixl_s / 1e9),
-                           ("copy_gb_s", nbytes / copy_s / 1e9), ("ratio_to_copy", copy_s / nixl_s)):
+                           ("first_round_gb_s", nbytes / first_s / 1e9), ("copy_gb_s", nbytes / copy_s / 1e9),
+                           ("ratio_to_copy", copy_s / nixl_s)):
             record_property(key, round(value, 3))
         print(f"\n[nixl gpu] {nbytes / 1e6:.0f} MB, {SHAPE[0]} layers x {SENT} blocks: "
-              f"nixl {nbytes / nixl_s / 1e9:.1f} GB/s (incl. device checks), "
+              f"nixl {nbytes / nixl_s / 1e9:.1f} GB/s (first round {nbytes / first_s / 1e9:.1f}), "
               f"device-to-device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio {copy_s / nixl_s:.2f}")
         conn.send("stop")
     finally:

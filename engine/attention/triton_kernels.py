@@ -70,13 +70,16 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.con
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, scale, split_len,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One decode row x one KV head (its GQA group of query heads as the tile's rows) x one key range."""
+    """One decode row x one KV head (its GQA group of query heads as the tile's rows) x one key range: the row's
+    keys cut into NUM_SPLITS ranges of whole BLOCK_N tiles by its own length (the tail ranges of a short row are
+    empty), so a row of 512 keys is attended by 8 programs per head whatever the block tables' width."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,6 +93,7 @@ def _decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     seq_len = tl.load(seq_lens_ptr + row)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -234,17 +238,15 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     _check(q, k_cache, v_cache, out)
     b, (h, d), kvh = seq_lens.shape[0], q.shape[1:], k_cache.shape[2]
     block_size = k_cache.shape[1]
-    split_len = -(-block_tables.shape[1] * block_size // num_splits)
-    split_len = -(-split_len // DECODE_BLOCK_N) * DECODE_BLOCK_N
     mid_o = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)  # [B, H, S, D]
     mid_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)  # [B, H, S]
     group = h // kvh
     _decode_kernel[(b, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale, split_len,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         *mid_o.stride()[:3], *mid_lse.stride()[:2],
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=d, D_PAD=_pad(d), BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_BLOCK_N, UPCAST=INTERPRETED, PRECISION=_precision(q.dtype, precision))
+        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, UPCAST=INTERPRETED, PRECISION=_precision(q.dtype, precision))
     _merge_kernel[(b, h)](
         mid_o, mid_lse, out, *mid_o.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=d, D_PAD=_pad(d))

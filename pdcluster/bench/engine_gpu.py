@@ -13,6 +13,10 @@ bf16 greedy runs of two implementations part at near-ties far more often than a 
 (`bf16_matches_transformers("cpu", max_tokens=32)`), 7 of 10 prompts were identical and the 3 others parted where
 transformers' own logits gave the two tokens gaps of 0, 0.0078 (one bf16 step) and 0. The check passes with
 >= 9 of 10 identical, or when every divergence is such a near-tie (the figures say which).
+So the check also measures transformers against itself on the same prompts (`transformers_self`): its SDPA
+attention against its eager attention, both bf16 on the device, one batch each. That is the floor two correct bf16
+implementations reach on this model: on the CPU transformers agreed with itself on 7 of 10 prompts (SDPA vs eager)
+and 6 of 10 (a batch of 10 vs one prompt at a time), where ours agreed with it on 6.
 `python -m pdcluster.bench.engine_gpu --out FILE [--device cuda]` runs both and writes one JSON object; the exit
 status is 0 only when both pass.
 """
@@ -109,8 +113,13 @@ def bf16_matches_transformers(device: str = "cuda", num_prompts: int = 10, max_t
                             "logit_gap": round(float(logits[b[j]] - logits[a[j]]), 4)})
     identical = num_prompts - len(divergences)
     near_ties = all(d["logit_gap"] < BF16_NEAR_TIE for d in divergences)
+    hf.set_attn_implementation("eager")
+    eager = hf_greedy(hf, prompts, max_tokens, device)
+    self_identical = sum(a == b for a, b in zip(theirs, eager))
     return {"check": "bfloat16 greedy, ours vs transformers", "model": MODEL, "device": device,
             "prompts": num_prompts, "tokens": max_tokens, "identical": identical, "divergences": divergences,
+            "transformers_self": {"check": "transformers SDPA vs transformers eager attention, bf16, same batch",
+                                  "identical": self_identical},
             "near_tie": BF16_NEAR_TIE, "all_divergences_near_ties": near_ties,
             "passed": identical >= num_prompts - num_prompts // 10 or near_ties,
             "seconds": round(time.perf_counter() - t0, 1)}

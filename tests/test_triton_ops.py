@@ -1,0 +1,89 @@
+"""The layers' pointwise Triton kernels (engine/triton_ops.py) against the torch ops they replace (engine/model.py):
+the norm with its residual add, SiLU-and-multiply, the rotary embedding in place. Without CUDA they run under Triton's
+interpreter on CPU tensors; marked gpu too, so scripts/gpu-check.sh runs them compiled.
+
+What must hold: the residual add and the rotary are the torch ops' bits (same roundings); the norm and SiLU agree to
+float32 rounding (another summation order, another exp and rsqrt): within a few float32 ulps, and in bfloat16 within
+one ulp of the output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+_saved = os.environ.get("TRITON_INTERPRET")
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+import engine.triton_ops as ops  # noqa: E402
+
+if not CUDA and not ops.INTERPRETED:  # imported earlier without the interpreter in this process
+    ops = importlib.reload(ops)
+if _saved is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _saved
+
+from engine import model  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+ULPS = {torch.float32: 8.0, torch.bfloat16: 1.0}  # float32: ~5e-7 relative
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in units of the last place of b's dtype at b's magnitude."""
+    eps = torch.finfo(b.dtype).eps
+    return float(((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1e-3) * eps)).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 4096])
+def test_rms_norm_with_the_residual_add(dtype, width) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, delta = (torch.randn(5, width, generator=g).to(dtype).to(DEV) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(DEV)
+    for d in (None, delta):
+        out, res = ops.rms_norm(x, w, 1e-5, d)
+        ref_out, ref_res = model.rms_norm(x, w, 1e-5, d)
+        assert torch.equal(res, ref_res)  # the add rounds as torch's does
+        assert _ulps(out, ref_out) <= ULPS[dtype]
+    assert ops.rms_norm(x[:0], w, 1e-5)[0].shape == (0, width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype) -> None:
+    x = torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV) * 3
+    assert _ulps(ops.silu_mul(x), model.silu_mul(x)) <= ULPS[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(12, 64), (40, 128)])
+def test_rotary_in_place_is_the_torch_paths_bits(dtype, heads, head_dim) -> None:
+    cfg = ModelConfig(name="t", model_id="t", vocab_size=10, hidden_size=heads * head_dim, intermediate_size=8,
+                      num_layers=1, num_heads=heads - 4, num_kv_heads=4, head_dim=head_dim, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, max_position_embeddings=4096)
+    torch_rot = model.Rotary(cfg, 4096, DEV)
+    triton_rot = model.Rotary(cfg, 4096, DEV, triton=True)
+    positions = torch.tensor([0, 1, 17, 900, 4095], device=DEV)
+    # NOTE: a strided view of a wider row, as the layer rotates q and k inside the qkv projection's output
+    qkv = torch.randn(5, heads + 4, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
+    x = qkv[:, :heads]
+    expected = torch_rot.rotation(positions, dtype)(x.clone())
+    untouched = qkv[:, heads:].clone()
+    assert triton_rot.rotation(positions, dtype)(x) is x
+    assert torch.equal(x, expected)
+    assert torch.equal(qkv[:, heads:], untouched)
