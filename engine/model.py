@@ -57,19 +57,43 @@ class Rotary:
         """cos and sin for these positions, [T, 1, D] each."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The rotation of [T, heads, D] tensors at these positions (made once per step, used by every layer): the
-        Triton kernel in place, or the torch ops over the gathered rows."""
-        if self.triton:
-            from engine import triton_ops
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation of one step (made once per step, used by every layer)."""
+        return Rotation(self, positions, dtype)
 
-            def rotate_in_place(x: torch.Tensor) -> torch.Tensor:
-                triton_ops.rotary_(x, positions, self.cos, self.sin)
-                return x
 
-            return rotate_in_place
-        cos, sin = self.at(positions, dtype)
-        return lambda x: apply_rotary(x, cos, sin)
+class Rotation:
+    """One step's rotary at `positions`: the Triton kernel in place (with the KV write fused in), or the torch ops
+    over the gathered table rows."""
+
+    def __init__(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary, self.positions = rotary, positions
+        self.cos_sin = None if rotary.triton else rotary.at(positions, dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, heads, D]
+        if self.cos_sin is not None:
+            return apply_rotary(x, *self.cos_sin)
+        from engine import triton_ops
+
+        triton_ops.rotary_(x, self.positions, self.rotary.cos, self.rotary.sin)
+        return x
+
+    def rotate_and_write(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate qk [T, H + KVH, D] (q heads, then k) and store k and v ([T, KVH, D]) into the caches (the
+        backend's write); returns q and k ([T, H, D], [T, KVH, D], views)."""
+        kvh = v.shape[1]
+        if self.cos_sin is not None:
+            qk = self(qk)
+            q, k = qk.split([qk.shape[1] - kvh, kvh], dim=1)
+            write_kv(k_cache, v_cache, k, v, meta)
+            return q, k
+        from engine import triton_ops
+
+        # NOTE: the Triton backend's write is this kernel's too (one launch for rotary and write)
+        triton_ops.rotary_(qk, self.positions, self.rotary.cos, self.rotary.sin, (v, k_cache, v_cache,
+                                                                                  meta.slot_mapping))
+        return qk[:, : qk.shape[1] - kvh], qk[:, qk.shape[1] - kvh :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
@@ -134,7 +158,7 @@ class DecoderLayer:
         self,
         h: torch.Tensor,  # [T, d]: the last layer's MLP output (the embeddings for layer 0)
         residual: torch.Tensor | None,  # [T, d]: the residual stream before h is added (None for layer 0)
-        rotate: Callable[[torch.Tensor], torch.Tensor],  # this step's rotary (Rotary.rotation)
+        rotation: Rotation,  # this step's rotary (Rotary.rotation)
         k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (int8 KV: see engine/kv_quant.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -145,11 +169,11 @@ class DecoderLayer:
         # NOTE: the residual adds are fused into the norms that follow them (one kernel each on the Triton path)
         x, residual = norm(h, self.input_norm, eps) if residual is None else norm(residual, self.input_norm, eps, h)
         qk, v = self.qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)  # [T, (H + 2 KVH) D]
-        # NOTE: one rotary over q and k together (the same per-element math as two calls, half the ops per layer)
-        qk = rotate(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D] (strided views)
+        # NOTE: one rotary over q and k together (the same per-element math as two calls, half the ops per layer),
+        # then the backend's KV write; q [T, H, D], k [T, KVH, D] (strided views)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta)  # the backend's write (a Triton kernel on CUDA)
+        q, k = rotation.rotate_and_write(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), v, k_cache,
+                                         v_cache, meta)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         x, residual = norm(residual, self.post_attn_norm, eps, self.o(attn.view(t, self.q_size)))
         return self.down(self.ops.silu_mul(self.gate_up(x))), residual
@@ -189,10 +213,10 @@ class LlamaModel:
         layer_hook: Callable[[int], None] | None = None,  # called after each layer wrote its K/V
     ) -> torch.Tensor:  # [T, d]
         h = F.embedding(input_ids, self.embed)
-        rotate = self.rotary.rotation(positions, h.dtype)
+        rotation = self.rotary.rotation(positions, h.dtype)
         residual: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            h, residual = layer(h, residual, rotate, k_cache, v_cache, meta)
+            h, residual = layer(h, residual, rotation, k_cache, v_cache, meta)
             if layer_hook is not None:
                 layer_hook(i)
         return h if residual is None else residual + h
