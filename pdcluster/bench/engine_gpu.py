@@ -98,7 +98,7 @@ def bf16_matches_transformers(device: str = "cuda", num_prompts: int = 10, max_t
 
     t0 = time.perf_counter()
     loaded = load_model(MODEL, device=device, dtype="bfloat16")
-    hf = hf_model_from(loaded).to(device=device, dtype=torch.bfloat16)
+    hf: Any = hf_model_from(loaded).to(device=device, dtype=torch.bfloat16)
     prompts = make_prompts(num_prompts, prompt_len, seed=1)
     ours = greedy_outputs(_engine(loaded, device, "bfloat16"), prompts, max_tokens)
     theirs = hf_greedy(hf, prompts, max_tokens, device)
