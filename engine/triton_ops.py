@@ -3,11 +3,13 @@ in, SiLU-and-multiply, and the rotary embedding of q and k in place with the ste
 
 Why: a batch-1 decode step of an 8B model on an H200 spent ~0.9 ms of its ~5.3 ms graph in ~20 small torch kernels
 per layer (F.rms_norm alone ~6 us a call on one row; the rotary's mul/neg/cat/mul/add), against ~3.6 ms of weight
-reads (a development profile of `pdcluster bench engine --device cuda`); these take one launch each.
+reads; with these (one launch each) the same graph spends ~0.33 ms on them (development profiles of the engine
+behind `pdcluster bench engine --device cuda`, BENCHMARKS.md "Engine on a GPU").
 
 Each computes what the torch ops of engine/model.py compute, rounding where they round: the residual add to the
 activation dtype before the norm, SiLU's result before the multiply, each rotary product before their sum (the
-rotary kernel is bit for bit the torch path's). The norm reduces in float32 like F.rms_norm, in another order, so
+rotary kernel is bit for bit the torch path's in 16-bit dtypes; compiled float32 fuses a product into its sum, an FMA
+that rounds once). The norm reduces in float32 like F.rms_norm, in another order, so
 it can differ from it in the last bit. Under TRITON_INTERPRET=1 (set before this module is imported) they run on
 CPU tensors, which is how the tests check them.
 
