@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from engine import EngineConfig, SamplingParams
 from engine.config import resolve_dtype
-from engine.cuda_graphs import bucket_for, graph_buckets, graphs_wanted, pad_decode
+from engine.cuda_graphs import _Graph, bucket_for, graph_buckets, graphs_wanted
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.gpu_memory import kv_budget_bytes
 from engine.hf_loader import load_hf_dir
@@ -204,10 +204,33 @@ def test_graph_buckets_cover_every_batch_size_up_to_max_num_seqs(max_num_seqs, b
     assert bucket_for(max_num_seqs + 1, buckets) is None
 
 
-def test_padded_rows_feed_token_0_at_position_0():
-    assert pad_decode([5, 6, 7], [10, 3, 99], 4) == ([5, 6, 7, 0], [10, 3, 99, 0])
+def test_a_graphs_staged_step_is_what_the_metadata_builder_lays_out():
+    """A bucket's host staging (engine/cuda_graphs.py) against AttentionMetadata.build for the same padded step: the
+    slots, lengths and the table columns the kernels read; padded rows feed token 0 at position 0 into the spare
+    block; a second, shorter step leaves no row reading the first's values; too many rows or too wide a table raise."""
+    from engine.attention import AttentionMetadata
+
+    bs, spare, width, rows = 16, 40, 8, 4
+    static = AttentionMetadata.build([[spare]] * rows, [0] * rows, [1] * rows, bs, device="cpu", backend="triton",
+                                     pad_blocks=width, pad_block=spare)
+    g = _Graph(rows, torch.zeros(2, rows, dtype=torch.long), static, cuda=False)
+    for tables, starts, ids in [([[3, 9, 12], [5], [7, 8]], [40, 2, 17], [11, 22, 33]), ([[6, 2]], [20], [44])]:
+        n = len(ids)
+        g.stage(ids, [s for s in starts], tables, starts, bs, spare)
+        g.upload()
+        want = AttentionMetadata.build(tables, starts, [1] * n, bs, device="cpu", backend="triton", pad_rows=rows,
+                                       pad_blocks=width, pad_block=spare)
+        assert want.triton is not None and static.triton is not None
+        assert torch.equal(static.slot_mapping, want.slot_mapping)
+        assert torch.equal(static.triton.seq_lens, want.triton.seq_lens)
+        for i, length in enumerate(want.triton.seq_lens.tolist()):
+            used = -(-length // bs)
+            assert torch.equal(static.triton.block_tables[i, :used], want.triton.block_tables[i, :used])
+        assert g.ids_pos.tolist() == [ids + [0] * (rows - n), starts + [0] * (rows - n)]
     with pytest.raises(ValueError):
-        pad_decode([1, 2, 3], [0, 0, 0], 2)
+        g.stage([1] * 5, [0] * 5, [[1]] * 5, [0] * 5, bs, spare)
+    with pytest.raises(ValueError):
+        g.stage([1], [0], [list(range(width + 1))], [0], bs, spare)
 
 
 def test_graphs_are_only_tried_on_cuda_with_triton_and_enforce_eager_turns_them_off(tiny):
