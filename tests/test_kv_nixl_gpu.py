@@ -28,10 +28,29 @@ SENT = 128  # blocks per layer sent
 ROUNDS = 2  # the same blocks sent twice: the first round pays the pair's first use, the second is timed
 
 
+def _ucx_lanes(path: str) -> list[str]:
+    """UCX's log lines that name the transports of its endpoints' configurations (at info level, e.g. `b intra-node
+    cfg#1 rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)` between two host pools on this project's
+    CPU): what carried the bytes, cuda_ipc or a copy through the host."""
+    try:
+        with open(path) as f:
+            return [line.split("INFO", 1)[-1].strip()[:200] for line in f if "cfg#" in line][:8]
+    except OSError as e:
+        return [f"no UCX log: {e}"]
+
+
 def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
     try:
+        import os
+        import tempfile
+
         from kv_transfer.transports.nixl_receiver import layer_check
 
+        # NOTE: UCX reads these when this process's agent starts (below): its endpoint configurations, as the figure's
+        # explanation, go into the test's record
+        log_path = os.path.join(tempfile.gettempdir(), f"pdc-ucx-{os.getpid()}.log")
+        os.environ.setdefault("UCX_LOG_LEVEL", "info")
+        os.environ["UCX_LOG_FILE"] = log_path
         kv = torch.zeros(SHAPE, device="cuda")
         agent = nixl_agent.agent()
         pool = agent.pool(kv)
@@ -53,7 +72,7 @@ def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
                     torch.cuda.synchronize()
                     landed[layer] = (layer_check(kv[layer, 0], ids, f"{layer}/0", like=ck) == ck and
                                      layer_check(kv[layer, 1], ids, f"{layer}/1", like=cv) == cv)
-        conn.send(("landed", landed))
+        conn.send(("landed", landed, _ucx_lanes(log_path)))
         conn.recv()
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -113,13 +132,14 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property)
             torch.cuda.synchronize()
             copy_s = time.perf_counter() - t0
         assert conn.poll(60), "receiver did not report"
-        kind, landed = conn.recv()
+        kind, landed, lanes = conn.recv()
         assert kind == "landed" and len(landed) == SHAPE[0] and all(landed.values()), landed
         # NOTE: the figures also go into the JUnit XML (scripts/gpu-check.sh's summary.json reads them from there)
         for key, value in (("mb", nbytes / 1e6), ("nixl_gb_s", nbytes / nixl_s / 1e9),
                            ("first_round_gb_s", nbytes / first_s / 1e9), ("copy_gb_s", nbytes / copy_s / 1e9),
                            ("ratio_to_copy", copy_s / nixl_s)):
             record_property(key, round(value, 3))
+        record_property("ucx_receiver_lanes", " | ".join(lanes) or "none logged")
         print(f"\n[nixl gpu] {nbytes / 1e6:.0f} MB, {SHAPE[0]} layers x {SENT} blocks: "
               f"nixl {nbytes / nixl_s / 1e9:.1f} GB/s (first round {nbytes / first_s / 1e9:.1f}), "
               f"device-to-device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio {copy_s / nixl_s:.2f}")
