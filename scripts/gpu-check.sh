@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26), in at most 6 minutes (the step limits sum
-# to 360 s).
+# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26), in at most 7 minutes (the step limits sum
+# to 420 s).
 #
 # Needs python3 with a CUDA torch, triton and transformers (a GPU image's); what engine/ and kv_transfer/ import
 # beyond that comes from the wheels in .whl/ (scripts/gpu-wheels.sh fetches them where a registry is reachable).
@@ -14,12 +14,15 @@
 #                   pool sized by gpu_memory_utilization (the two checks of step 2 deselected)
 #   5. bench        pdcluster bench engine --device cuda on random:llama-3.1-8b (decode b1/b64 at 512, prefill 2048),
 #                   best of 2 (34 s with 1 on an H200; batch-1 decode moved 66-69% of its bound between two calls)
+#   6. profile      python -m pdcluster.bench.engine_profile --device cuda: where a batch-1 decode step's time goes
+#                   (graph replay, logits, the host's share, the kernels by GPU time, cudaGraphLaunch's CPU time)
 # GPU_CHECK_STEPS="gpu_kv bench" runs only those steps (and setup, which every fresh machine needs): a rerun of what
 # failed, in the time a lent GPU has left; GPU_CHECK_LIMIT_PCT=200 doubles every step's limit (a step that timed out;
 # on the same warm machine Triton's compiled kernels are cached by then).
 # OUTDIR gets: summary.json (each step's status, seconds and figures; for a figure missing, why, with the tail of
 # its step's log), gpu-check.log (everything printed), <step>.log, env.json, correctness.json, pytest_gpu_kv.xml,
-# pytest_gpu_engine.xml, bench_engine_device.json. Exit status 0 only when every step passed.
+# pytest_gpu_engine.xml, bench_engine_device.json, bench_engine_profile.json. Exit status 0 only when every step
+# passed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu-check.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -129,4 +132,6 @@ fi
   -k "not equals_the_cpu and not matches_transformers" $ENGINE_FILES
 step bench 90 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 2 \
   --out "$OUTDIR/bench_engine_device.json"
+step profile 60 "$PY" -m pdcluster.bench.engine_profile --device cuda --model random:llama-3.1-8b \
+  --out "$OUTDIR/bench_engine_profile.json"
 "$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; exit 1; }

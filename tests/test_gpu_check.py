@@ -70,8 +70,8 @@ def _gpu_test_files() -> list[str]:
 
 def test_what_gpu_check_runs_imports_and_collects_without_the_packages_a_gpu_image_lacks():
     modules = _script_modules()
-    assert {"pdcluster.bench.engine_gpu", "pdcluster.bench.engine_device", "pdcluster.bench.gpu_summary"} <= set(
-        modules)
+    assert {"pdcluster.bench.engine_gpu", "pdcluster.bench.engine_device", "pdcluster.bench.engine_profile",
+            "pdcluster.bench.gpu_summary"} <= set(modules)
     files = _gpu_test_files()
     assert {"tests/test_engine_gpu.py", "tests/test_kv_nixl_gpu.py", "tests/test_triton_attention.py"} <= set(files)
     # NOTE: pytest plugins load through entry points, which the hiding does not cover: only the one the GPU has
@@ -124,3 +124,16 @@ def test_summary_reads_a_steps_junit_xml(tmp_path):
     assert summary["gpu_engine"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1,
                                      "failed": ["tests.test_engine_gpu::test_x"],
                                      "figures": {"test_y": {"nixl_gb_s": "41.5"}}}
+
+
+def test_the_profile_step_runs_its_host_part_anywhere(tmp_path):
+    """gpu-check's profile step on the CPU: the host layout figures (builder and graph staging at batch 1 and 64, an
+    eager step's builder) are measured and saved; the device part needs CUDA."""
+    from pdcluster.bench import engine_profile
+
+    out = tmp_path / "profile.json"
+    assert engine_profile.main(["--calls", "2", "--out", str(out)]) == 0
+    host = json.loads(out.read_text())["host"]
+    assert set(host) == {"graph_builder_b1_us", "graph_staging_b1_us", "graph_builder_b64_us", "graph_staging_b64_us",
+                         "eager_builder_64_rows_and_a_chunk_us"}
+    assert all(v > 0 for v in host.values())

@@ -2,11 +2,11 @@
 
 The script records one line per finished step in OUTDIR/.steps ("name rc seconds") and each step's output in
 OUTDIR/<name>.log; after every step it runs `python -m pdcluster.bench.gpu_summary OUTDIR`, so a run cut short
-keeps what it had. A step's figures are its JSON file (env.json, correctness.json, bench_engine_device.json) or its
-JUnit XML (pytest_<name>.xml: counts, failed tests, and the figures tests recorded as properties); when one is
-missing the summary says so, with the step's exit status (timed out or not) and the tail of its log, and for a
-pytest step that died before writing its XML, the results its `-v` log had printed. Standard library only: it runs
-where nothing else of the project may import.
+keeps what it had. A step's figures are its JSON file (env.json, correctness.json, bench_engine_device.json,
+bench_engine_profile.json) or its JUnit XML (pytest_<name>.xml: counts, failed tests, and the figures tests recorded
+as properties); when one is missing the summary says so, with the step's exit status (timed out or not) and the tail
+of its log, and for a pytest step that died before writing its XML, the results its `-v` log had printed. Standard
+library only: it runs where nothing else of the project may import.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import sys
 import xml.etree.ElementTree as ET
 from typing import Any
 
-FIGURES = {"setup": "env.json", "correctness": "correctness.json", "bench": "bench_engine_device.json"}
+FIGURES = {"setup": "env.json", "correctness": "correctness.json", "bench": "bench_engine_device.json",
+           "profile": "bench_engine_profile.json"}
 PYTEST_PREFIX = "gpu_"  # steps named gpu_* run pytest with --junitxml pytest_<name>.xml
 TAIL_LINES = 15
 _RESULT = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
