@@ -53,10 +53,10 @@ class _Graph:
     """One captured bucket: its graph, the static tensors it reads and writes, and their host staging.
 
     NOTE: a step's values are written straight into numpy views of one host buffer laid out as the static tensors
-    (pinned on CUDA) and copied with two non-blocking copies: building the metadata with tensor ops and packing it
-    took 94 us of host time a step at batch 1 and 5.5 ms at batch 64 (this project's CPU; staging: 7 us and 0.33 ms),
-    while the GPU waited for the graph (a batch-1 step of an 8B model on an H200 is ~5 ms). The buffer is rewritten
-    only after the step's sync (the sampled ids), when the last copy from it is done.
+    (pinned on CUDA) and copied with two non-blocking copies: the metadata builder takes 133 us of host time a step
+    at batch 1 and 247 us at batch 64, the staging 7 and 64 us (`python -m pdcluster.bench.engine_profile`, this
+    project's CPU), time the GPU waits for the graph (a batch-1 step of an 8B model on an H200 is ~5 ms). The buffer
+    is rewritten only after the step's sync (the sampled ids), when the last copy from it is done.
     Block-table columns past a row's blocks keep whatever an earlier step left: the kernels never read them.
     """
 
