@@ -3,8 +3,8 @@ in, SiLU-and-multiply, and the rotary embedding of q and k in place with the ste
 
 Why: a batch-1 decode step of an 8B model on an H200 spent ~0.9 ms of its ~5.3 ms graph in ~20 small torch kernels
 per layer (F.rms_norm alone ~6 us a call on one row; the rotary's mul/neg/cat/mul/add), against ~3.6 ms of weight
-reads; with these (one launch each) the same graph spends ~0.33 ms on them (development profiles of the engine
-behind `pdcluster bench engine --device cuda`, BENCHMARKS.md "Engine on a GPU").
+reads; with these (one launch each) the same graph spends ~0.33 ms on them (the kernel tables of
+`python -m pdcluster.bench.engine_profile --device cuda`'s code on an H200: BENCHMARKS.md, "Engine on a GPU").
 
 Each computes what the torch ops of engine/model.py compute, rounding where they round: the residual add to the
 activation dtype before the norm, SiLU's result before the multiply, each rotary product before their sum (the
