@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26), in at most 7 minutes (the step limits sum
-# to 420 s).
+# scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26), in at most 7.5 minutes (the step limits sum
+# to 435 s).
 #
 # Needs python3 with a CUDA torch, triton and transformers (a GPU image's); what engine/ and kv_transfer/ import
 # beyond that comes from the wheels in .whl/ (scripts/gpu-wheels.sh fetches them where a registry is reachable).
@@ -132,6 +132,6 @@ fi
   -k "not equals_the_cpu and not matches_transformers" $ENGINE_FILES
 step bench 90 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 2 \
   --out "$OUTDIR/bench_engine_device.json"
-step profile 60 "$PY" -m pdcluster.bench.engine_profile --device cuda --model random:llama-3.1-8b \
+step profile 75 "$PY" -m pdcluster.bench.engine_profile --device cuda --model random:llama-3.1-8b \
   --out "$OUTDIR/bench_engine_profile.json"
 "$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; exit 1; }
