@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention.metadata import slot_of
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def graphs_wanted(device: torch.device, backend: str, enforce_eager: bool) -> bo
     return device.type == "cuda" and backend == "triton" and not enforce_eager
 
 
-class _Graph:
+class GraphBucket:
     """One captured bucket: its graph, the static tensors it reads and writes, and their host staging.
 
     NOTE: a step's values are written straight into numpy views of one host buffer laid out as the static tensors
@@ -93,7 +94,7 @@ class _Graph:
             if len(table) > width:
                 raise ValueError(f"a block table of {len(table)} blocks is wider than the graph's {width}")
             self.tables[i, : len(table)] = table
-            self.slots[i] = table[start // block_size] * block_size + start % block_size
+            self.slots[i] = slot_of(table, start, block_size)
         self.seq_lens[:n] = starts
         self.seq_lens[:n] += 1
         self.tables[n:, 0] = spare
@@ -124,7 +125,7 @@ class DecodeGraphs:
         self.spare_block = spare_block  # NOTE: outside the block manager: padded rows write and read only this block
         self.max_blocks = max_blocks  # block-table width every graph takes (cdiv(max_model_len, block_size))
         self.buckets = list(buckets)
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int, GraphBucket] = {}
 
     def _static_meta(self, rows: int) -> AttentionMetadata:
         s = self.spare_block
@@ -142,7 +143,7 @@ class DecodeGraphs:
         cuda = self.device.type == "cuda"
         for rows in sorted(self.buckets, reverse=True):
             ids_pos = torch.zeros(2, rows, dtype=torch.long, device=self.device)
-            g = _Graph(rows, ids_pos, self._static_meta(rows), cuda)
+            g = GraphBucket(rows, ids_pos, self._static_meta(rows), cuda)
             if cuda:
                 # NOTE: the warm-up launch on a side stream: Triton compiles on a kernel's first launch, which must
                 # not happen during capture (engine/attention/__init__.py)

@@ -51,7 +51,11 @@ class Rotary:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos, self.sin = emb.cos(), emb.sin()
-        self.triton = triton
+        self.kernel: Callable[..., None] | None = None  # engine/triton_ops.py's rotary (with the KV write)
+        if triton:
+            from engine import triton_ops
+
+            self.kernel = triton_ops.rotary_
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, [T, 1, D] each."""
@@ -63,37 +67,26 @@ class Rotary:
 
 
 class Rotation:
-    """One step's rotary at `positions`: the Triton kernel in place (with the KV write fused in), or the torch ops
-    over the gathered table rows."""
+    """One step's rotary at `positions`: the Triton kernel in place with the KV write fused in, or the torch ops over
+    the gathered table rows and then the backend's write."""
 
     def __init__(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.rotary, self.positions = rotary, positions
-        self.cos_sin = None if rotary.triton else rotary.at(positions, dtype)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, heads, D]
-        if self.cos_sin is not None:
-            return apply_rotary(x, *self.cos_sin)
-        from engine import triton_ops
-
-        triton_ops.rotary_(x, self.positions, self.rotary.cos, self.rotary.sin)
-        return x
+        self.cos_sin = None if rotary.kernel is not None else rotary.at(positions, dtype)
 
     def rotate_and_write(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate qk [T, H + KVH, D] (q heads, then k) and store k and v ([T, KVH, D]) into the caches (the
         backend's write); returns q and k ([T, H, D], [T, KVH, D], views)."""
-        kvh = v.shape[1]
+        heads = qk.shape[1] - v.shape[1]
         if self.cos_sin is not None:
-            qk = self(qk)
-            q, k = qk.split([qk.shape[1] - kvh, kvh], dim=1)
-            write_kv(k_cache, v_cache, k, v, meta)
-            return q, k
-        from engine import triton_ops
-
-        # NOTE: the Triton backend's write is this kernel's too (one launch for rotary and write)
-        triton_ops.rotary_(qk, self.positions, self.rotary.cos, self.rotary.sin, (v, k_cache, v_cache,
-                                                                                  meta.slot_mapping))
-        return qk[:, : qk.shape[1] - kvh], qk[:, qk.shape[1] - kvh :]
+            qk = apply_rotary(qk, *self.cos_sin)
+            write_kv(k_cache, v_cache, qk[:, heads:], v, meta)
+        else:
+            assert self.rotary.kernel is not None
+            self.rotary.kernel(qk, self.positions, self.rotary.cos, self.rotary.sin, v, k_cache, v_cache,
+                               meta.slot_mapping)
+        return qk[:, :heads], qk[:, heads:]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]

@@ -78,12 +78,11 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache
                    stride_t, stride_h, stride_p, stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch,
                    stride_vcb, stride_vcs, stride_vch,
                    HEADS: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   WRITE: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr):
+                   Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """One token, every head of x (rotate-half): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in place, with
-    cos/sin rounded to x's dtype and each product rounded before the sum (the torch path's roundings).
-    WRITE: x's heads from Q_HEADS on are K; they (rotated) and V go to the token's cache slot too (a negative slot:
-    none), the backend's KV write in the same launch."""
+    cos/sin rounded to x's dtype and each product rounded before the sum (the torch path's roundings). x's heads
+    from Q_HEADS on are K: they (rotated) and V go to the token's cache slot too (a negative slot: none), the
+    backend's KV write in the same launch."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, H_PAD)
@@ -101,24 +100,23 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache
     o2 = _rounded(_rounded(x2 * c, dt) + _rounded(x1 * s, dt), dt).to(dt)
     tl.store(base, o1, mask=mask)
     tl.store(base + HALF, o2, mask=mask)
-    if WRITE:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        blk = slot // BLOCK_SIZE
-        within = slot % BLOCK_SIZE
-        kt = k_cache_ptr.dtype.element_ty
-        kh = tl.maximum(offs_h - Q_HEADS, 0)
-        # NOTE: the slot's sign broadcast by hand (a scalar condition in a block mask fails in the interpreter)
-        k_mask = mask & (offs_h[:, None] >= Q_HEADS) & ((tl.zeros([H_PAD, HALF_PAD], tl.int64) + slot) >= 0)
-        k_addr = k_cache_ptr + blk * stride_kcb + within * stride_kcs + kh[:, None] * stride_kch + offs_d[None, :]
-        tl.store(k_addr, o1.to(kt), mask=k_mask)
-        tl.store(k_addr + HALF, o2.to(kt), mask=k_mask)
-        offs_v = tl.arange(0, KV_PAD)
-        offs_f = tl.arange(0, 2 * HALF_PAD)
-        v_mask = ((offs_v[:, None] < KV_HEADS) & (offs_f[None, :] < 2 * HALF)
-                  & ((tl.zeros([KV_PAD, 2 * HALF_PAD], tl.int64) + slot) >= 0))
-        v = tl.load(v_ptr + t * stride_vt + offs_v[:, None] * stride_vh + offs_f[None, :], mask=v_mask, other=0.0)
-        tl.store(v_cache_ptr + blk * stride_vcb + within * stride_vcs + offs_v[:, None] * stride_vch
-                 + offs_f[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    within = slot % BLOCK_SIZE
+    kt = k_cache_ptr.dtype.element_ty
+    kh = tl.maximum(offs_h - Q_HEADS, 0)
+    # NOTE: the slot's sign broadcast by hand (a scalar condition in a block mask fails in the interpreter)
+    k_mask = mask & (offs_h[:, None] >= Q_HEADS) & ((tl.zeros([H_PAD, HALF_PAD], tl.int64) + slot) >= 0)
+    k_addr = k_cache_ptr + blk * stride_kcb + within * stride_kcs + kh[:, None] * stride_kch + offs_d[None, :]
+    tl.store(k_addr, o1.to(kt), mask=k_mask)
+    tl.store(k_addr + HALF, o2.to(kt), mask=k_mask)
+    offs_v = tl.arange(0, KV_PAD)
+    offs_f = tl.arange(0, 2 * HALF_PAD)
+    v_mask = ((offs_v[:, None] < KV_HEADS) & (offs_f[None, :] < 2 * HALF)
+              & ((tl.zeros([KV_PAD, 2 * HALF_PAD], tl.int64) + slot) >= 0))
+    v = tl.load(v_ptr + t * stride_vt + offs_v[:, None] * stride_vh + offs_f[None, :], mask=v_mask, other=0.0)
+    tl.store(v_cache_ptr + blk * stride_vcb + within * stride_vcs + offs_v[:, None] * stride_vch
+             + offs_f[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -126,10 +124,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """(norm(r) * weight, r) for r = x, or r = x + delta (one kernel for both); x, delta [T, d]."""
     t, n = x.shape
     out = torch.empty_like(x)
-    res = torch.empty_like(x) if delta is not None else x
+    res = x if delta is None else torch.empty_like(x)
+    d = x if delta is None else delta  # NOTE: not read without a delta
     if t:
-        _rms_norm_kernel[(t,)](x, delta if delta is not None else x, res, out, weight, eps, x.stride(0),
-                               (delta if delta is not None else x).stride(0), res.stride(0), out.stride(0),
+        _rms_norm_kernel[(t,)](x, d, res, out, weight, eps, x.stride(0), d.stride(0), res.stride(0), out.stride(0),
                                N=n, BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None)
     return out, res
 
@@ -144,26 +142,19 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Rotate x [T, heads, D] (head_dim contiguous) in place by the rows `positions` of the [P, D] tables.
-
-    `kv` = (v [T, KVH, D], k_cache, v_cache, slot_mapping [T] int64): x's last KVH heads are K, and the rotated K and
-    V are also stored into the caches' slots (negative: skipped), as the triton backend's write_kv does.
-    """
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate x [T, H + KVH, D] (q heads, then k; head_dim contiguous) in place by the rows `positions` of the
+    [P, D] tables, and store the rotated k and v [T, KVH, D] into the caches' slots (`slot_mapping` [T] int64,
+    negative: skipped), as the triton backend's write_kv does."""
     t, heads, d = x.shape
     if x.stride(-1) != 1:
         raise ValueError(f"rotary_ needs head_dim contiguous, got strides {x.stride()}")
     if not t:
         return
-    if kv is None:
-        v = k_cache = v_cache = slots = x  # NOTE: not read (WRITE off)
-    else:
-        v, k_cache, v_cache, slots = kv
-    kvh = v.shape[1] if kv is not None else 1
-    _rotary_kernel[(t,)](x, positions, cos, sin, v, k_cache, v_cache, slots, x.stride(0), x.stride(1),
+    kvh = v.shape[1]
+    _rotary_kernel[(t,)](x, positions, cos, sin, v, k_cache, v_cache, slot_mapping, x.stride(0), x.stride(1),
                          cos.stride(0), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
                          HEADS=heads, H_PAD=triton.next_power_of_2(heads), HALF=d // 2,
-                         HALF_PAD=triton.next_power_of_2(d // 2), WRITE=kv is not None, Q_HEADS=heads - kvh,
-                         KV_HEADS=kvh, KV_PAD=triton.next_power_of_2(kvh),
-                         BLOCK_SIZE=k_cache.shape[1] if kv is not None else 1)
+                         HALF_PAD=triton.next_power_of_2(d // 2), Q_HEADS=heads - kvh, KV_HEADS=kvh,
+                         KV_PAD=triton.next_power_of_2(kvh), BLOCK_SIZE=k_cache.shape[1])

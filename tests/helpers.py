@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -30,6 +33,26 @@ class Row:
         return len(self.token_ids) - self.num_prompt_tokens
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def import_triton_module(name: str) -> ModuleType:
+    """Module `name` (Triton kernels with an INTERPRETED flag) as the tests run it: compiled on CUDA, else under
+    Triton's interpreter, which decides when the module is imported (reloaded if this process imported it without);
+    TRITON_INTERPRET is restored afterwards, so the rest of the suite never sees it.
+    NOTE: the interpreter also needs triton itself first imported with TRITON_INTERPRET=1: call this before anything
+    imports triton (tests/test_triton_compile.py imports it only in its own subprocess)."""
+    if torch.cuda.is_available():
+        return importlib.import_module(name)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module(name)
+        return module if module.INTERPRETED else importlib.reload(module)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def make_engine(loaded: LoadedModel, **overrides: object) -> LLMEngine:

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from engine import EngineConfig, SamplingParams
 from engine.config import resolve_dtype
-from engine.cuda_graphs import _Graph, bucket_for, graph_buckets, graphs_wanted
+from engine.cuda_graphs import GraphBucket, bucket_for, graph_buckets, graphs_wanted
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.gpu_memory import kv_budget_bytes
 from engine.hf_loader import load_hf_dir
@@ -213,10 +213,10 @@ def test_a_graphs_staged_step_is_what_the_metadata_builder_lays_out():
     bs, spare, width, rows = 16, 40, 8, 4
     static = AttentionMetadata.build([[spare]] * rows, [0] * rows, [1] * rows, bs, device="cpu", backend="triton",
                                      pad_blocks=width, pad_block=spare)
-    g = _Graph(rows, torch.zeros(2, rows, dtype=torch.long), static, cuda=False)
+    g = GraphBucket(rows, torch.zeros(2, rows, dtype=torch.long), static, cuda=False)
     for tables, starts, ids in [([[3, 9, 12], [5], [7, 8]], [40, 2, 17], [11, 22, 33]), ([[6, 2]], [20], [44])]:
         n = len(ids)
-        g.stage(ids, [s for s in starts], tables, starts, bs, spare)
+        g.stage(ids, starts, tables, starts, bs, spare)  # a decode row's position is its start
         g.upload()
         want = AttentionMetadata.build(tables, starts, [1] * n, bs, device="cpu", backend="triton", pad_rows=rows,
                                        pad_blocks=width, pad_block=spare)

@@ -5,30 +5,17 @@ static buffers runs eagerly (engine/cuda_graphs.py); the graphs themselves: test
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from engine.cuda_graphs import DecodeGraphs, graph_buckets
+from engine.kernels import ENV
+from engine.quality import greedy_outputs
+from tests.helpers import import_triton_module, make_engine, random_prompts
+
 # NOTE: as tests/test_triton_attention.py: the interpreter must be on when the kernels module is first imported.
 CUDA = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-import engine.attention.triton_kernels as tk  # noqa: E402
-
-if not CUDA and not tk.INTERPRETED:
-    tk = importlib.reload(tk)
-if _saved is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _saved
-
-from engine.cuda_graphs import DecodeGraphs, graph_buckets  # noqa: E402
-from engine.kernels import ENV  # noqa: E402
-from engine.quality import greedy_outputs  # noqa: E402
-from tests.helpers import make_engine, random_prompts  # noqa: E402
+import_triton_module("engine.attention.triton_kernels")
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU stand-in; on CUDA tests/test_engine_gpu.py replays real graphs")

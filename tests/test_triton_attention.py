@@ -10,32 +10,19 @@ compiled, the softmax weights are rounded to bf16 before the P @ V product; 2e-2
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from engine.attention import AttentionMetadata, num_kv_splits, paged_attention, select_backend, write_kv
+from engine.attention.triton_backend import SDPA_MIN_ROWS
+from engine.kernels import ENV
+from engine.llm_engine import EngineStats
+from tests.helpers import import_triton_module
+
 # NOTE: Triton decides at decoration time whether a kernel is interpreted, so TRITON_INTERPRET must be on when the
-# kernels module is first imported (and at launch: triton reads it again then). Only without CUDA; restored after
-# the import and set per test by the autouse fixture, so the rest of the suite never sees it.
+# kernels module is first imported (and at launch: triton reads it again then, which the autouse fixture sees to)
 CUDA = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-import engine.attention.triton_kernels as tk  # noqa: E402
-
-if not CUDA and not tk.INTERPRETED:  # imported earlier without the interpreter in this process
-    tk = importlib.reload(tk)
-if _saved is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _saved
-
-from engine.attention import AttentionMetadata, num_kv_splits, paged_attention, select_backend, write_kv  # noqa: E402
-from engine.attention.triton_backend import SDPA_MIN_ROWS  # noqa: E402
-from engine.kernels import ENV  # noqa: E402
-from engine.llm_engine import EngineStats  # noqa: E402
+tk = import_triton_module("engine.attention.triton_kernels")
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 BS = 16

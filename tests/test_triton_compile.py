@@ -73,7 +73,7 @@ def compile_all(dtype: str, precision: str, group: int, d: int) -> None:
     _compile(ops._silu_mul_kernel, {"x_ptr": t, "out_ptr": t}, dict(F=14336, BLOCK=1024))
     _compile(ops._rotary_kernel, {"x_ptr": t, "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "v_ptr": t,
                                   "k_cache_ptr": t, "v_cache_ptr": t, "slot_ptr": "*i64"},
-             dict(HEADS=40, H_PAD=64, HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), WRITE=True, Q_HEADS=32,
+             dict(HEADS=40, H_PAD=64, HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), Q_HEADS=32,
                   KV_HEADS=8, KV_PAD=8, BLOCK_SIZE=16))
     print("compiled")
 

@@ -10,27 +10,15 @@ float32 ulps, and in bfloat16 within one ulp of the output.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from engine import model
+from engine.config import ModelConfig
+from tests.helpers import import_triton_module
+
 CUDA = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-import engine.triton_ops as ops  # noqa: E402
-
-if not CUDA and not ops.INTERPRETED:  # imported earlier without the interpreter in this process
-    ops = importlib.reload(ops)
-if _saved is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _saved
-
-from engine import model  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
+ops = import_triton_module("engine.triton_ops")
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -80,45 +68,29 @@ def test_silu_mul(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,head_dim", [(12, 64), (40, 128)])
-def test_rotary_in_place_is_the_torch_paths_bits(dtype, heads, head_dim) -> None:
-    cfg = ModelConfig(name="t", model_id="t", vocab_size=10, hidden_size=heads * head_dim, intermediate_size=8,
-                      num_layers=1, num_heads=heads - 4, num_kv_heads=4, head_dim=head_dim, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, max_position_embeddings=4096)
-    torch_rot = model.Rotary(cfg, 4096, DEV)
-    triton_rot = model.Rotary(cfg, 4096, DEV, triton=True)
-    positions = torch.tensor([0, 1, 17, 900, 4095], device=DEV)
-    # NOTE: a strided view of a wider row, as the layer rotates q and k inside the qkv projection's output
-    qkv = torch.randn(5, heads + 4, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
-    x = qkv[:, :heads]
-    expected = torch_rot.rotation(positions, dtype)(x.clone())
-    untouched = qkv[:, heads:].clone()
-    assert triton_rot.rotation(positions, dtype)(x) is x
-    assert _bits(x, expected)
-    assert torch.equal(qkv[:, heads:], untouched)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_with_the_kv_write_stores_what_the_backends_write_stores(dtype) -> None:
-    """rotate_and_write on the Triton path (one kernel) against the torch rotary and the backend's write: the same
-    q, k and cache bits, and nothing written outside the step's slots."""
+@pytest.mark.parametrize("heads,kvh,d", [(8, 2, 64), (32, 8, 128)])
+def test_rotary_with_the_kv_write_is_the_torch_rotary_and_the_backends_write(dtype, heads, kvh, d) -> None:
+    """rotate_and_write on the Triton path (one kernel, in place on a strided view of the qkv projection's output)
+    against the torch rotary and the backend's write: the same q, k and cache bits (positions up to the table's
+    last), v untouched, and nothing written outside the step's slots."""
     from engine.attention import AttentionMetadata
 
-    heads, kvh, d, bs = 8, 2, 64, 16
+    bs = 16
     cfg = ModelConfig(name="t", model_id="t", vocab_size=10, hidden_size=heads * d, intermediate_size=8,
                       num_layers=1, num_heads=heads, num_kv_heads=kvh, head_dim=d, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, max_position_embeddings=256)
-    g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(3, heads + 2 * kvh, d, generator=g).to(dtype).to(DEV)
-    tables, starts, num_new = [[4, 1], [7]], [17, 0], [1, 2]
-    positions = torch.tensor([17, 0, 1], device=DEV)
+                      rms_norm_eps=1e-5, max_position_embeddings=4096)
+    qkv = torch.randn(4, heads + 2 * kvh, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEV)
+    # NOTE: two decode rows (one at the last position), then a 2-token chunk; block 0 is nobody's
+    tables, starts, num_new = [[4, 1], [8] * 255 + [5], [7]], [17, 4095, 0], [1, 1, 2]
+    positions = torch.tensor([17, 4095, 0, 1], device=DEV)
     results = []
     for triton in (False, True):
         meta = AttentionMetadata.build(tables, starts, num_new, bs, backend="triton", device=DEV)
         caches = [torch.zeros(9, bs, kvh, d, dtype=dtype, device=DEV) for _ in range(2)]
         x = qkv.clone()
         qk, v = x[:, : heads + kvh], x[:, heads + kvh :]
-        q, k = model.Rotary(cfg, 256, DEV, triton).rotation(positions, dtype).rotate_and_write(qk, v, *caches, meta)
+        q, k = model.Rotary(cfg, 4096, DEV, triton).rotation(positions, dtype).rotate_and_write(qk, v, *caches, meta)
+        assert torch.equal(v, qkv[:, heads + kvh :])
         results.append((q.clone(), k.clone(), *caches))
     for a, b in zip(*results):
         assert _bits(b, a)

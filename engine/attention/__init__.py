@@ -37,7 +37,7 @@ How a runner uses it:
    and copies once (non-blocking, pinned) into `static`'s buffer (`static.copy_from(meta)` does the same for a
    metadata built separately; differing shapes raise ValueError); pad input ids / positions to `rows` (any token,
    position 0) and replay. (engine/cuda_graphs.py writes the same values into a host twin of the static buffers
-   instead, without the builder's tensor ops: `_Graph.stage`.)
+   instead, without the builder's tensor ops: `GraphBucket.stage`.)
 Padded rows are harmless: each writes its K/V into slot S * block_size (block S's first slot) and attends that one
 slot (seq_len 1, block table row S first), so they never touch a real sequence's blocks; their output rows are
 ignored. Table columns past a row's length are never read (loads are masked by seq_len): the builder fills them

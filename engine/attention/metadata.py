@@ -161,6 +161,11 @@ class AttentionMetadata:
         self.packed.buffer.copy_(src, non_blocking=True)
 
 
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    """The cache slot (block_id * block_size + offset) of `position` in a sequence with block table `table`."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 def _slots(block_tables: list[list[int]], starts: list[int], num_new: list[int], block_size: int) -> torch.Tensor:
     """[T] long: the cache slot of every new token.
 
@@ -171,7 +176,7 @@ def _slots(block_tables: list[list[int]], starts: list[int], num_new: list[int],
     singles: list[int] = []  # slots of the single-token entries since the last chunk
     for table, start, n in zip(block_tables, starts, num_new):
         if n == 1:
-            singles.append(table[start // block_size] * block_size + start % block_size)
+            singles.append(slot_of(table, start, block_size))
             continue
         if singles:
             parts.append(torch.tensor(singles, dtype=torch.long))

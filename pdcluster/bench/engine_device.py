@@ -79,7 +79,7 @@ def _measure_ours(ours: OursTimer, name: str, batches: list[int], prefill: bool,
     if prefill:
         log("engine", f"ours: prefill {n_pre} tokens")
         # NOTE: one untimed prefill of this length first: a first one pays one-time costs of its shapes (cuBLAS's
-        # and SDPA's choices, allocator growth), 99 ms against 55 ms for the next ones on an H200 (8B, 2,048 tokens)
+        # and SDPA's choices, allocator growth), about twice the next ones' time on an H200 (BENCHMARKS.md)
         ours.run(prompts(1, n_pre), 1)
         (first,) = best(args.repeats, lambda: (ours.run(prompts(1, n_pre), 1)[0],))
         figures["prefill"][str(n_pre)] = {"ours_tok_s": n_pre / first}

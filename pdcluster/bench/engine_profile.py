@@ -40,13 +40,13 @@ def _us(fn: Callable[[], object], n: int) -> float:
 def host_layout(n: int = 300) -> dict[str, float]:
     """Section 1 of the module docstring, in microseconds (CPU tensors: the host's work only), means of n calls."""
     from engine.attention import AttentionMetadata
-    from engine.cuda_graphs import _Graph
+    from engine.cuda_graphs import GraphBucket
 
     out: dict[str, float] = {}
     for rows in (1, 64):
         static = AttentionMetadata.build([[SPARE]] * rows, [0] * rows, [1] * rows, BLOCK, device="cpu",
                                          backend="triton", pad_blocks=WIDTH, pad_block=SPARE)
-        g = _Graph(rows, torch.zeros(2, rows, dtype=torch.long), static, cuda=False)
+        g = GraphBucket(rows, torch.zeros(2, rows, dtype=torch.long), static, cuda=False)
         tables = [list(range(i * 40, i * 40 + CONTEXT // BLOCK + 1)) for i in range(rows)]
         starts, ids = [CONTEXT] * rows, [5] * rows
 
