@@ -8,6 +8,7 @@ phases. Needs root (ip netns); the module skips without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -237,6 +238,15 @@ def test_a_node_lost_with_streams_in_flight_loses_and_repeats_nothing(nodes, smo
     assert all(last.timeline.decode_worker != victim for _, _, last in after)
 
 
+@contextlib.contextmanager
+def _stopping(stop: threading.Event) -> Iterator[None]:
+    """Set `stop` on the way out, also on an exception (before an enclosing pool waits for its loops)."""
+    try:
+        yield
+    finally:
+        stop.set()
+
+
 def test_pools_scale_up_and_down_under_steady_requests(nodes, smollm2):
     # NOTE: after the node-loss test: one decode worker and one decode node (2 slots) are left
     serve = serving(nodes, "grpc")
@@ -260,7 +270,8 @@ def test_pools_scale_up_and_down_under_steady_requests(nodes, smollm2):
                 failed.append(f"{e.code().name}: {e.details()}")
             i += 1
 
-    with ThreadPoolExecutor(2) as pool:
+    # NOTE: the loops stop whatever happens below: a failed assertion must not leave the pool waiting on them
+    with ThreadPoolExecutor(2) as pool, _stopping(stop):
         loops = [pool.submit(steady, k) for k in range(2)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PDCLUSTER_API_KEY": API_KEY}
         up = subprocess.run([sys.executable, "-m", "pdcluster", "scale", "--addr", ROUTER, "--prefill", "2",
