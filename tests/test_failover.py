@@ -213,12 +213,32 @@ def decode_pool_saturated(server, requests: int = 100_000):
             v.inflight -= requests
 
 
+def prefill_heartbeats_idle(server, within_s: float = 30.0) -> None:
+    """Wait until every prefill worker's last heartbeat shows nothing running, queued or reserved.
+
+    NOTE: a heartbeat is up to half a second old: one sent while the previous request still decoded there says
+    `running` 1, and the router then predicts this prompt's chunks beside that decode batch (slower than the
+    prefill path) and rightly sends it through the prefill pool instead of keeping it ("stay")
+    """
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        loads = [w.view.load for w in server.router.prefill]
+        if all(ld is not None and not (ld.running or ld.waiting or ld.reserved or ld.pending_prefill_tokens)
+               for ld in loads):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"prefill workers still busy after {within_s} s: {loads}")
+
+
 def test_a_request_kept_on_its_prefill_worker_when_decode_is_the_bottleneck_gives_one_engines_text(cluster, smollm2):
     _, server = cluster
     texts = prompts("stay", 2)[:2]
     want = reference(smollm2, texts, 16)
+    results = []
     with decode_pool_saturated(server):  # NOTE: one at a time: a prefill worker with a prompt queued keeps none
-        results = [stream_all(server, [t], 16, threading.Event())[0] for t in texts]
+        for t in texts:
+            prefill_heartbeats_idle(server)
+            results += stream_all(server, [t], 16, threading.Event())
     for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
         assert (ids, text) == (ref_ids, ref_text)
         tl = last.timeline
