@@ -63,9 +63,11 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, outpu
     out: list[int] = []
     for j in range(len(draft) + 1):
         probs = filtered_probs(logits[j], params)  # [vocab]
-        gen = torch.Generator().manual_seed(step_seed(params.seed or 0, output_index + j + params.output_offset))
+        # NOTE: a generator of the logits' device, as the plain sampler's (a CPU one cannot draw on a GPU)
+        gen = torch.Generator(device=logits.device).manual_seed(
+            step_seed(params.seed or 0, output_index + j + params.output_offset))
         if j < len(draft):
-            if float(torch.rand((), generator=gen)) < float(probs[draft[j]]):
+            if float(torch.rand((), generator=gen, device=logits.device)) < float(probs[draft[j]]):
                 out.append(draft[j])
                 continue
             probs = probs.clone()

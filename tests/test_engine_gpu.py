@@ -1,5 +1,6 @@
 """The engine on a CUDA GPU (issue 26): correctness against the CPU and transformers, CUDA graphs against eager
-steps, the KV pool sized by gpu_memory_utilization. Marked gpu; skipped without CUDA, so never in CI: they run on a
+steps, the KV pool sized by gpu_memory_utilization, the request features (penalties, logit bias, logprobs, n > 1,
+min_p, n-gram speculation) against the CPU. Marked gpu; skipped without CUDA, so never in CI: they run on a
 lent GPU through scripts/gpu-check.sh (which records the two correctness checks' figures in its JSON summary)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import load_model, save_hf_dir
 from engine.quality import greedy_outputs
 from pdcluster.bench.engine_gpu import bf16_matches_transformers, device_matches_cpu, make_prompts
@@ -83,3 +84,82 @@ def test_gpu_memory_utilization_sizes_the_kv_pool_within_the_share(smollm2_bf16)
     big = LLMEngine(smollm2_bf16, EngineConfig(device="cuda", gpu_memory_utilization=0.4, max_num_seqs=4096,
                                                enforce_eager=True))
     assert big.runner.num_blocks > 1.5 * small_blocks
+
+
+# ---- request features on the GPU -----------------------------------------------------------------------------
+# NOTE: greedy, so a CUDA engine and a CPU engine over the same float32 weights must agree token for token (near-ties
+# aside: the fp32 check above finds none on these prompts' lengths); structured outputs are left out (xgrammar and
+# its imports, pydantic among them, are not on a lent GPU machine; its bitmask is applied by device-generic torch)
+GREEDY_FEATURES: dict[str, dict[str, object]] = {
+    "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4),
+    "logit_bias": dict(logit_bias={1000 + i: 4.0 for i in range(0, 40, 3)} | {2000: -100.0}),
+    "logprobs": dict(logprobs=3, prompt_logprobs=2),
+    "n": dict(n=2),
+    "min_p": dict(min_p=0.05, top_k=20),
+}
+
+
+def _feature_run(loaded, device: str, **cfg) -> dict[str, tuple[list[int], list[list[int]], list[float]]]:
+    """Per request id (n > 1: its choices too): token ids, each step's top logprob ids and the sampled logprobs."""
+    engine = LLMEngine(loaded, EngineConfig(device=device, dtype="float32", num_blocks=512, max_num_seqs=8,
+                                            max_num_batched_tokens=1024, enable_prefix_caching=False, **cfg))
+    prompts = make_prompts(len(GREEDY_FEATURES), 24, seed=26)
+    for prompt, (name, kw) in zip(prompts, GREEDY_FEATURES.items()):
+        engine.add_request(name, prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **kw))
+    tops: dict[str, list[list[int]]] = {}
+    lps: dict[str, list[float]] = {}
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tops.setdefault(out.request_id, []).extend([t for t, _ in lp.top] for lp in out.new_logprobs)
+            lps.setdefault(out.request_id, []).extend(lp.logprob for lp in out.new_logprobs)
+            if out.prompt_logprobs:
+                tops[out.request_id] += [[t for t, _ in lp.top] for lp in out.prompt_logprobs if lp is not None]
+            if out.finished:
+                final[out.request_id] = out.token_ids
+    return {rid: (ids, tops.get(rid, []), lps.get(rid, [])) for rid, ids in final.items()}
+
+
+def test_request_features_on_cuda_give_the_cpus_tokens_and_logprobs():
+    """Penalties, logit bias, logprobs and prompt logprobs, n = 2, min_p with top_k: CUDA (with its CUDA graphs) and
+    the CPU agree on every token, every top-k list, and the logprobs within float32 rounding."""
+    on_cuda = load_model("random:smollm2-135m", device="cuda", dtype="float32")
+    on_cpu = load_model("random:smollm2-135m", device="cpu", dtype="float32")
+    ours, ref = _feature_run(on_cuda, "cuda"), _feature_run(on_cpu, "cpu")
+    assert sorted(ours) == sorted(ref) == sorted([*GREEDY_FEATURES, "n-1"])
+    for rid, (ids, tops, lps) in ref.items():
+        got_ids, got_tops, got_lps = ours[rid]
+        assert (got_ids, got_tops) == (ids, tops), rid
+        assert len(ids) == 16 and torch.allclose(torch.tensor(got_lps), torch.tensor(lps), atol=1e-3), rid
+    assert ref["n"][0] == ref["n-1"][0]  # greedy choices are one answer
+    assert len(ref["logprobs"][1]) == 16 + 23  # a top list per sampled token and per prompt token but the first
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_ngram_speculation_on_cuda_keeps_greedy_tokens_and_samples_reproducibly():
+    """Drafts verified on the GPU: greedy output token-identical to plain decoding there; sampled (the rejection
+    rule draws from the request's own stream on the logits' device) the same tokens for the same seed."""
+    fp32 = load_model("random:smollm2-135m", device="cuda", dtype="float32")
+    # NOTE: a prompt that repeats itself, so prompt lookup finds drafts
+    prompt = (make_prompts(1, 12, seed=3)[0] * 4)[:40]
+
+    def run(spec: dict | None, params: SamplingParams) -> tuple[list[int], int]:
+        engine = _engine(fp32, speculative_config=spec)
+        engine.add_request("s", prompt, params)
+        out = []
+        while engine.has_unfinished_requests():
+            out += [o.token_ids for o in engine.step() if o.finished]
+        return out[0], engine.stats().spec_draft_tokens
+
+    greedy_params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain, _ = run(None, greedy_params)
+    spec, drafted = run(SPEC, greedy_params)
+    assert spec == plain and drafted > 0
+    # NOTE: a low temperature, so the sampled tokens follow the prompt's pattern and drafts are made (on the CPU:
+    # 16 drafted, 13 accepted: the rejection rule's both branches)
+    sampled = SamplingParams(max_tokens=32, temperature=0.05, seed=11, ignore_eos=True)
+    first, drafted = run(SPEC, sampled)
+    again, _ = run(SPEC, sampled)
+    assert first == again and len(first) == 32 and drafted > 0

@@ -3,7 +3,10 @@
 One GPU: two engines with their KV pools on the GPU, in one process. The `local` transport moves each layer from
 the sender's GPU pool straight into the blocks the receiver reserved in its GPU pool (checked on the device, as the
 torch transport's NCCL path checks them); the `torch` transport with gloo carries the same layers as host tensors
-(gloo's send/recv take CPU tensors only), read from and written into the GPU pools. What one GPU cannot show: the
+(gloo's send/recv take CPU tensors only), read from and written into the GPU pools; `nixl` writes each layer from the
+sender's GPU pool into the receiver's with NIXL WRITE (UCX's copy streams, not the engine's) as the prefill's layer
+hooks fire, each behind a ~10 ms sleep queued on the engine's stream so that the host is far ahead of the GPU, as in a
+long prefill. What one GPU cannot show: the
 torch transport's NCCL path itself (NCCL refuses two ranks on one GPU), so its test needs a second GPU: two
 processes, one GPU each, with the engines' pools on the CPU (staged through the GPU) and on the GPU (no host copy).
 """
@@ -18,6 +21,7 @@ from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState, payload
 from tests.helpers import (
     free_blocks,
     greedy,
+    layer_sender,
     open_kv_sender,
     prefill_layerwise,
     random_prompts,
@@ -44,6 +48,9 @@ CUDA_ENGINE = dict(device="cuda", dtype="float32", num_blocks=64, max_num_seqs=4
 GPU_PATHS: dict[str, tuple[dict[str, str], dict[str, str]]] = {  # transport -> (receiver, sender) config
     "local": ({}, {}),
     "torch": ({"torch_backend": "gloo", "torch_device": "cpu"}, {}),
+    # NOTE: NIXL WRITE from the sending pool in VRAM as each layer's hook fires, the host ahead of the GPU: the
+    # sender waits for the layer's event (nixl_transport.layer_ready), or it would write blocks not computed yet
+    "nixl": ({}, {}),
 }
 
 
@@ -57,6 +64,10 @@ def tiny_cuda():
 @needs_cuda
 @pytest.mark.parametrize("transport", list(GPU_PATHS))
 def test_kv_moves_from_a_gpu_pool_into_a_gpu_pool(tiny_cuda, transport):
+    from kv_transfer.transports import nixl_agent
+
+    if transport == "nixl" and nixl_agent.unavailable() is not None:
+        pytest.skip(f"nixl: {nixl_agent.unavailable()}")
     receiving, sending = GPU_PATHS[transport]
     b = LLMEngine(tiny_cuda, EngineConfig(**CUDA_ENGINE))  # type: ignore[arg-type]
     ep = ReceiverEndpoint(b, TransferConfig(transport=transport, **receiving), local_name=f"gpu-pools-{transport}")
@@ -65,7 +76,15 @@ def test_kv_moves_from_a_gpu_pool_into_a_gpu_pool(tiny_cuda, transport):
         assert a.runner.kv.device.type == b.runner.kv.device.type == "cuda"
         baseline = free_blocks(b)
         sender = open_kv_sender(transport, ep.address, a, "r", PROMPT, **sending)
-        first = prefill_layerwise(a, sender, PROMPT, FIRST)
+        send = layer_sender(a, sender, PROMPT)
+
+        def behind_the_gpu(layer: int) -> None:
+            # NOTE: the GPU sleeps before it computes the layers after this one: their hooks fire on the host while
+            # their K/V are not written yet; a sender must wait for the engine's stream (nixl: its layer events)
+            torch.cuda._sleep(20_000_000)
+            send(layer)
+
+        first = prefill_layerwise(a, sender, PROMPT, FIRST, layers=behind_the_gpu)
         assert sender.wait(30) is TransferState.DONE, sender.error
         assert ep.receiver.wait("r", 10) is TransferState.DONE
         ep.receiver.take("r", greedy(8))

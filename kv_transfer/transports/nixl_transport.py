@@ -5,7 +5,8 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
    kept for the life of the pair); `prepare` says which receiver agent's metadata it already holds, the answer
    (`NixlTarget`) carries the receiver's agent, metadata only if the sender lacks it (a new agent name: the receiver
    restarted), its pool address and the reserved block ids; the remote descriptor list is prepared once per agent;
-2. `send_blocks(layer, block_ids)` from the prefill step pins the blocks (first layer) and queues the layer; the
+2. `send_blocks(layer, block_ids)` from the prefill step pins the blocks (first layer) and queues the layer (on a
+   GPU pool with an event on the engine's stream, which the sender's thread waits for: `layer_ready`); the
    sender's thread computes the layer's K and V checks from the pool and posts one WRITE of all its blocks (NIXL
    merges contiguous runs) with a notification "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's
    progress while writes are in flight (no progress thread);
@@ -31,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 
 from kv_transfer.messages import Abort, Prepared, PrepareRequest
 from kv_transfer.sender import _COMMIT, KVSender, Layer
@@ -62,10 +64,27 @@ def _checker() -> ThreadPoolExecutor:
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayer:
-    """One layer of pool blocks to write."""
+    """One layer of pool blocks to write; `ready`: on a GPU pool, an event recorded on the engine's stream right
+    after the layer's forward pass queued its K/V writes (None on the host, where those writes are done)."""
 
     index: int
     block_ids: tuple[int, ...]
+    ready: torch.cuda.Event | None = None
+
+
+def layer_ready(kv: torch.Tensor) -> torch.cuda.Event | None:
+    """On a GPU pool, an event on the calling thread's current stream (the engine's, inside its forward pass); None
+    on the host.
+
+    NOTE: the engine's host thread runs ahead of its GPU: when a layer's hook fires, the kernels that write that
+    layer's K/V may not have run yet. NIXL's WRITE copies on UCX's own streams, unordered with the engine's, so the
+    sender's thread waits for this event before it checks or posts the layer (it would send stale blocks otherwise).
+    """
+    if kv.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(kv.device))
+    return event
 
 
 class NixlKVSender(KVSender):
@@ -131,7 +150,7 @@ class NixlKVSender(KVSender):
                 if not self._pinned and block_ids and self.pool is not None:
                     self.pool.pin(block_ids)
                     self._pinned = list(block_ids)
-            self._queue_item(PoolLayer(layer, tuple(block_ids)))
+            self._queue_item(PoolLayer(layer, tuple(block_ids), layer_ready(self.pool.kv) if self.pool else None))
 
     def _prepare_failed(self, req: PrepareRequest, err: TransferError) -> None:
         if err.retryable:  # NOTE: not retryable: the receiver answered with a refusal, it reserved nothing
@@ -221,6 +240,8 @@ class NixlKVSender(KVSender):
     def _checks(self, layer: PoolLayer) -> tuple[str, str]:
         """The checks of one layer's K and V blocks, as its notification carries them."""
         assert self._pool is not None
+        if layer.ready is not None:
+            layer.ready.synchronize()  # NOTE: this thread only; the engine's stream goes on (`layer_ready`)
         kv, src = self._pool.kv, np.asarray(layer.block_ids, dtype=np.int64)
         k, v = (layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
                             self.config.nixl_checksum) for which in (0, 1))
