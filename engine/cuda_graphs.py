@@ -50,29 +50,16 @@ def graphs_wanted(device: torch.device, backend: str, enforce_eager: bool) -> bo
     return device.type == "cuda" and backend == "triton" and not enforce_eager
 
 
-class GraphBucket:
-    """One captured bucket: its graph, the static tensors it reads and writes, and their host staging.
-
-    NOTE: a step's values are written straight into numpy views of one host buffer laid out as the static tensors
-    (pinned on CUDA) and copied with two non-blocking copies: the metadata builder takes 133 us of host time a step
-    at batch 1 and 247 us at batch 64, the staging 7 and 64 us (`python -m pdcluster.bench.engine_profile`, this
-    project's CPU), time the GPU waits for the graph (a batch-1 step of an 8B model on an H200 is ~5 ms). The buffer
-    is rewritten only after the step's sync (the sampled ids), when the last copy from it is done.
-    Block-table columns past a row's blocks keep whatever an earlier step left: the kernels never read them.
-    """
+class _HostTwin:
+    """A pinned host buffer laid out as a bucket's static tensors, with numpy views of each (see GraphBucket)."""
 
     def __init__(self, rows: int, ids: torch.Tensor, meta: AttentionMetadata, cuda: bool) -> None:
-        self.rows = rows
-        self.ids_pos = ids  # [2, rows] int64: input ids, then positions
-        self.meta = meta
-        self.graph = torch.cuda.CUDAGraph() if cuda else None
-        self.hidden: torch.Tensor | None = None  # [rows, d], written by every replay
         assert meta.packed is not None and meta.triton is not None
         meta_bytes = meta.packed.buffer.numel()
-        self.staging = torch.empty(meta_bytes + ids.numel() * 8, dtype=torch.uint8, pin_memory=cuda)
-        self.staging[:meta_bytes].copy_(meta.packed.host)
-        self.meta_host, self.ids_host = self.staging[:meta_bytes], self.staging[meta_bytes:]
-        raw = self.staging.numpy()
+        self.buffer = torch.empty(meta_bytes + ids.numel() * 8, dtype=torch.uint8, pin_memory=cuda)
+        self.buffer[:meta_bytes].copy_(meta.packed.host)
+        self.meta_host, self.ids_host = self.buffer[:meta_bytes], self.buffer[meta_bytes:]
+        raw = self.buffer.numpy()
         base = meta.packed.buffer.data_ptr()
 
         def view(t: torch.Tensor) -> np.ndarray:  # the host twin of a static tensor (a view of the device buffer)
@@ -82,33 +69,68 @@ class GraphBucket:
         self.slots, self.tables, self.seq_lens = view(meta.slot_mapping), view(meta.triton.block_tables), view(
             meta.triton.seq_lens)
         self.ids = raw[meta_bytes:].view(np.int64).reshape(2, rows)
+        self.copied = torch.cuda.Event() if cuda else None  # recorded after the copies out of this buffer
 
-    def stage(self, ids: list[int], positions: list[int], tables: list[list[int]], starts: list[int],
+
+class GraphBucket:
+    """One captured bucket: its graph, the static tensors it reads and writes, and their host staging.
+
+    NOTE: a step's values are written straight into numpy views of a host buffer laid out as the static tensors
+    (pinned on CUDA) and copied with two non-blocking copies: the metadata builder takes 133 us of host time a step
+    at batch 1 and 247 us at batch 64, the staging 7 and 64 us (`python -m pdcluster.bench.engine_profile`, this
+    project's CPU), time the GPU waits for the graph (a batch-1 step of an 8B model on an H200 is ~5 ms). Two such
+    buffers take turns: a step staged while the one before is still queued on the GPU (the runner's lookahead) must
+    not overwrite what that step's copy has yet to read; each waits for the copy out of it two steps back (an event).
+    Block-table columns past a row's blocks keep whatever an earlier step left: the kernels never read them.
+    """
+
+    def __init__(self, rows: int, ids: torch.Tensor, meta: AttentionMetadata, cuda: bool) -> None:
+        self.rows = rows
+        self.ids_pos = ids  # [2, rows] int64: input ids, then positions
+        self.meta = meta
+        self.graph = torch.cuda.CUDAGraph() if cuda else None
+        self.hidden: torch.Tensor | None = None  # [rows, d], written by every replay
+        self._twins = [_HostTwin(rows, ids, meta, cuda) for _ in range(2)]
+        self._staged = self._twins[0]
+
+    @property
+    def staged(self) -> _HostTwin:
+        """The host buffer the last `stage` wrote."""
+        return self._staged
+
+    def stage(self, ids: Sequence[int], positions: list[int], tables: list[list[int]], starts: list[int],
               block_size: int, spare: int) -> None:
-        """Write a decode-only batch of n <= rows rows into the host buffer (padded rows: token 0 at position 0,
-        writing and attending block `spare`'s first slot)."""
-        n, width = len(ids), self.tables.shape[1]
+        """Write a decode-only batch of n <= rows rows into the next host buffer (padded rows: token 0 at position
+        0, writing and attending block `spare`'s first slot)."""
+        n = len(ids)
         if n > self.rows:
             raise ValueError(f"{n} rows do not fit a bucket of {self.rows}")
+        t = self._twins[1] if self._staged is self._twins[0] else self._twins[0]
+        width = t.tables.shape[1]
+        if t.copied is not None:
+            t.copied.synchronize()  # NOTE: the copy out of this buffer two steps back (done long ago but at startup)
         for i, (table, start) in enumerate(zip(tables, starts)):
             if len(table) > width:
                 raise ValueError(f"a block table of {len(table)} blocks is wider than the graph's {width}")
-            self.tables[i, : len(table)] = table
-            self.slots[i] = slot_of(table, start, block_size)
-        self.seq_lens[:n] = starts
-        self.seq_lens[:n] += 1
-        self.tables[n:, 0] = spare
-        self.slots[n:] = spare * block_size
-        self.seq_lens[n:] = 1
-        self.ids[0, :n], self.ids[1, :n] = ids, positions
-        self.ids[:, n:] = 0
+            t.tables[i, : len(table)] = table
+            t.slots[i] = slot_of(table, start, block_size)
+        t.seq_lens[:n] = starts
+        t.seq_lens[:n] += 1
+        t.tables[n:, 0] = spare
+        t.slots[n:] = spare * block_size
+        t.seq_lens[n:] = 1
+        t.ids[0, :n], t.ids[1, :n] = ids, positions
+        t.ids[:, n:] = 0
+        self._staged = t
 
     def upload(self) -> None:
         """The staged step into the static tensors (two non-blocking copies, queued before the replay)."""
         assert self.meta.packed is not None
-        cuda = self.graph is not None
-        self.meta.packed.buffer.copy_(self.meta_host, non_blocking=cuda)
-        self.ids_pos.view(-1).view(torch.uint8).copy_(self.ids_host, non_blocking=cuda)
+        t, cuda = self._staged, self.graph is not None
+        self.meta.packed.buffer.copy_(t.meta_host, non_blocking=cuda)
+        self.ids_pos.view(-1).view(torch.uint8).copy_(t.ids_host, non_blocking=cuda)
+        if t.copied is not None:
+            t.copied.record()
 
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
@@ -161,15 +183,22 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def run(self, ids: list[int], positions: list[int], tables: list[list[int]],
-            starts: list[int]) -> torch.Tensor | None:
-        """Hidden states [n, d] of a decode-only batch by graph replay, or None when no bucket holds it."""
+    def run(self, ids: Sequence[int], positions: list[int], tables: list[list[int]], starts: list[int],
+            ids_on_device: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hidden states [n, d] of a decode-only batch by graph replay, or None when no bucket holds it.
+
+        `ids_on_device` ([n] int64 on the device): the input ids, copied on the device after the upload (the
+        previous step's sampled ids, before they reached the host: the runner's lookahead); `ids` then only counts
+        the rows.
+        """
         rows = bucket_for(len(ids), self.buckets)
         if rows is None or rows not in self.graphs:
             return None
         g = self.graphs[rows]
         g.stage(ids, positions, tables, starts, self.block_size, self.spare_block)
         g.upload()
+        if ids_on_device is not None:
+            g.ids_pos[0, : len(ids)].copy_(ids_on_device)
         if g.graph is not None:
             g.graph.replay()
         else:

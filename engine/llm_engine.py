@@ -221,7 +221,7 @@ class LLMEngine:
         if not batch.seqs:
             self.structured.wait(0.01)  # NOTE: only grammars being compiled are left (no-op otherwise)
             return results
-        sampled = self.runner.execute(batch, self._layer_hook(batch))
+        sampled = self.runner.execute(batch, self._layer_hook(batch), lookahead=self._same_next(batch))
         self._computed_tokens += batch.num_tokens
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled):
             drafted = len(seq.spec_token_ids)
@@ -249,6 +249,12 @@ class LLMEngine:
                 self._spec_accepted += len(tokens) - 1
             results.append(out)
         return results
+
+    def _same_next(self, batch: ScheduledBatch) -> bool:
+        """Whether the next step is likely this batch one token on (a graphed decode step then launches it early:
+        model_runner.Lookahead): nothing waits or is parked, nothing is drafted, every running sequence is in it."""
+        return (self.runner.graphs is not None and self.proposer is None and not self.scheduler.waiting
+                and not self.structured.num_parked and len(self.scheduler.running) == len(batch.seqs))
 
     def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Start the other choices of `parent` (n > 1) on its prompt's KV: shared blocks, the last one copied.

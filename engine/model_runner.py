@@ -3,7 +3,8 @@
 The runner makes no scheduling decisions: it computes what the scheduler picked.
 One step on any device: every per-step tensor (token ids, positions, the rows that need logits, the attention
 metadata) is built on the host once, pinned on CUDA, and copied with one non_blocking transfer; layers only read
-them. The sampled ids are the step's one sync with the host (the single `.tolist()` below).
+them. The sampled ids are the step's one sync with the host (`_to_host`). With CUDA graphs, a decode step launches
+the next step of the same batch before that sync (`Lookahead`), so the GPU need not wait for the host's scheduling.
 
 Seeded sampling across devices: a request's random stream is a pure function of (seed, output index)
 (engine/sampler.py), so a request resumed on another worker of the same device type draws the same tokens. A CPU and
@@ -31,8 +32,9 @@ from engine.kernels import attention_kernel
 from engine.kv_quant import int8_block_rows
 from engine.logprobs import prompt_logprobs, prompt_rows, sampled_logprobs
 from engine.model import LlamaModel
-from engine.sampler import sample
+from engine.sampler import SamplerOutput, sample
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 from engine.spec_decode import verify
 from engine.structured_output import grammar_bitmask
 
@@ -70,6 +72,41 @@ class Step:
     scoring: list[tuple[int, int, int]] = field(default_factory=list)
 
 
+@dataclass
+class Lookahead:
+    """The decode step after the one just launched, itself launched before that one's sampled ids reached the host
+    (CUDA graphs and `EngineConfig.decode_lookahead`): the bet that the scheduler's next batch is the same
+    sequences, each one token on, its input ids the sampled ids still on the device. While the host syncs, appends
+    and schedules, the GPU computes it. `holds` checks the bet against the step the scheduler then made: won, its
+    sampled ids are that step's; lost (a request joined or ended, a block table changed), the GPU did one step of
+    work for nothing and the step runs as usual. Either way it wrote only each sequence's next slot, in a block the
+    sequence owns, with the token the real step writes there (a sequence that ended instead frees that block).
+    """
+
+    seqs: list[Sequence]  # the batch's sequences, in order (compared by identity)
+    starts: list[int]  # each one's computed tokens at the step bet on
+    tables: list[list[int]]  # each one's block-table blocks the step attends (copies)
+    sampled: SamplerOutput  # on the device
+    ids: list[int] = field(default_factory=list)  # the step's input ids, once the step before synced them
+
+    def holds(self, batch: ScheduledBatch, step: Step) -> bool:
+        """Whether the scheduler's step is the one bet on (a graphed decode step of the same rows and inputs)."""
+        return (step.meta is None and len(batch.seqs) == len(self.seqs)
+                and all(a is b for a, b in zip(batch.seqs, self.seqs)) and step.starts == self.starts
+                and step.input_ids == self.ids
+                and all(s.block_table[: len(t)] == t for s, t in zip(batch.seqs, self.tables)))
+
+
+class _NextRow:
+    """A sequence as the sampler sees it one token on (its draw's index: the next output's)."""
+
+    __slots__ = ("num_output_tokens", "num_prompt_tokens", "params", "token_ids")
+
+    def __init__(self, seq: Sequence) -> None:
+        self.params, self.token_ids, self.num_prompt_tokens = seq.params, seq.token_ids, seq.num_prompt_tokens
+        self.num_output_tokens = seq.num_output_tokens + 1
+
+
 class ModelRunner:
     """Runs forward passes over the paged KV cache (`kv[layer][0|1]`: [num_blocks + 1, block_size, KVH, D]).
 
@@ -104,6 +141,11 @@ class ModelRunner:
         self.spare_block = num_blocks
         self._allocate_kv(num_blocks + 1)
         self.graphs: DecodeGraphs | None = None
+        self.max_model_len = max_model_len
+        self.lookahead = engine_cfg.decode_lookahead  # NOTE: with graphs only (`execute`)
+        self._ahead: Lookahead | None = None
+        self.lookahead_won = 0  # steps whose ids a lookahead had computed
+        self.lookahead_lost = 0  # lookaheads computed for nothing (the next step was another)
         if graphs_wanted(self.device, self.attn_backend, engine_cfg.enforce_eager):
             width = -(-min(max_model_len, num_blocks * self.block_size) // self.block_size)
             # NOTE: the graphs call back into the runner through a weak reference, so an engine that is dropped
@@ -131,16 +173,54 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None) -> list[list[int]]:
+    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None,
+                lookahead: bool = False) -> list[list[int]]:
         """Compute the batch; return the new tokens of each sequence that reached its end ([] for the others).
 
         A sequence with draft tokens (`spec_token_ids`, trimmed by the scheduler to what it scheduled) gets them
         verified: its tokens are the accepted drafts plus one from the model. Others get one sampled token.
         `layer_hook(i)` runs after layer i has written its K/V (layer-wise KV sending).
+        `lookahead`: the engine expects the same sequences in its next step (nothing waits, nothing is drafted):
+        a graphed decode step then launches that one before it syncs (`Lookahead`).
         """
         step = self.prepare(batch, graphed=layer_hook is None)
-        logits = self.forward(batch, step, layer_hook)
-        return self.sample(batch, step, logits)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.holds(batch, step):
+            sampled = ahead.sampled
+            self.lookahead_won += 1
+        else:
+            self.lookahead_lost += ahead is not None
+            logits = self.forward(batch, step, layer_hook)
+            if step.meta is not None or logits is None:  # NOTE: not a graphed decode step
+                return self.sample(batch, step, logits)
+            sampled = self._draw(batch, step, logits)
+        if lookahead and self.lookahead:
+            self._ahead = self._launch_ahead(batch, step, sampled)
+        out: list[list[int]] = [[] for _ in batch.seqs]
+        self._to_host(batch, step.sampling, sampled, out)  # NOTE: the step's sync; the lookahead runs meanwhile
+        if self._ahead is not None:
+            self._ahead.ids = [t[0] for t in out]
+        return out
+
+    def _launch_ahead(self, batch: ScheduledBatch, step: Step, sampled: SamplerOutput) -> Lookahead | None:
+        """Launch the next step of this graphed decode batch (see `Lookahead`), or None where the bet would be lost
+        for sure: a sequence at its last token, at the model's length, whose next slot needs a new block, with a
+        grammar or penalties (they read the token not yet on the host)."""
+        assert self.graphs is not None
+        starts = [s + 1 for s in step.starts]
+        for seq, start in zip(batch.seqs, starts):
+            if (seq.grammar is not None or seq.params.has_penalties or start >= self.max_model_len
+                    or seq.num_output_tokens + 1 >= seq.params.max_tokens
+                    or start >= len(seq.block_table) * self.block_size):
+                return None
+        tables = [s.block_table for s in batch.seqs]
+        hidden = self.graphs.run([0] * len(starts), starts, tables, starts, ids_on_device=sampled.token_ids)
+        if hidden is None:
+            return None
+        logits = self.model.logits(hidden).float()
+        drawn = sample(logits, [_NextRow(s) for s in batch.seqs])
+        return Lookahead(list(batch.seqs), starts, [t[: start // self.block_size + 1] for t, start in
+                                                    zip(tables, starts)], drawn)
 
     def prepare(self, batch: ScheduledBatch, graphed: bool = True) -> Step:
         """The host side of a step: flat ids and positions, the rows that need logits, and (unless a CUDA graph
@@ -209,16 +289,7 @@ class ModelRunner:
         if logits is None:
             return out
         if step.sampling:
-            seqs = [batch.seqs[i] for i in step.sampling]
-            sampled = sample(logits[: len(step.sampling)], seqs, grammar_bitmask(seqs, logits.shape[-1]))
-            # NOTE: the sampler keeps the draws on the logits' device; this is the step's one sync with the host
-            tokens = sampled.token_ids.tolist()
-            lps = sampled_logprobs(tokens, sampled.logprobs, sampled.logprob_token_ids,
-                                   [s.params.logprobs for s in seqs])
-            for i, tok, lp in zip(step.sampling, tokens, lps):
-                out[i] = [tok]
-                if lp is not None:
-                    batch.seqs[i].new_logprobs.append(lp)
+            self._to_host(batch, step.sampling, self._draw(batch, step, logits), out)
         first = len(step.sampling)
         for i in step.verifying:
             seq = batch.seqs[i]
@@ -234,6 +305,23 @@ class ModelRunner:
                                                        seq.params.prompt_logprobs or 0))
             first += count
         return out
+
+    def _draw(self, batch: ScheduledBatch, step: Step, logits: torch.Tensor) -> SamplerOutput:
+        """The sampled rows' tokens (and logprobs), on the logits' device."""
+        seqs = [batch.seqs[i] for i in step.sampling]
+        return sample(logits[: len(step.sampling)], seqs, grammar_bitmask(seqs, logits.shape[-1]))
+
+    @staticmethod
+    def _to_host(batch: ScheduledBatch, sampling: list[int], sampled: SamplerOutput, out: list[list[int]]) -> None:
+        """The draws into `out` (by batch index) and the sequences' logprobs."""
+        # NOTE: the sampler keeps the draws on the logits' device; this is the step's one sync with the host
+        tokens = sampled.token_ids.tolist()
+        lps = sampled_logprobs(tokens, sampled.logprobs, sampled.logprob_token_ids,
+                               [batch.seqs[i].params.logprobs for i in sampling])
+        for i, tok, lp in zip(sampling, tokens, lps):
+            out[i] = [tok]
+            if lp is not None:
+                batch.seqs[i].new_logprobs.append(lp)
 
     def to_device(self, *parts: list[int]) -> list[torch.Tensor]:
         """int64 lists as tensors on the runner's device: one host buffer (pinned on CUDA), one non_blocking copy,

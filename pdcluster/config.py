@@ -85,6 +85,8 @@ class PoolConfig(BaseModel):
         default=None, gt=0, le=1, description="cuda: share of the GPU for weights + activations + KV (the KV pool "
         "gets what a profiling pass leaves); null: 0.9 on cuda; num_kv_blocks wins")
     enforce_eager: bool = Field(default=False, description="cuda: no CUDA graphs for decode steps")
+    decode_lookahead: bool = Field(default=True, description="cuda graphs: launch the next decode step before this "
+                                   "step's tokens reach the host (the GPU does not wait for scheduling)")
     num_kv_blocks: int | None = Field(default=None, gt=0, description="KV blocks; null: sized from kv_cache_memory_gb")
     kv_cache_memory_gb: float = Field(default=1.0, gt=0, description="KV cache size when num_kv_blocks is null")
     block_size: int = Field(default=16, gt=0, description="tokens per KV block (the prefix-cache granularity)")
@@ -139,7 +141,7 @@ class PoolConfig(BaseModel):
             max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads,
             prefill_order=self.prefill_order, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             speculative_config=spec, device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=self.enforce_eager)
+            enforce_eager=self.enforce_eager, decode_lookahead=self.decode_lookahead)
 
     @property
     def resolved_dtype(self) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/gpu-check.sh OUTDIR: check a GPU node in one command (issue 26), in at most 8 minutes (the step limits sum
-# to 460 s).
+# to 480 s).
 #
 # Needs python3 with a CUDA torch, triton and transformers (a GPU image's); what engine/ and kv_transfer/ import
 # beyond that comes from the wheels in .whl/ (scripts/gpu-wheels.sh fetches them where a registry is reachable).
@@ -13,9 +13,11 @@
 #   4. gpu_engine   pytest -m gpu over the other files with gpu tests: Triton kernels compiled, CUDA graphs, the KV
 #                   pool sized by gpu_memory_utilization (the two checks of step 2 deselected)
 #   5. bench        pdcluster bench engine --device cuda on random:llama-3.1-8b (decode b1/b64 at 512, prefill 2048),
-#                   best of 2 (34 s with 1 on an H200; batch-1 decode moved 66-69% of its bound between two calls)
+#                   best of 2 (34 s with 1 on an H200; batch-1 decode moved 66-69% of its bound between two calls);
+#                   batch 1 also with graphs one step at a time (the decode lookahead off) and eager
 #   6. profile      python -m pdcluster.bench.engine_profile --device cuda: where a batch-1 decode step's time goes
-#                   (graph replay, logits, the host's share, the kernels by GPU time, cudaGraphLaunch's CPU time)
+#                   (the step with and without the lookahead, graph replay, logits, the host's share, the kernels by
+#                   GPU time, cudaGraphLaunch's CPU time)
 # GPU_CHECK_STEPS="gpu_kv bench" runs only those steps (and setup, which every fresh machine needs): a rerun of what
 # failed, in the time a lent GPU has left; GPU_CHECK_LIMIT_PCT=200 doubles every step's limit (a step that timed out;
 # on the same warm machine Triton's compiled kernels are cached by then).
@@ -130,7 +132,7 @@ fi
 # shellcheck disable=SC2086
 [ -n "$ENGINE_FILES" ] && step gpu_engine 130 "${PYTEST[@]}" ${ENG_T[@]+"${ENG_T[@]}"} --junitxml "$OUTDIR/pytest_gpu_engine.xml" \
   -k "not equals_the_cpu and not matches_transformers" $ENGINE_FILES
-step bench 90 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 2 \
+step bench 110 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8b --device cuda --repeats 2 \
   --out "$OUTDIR/bench_engine_device.json"
 step profile 75 "$PY" -m pdcluster.bench.engine_profile --device cuda --model random:llama-3.1-8b \
   --out "$OUTDIR/bench_engine_profile.json"

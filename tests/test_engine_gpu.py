@@ -48,10 +48,10 @@ def test_cuda_graphs_give_the_eager_tokens_at_every_batch_size_and_padding():
     replays = 0
     run = graphed.runner.graphs.run
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         nonlocal replays
         replays += 1
-        return run(*args)
+        return run(*args, **kwargs)
 
     graphed.runner.graphs.run = counting  # type: ignore[method-assign]
     for n in (1, 3, 5, 8):  # 3 and 5 pad to the buckets 4 and 8

@@ -3,7 +3,8 @@ one process, and both against the device's own limits measured in the same run.
 
 Figures (best of --repeats; definitions as in pdcluster/bench/engine.py):
 - decode tok/s at each of --device-batches (default 1 and 64) after --context prompt tokens (512): ours (with CUDA
-  graphs on CUDA), ours eager at batch 1, transformers; ratio = ours / transformers;
+  graphs on CUDA), at batch 1 ours with graphs one step at a time (`decode_lookahead` off) and eager, transformers;
+  ratio = ours / transformers;
 - prefill tok/s of one --prefill-tokens prompt (2,048): ours and transformers;
 - the HBM bound of batch-1 decode: bytes read per step (every weight but the embedding table, plus the KV of the
   context) ÷ the device-to-device copy bandwidth measured here (bytes read + written per second), as tok/s; ours
@@ -108,11 +109,14 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = max(batches) * -(-(ctx + n_dec) // bs) + -(-(n_pre + 1) // bs) + 16
     budget = max(n_pre + 1, 2048)
     figures: dict[str, Any] = {"decode": {}, "prefill": {}}
-    engines = {"graphs": False, "eager": True} if device.type == "cuda" else {"eager": True}
+    # NOTE: on CUDA also batch 1 with graphs one step at a time (no lookahead: model_runner.Lookahead), and eager
+    engines: dict[str, dict[str, bool]] = {"eager": {"enforce_eager": True}}
+    if device.type == "cuda":
+        engines = {"graphs": {}, "stepwise": {"decode_lookahead": False}, **engines}
     main = list(engines)[0]
-    for name, eager in engines.items():
+    for name, overrides in engines.items():
         ours = OursTimer(loaded, device=str(device), dtype=dtype_name, num_blocks=num_blocks,
-                         max_num_seqs=max(batches), max_num_batched_tokens=budget, enforce_eager=eager)
+                         max_num_seqs=max(batches), max_num_batched_tokens=budget, **overrides)
         figures.setdefault("cuda_graphs", ours.engine.runner.graphs is not None and name == "graphs")
         _measure_ours(ours, name, batches if name == main else [1], name == main, args, prompts, figures)
         del ours
@@ -156,6 +160,8 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
         "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes": weight_bytes, "kv_bytes_at_context": kv_bytes,
         "decode_bound_tok_s_batch1": bound_tok_s,
         "decode_batch1_share_of_bound": ours_b1 / bound_tok_s if ours_b1 else None,
+        "decode_batch1_stepwise_share_of_bound": (figures["decode"]["1"]["ours_stepwise_tok_s"] / bound_tok_s
+                                                  if "ours_stepwise_tok_s" in figures["decode"].get("1", {}) else None),
         "matmul_peak_tflop_s": peak / 1e12, "prefill_tflop_s": prefill_flops / t_prefill / 1e12,
         "prefill_share_of_peak": prefill_flops / t_prefill / peak}
     name = torch.cuda.get_device_name(device) if cuda else machine()["cpu"]
@@ -169,20 +175,23 @@ def format_device(r: dict[str, Any]) -> str:
     """The device bench's figures as a table."""
     lines = [f"model {r['model']} on {r['device']} ({r['device_name']}), {r['dtype']}, CUDA graphs "
              f"{'on' if r['cuda_graphs'] else 'off'}, torch {r['machine']['torch']}",
-             f"{'':8}{'batch':>6}{'ours tok/s':>13}{'eager':>10}{'transformers':>14}{'ratio':>8}"]
+             f"{'':8}{'batch':>6}{'ours tok/s':>13}{'stepwise':>10}{'eager':>10}{'transformers':>14}{'ratio':>8}"]
     for b, row in r["decode"].items():
         ours = row.get("ours_graphs_tok_s", row.get("ours_eager_tok_s", 0.0))
-        eager = f"{row['ours_eager_tok_s']:10.1f}" if "ours_eager_tok_s" in row else f"{'':10}"
+        others = "".join(f"{row[k]:10.1f}" if k in row else f"{'':10}"
+                         for k in ("ours_stepwise_tok_s", "ours_eager_tok_s"))
         ref = f"{row['transformers_tok_s']:14.1f}{row['ratio']:7.2f}x" if "ratio" in row else ""
-        lines.append(f"{'decode':8}{b:>6}{ours:13.1f}{eager}{ref}")
+        lines.append(f"{'decode':8}{b:>6}{ours:13.1f}{others}{ref}")
     for n, row in r["prefill"].items():
-        ref = f"{'':10}{row['transformers_tok_s']:14.1f}{row['ratio']:7.2f}x" if "ratio" in row else ""
+        ref = f"{'':20}{row['transformers_tok_s']:14.1f}{row['ratio']:7.2f}x" if "ratio" in row else ""
         lines.append(f"{'prefill':8}{n:>6}{row['ours_tok_s']:13.1f}{ref}")
     lim = r["limits"]
     share = lim["decode_batch1_share_of_bound"]
     lines.append(f"copy bandwidth {lim['copy_bandwidth_gb_s']:.0f} GB/s, {lim['weight_bytes'] / 1e9:.2f} GB weights + "
                  f"{lim['kv_bytes_at_context'] / 1e6:.1f} MB KV -> batch-1 decode bound "
-                 f"{lim['decode_bound_tok_s_batch1']:.1f} tok/s" + (f"; ours {share:.0%} of it" if share else ""))
+                 f"{lim['decode_bound_tok_s_batch1']:.1f} tok/s" + (f"; ours {share:.0%} of it" if share else "")
+                 + (f" (one step at a time {lim['decode_batch1_stepwise_share_of_bound']:.0%})"
+                    if lim.get("decode_batch1_stepwise_share_of_bound") else ""))
     lines.append(f"matmul peak {lim['matmul_peak_tflop_s']:.1f} TFLOP/s; prefill {lim['prefill_tflop_s']:.1f} "
                  f"TFLOP/s = {lim['prefill_share_of_peak']:.0%} of it")
     return "\n".join(lines)

@@ -5,9 +5,10 @@
    (engine/cuda_graphs.py: numpy views of a host twin of the static buffers), at batch 1 and 64 (contexts of 520
    tokens, block tables 600 wide); and the builder for an eager step of 64 decode rows and one 256-token chunk.
 2. `--device cuda` also: batch-1 decode of `--model` (random:llama-3.1-8b) after a 512-token prompt, with CUDA
-   graphs: `engine.step()` (median of 60 steps), the graph's replay alone (50 back to back: the GPU's time), the
-   logits and argmax alone; the host's share of a step is the first less the other two. Then the kernels of 5
-   replays by GPU time and the CPU time of `cudaGraphLaunch` (torch profiler).
+   graphs: `engine.step()` (median of 60 steps) with the lookahead (engine/model_runner.py) and one step at a time,
+   the graph's replay alone (50 back to back: the GPU's time), the logits and argmax alone; the host's share of a
+   step one at a time is that step less the other two. Then the kernels of 5 replays by GPU time and the CPU time
+   of `cudaGraphLaunch` (torch profiler).
 Prints a table and saves --out (results/bench_engine_profile.json). scripts/gpu-check.sh runs it as its last step.
 """
 
@@ -94,11 +95,21 @@ def device_step(model: str, device: str) -> dict[str, Any]:
     engine.add_request("profile", prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    times = []
-    for _ in range(60):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
+
+    def step_times(n: int = 60) -> list[float]:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        return times
+
+    times = step_times()  # NOTE: as configured (the lookahead on: model_runner.Lookahead)
+    won = runner.lookahead_won
+    runner.lookahead = False
+    engine.step()  # NOTE: the lookahead launched by the last step is taken here
+    stepwise = step_times()
+    runner.lookahead = True
     g = runner.graphs.graphs[1]
     assert g.graph is not None and g.hidden is not None
     hidden = g.hidden
@@ -120,8 +131,10 @@ def device_step(model: str, device: str) -> dict[str, Any]:
         torch.cuda.synchronize(dev)
     launch = [e for e in prof.key_averages() if e.key == "cudaGraphLaunch"]
     step_ms = statistics.median(times) * 1e3
+    stepwise_ms = statistics.median(stepwise) * 1e3
     return {"model": model, "device": torch.cuda.get_device_name(dev), "step_ms": step_ms, "replay_ms": replay_ms,
-            "logits_argmax_ms": logits_ms, "host_ms": step_ms - replay_ms - logits_ms,
+            "lookahead_won": won, "step_stepwise_ms": stepwise_ms,
+            "logits_argmax_ms": logits_ms, "host_ms": stepwise_ms - replay_ms - logits_ms,
             "graph_launch_cpu_us": launch[0].cpu_time_total / launch[0].count if launch else None,
             "kernels": _table(prof)}
 
@@ -136,8 +149,10 @@ def format_profile(r: dict[str, Any]) -> str:
     d = r.get("device_step")
     if d:
         lines.append(f"{d['model']} on {d['device']}, batch-1 decode with CUDA graphs (ms): step {d['step_ms']:.2f} "
-                     f"= replay {d['replay_ms']:.2f} + logits/argmax {d['logits_argmax_ms']:.2f} + host "
-                     f"{d['host_ms']:.2f}; cudaGraphLaunch {d['graph_launch_cpu_us'] or 0:.0f} us of CPU")
+                     f"with the lookahead ({d['lookahead_won']} of its steps computed ahead); one step at a time "
+                     f"{d['step_stepwise_ms']:.2f} = replay {d['replay_ms']:.2f} + logits/argmax "
+                     f"{d['logits_argmax_ms']:.2f} + host {d['host_ms']:.2f}; cudaGraphLaunch "
+                     f"{d['graph_launch_cpu_us'] or 0:.0f} us of CPU")
         lines.append(d["kernels"])
     return "\n".join(lines)
 
