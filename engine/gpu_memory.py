@@ -1,11 +1,13 @@
-"""The KV pool of a CUDA engine sized by `gpu_memory_utilization`, in vLLM's meaning.
+"""The KV pool of a CUDA engine sized by `gpu_memory_utilization`, in vLLM's meaning: this engine's share of the GPU.
 
-1. The model's weights are on the GPU already; note what other processes and the CUDA context hold (the GPU's used
-   memory beyond what torch reserved).
+1. The model's weights are on the GPU already.
 2. Run one profiling forward pass of max_num_batched_tokens prompt tokens (one sequence, a KV pool just big enough)
    and the head over max_num_seqs rows; read torch's peak allocation (weights + activations + that small pool).
-3. KV gets `gpu_memory_utilization x total - other processes - (peak - the profiling pool)`, in whole blocks, capped
-   at what max_num_seqs full-length sequences could use. Too little for one block is refused naming the field.
+3. KV gets `gpu_memory_utilization x total - (peak - the profiling pool)`, in whole blocks, capped at what
+   max_num_seqs full-length sequences could use. The share is per engine, as vLLM's is per instance: two engines on
+   one GPU at 0.45 each both fit. What other processes hold is not subtracted; a share that does not fit in what is
+   free (the KV pool, plus the activations the profile freed) is refused naming the field, as is one too small for
+   a block.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ log = logging.getLogger(__name__)
 DEFAULT_UTILIZATION = 0.9  # vLLM's default
 
 
-def kv_budget_bytes(total: int, utilization: float, other_processes: int, peak: int, profile_kv: int) -> int:
+def kv_budget_bytes(total: int, utilization: float, peak: int, profile_kv: int) -> int:
     """Bytes left for the KV pool (step 3 of the module docstring); negative when nothing is."""
-    return int(total * utilization) - other_processes - (peak - profile_kv)
+    return int(total * utilization) - (peak - profile_kv)
 
 
 @torch.inference_mode()
@@ -41,8 +43,7 @@ def profile_num_blocks(runner: Any, engine_cfg: EngineConfig, max_blocks: int | 
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    free, total = torch.cuda.mem_get_info(device)
-    other = (total - free) - torch.cuda.memory_reserved(device)  # NOTE: the CUDA context and other processes
+    total = torch.cuda.mem_get_info(device)[1]
     tokens = engine_cfg.max_num_batched_tokens
     bs = runner.block_size
     blocks = -(-tokens // bs)
@@ -58,14 +59,22 @@ def profile_num_blocks(runner: Any, engine_cfg: EngineConfig, max_blocks: int | 
     del runner.kv, runner.kv_caches, hidden, meta
     torch.cuda.empty_cache()
     per_block = profile_kv // (blocks + 1)
-    budget = kv_budget_bytes(total, utilization, other, peak, profile_kv)
+    budget = kv_budget_bytes(total, utilization, peak, profile_kv)
     num_blocks = budget // per_block
+    gib = 2**30
     if num_blocks < 1:
-        raise InvalidRequestError("gpu_memory_utilization", f"{utilization} of {total / 2**30:.1f} GiB leaves no room "
-                                  f"for KV after weights and activations (peak {peak / 2**30:.2f} GiB, other "
-                                  f"processes {other / 2**30:.2f} GiB); raise it or lower max_num_batched_tokens")
+        raise InvalidRequestError("gpu_memory_utilization", f"{utilization} of {total / gib:.1f} GiB leaves no room "
+                                  f"for KV after weights and activations (peak {peak / gib:.2f} GiB); raise it or "
+                                  "lower max_num_batched_tokens")
     if max_blocks is not None:
         num_blocks = min(num_blocks, max_blocks)
+    free = torch.cuda.mem_get_info(device)[0]
+    needed = num_blocks * per_block + (peak - profile_kv - torch.cuda.memory_allocated(device))
+    if needed > free:
+        share = total * utilization / gib
+        raise InvalidRequestError("gpu_memory_utilization", f"a share of {utilization} ({share:.1f} GiB) needs "
+                                  f"{needed / gib:.2f} GiB more for KV and activations, and {free / gib:.2f} GiB of "
+                                  "the GPU are free (other processes hold the rest); lower it")
     log.info("KV pool: %d blocks (%.2f GiB) on %s (gpu_memory_utilization %.2f, profiling peak %.2f GiB)",
              num_blocks, num_blocks * per_block / 2**30, device, utilization, peak / 2**30)
     return int(num_blocks)

@@ -214,6 +214,9 @@ def save_hf_dir(config: ModelConfig, weights: Weights, tokenizer: Tokenizer, pat
         json.dump(hf_config_dict(config), f, indent=2)
     with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}, f, indent=2)
-    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
+    # NOTE: an engine built on these weights made its fused q/k/v and gate/up the dict's storage (engine/model.py:
+    # views of one tensor), which safetensors refuses to write as separate tensors
+    save_file({k: v.clone() if v._base is not None else v.contiguous() for k, v in weights.items()},
+              os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     tokenizer.save_hf(path)

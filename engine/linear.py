@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from engine.errors import InvalidRequestError
 from engine.kernels import linear_kernel
 
 _PACK_HINT = 512  # batch-size hint for the packed layout; measured to serve M = 1..4096 well
@@ -94,6 +95,8 @@ class Int8Linear:
         self.bias = bias
         self.weight, scale = quantize_int8(weight)  # [out, in] int8, [out]
         self.scale = scale.to(torch.bfloat16)
+        if weight.device.type != "cpu":
+            _check_int8_kernel(weight.device)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with, [out, in] (for tests and quality checks)."""
@@ -103,6 +106,23 @@ class Int8Linear:
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+
+
+_INT8_CHECKED: set[str] = set()
+
+
+def _check_int8_kernel(device: torch.device) -> None:
+    """Refuse, naming `quantization`, a device whose torch has no weight-only int8 kernel (CUDA before torch 2.9)."""
+    if str(device) in _INT8_CHECKED:
+        return
+    try:
+        torch._weight_int8pack_mm(torch.zeros(1, 32, dtype=torch.bfloat16, device=device),
+                                  torch.zeros(8, 32, dtype=torch.int8, device=device),
+                                  torch.ones(8, dtype=torch.bfloat16, device=device))
+    except (NotImplementedError, RuntimeError) as e:
+        raise InvalidRequestError("quantization", f"int8 needs torch's weight-only int8 kernel on {device.type}, which "
+                                  f"torch {torch.__version__} lacks ({type(e).__name__}); use null") from None
+    _INT8_CHECKED.add(str(device))
 
 
 def make_linear(quantization: str | None) -> type[PackedLinear] | type[Int8Linear]:

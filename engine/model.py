@@ -139,12 +139,23 @@ class DecoderLayer:
         def get(name: str) -> torch.Tensor:
             return w[name].to(device=device, dtype=dtype).contiguous()
 
+        def fused(names: list[str]) -> torch.Tensor:
+            """The weights `names` concatenated. Where the dict's own tensors were used as they are (already on the
+            device, in the dtype), its entries become views of the result and the originals are freed: kept, they
+            would be a second copy of most of the model for the engine's life (on a GPU, memory the KV pool sized
+            by gpu_memory_utilization does not get: ~9 GB of an 8B model in bf16)."""
+            parts = [get(n) for n in names]
+            out = torch.cat(parts)
+            if all(part is w[n] for part, n in zip(parts, names)):
+                w.update(zip(names, out.split([part.shape[0] for part in parts])))
+            return out
+
         self.input_norm = get(prefix + "input_layernorm.weight")
         self.post_attn_norm = get(prefix + "post_attention_layernorm.weight")
-        qkv_bias = torch.cat([get(a + n + "_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
-        self.qkv = linear(torch.cat([get(a + n + "_proj.weight") for n in "qkv"]), qkv_bias)
+        qkv_bias = fused([a + n + "_proj.bias" for n in "qkv"]) if cfg.attention_bias else None
+        self.qkv = linear(fused([a + n + "_proj.weight" for n in "qkv"]), qkv_bias)
         self.o = linear(get(a + "o_proj.weight"), get(a + "o_proj.bias") if cfg.attention_out_bias else None)
-        self.gate_up = linear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+        self.gate_up = linear(fused([m + "gate_proj.weight", m + "up_proj.weight"]))
         self.down = linear(get(m + "down_proj.weight"))
 
     def __call__(

@@ -15,10 +15,11 @@ GPU worker (greedy requests agree up to near-ties: pdcluster/bench/engine_gpu.py
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -136,7 +137,8 @@ class ModelRunner:
         self.attn_cascade = True  # shared decode prefixes attended once per group (kernel path)
         self.attn_prefill: Literal["flash", "chunked"] = "flash"  # engine/attention/paged.py PREFILL_MODES
         if num_blocks is None:
-            num_blocks = profile_num_blocks(self, engine_cfg, max_blocks)
+            with self.on_device():
+                num_blocks = profile_num_blocks(self, engine_cfg, max_blocks)
         self.num_blocks = num_blocks
         self.spare_block = num_blocks
         self._allocate_kv(num_blocks + 1)
@@ -167,14 +169,25 @@ class ModelRunner:
         self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
 
+    def on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """The runner's GPU as the calling thread's current device (Triton launches and graph captures go to the
+        current device, not the tensors'; an engine on cuda:1 steps from threads whose current device is 0)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs (warm-up; a no-op without them)."""
         if self.graphs is not None and not self.graphs.graphs:
-            self.graphs.capture()
+            with self.on_device():
+                self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None,
                 lookahead: bool = False) -> list[list[int]]:
+        with self.on_device():
+            return self._execute(batch, layer_hook, lookahead)
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None,
+                 lookahead: bool = False) -> list[list[int]]:
         """Compute the batch; return the new tokens of each sequence that reached its end ([] for the others).
 
         A sequence with draft tokens (`spec_token_ids`, trimmed by the scheduler to what it scheduled) gets them
@@ -287,6 +300,10 @@ class ModelRunner:
         """Tokens from the logits: sampled rows, then verified drafts (engine/spec_decode.py)."""
         out: list[list[int]] = [[] for _ in batch.seqs]
         if logits is None:
+            if self.device.type == "cuda":
+                # NOTE: no sampled ids to wait for (a prompt chunk short of its end): still one sync, so the step's
+                # measured time is its GPU time (the workers' step-cost fit) and not its launches
+                torch.cuda.current_stream(self.device).synchronize()
             return out
         if step.sampling:
             self._to_host(batch, step.sampling, self._draw(batch, step, logits), out)

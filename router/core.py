@@ -151,6 +151,11 @@ class Router:
             finally:
                 tracing.end(queued)
             self.metrics.placed(route.why or "prefill_pool")
+            if budget_s is not None:
+                # NOTE: before the admission limit: a deadline that even an idle cluster cannot meet is
+                # DEADLINE_EXCEEDED however busy the cluster is (a 429 would invite a retry that fails again)
+                check_deadline(self.pools, route, len(req.token_ids), matched,
+                               budget_s - (time.monotonic() - arrived), req.request_id, self.metrics, busy=False)
             limit = self.settings.admission_ttft_ms()
             if limit and route.predicted_ttft_ms > limit:
                 # NOTE: refused, not queued: the backlog is on the workers already, and a request admitted past it

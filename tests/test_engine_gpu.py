@@ -163,3 +163,37 @@ def test_ngram_speculation_on_cuda_keeps_greedy_tokens_and_samples_reproducibly(
     first, drafted = run(SPEC, sampled)
     again, _ = run(SPEC, sampled)
     assert first == again and len(first) == 32 and drafted > 0
+
+
+def test_the_fused_weights_are_the_only_copy_on_the_gpu():
+    """engine/model.py's fused q/k/v and gate/up replace the loaded tensors (views), so building an engine adds its
+    KV pool and little else to the GPU's allocations (before: a second copy of half of SmolLM2's weights)."""
+    loaded = load_model("random:smollm2-135m", device="cuda", dtype="bfloat16")
+    weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in loaded.weights.values()}.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine = _engine(loaded, enforce_eager=True)
+    grown = torch.cuda.memory_allocated() - before
+    kv = engine.runner.kv.numel() * engine.runner.kv.element_size()
+    assert grown < kv + 0.2 * weight_bytes, (grown, kv, weight_bytes)
+
+
+def test_int8_kv_and_int8_weights_on_cuda():
+    """An int8 KV cache on CUDA (the gather path quantizes and reads it on the device) gives the CPU's greedy tokens
+    over the same float32 weights; int8 weights serve where torch has the CUDA kernel, else are refused naming
+    `quantization` (engine/linear.py)."""
+    from engine.errors import InvalidRequestError
+
+    prompts = make_prompts(4, 24, seed=8)
+    on_cuda = load_model("random:smollm2-135m", device="cuda", dtype="float32")
+    on_cpu = load_model("random:smollm2-135m", device="cpu", dtype="float32")
+    cuda_int8 = LLMEngine(on_cuda, EngineConfig(device="cuda", dtype="float32", num_blocks=256, kv_cache_dtype="int8"))
+    cpu_int8 = LLMEngine(on_cpu, EngineConfig(device="cpu", dtype="float32", num_blocks=256, kv_cache_dtype="int8"))
+    assert cuda_int8.runner.kv.dtype == torch.int8
+    assert greedy_outputs(cuda_int8, prompts, 16) == greedy_outputs(cpu_int8, prompts, 16)
+    try:
+        quantized = _engine(load_model("random:smollm2-135m", device="cuda", dtype="bfloat16"), quantization="int8")
+    except InvalidRequestError as e:
+        assert e.field == "quantization", e
+        return
+    assert all(len(t) == 8 for t in greedy_outputs(quantized, prompts, 8))

@@ -156,6 +156,11 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once(cluster):
                                        timeout=30)
             # refused up front (a timeout would be DEADLINE_EXCEEDED after 30 s)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in e.value.details()
+        settings.max_predicted_ttft_ms = limit
+        with pytest.raises(grpc.RpcError) as e:  # NOTE: a deadline no idle cluster meets: that, backlog or not
+            server.stub().Generate(pb.GenerateRequest(prompt="word " * 1900, sampling=pb.SamplingParams(max_tokens=4)),
+                                   timeout=0.5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle cluster" in e.value.details()
     finally:
         settings.max_predicted_ttft_ms = limit
         for v in views:

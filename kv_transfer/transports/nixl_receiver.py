@@ -153,6 +153,11 @@ class NixlEndpoint:
                 self.receiver.set_receiving(t, True)
             self._cond.notify_all()
         pool = self.pool
+        if t.num_blocks and pool.kv.device.type == "cuda":
+            # NOTE: the reserved blocks were free, but kernels the engine queued before they were freed may not have
+            # run yet (a lookahead step writes each sequence's next slot: engine/model_runner.py); NIXL writes on
+            # UCX's streams, unordered with the engine's, so the sender learns their ids only once those have run
+            torch.cuda.current_stream(pool.kv.device).synchronize()
         return NixlTarget(self.agent.name, b"" if req.nixl_known == self.agent.name else self.agent.metadata,
                           pool.kv.data_ptr(), pool.num_blocks, pool.mem, pool.device, list(t.res.fresh_blocks))
 
