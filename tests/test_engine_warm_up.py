@@ -12,7 +12,7 @@ def test_warm_up_computes_a_request_and_leaves_no_trace(tiny):
     before = engine.stats()
     steps: list[int] = []  # the tokens of every step the runner computed (a spy on the real runner)
     execute = engine.runner.execute
-    engine.runner.execute = lambda batch, *a: steps.append(batch.num_tokens) or execute(batch, *a)  # type: ignore
+    engine.runner.execute = lambda batch, *a, **k: steps.append(batch.num_tokens) or execute(batch, *a, **k)  # type: ignore
     engine.warm_up()
     engine.runner.execute = execute  # type: ignore[method-assign]
     assert steps == [engine.config.block_size // 2, 1]  # it computed: the prompt, then one decode step

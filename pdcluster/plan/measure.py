@@ -54,9 +54,9 @@ class _Probe:
         self._feats: dict[str, float] = {}
         execute = self.engine.runner.execute
 
-        def recording(batch: Any, hook: Any = None) -> Any:
+        def recording(batch: Any, *args: Any, **kwargs: Any) -> Any:
             self._feats = features(batch)
-            return execute(batch, hook)
+            return execute(batch, *args, **kwargs)
         self.engine.runner.execute = recording  # type: ignore[method-assign, assignment]
 
     def tokens(self, n: int) -> list[int]:
