@@ -101,7 +101,10 @@ class EngineConfig:
     block_size: int = 16
     # NOTE: None sizes the pool from kv_cache_memory_gb; an explicit count wins.
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    # The KV pool's size when num_blocks is None. None: 1 GiB on the CPU; on CUDA the pool is sized by
+    # gpu_memory_utilization instead (a set size wins there, as vLLM's kv_cache_memory_bytes does; then
+    # gpu_memory_utilization may not be set too).
+    kv_cache_memory_gb: float | None = None
     max_num_seqs: int = 64
     # Cap on tokens computed per step (prefill chunks + one per decoding sequence).
     max_num_batched_tokens: int = 1024
@@ -113,7 +116,7 @@ class EngineConfig:
     device: str = "cpu"
     # CUDA only (vLLM's meaning): the fraction of the GPU's total memory for weights, activations and KV; the KV pool
     # gets what is left after a profiling forward pass of max_num_batched_tokens. None: 0.9 on CUDA. An explicit
-    # num_blocks wins. On the CPU the pool is sized by kv_cache_memory_gb.
+    # num_blocks or kv_cache_memory_gb wins. On the CPU the pool is sized by kv_cache_memory_gb.
     gpu_memory_utilization: float | None = None
     # CUDA only (vLLM's name): True runs every step eagerly; False captures decode-only steps as CUDA graphs.
     enforce_eager: bool = False
@@ -144,8 +147,10 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
         _positive("num_threads", self.num_threads)
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_memory_gb is not None and self.gpu_memory_utilization is not None:
+            raise InvalidRequestError("kv_cache_memory_gb", "and gpu_memory_utilization both size the KV pool: set one")
         for name in ("step_target_ms", "ttft_target_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -231,3 +236,6 @@ def resolve_device(name: str) -> torch.device:
     if device.index is not None and device.index >= count:
         raise InvalidRequestError("device", f"{name!r}: this process sees {count} GPU(s) (cuda:0..cuda:{count - 1})")
     return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+
+DEFAULT_KV_CACHE_GB = 1.0  # the KV pool's size on the CPU when neither num_blocks nor kv_cache_memory_gb is set

@@ -25,7 +25,7 @@ import torch
 
 from engine.block_hash import cache_scope
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import DEFAULT_KV_CACHE_GB, EngineConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.kv_export import KVLayout
 from engine.kv_import import KVImporter, KVReservation
@@ -75,10 +75,12 @@ class LLMEngine:
         model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
         usable = config.max_num_seqs * -(-model_len // config.block_size)
-        # NOTE: on CUDA without num_blocks, the runner sizes the pool by gpu_memory_utilization (engine/gpu_memory.py)
-        cuda = config.resolved_device().type == "cuda"
-        num_blocks = config.num_blocks or (None if cuda else max(1, min(usable, int(config.kv_cache_memory_gb * 2**30
-                                                                                    // per_block))))
+        # NOTE: on CUDA without num_blocks or kv_cache_memory_gb, the runner sizes the pool by gpu_memory_utilization
+        # (engine/gpu_memory.py)
+        gb = config.kv_cache_memory_gb
+        if gb is None and config.resolved_device().type != "cuda":
+            gb = DEFAULT_KV_CACHE_GB
+        num_blocks = config.num_blocks or (None if gb is None else max(1, min(usable, int(gb * 2**30 // per_block))))
         self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, model_len, max_blocks=usable)
         num_blocks = self.runner.num_blocks
         self.max_model_len = min(model_len, num_blocks * config.block_size)

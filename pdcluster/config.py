@@ -88,7 +88,9 @@ class PoolConfig(BaseModel):
     decode_lookahead: bool = Field(default=True, description="cuda graphs: launch the next decode step before this "
                                    "step's tokens reach the host (the GPU does not wait for scheduling)")
     num_kv_blocks: int | None = Field(default=None, gt=0, description="KV blocks; null: sized from kv_cache_memory_gb")
-    kv_cache_memory_gb: float = Field(default=1.0, gt=0, description="KV cache size when num_kv_blocks is null")
+    kv_cache_memory_gb: float | None = Field(
+        default=None, gt=0, description="KV cache size when num_kv_blocks is null; null: 1 GiB on cpu, and on cuda "
+        "sized by gpu_memory_utilization (a set size wins there; not both)")
     block_size: int = Field(default=16, gt=0, description="tokens per KV block (the prefix-cache granularity)")
     max_num_batched_tokens: int = Field(default=1024, gt=0, description="tokens computed per engine step at most")
     max_num_seqs: int = Field(default=64, gt=0, description="sequences in one batch at most")
@@ -110,6 +112,8 @@ class PoolConfig(BaseModel):
         if self.lend_idle_cores and self.device == "cuda":
             # NOTE: a GPU step's compute is not torch's CPU threads: more of them would only take cores from peers
             raise _RuleError("lend_idle_cores", "lends CPU cores to CPU workers: device 'cuda' computes on its GPU")
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory_gb is not None:
+            raise _RuleError("kv_cache_memory_gb", "and gpu_memory_utilization both size the KV pool: set one")
         if self.gpu_memory_utilization is not None and self.device != "cuda":
             raise _RuleError("gpu_memory_utilization", "sizes a GPU's KV pool: needs device 'cuda' (on the CPU use "
                                                        "kv_cache_memory_gb or num_kv_blocks)")

@@ -39,7 +39,9 @@ def test_dtype_auto_is_float32_on_the_cpu_and_bfloat16_on_cuda():
 @pytest.mark.parametrize("kwargs,field", [({"device": "gpu"}, "device"), ({"device": "cuda:x"}, "device"),
                                           ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization"),
                                           ({"device": "cuda", "gpu_memory_utilization": 1.5},
-                                           "gpu_memory_utilization")])
+                                           "gpu_memory_utilization"),
+                                          ({"device": "cuda", "gpu_memory_utilization": 0.5, "kv_cache_memory_gb": 4},
+                                           "kv_cache_memory_gb")])
 def test_bad_device_settings_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as info:
         EngineConfig(**kwargs)
@@ -77,6 +79,11 @@ def test_pool_settings_for_a_gpu_on_a_cpu_pool_or_auto_dtypes_that_differ_are_re
     with pytest.raises(ConfigError) as info:
         ClusterConfig.from_yaml_text(_lines("prefill:", "  num_gpus: 1", "  device: cuda", "decode:", "  replicas: 1"))
     assert info.value.path == "decode.dtype" and "'bfloat16'" in str(info.value)
+    # NOTE: both size a GPU's KV pool (a set kv_cache_memory_gb wins over the share, as vLLM's kv_cache_memory_bytes)
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml_text(_lines("prefill:", "  num_gpus: 1", "  device: cuda", "  kv_cache_memory_gb: 4",
+                                            "  gpu_memory_utilization: 0.5"))
+    assert info.value.path == "prefill.kv_cache_memory_gb"
 
 
 # ---- loading to a dtype and device -----------------------------------------------------------------------------

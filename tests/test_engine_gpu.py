@@ -197,3 +197,11 @@ def test_int8_kv_and_int8_weights_on_cuda():
         assert e.field == "quantization", e
         return
     assert all(len(t) == 8 for t in greedy_outputs(quantized, prompts, 8))
+
+
+def test_kv_cache_memory_gb_sizes_a_gpu_pool_when_set(smollm2_bf16):
+    """A set kv_cache_memory_gb wins over the GPU share on CUDA (vLLM's kv_cache_memory_bytes; the shipped GPU YAMLs
+    set it), instead of being ignored."""
+    engine = LLMEngine(smollm2_bf16, EngineConfig(device="cuda", kv_cache_memory_gb=0.25, enforce_eager=True))
+    per_block = engine.runner.kv[:, :, 0].numel() * engine.runner.kv.element_size()
+    assert engine.runner.num_blocks == int(0.25 * 2**30 // per_block)  # NOTE: below max_num_seqs' cap here

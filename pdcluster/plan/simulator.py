@@ -37,6 +37,8 @@ from pdcluster.plan.sim_worker import Job, Req, Worker, answer_tokens
 from router.settings import RouterSettings
 
 DEFAULT_MODEL_LEN = 8192
+# NOTE: engine/config.py's (not imported: it pulls in torch, which the planner does not need)
+DEFAULT_KV_CACHE_GB = 1.0
 
 
 class Overheads(BaseModel):
@@ -91,7 +93,8 @@ class ClusterShape:
             model_len = p.max_model_len or DEFAULT_MODEL_LEN
             # NOTE: as LLMEngine sizes its pool: explicit blocks win; else memory, capped at max_num_seqs full seqs
             usable = p.max_num_seqs * -(-model_len // p.block_size)
-            by_mem = int(p.kv_cache_memory_gb * 2**30 // (profile.kv_bytes_per_token * p.block_size))
+            gb = p.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB  # NOTE: a cuda pool sized by its GPU share: not known here
+            by_mem = int(gb * 2**30 // (profile.kv_bytes_per_token * p.block_size))
             blocks = p.num_kv_blocks or max(1, min(usable, by_mem))
             if p.max_num_seqs > p.max_num_batched_tokens:
                 raise ValueError(f"{role}: the simulator needs max_num_seqs <= max_num_batched_tokens")
