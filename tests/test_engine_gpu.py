@@ -99,40 +99,42 @@ GREEDY_FEATURES: dict[str, dict[str, object]] = {
 }
 
 
-def _feature_run(loaded, device: str, **cfg) -> dict[str, tuple[list[int], list[list[int]], list[float]]]:
-    """Per request id (n > 1: its choices too): token ids, each step's top logprob ids and the sampled logprobs."""
+def _feature_run(loaded, device: str, **cfg) -> dict[str, tuple[list[int], list[float]]]:
+    """Per request id (n > 1: its choices too): token ids, and every logprob it got (each sampled token's, then its
+    top-k values, descending; then the prompt tokens' likewise).
+
+    NOTE: values, not the top-k token ids: two alternatives a float32 rounding apart may swap places between devices.
+    """
     engine = LLMEngine(loaded, EngineConfig(device=device, dtype="float32", num_blocks=512, max_num_seqs=8,
                                             max_num_batched_tokens=1024, enable_prefix_caching=False, **cfg))
     prompts = make_prompts(len(GREEDY_FEATURES), 24, seed=26)
     for prompt, (name, kw) in zip(prompts, GREEDY_FEATURES.items()):
         engine.add_request(name, prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **kw))
-    tops: dict[str, list[list[int]]] = {}
-    lps: dict[str, list[float]] = {}
+    values: dict[str, list[float]] = {}
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tops.setdefault(out.request_id, []).extend([t for t, _ in lp.top] for lp in out.new_logprobs)
-            lps.setdefault(out.request_id, []).extend(lp.logprob for lp in out.new_logprobs)
-            if out.prompt_logprobs:
-                tops[out.request_id] += [[t for t, _ in lp.top] for lp in out.prompt_logprobs if lp is not None]
+            entries = [*out.new_logprobs, *(lp for lp in out.prompt_logprobs or [] if lp is not None)]
+            got = values.setdefault(out.request_id, [])
+            got += [v for lp in entries for v in (lp.logprob, *(x for _, x in lp.top))]
             if out.finished:
                 final[out.request_id] = out.token_ids
-    return {rid: (ids, tops.get(rid, []), lps.get(rid, [])) for rid, ids in final.items()}
+    return {rid: (ids, values.get(rid, [])) for rid, ids in final.items()}
 
 
 def test_request_features_on_cuda_give_the_cpus_tokens_and_logprobs():
-    """Penalties, logit bias, logprobs and prompt logprobs, n = 2, min_p with top_k: CUDA (with its CUDA graphs) and
-    the CPU agree on every token, every top-k list, and the logprobs within float32 rounding."""
+    """Penalties, logit bias, logprobs and prompt logprobs, n = 2, min_p with top_k: CUDA (with its CUDA graphs and the
+    decode lookahead) and the CPU agree on every token, and on every logprob within float32 rounding."""
     on_cuda = load_model("random:smollm2-135m", device="cuda", dtype="float32")
     on_cpu = load_model("random:smollm2-135m", device="cpu", dtype="float32")
     ours, ref = _feature_run(on_cuda, "cuda"), _feature_run(on_cpu, "cpu")
     assert sorted(ours) == sorted(ref) == sorted([*GREEDY_FEATURES, "n-1"])
-    for rid, (ids, tops, lps) in ref.items():
-        got_ids, got_tops, got_lps = ours[rid]
-        assert (got_ids, got_tops) == (ids, tops), rid
-        assert len(ids) == 16 and torch.allclose(torch.tensor(got_lps), torch.tensor(lps), atol=1e-3), rid
+    for rid, (ids, lps) in ref.items():
+        got_ids, got_lps = ours[rid]
+        assert got_ids == ids and len(ids) == 16, rid
+        assert len(got_lps) == len(lps) and torch.allclose(torch.tensor(got_lps), torch.tensor(lps), atol=1e-3), rid
     assert ref["n"][0] == ref["n-1"][0]  # greedy choices are one answer
-    assert len(ref["logprobs"][1]) == 16 + 23  # a top list per sampled token and per prompt token but the first
+    assert len(ref["logprobs"][1]) == 16 * (1 + 3) + 23 * (1 + 2)  # sampled tokens, then prompt tokens but the first
 
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
