@@ -93,11 +93,6 @@ class GraphBucket:
         self._twins = [_HostTwin(rows, ids, meta, cuda) for _ in range(2)]
         self._staged = self._twins[0]
 
-    @property
-    def staged(self) -> _HostTwin:
-        """The host buffer the last `stage` wrote."""
-        return self._staged
-
     def stage(self, ids: Sequence[int], positions: list[int], tables: list[list[int]], starts: list[int],
               block_size: int, spare: int) -> None:
         """Write a decode-only batch of n <= rows rows into the next host buffer (padded rows: token 0 at position

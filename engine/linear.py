@@ -108,13 +108,10 @@ class Int8Linear:
 
 
 
-_INT8_CHECKED: set[str] = set()
-
-
+@functools.cache
 def _check_int8_kernel(device: torch.device) -> None:
-    """Refuse, naming `quantization`, a device whose torch has no weight-only int8 kernel (CUDA before torch 2.9)."""
-    if str(device) in _INT8_CHECKED:
-        return
+    """Refuse, naming `quantization`, a device whose torch has no weight-only int8 kernel (CUDA before torch 2.9);
+    probed once per device."""
     try:
         torch._weight_int8pack_mm(torch.zeros(1, 32, dtype=torch.bfloat16, device=device),
                                   torch.zeros(8, 32, dtype=torch.int8, device=device),
@@ -122,7 +119,6 @@ def _check_int8_kernel(device: torch.device) -> None:
     except (NotImplementedError, RuntimeError) as e:
         raise InvalidRequestError("quantization", f"int8 needs torch's weight-only int8 kernel on {device.type}, which "
                                   f"torch {torch.__version__} lacks ({type(e).__name__}); use null") from None
-    _INT8_CHECKED.add(str(device))
 
 
 def make_linear(quantization: str | None) -> type[PackedLinear] | type[Int8Linear]:

@@ -254,9 +254,11 @@ class LLMEngine:
 
     def _same_next(self, batch: ScheduledBatch) -> bool:
         """Whether the next step is likely this batch one token on (a graphed decode step then launches it early:
-        model_runner.Lookahead): nothing waits or is parked, nothing is drafted, every running sequence is in it."""
-        return (self.runner.graphs is not None and self.proposer is None and not self.scheduler.waiting
-                and not self.structured.num_parked and len(self.scheduler.running) == len(batch.seqs))
+        model_runner.Lookahead, unless `decode_lookahead` is off): nothing waits or is parked, nothing is drafted,
+        every running sequence is in it."""
+        return (self.config.decode_lookahead and self.runner.graphs is not None and self.proposer is None
+                and not self.scheduler.waiting and not self.structured.num_parked
+                and len(self.scheduler.running) == len(batch.seqs))
 
     def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Start the other choices of `parent` (n > 1) on its prompt's KV: shared blocks, the last one copied.

@@ -144,7 +144,6 @@ class ModelRunner:
         self._allocate_kv(num_blocks + 1)
         self.graphs: DecodeGraphs | None = None
         self.max_model_len = max_model_len
-        self.lookahead = engine_cfg.decode_lookahead  # NOTE: with graphs only (`execute`)
         self._ahead: Lookahead | None = None
         self.lookahead_won = 0  # steps whose ids a lookahead had computed
         self.lookahead_lost = 0  # lookaheads computed for nothing (the next step was another)
@@ -207,7 +206,7 @@ class ModelRunner:
             if step.meta is not None or logits is None:  # NOTE: not a graphed decode step
                 return self.sample(batch, step, logits)
             sampled = self._draw(batch, step, logits)
-        if lookahead and self.lookahead:
+        if lookahead:
             self._ahead = self._launch_ahead(batch, step, sampled)
         out: list[list[int]] = [[] for _ in batch.seqs]
         self._to_host(batch, step.sampling, sampled, out)  # NOTE: the step's sync; the lookahead runs meanwhile

@@ -38,16 +38,20 @@ class Admission:
             self.router.pending -= 1
 
 
-def check_deadline(pools: WorkerPools, route: Route, prompt_len: int, matched: dict[str, int], left_s: float,
-                   request_id: str, metrics: RouterMetrics, busy: bool = True) -> None:
-    """Refuse a request whose first token is predicted past its deadline (`left_s` from now): on an idle cluster
-    (DEADLINE_EXCEEDED), and unless not `busy`, with what is queued (RESOURCE_EXHAUSTED)."""
+def check_reachable(pools: WorkerPools, route: Route, prompt_len: int, matched: dict[str, int], left_s: float,
+                    request_id: str, metrics: RouterMetrics) -> None:
+    """Refuse (DEADLINE_EXCEEDED) a request whose first token would come past its deadline (`left_s` from now) even
+    on an idle cluster: checked before any load-based refusal, since retrying it fails again."""
     unloaded_s = unloaded_ttft_s(pools, route, prompt_len, matched)
     if left_s <= 0 or unloaded_s > left_s:
         metrics.rejected("deadline")
         raise DeadlineExceeded(f"the request's deadline ({max(0.0, left_s) * 1e3:.0f} ms left) is shorter than its "
                                f"first token takes on an idle cluster (~{unloaded_s * 1e3:.0f} ms)", request_id)
-    if busy and route.predicted_ttft_ms / 1e3 > left_s:
+
+
+def check_in_time(route: Route, left_s: float, request_id: str, metrics: RouterMetrics) -> None:
+    """Refuse (RESOURCE_EXHAUSTED) a request whose first token is predicted past its deadline with what is queued."""
+    if route.predicted_ttft_ms / 1e3 > left_s:
         metrics.rejected("deadline")
         raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
                          f"request's deadline ({left_s:.1f} s left): the cluster is too busy", request_id)

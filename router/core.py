@@ -31,7 +31,7 @@ from cluster.logs import REQUEST_ID
 from cluster.messages import WorkerLoad
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
-from router.admission import Admission, check_deadline
+from router.admission import Admission, check_in_time, check_reachable
 from router.errors import ClientStalled, Overloaded
 from router.flow import RequestRun
 from router.leases import LeaseKeeper
@@ -151,11 +151,11 @@ class Router:
             finally:
                 tracing.end(queued)
             self.metrics.placed(route.why or "prefill_pool")
-            if budget_s is not None:
+            left_s = None if budget_s is None else budget_s - (time.monotonic() - arrived)
+            if left_s is not None:
                 # NOTE: before the admission limit: a deadline that even an idle cluster cannot meet is
                 # DEADLINE_EXCEEDED however busy the cluster is (a 429 would invite a retry that fails again)
-                check_deadline(self.pools, route, len(req.token_ids), matched,
-                               budget_s - (time.monotonic() - arrived), req.request_id, self.metrics, busy=False)
+                check_reachable(self.pools, route, len(req.token_ids), matched, left_s, req.request_id, self.metrics)
             limit = self.settings.admission_ttft_ms()
             if limit and route.predicted_ttft_ms > limit:
                 # NOTE: refused, not queued: the backlog is on the workers already, and a request admitted past it
@@ -164,9 +164,8 @@ class Router:
                 raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
                                  f"admission limit of {limit / 1e3:.1f} s (router.max_predicted_ttft_ms): the "
                                  "prefill backlog is too long", req.request_id)
-            if budget_s is not None:
-                check_deadline(self.pools, route, len(req.token_ids), matched,
-                               budget_s - (time.monotonic() - arrived), req.request_id, self.metrics)
+            if left_s is not None:
+                check_in_time(route, left_s, req.request_id, self.metrics)
             # NOTE: the prompt tokens a decode worker computes count in its queue until the first token, so requests
             # routed before its next heartbeat see them (the prefill pool's are counted by the run)
             held = self.pools[route.decode].view if route.decode_prefill_tokens else None

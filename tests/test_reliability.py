@@ -148,6 +148,8 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once(cluster):
     limit = settings.max_predicted_ttft_ms
     for v in views:
         v.pending_tokens += 10**9  # as if a billion prompt tokens were queued everywhere
+    policy = server.router.pools.policy
+    slo_itl_s = policy.slo_itl_s
     try:
         for max_predicted_ttft_ms, reason in ((limit, "router.max_predicted_ttft_ms"), (0, "deadline")):
             settings.max_predicted_ttft_ms = max_predicted_ttft_ms  # 0: no admission limit
@@ -157,12 +159,16 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once(cluster):
             # refused up front (a timeout would be DEADLINE_EXCEEDED after 30 s)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in e.value.details()
         settings.max_predicted_ttft_ms = limit
+        # NOTE: through the prefill pool (the SLO rule off): its fitted per-token cost is a prefill's; a decode worker
+        # that has only decoded fits a tiny one, and predicted 1,900 tokens within 50 ms
+        policy.slo_itl_s = None
         with pytest.raises(grpc.RpcError) as e:  # NOTE: a deadline no idle cluster meets: that, backlog or not
             server.stub().Generate(pb.GenerateRequest(prompt="word " * 1900, sampling=pb.SamplingParams(max_tokens=4)),
                                    timeout=0.05)
         # NOTE: the router answers within the 50 ms (checked first, it answered 429 for the backlog)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
     finally:
+        policy.slo_itl_s = slo_itl_s
         settings.max_predicted_ttft_ms = limit
         for v in views:
             v.pending_tokens -= 10**9

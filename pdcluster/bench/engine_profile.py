@@ -106,10 +106,10 @@ def device_step(model: str, device: str) -> dict[str, Any]:
 
     times = step_times()  # NOTE: as configured (the lookahead on: model_runner.Lookahead)
     won = runner.lookahead_won
-    runner.lookahead = False
+    engine.config.decode_lookahead = False
     engine.step()  # NOTE: the lookahead launched by the last step is taken here
     stepwise = step_times()
-    runner.lookahead = True
+    engine.config.decode_lookahead = True
     g = runner.graphs.graphs[1]
     assert g.graph is not None and g.hidden is not None
     hidden = g.hidden

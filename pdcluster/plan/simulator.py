@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.config import DEFAULT_KV_CACHE_GB
 from engine.step_budget import StepBudget
 from pdcluster.bench.workloads import Session, Workload
 from pdcluster.config import ClusterConfig
@@ -37,8 +38,6 @@ from pdcluster.plan.sim_worker import Job, Req, Worker, answer_tokens
 from router.settings import RouterSettings
 
 DEFAULT_MODEL_LEN = 8192
-# NOTE: engine/config.py's (not imported: it pulls in torch, which the planner does not need)
-DEFAULT_KV_CACHE_GB = 1.0
 
 
 class Overheads(BaseModel):
