@@ -206,10 +206,13 @@ class ModelRunner:
             if step.meta is not None or logits is None:  # NOTE: not a graphed decode step
                 return self.sample(batch, step, logits)
             sampled = self._draw(batch, step, logits)
+        # NOTE: the copy to the host is queued before the lookahead and waited for by its own event: a blocking
+        # read (`.tolist()` of a CUDA tensor) synchronizes the whole stream, the lookahead's step included
+        host, copied = self._copy_out(sampled)
         if lookahead:
             self._ahead = self._launch_ahead(batch, step, sampled)
         out: list[list[int]] = [[] for _ in batch.seqs]
-        self._to_host(batch, step.sampling, sampled, out)  # NOTE: the step's sync; the lookahead runs meanwhile
+        self._to_host(batch, step.sampling, host, out, copied)  # NOTE: the step's sync; the lookahead runs meanwhile
         if self._ahead is not None:
             self._ahead.ids = [t[0] for t in out]
         return out
@@ -327,10 +330,30 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in step.sampling]
         return sample(logits[: len(step.sampling)], seqs, grammar_bitmask(seqs, logits.shape[-1]))
 
+    def _copy_out(self, sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+        """On CUDA: the draws' copy into pinned host memory, queued on the stream, and an event recorded after it
+        (the host reads the copy once the event is done); elsewhere the draws themselves and no event."""
+        if self.device.type != "cuda":
+            return sampled, None
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        lps, ids = sampled.logprobs, sampled.logprob_token_ids
+        out = SamplerOutput(host(sampled.token_ids), None if lps is None else host(lps),
+                            None if ids is None else host(ids))
+        copied = torch.cuda.Event()
+        copied.record()
+        return out, copied
+
     @staticmethod
-    def _to_host(batch: ScheduledBatch, sampling: list[int], sampled: SamplerOutput, out: list[list[int]]) -> None:
-        """The draws into `out` (by batch index) and the sequences' logprobs."""
+    def _to_host(batch: ScheduledBatch, sampling: list[int], sampled: SamplerOutput, out: list[list[int]],
+                 copied: torch.cuda.Event | None = None) -> None:
+        """The draws into `out` (by batch index) and the sequences' logprobs (`copied`: the event after their copy
+        to the host, `_copy_out`)."""
         # NOTE: the sampler keeps the draws on the logits' device; this is the step's one sync with the host
+        if copied is not None:
+            copied.synchronize()
         tokens = sampled.token_ids.tolist()
         lps = sampled_logprobs(tokens, sampled.logprobs, sampled.logprob_token_ids,
                                [batch.seqs[i].params.logprobs for i in sampling])
