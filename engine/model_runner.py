@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine import host_memory
 from engine.attention import AttentionMetadata, select_backend
 from engine.attention.pack import pack
 from engine.config import EngineConfig, ModelConfig
@@ -165,7 +166,7 @@ class ModelRunner:
         cfg = self.cfg
         rows = kv_block_rows(self.block_size, self.kv_dtype)
         shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv = host_memory.zeros(shape, self.kv_dtype, self.device)  # huge pages on the host (host_memory.py)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
 
     def on_device(self) -> contextlib.AbstractContextManager[Any]:

@@ -64,3 +64,17 @@ def test_blocks_freed_tail_first_come_back_ascending() -> None:
     assert bm.allocate(again, 64)
     assert again.block_table == sorted(again.block_table) and len(set(again.block_table)) == 16
     assert block_runs(np.asarray(again.block_table[4:])) == ([again.block_table[4]], [again.block_table[-1]])
+
+
+def test_a_layers_blocks_are_described_as_runs_consecutive_on_both_sides():
+    from kv_transfer.transports.nixl_agent import run_descs, runs
+
+    local, remote = np.array([4, 5, 6, 9, 10, 2]), np.array([7, 8, 20, 21, 22, 3])
+    ls, rs, n = runs(local, remote)
+    assert (ls.tolist(), rs.tolist(), n.tolist()) == ([4, 6, 9, 2], [7, 20, 21, 3], [2, 1, 2, 1])
+    d = run_descs(1000, num_blocks=16, block_nbytes=10, device=0, layer=1, starts=ls, lengths=n)
+    # layer 1's K region starts at block (1 * 2 + 0) * 16 = 32, its V region at 48
+    starts = (4, 6, 9, 2)
+    assert d[:, 0].tolist() == [1000 + (32 + b) * 10 for b in starts] + [1000 + (48 + b) * 10 for b in starts]
+    assert d[:, 1].tolist() == [20, 10, 20, 10] * 2
+    assert runs(np.zeros(0, np.int64), np.zeros(0, np.int64))[2].tolist() == []

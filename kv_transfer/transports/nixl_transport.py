@@ -7,9 +7,10 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
    restarted), its pool address and the reserved block ids; the remote descriptor list is prepared once per agent;
 2. `send_blocks(layer, block_ids)` from the prefill step pins the blocks (first layer) and queues the layer (on a
    GPU pool with an event on the engine's stream, which the sender's thread waits for: `layer_ready`); the
-   sender's thread computes the layer's K and V checks from the pool and posts one WRITE of all its blocks (NIXL
-   merges contiguous runs) with a notification "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's
-   progress while writes are in flight (no progress thread);
+   sender's thread computes the layer's K and V checks from the pool and posts one WRITE of all its blocks (one
+   descriptor per run of consecutive blocks, `Agent.write`) with a notification
+   "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's progress while writes are in flight (no progress
+   thread);
 3. after the last layer it waits for every write to complete, then commits; the blocks are unpinned;
 4. a transfer that fails with writes posted waits for them (or, failing that, drops the peer: the connection
    closes and the Watch ends) before telling the receiver `Abort(quiesced)`: the receiver's fence
@@ -251,17 +252,15 @@ class NixlKVSender(KVSender):
         pool, peer = self._pool, self._peer
         assert pool is not None and peer is not None
         src = np.asarray(layer.block_ids, dtype=np.int64)
-        base_l, base_r = layer.index * 2 * pool.num_blocks, layer.index * 2 * peer.num_blocks
-        local = np.concatenate([base_l + src, base_l + pool.num_blocks + src]).astype(np.int32)
-        remote = np.concatenate([base_r + self._remote_ids, base_r + peer.num_blocks + self._remote_ids])
         notif = f"{self.transfer_id}:{layer.index}:{checks[0]}:{checks[1]}".encode()
-        nx = nixl_agent.agent().nixl
+        agent = nixl_agent.agent()
+        nx = agent.nixl
         with self._post_lock:
             if self.state.finished:
                 return
             self._posted = True
             try:
-                handle = nx.make_prepped_xfer("WRITE", pool.dlist, local, peer.dlist, remote.astype(np.int32), notif)
+                handle = agent.write(pool, peer, layer.index, src, self._remote_ids, notif)
                 state = nx.transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL raises its own types (a peer dropped, disconnected)
                 raise TransferError(f"nixl: write of layer {layer.index} to {peer.name}: {type(e).__name__}: {e}",

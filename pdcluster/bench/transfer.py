@@ -2,7 +2,9 @@
 
 One run, one machine. The payload is the real KV of one prefilled prompt (SmolLM2-135M, 2048 tokens: ~94 MB fp32).
 1. References: numpy memcpy of a payload-sized array; raw TCP on loopback to another process (`sendall` of a
-   memoryview, `recv_into` a preallocated buffer, timed until the receiver acks the last byte).
+   memoryview, `recv_into` a preallocated buffer, timed until the receiver acks the last byte); cma: the
+   payload written into another process's buffer with `process_vm_writev` (Linux), the copy UCX's cma transport
+   makes for `nixl` on one host, without checks: the most a checked `nixl` send can reach here.
 2. Transports: each timed send is open_sender → prepare → send_layer of every layer (read during the payload's
    prefill) → commit → wait until DONE, from this process to a receiver engine in a spawned process (grpc, torch)
    or in this one (local). GB/s = payload bytes ÷ seconds; best and median of --repeat after --warmup. Each
@@ -31,7 +33,7 @@ import torch
 
 from kv_transfer.state import TRANSPORTS, TransferConfig
 from pdcluster.bench.report import emit, log, machine
-from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, cpu_seconds, kv_receiver, tcp_sink
+from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, cma_sink, cpu_seconds, kv_receiver, tcp_sink
 from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender, Timing, cpu_since
 
 DEFAULT_OUT = "results/bench_transfer.json"
@@ -112,6 +114,41 @@ def tcp_figures(nbytes: int, warmup: int, repeat: int) -> dict[str, Any]:
     return _figures([r.seconds for r in runs[warmup:]], nbytes, runs[warmup:])
 
 
+def cma_figures(nbytes: int, warmup: int, repeat: int) -> dict[str, Any] | None:
+    """Linux cross-memory attach into a sink process's buffer (`process_vm_writev`, no checks): the copy UCX's cma
+    transport makes for NIXL on one host, so the ceiling of the `nixl` row. None where the kernel refuses it."""
+    import ctypes
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "process_vm_writev"):
+        return None
+    libc.process_vm_writev.restype = ctypes.c_ssize_t
+    peer = Peer("cma", cma_sink, nbytes)
+    try:
+        pid, addr = (int(x) for x in peer.address.split(":"))
+        src = np.full(nbytes, 7, dtype=np.uint8)
+        runs: list[Timing] = []
+        for _ in range(warmup + repeat):
+            cpu0 = (cpu_seconds(), cpu_seconds(peer.pid))
+            t, done = time.perf_counter(), 0
+            while done < nbytes:  # the kernel may write less than asked
+                local, remote = IoVec(src.ctypes.data + done, nbytes - done), IoVec(addr + done, nbytes - done)
+                n = libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+                if n <= 0:
+                    _log(f"cma: process_vm_writev refused ({os.strerror(ctypes.get_errno())}); no cma reference")
+                    return None
+                done += n
+            runs.append(Timing(time.perf_counter() - t, *cpu_since(cpu0, peer.pid)))
+        if peer.ask("check") != (7, 7):
+            raise BenchError("cma sink does not hold the bytes written into it")
+    finally:
+        peer.close()
+    return _figures([r.seconds for r in runs[warmup:]], nbytes, runs[warmup:])
+
+
 def idle_core_pct(pid: int, seconds: float) -> float | None:
     """% of one core process `pid` uses over `seconds` while nothing is sent to it (its transport up)."""
     t0, c0 = time.perf_counter(), cpu_seconds(pid)
@@ -185,6 +222,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = payload.nbytes
     _log(f"payload {nbytes / 1e6:.1f} MB; memcpy and raw TCP references")
     refs = {"memcpy": memcpy_figures(nbytes, max(5, args.repeat)), "tcp": tcp_figures(nbytes, args.warmup, args.repeat)}
+    if cma := cma_figures(nbytes, args.warmup, args.repeat):
+        refs["cma"] = cma
     results: dict[str, dict[str, Any]] = {}
     overlap: dict[str, dict[str, Any]] = {}
     for name in transports:
@@ -252,6 +291,10 @@ def format_table(r: dict[str, Any]) -> str:
             if row.get("idle_core_pct") is not None:
                 line += f"{row['idle_core_pct']:12.2f}"
         lines.append(line)
+    cma, nixl = r["references"].get("cma"), r["transports"].get("nixl")
+    if cma and nixl:
+        lines.append(f"nixl best = {nixl['best_gb_s'] / cma['best_gb_s']:.2f} of cma's (the same copy without "
+                     f"checks); cma = {cma['best_gb_s'] / r['references']['tcp']['best_gb_s']:.2f} of raw TCP")
     if r["overlap"]:
         lines += ["", f"layer-wise overlap: 1-thread prefill of {p['tokens']} tokens, medians of "
                       f"{w['overlap_repeat']} round(s); tail = end of prefill to DONE; spread = max - min of the "

@@ -2,7 +2,8 @@
 
 Life of a peer (`Peer` is the bench's handle on it):
 1. the process starts, binds a loopback port and sends its address back over a Pipe;
-2. TCP sink: per payload it `recv_into`s a preallocated buffer until full, then acks with one byte;
+2. cma sink: holds a buffer another process writes into (`process_vm_writev`) and answers what it holds;
+   TCP sink: per payload it `recv_into`s a preallocated buffer until full, then acks with one byte;
    KV receiver: per request id the bench sends (once the sender saw DONE) it takes the transfer into its engine,
    CRCs the KV it now holds, frees it, and answers ("done", crc, free blocks) or ("failed", reason);
 3. None (or the sender closing the socket) ends it.
@@ -144,6 +145,17 @@ def tcp_sink(conn: Connection, nbytes: int) -> None:
                     return  # the sender closed: done
                 got += n
             sock.sendall(b"k")
+
+
+def cma_sink(conn: Connection, nbytes: int) -> None:
+    """Process body: hold a payload-sized buffer (pages touched) for another process to write into with cma; its
+    address is "pid:buffer address". Each message is answered with the buffer's first and last byte."""
+    import numpy as np
+
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    conn.send(f"{os.getpid()}:{buf.ctypes.data}")
+    while conn.recv() is not None:
+        conn.send((int(buf[0]), int(buf[-1])))
 
 
 class Peer:

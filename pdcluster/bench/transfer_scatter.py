@@ -1,11 +1,11 @@
 """`bench transfer`'s scattered case: NIXL WRITE of 30 layers x 32 scattered 64 KiB blocks between two processes.
 
 The KV pools of the engine have small blocks (SmolLM2: 12 KiB) and a fresh receiver reserves contiguous runs, which
-NIXL merges into few large writes; this case is the other end: every block its own descriptor, both sides' block
-ids drawn at random from a 64-block pool per layer, one WRITE per layer with a notification (as the transport posts
-them), through the transport's own agent code (`kv_transfer.transports.nixl_agent`). Timed until the receiver has
-every layer's notification; no checksums (the data plane alone). Compared by the caller with raw TCP of the same
-bytes.
+the transport writes as few large descriptors; this case is the other end: both sides' block ids drawn at random
+from a 64-block pool per layer (seldom a run: about one descriptor per block), one WRITE per layer with a
+notification, as the transport posts them (`Agent.write` of `kv_transfer.transports.nixl_agent`), both pools in huge
+pages as the engine's are. Timed until the receiver has every layer's notification; no checksums (the data plane
+alone). Compared by the caller with raw TCP of the same bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
+
+from engine import host_memory
 
 LAYERS, POOL_BLOCKS, SENT, BLOCK = 30, 64, 32, 64 << 10  # the issue's case: 30 layers x 32 blocks of 64 KiB
 SHAPE = (LAYERS, 2, POOL_BLOCKS, BLOCK // 4)  # float32 words
@@ -29,7 +31,7 @@ def scatter_sink(conn: Connection) -> None:
     from kv_transfer.transports import nixl_agent
 
     agent = nixl_agent.agent()
-    kv = torch.zeros(SHAPE)
+    kv = host_memory.zeros(SHAPE, torch.float32)  # as the engine's KV pool
     pool = agent.pool(kv)
     conn.send((agent.name, agent.metadata, kv.data_ptr(), pool.num_blocks, pool.block_nbytes))
     while conn.recv() is not None:
@@ -45,7 +47,7 @@ def scatter_round(peer_conn: Connection, peer_info: tuple, rounds: int) -> list[
 
     name, metadata, addr, pool_blocks, block_nbytes = peer_info
     agent = nixl_agent.agent()
-    src = torch.randn(SHAPE)
+    src = host_memory.zeros(SHAPE, torch.float32).normal_()
     pool = agent.pool(src)
     peer = agent.peer(name, metadata, addr, LAYERS * 2, pool_blocks, block_nbytes, "DRAM", 0)
     rng = np.random.default_rng(0)
@@ -57,10 +59,7 @@ def scatter_round(peer_conn: Connection, peer_info: tuple, rounds: int) -> list[
         t0 = time.perf_counter()
         handles = []
         for layer in range(LAYERS):
-            bl, br = layer * 2 * pool.num_blocks, layer * 2 * peer.num_blocks
-            local = np.concatenate([bl + src_ids[layer], bl + pool.num_blocks + src_ids[layer]]).astype(np.int32)
-            remote = np.concatenate([br + dst_ids[layer], br + peer.num_blocks + dst_ids[layer]]).astype(np.int32)
-            h = nx.make_prepped_xfer("WRITE", pool.dlist, local, peer.dlist, remote, f"{layer}".encode())
+            h = agent.write(pool, peer, layer, src_ids[layer], dst_ids[layer], f"{layer}".encode())
             nx.transfer(h)
             handles.append(h)
         for h in handles:

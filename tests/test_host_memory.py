@@ -1,0 +1,48 @@
+"""The engine's host KV pool in transparent huge pages (engine/host_memory.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import host_memory
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _mapping_of(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `addr`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = start <= addr < end
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def test_zeros_is_torch_zeros():
+    t = host_memory.zeros((3, 5, 1 << 18), torch.float32)
+    assert t.shape == (3, 5, 1 << 18) and t.dtype == torch.float32 and not t.any()
+    assert host_memory.zeros((2, 3), torch.int8).equal(torch.zeros(2, 3, dtype=torch.int8))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+                    reason="needs Linux with transparent huge pages not turned off")
+def test_a_kv_pool_sized_tensor_is_in_huge_pages():
+    t = host_memory.zeros((32 << 20,), torch.uint8)
+    fields = _mapping_of(t.data_ptr() + (16 << 20))
+    assert fields.get("THPeligible") == "1", fields
+    assert int(fields["AnonHugePages"].split()[0]) >= 16 << 10, fields  # kB: most of it in 2 MiB pages
+    if "[madvise]" in THP.read_text():  # the usual mode: only advised mappings get huge pages
+        plain = torch.zeros(32 << 20, dtype=torch.uint8)  # what the pool was before: small pages
+        assert _mapping_of(plain.data_ptr() + (16 << 20)).get("AnonHugePages", "0 kB").startswith("0 ")
