@@ -9,8 +9,9 @@ Life of a worker's share:
    the cluster on this host opens the same file), writing its pid, own cores and threads, under a file lock;
    slots of dead processes are reclaimed;
 2. before each engine step, on the engine loop's thread, `before_step()` marks this worker busy (one byte in the
-   mapped file) and, when it lends, reads every slot and applies `plan()`: torch threads, and the cores of every
-   thread of this process (idle OpenMP threads sleep: OMP_WAIT_POLICY=PASSIVE, pdcluster/launch.py);
+   mapped file) and, when it lends and the step has at least `min_tokens` of prompt work left (short work ran
+   slower on borrowed cores), reads every slot and applies `plan()`: torch threads, and the cores of every thread
+   of this process (idle OpenMP threads sleep: OMP_WAIT_POLICY=PASSIVE, pdcluster/launch.py); otherwise its own;
 3. when the loop runs out of work, `idle()` marks it idle (the peers read that before their next step) and puts
    it back on its own cores and threads;
 4. `leave()` frees the slot and removes the file after the node's last worker (a killed worker's slot is reclaimed
@@ -36,6 +37,12 @@ MAX_SLOTS = 32  # workers of one cluster on one node
 _SLOT = struct.Struct("<iiQB")  # pid (0: free), own threads, own cores (bitmask; 0: not pinned), busy
 _SLOT_BYTES = 32
 _BUSY_OFFSET = _SLOT.size - 1  # the busy byte inside a slot: its last field (after pid, threads, cores)
+# NOTE: a step borrows only with this much prompt work left (a pool's lend_min_prompt_tokens). In the 1P+1D cluster
+# of deploy/bench-disagg.yaml on 2 cores, one prompt at a time on an idle cluster, the prefill worker's time to a
+# first token with lending on / off: 71 tokens 141-199 / 101-108 ms, 120 tokens 218-295 / 160-168 ms, 256 tokens
+# 313-344 / 344-372 ms, 512 tokens 584-665 / 710-817 ms (BENCHMARKS.md, issue 29). Decode-only steps gained
+# nothing from a second thread either (ITL p50 24 lent against 22 ms not).
+LEND_MIN_PROMPT_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -102,17 +109,19 @@ def _alive(pid: int) -> bool:
 class CoreShare:
     """This worker's slot in the node's share file; `before_step`/`idle` are called by its engine loop."""
 
-    def __init__(self, path: str, index: int, fd: int, buf: mmap.mmap, own: Share, *, lend: bool) -> None:
+    def __init__(self, path: str, index: int, fd: int, buf: mmap.mmap, own: Share, *, lend: bool,
+                 min_tokens: int = LEND_MIN_PROMPT_TOKENS) -> None:
         self.path, self.index, self._fd, self._buf = path, index, fd, buf
         self.own = own
         self.lend = lend
+        self.min_tokens = min_tokens  # prompt tokens left to compute for a step to borrow
         self.current = own  # what the last step ran with
         self.lent_steps = 0  # steps run on more than the own share
         self._busy = False
 
     @classmethod
     def join(cls, group: str, cores: tuple[int, ...], threads: int, *, lend: bool,
-             directory: str = SHARE_DIR) -> CoreShare:
+             min_tokens: int = LEND_MIN_PROMPT_TOKENS, directory: str = SHARE_DIR) -> CoreShare:
         """Claim a slot in the share file of `group` on this node (created if missing)."""
         if threads <= 0:
             raise ValueError(f"torch_threads: must be > 0, got {threads}")
@@ -131,7 +140,7 @@ class CoreShare:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, index, fd, buf, Share(threads, frozenset(cores)), lend=lend)
+        return cls(path, index, fd, buf, Share(threads, frozenset(cores)), lend=lend, min_tokens=min_tokens)
 
     @staticmethod
     def _open_locked(path: str) -> int:
@@ -170,12 +179,13 @@ class CoreShare:
             self._buf[self.index * _SLOT_BYTES + _BUSY_OFFSET] = int(busy)
             self._busy = busy
 
-    def before_step(self) -> Share:
-        """Mark this worker busy and, when it lends, take the share `plan` gives it (on the stepping thread)."""
+    def before_step(self, prompt_tokens: int) -> Share:
+        """Mark this worker busy and, when it lends and the step has `prompt_tokens` >= `min_tokens` of prompt work
+        left, take the share `plan` gives it, else its own (on the stepping thread)."""
         self._mark(True)
         if not self.lend:
             return self.current
-        share = plan(self.index, self.slots())
+        share = plan(self.index, self.slots()) if prompt_tokens >= self.min_tokens else self.own
         if share != self.current:
             self._apply(share)
         if share.threads > self.own.threads:

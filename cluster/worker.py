@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from cluster import faults, tracing
-from cluster.cores import CoreShare
+from cluster.cores import LEND_MIN_PROMPT_TOKENS, CoreShare
 from cluster.leases import RequestLeases
 from cluster.messages import Role, WorkerInfo, WorkerLoad
 from cluster.process import pin_cpus, process_info, set_nice
@@ -75,13 +75,15 @@ class WorkerSpec:
     tracing: TracingSettings = field(default_factory=TracingSettings)
     cores_group: str = ""  # the node's core-lending file of this cluster (cluster/cores.py); empty: not shared
     lend_cores: bool = False  # step on idle peers' cores too (the pool's lend_idle_cores)
+    lend_min_tokens: int = LEND_MIN_PROMPT_TOKENS  # ... only for steps with this many prompt tokens left to compute
 
 
 def join_cores(spec: WorkerSpec) -> CoreShare | None:
     """This worker's slot in its node's core-lending file (cluster/cores.py); None when the cluster shares none."""
     if not spec.cores_group:
         return None
-    share = CoreShare.join(spec.cores_group, spec.cpus, spec.engine.threads, lend=spec.lend_cores)
+    share = CoreShare.join(spec.cores_group, spec.cpus, spec.engine.threads, lend=spec.lend_cores,
+                           min_tokens=spec.lend_min_tokens)
     log.info("%s: core lending: slot %d, own cores %s, %d threads%s", spec.name, share.index,
              list(spec.cpus) or "all", spec.engine.threads, "; steps on idle peers' cores" if spec.lend_cores else "")
     return share
@@ -132,7 +134,7 @@ class Worker:
         self._starting: dict[str, _Started] = {}
         self.cores = join_cores(spec)
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step,
-                               before_step=self.cores.before_step if self.cores else None,
+                               before_step=self._before_step if self.cores else None,
                                on_idle=self.cores.idle if self.cores else None)
         self.step_cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)  # what the router predicts with
         self._computed = 0  # engine's computed tokens after the last step
@@ -196,6 +198,10 @@ class Worker:
     # ---- request timing and hit counting (called under the loop lock) --------------------------------------
     def _track(self, seq: Sequence, arrived: float) -> None:
         self._starting[seq.request_id] = _Started(seq, arrived)
+
+    def _before_step(self) -> None:
+        assert self.cores is not None
+        self.cores.before_step(self.engine.scheduler.pending_prompt_tokens())
 
     def _on_step(self, step_started: float) -> None:
         computed = self.engine.stats().computed_tokens

@@ -81,6 +81,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed, of every running and waiting sequence."""
+        return sum(s.num_pending_tokens for s in (*self.running, *self.waiting) if s.num_pending_tokens > 1)
+
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues (its blocks are the caller's business)."""
         if seq in self.running:

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.cores import LEND_MIN_PROMPT_TOKENS
 from cluster.messages import Role
 from pdcluster import env
 from pdcluster.yaml_source import ConfigError, ConfigIssue, line_of, parse
@@ -78,6 +79,9 @@ class PoolConfig(BaseModel):
     lend_idle_cores: bool = Field(
         default=False, description="cpu: step on the cores of this node's idle workers too, a torch thread per core, "
         "back to torch_threads / cpu_affinity at the next step once they have work (cluster/cores.py)")
+    lend_min_prompt_tokens: int = Field(
+        default=LEND_MIN_PROMPT_TOKENS, ge=0, description="lend_idle_cores: borrow only for a step with at least this "
+        "many prompt tokens left to compute (shorter work ran slower on borrowed cores; 0: every step)")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the actor computes ('cuda': num_gpus > 0)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="weights and KV dtype; auto: bfloat16 on cuda, float32 on cpu")

@@ -257,7 +257,8 @@ class Cluster:
         if pool.device == "cpu" and any(p.lend_idle_cores for p in cfg.pools().values()):
             # NOTE: every CPU worker of the cluster marks busy/idle on its node; only lending pools borrow
             spec = dataclasses.replace(spec, cores_group=cores.group_name(cfg.redis.key_prefix, self.cluster_token),
-                                       lend_cores=pool.lend_idle_cores)
+                                       lend_cores=pool.lend_idle_cores,
+                                       lend_min_tokens=pool.lend_min_prompt_tokens)
         cls = PrefillActor if role is Role.PREFILL else DecodeActor
         self.actors[name] = cls.options(  # type: ignore[union-attr]
             name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,

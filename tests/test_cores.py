@@ -58,8 +58,28 @@ def test_a_dead_workers_slot_is_reclaimed_and_never_counts_as_busy(tmp_path: Any
         share.leave()
 
 
+def test_a_step_borrows_only_with_enough_prompt_work_left(tmp_path: Any) -> None:
+    """Short work ran slower on borrowed cores (cluster/cores.py, LEND_MIN_PROMPT_TOKENS): below `min_tokens` a
+    step keeps its own share even with the peer idle, and gives back what the previous step borrowed."""
+    import torch
+
+    threads = torch.get_num_threads()
+    me = CoreShare.join("g", (), 1, lend=True, min_tokens=256, directory=str(tmp_path))
+    peer = CoreShare.join("g", (), 1, lend=False, directory=str(tmp_path))  # joined, idle
+    try:
+        assert me.before_step(255) == me.own == Share(1, frozenset())
+        assert me.before_step(256) == Share(2, frozenset()) and me.lent_steps == 1
+        assert me.before_step(40) == me.own and me.current == me.own and me.lent_steps == 1
+        peer.before_step(0)  # the peer busy: nothing to borrow, however long the prompt
+        assert me.before_step(10_000) == me.own
+    finally:
+        me.leave()
+        peer.leave()
+        torch.set_num_threads(threads)
+
+
 def _join_busy_and_exit(directory: str) -> None:
-    CoreShare.join("g", (), 1, lend=False, directory=directory).before_step()
+    CoreShare.join("g", (), 1, lend=False, directory=directory).before_step(0)
 
 
 # ---- two engine loops in two processes ------------------------------------------------------------------------
@@ -75,13 +95,13 @@ def _peer(directory: str, core: int, conn: Any) -> None:
     from engine.loop import EngineLoop
 
     engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=512, num_threads=1, enable_prefix_caching=False))
-    share = CoreShare.join("test", (core,), 1, lend=True, directory=directory)
+    share = CoreShare.join("test", (core,), 1, lend=True, min_tokens=0, directory=directory)
     steps: list[tuple[float, float, int, int, list[int]]] = []  # before, after reading the peers; what it applied
     idles: list[float] = []
 
     def before_step() -> None:
         t0 = time.monotonic()
-        s = share.before_step()
+        s = share.before_step(engine.scheduler.pending_prompt_tokens())
         steps.append((t0, time.monotonic(), s.threads, torch.get_num_threads(), sorted(os.sched_getaffinity(0))))
 
     def on_idle() -> None:

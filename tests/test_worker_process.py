@@ -48,6 +48,7 @@ def test_workers_run_with_their_pools_nice_threads_cores_and_env(ray_session):
         config.decode.nice, config.decode.torch_threads, config.decode.cpu_affinity = 3, 1, [[last]]
         config.decode.env_vars = {"GOMP_SPINCOUNT": "0"}
         config.prefill.num_kv_blocks = config.decode.num_kv_blocks = 256
+        config.decode.lend_min_prompt_tokens = 0  # NOTE: its decode steps borrow too (by default only long prompts)
 
     cluster, server = start_test_cluster("deploy/bench-disagg.yaml", NAMESPACE, edit=edit, slo_itl_ms=None)
     try:
@@ -65,8 +66,8 @@ def test_workers_run_with_their_pools_nice_threads_cores_and_env(ray_session):
             env = _environ(pid)
             assert env["OMP_NUM_THREADS"] == str(threads) and env["OMP_WAIT_POLICY"] == "PASSIVE", name
             assert env.get("GOMP_SPINCOUNT") == ("0" if name.startswith("decode") else None), name
-        # NOTE: the YAML's lend_idle_cores reaches the workers: the decode worker stepped on the prefill worker's
-        # other cores once the prefill worker was idle, and is back on its own one above
+        # NOTE: the YAML's lend_idle_cores and the pool's lend_min_prompt_tokens reach the workers: the decode worker
+        # stepped on the prefill worker's other cores once the prefill worker was idle, and is back on its own one
         decode_info = ray.get(ray.get_actor("decode-0", namespace=NAMESPACE).process.remote(), timeout=60)
         assert cluster.config.decode.lend_idle_cores and (decode_info["lent_steps"] > 0 or len(cores) == 1)
     finally:
