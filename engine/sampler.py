@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -68,13 +68,24 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def _on(device: torch.device, values: list[Any], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without waiting for the work queued there.
+
+    NOTE: `torch.tensor(values, device=cuda)` is a blocking copy: it waits for the whole stream, which on a graphed
+    decode step includes the lookahead step queued behind it (model_runner.py). So is a copy from pageable memory
+    (CUDA may sync to stage it); from pinned memory it is queued, and torch's pinned allocator keeps the buffer
+    until the copy has run.
+    """
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _history(rows: Sequence[SamplingRow], pick: list[int], v: int, device: torch.device,
              prompt_too: bool) -> torch.Tensor:
     """Counts [M, V] of each picked row's output tokens (with `prompt_too`, of prompt + output)."""
     seqs = [r.token_ids if prompt_too else r.token_ids[r.num_prompt_tokens :] for r in (rows[i] for i in pick)]
     width = max((len(s) for s in seqs), default=0)
-    padded = torch.tensor([[*s, *([v] * (width - len(s)))] for s in seqs], dtype=torch.long).reshape(len(pick), width)
-    padded = padded.to(device, non_blocking=True)
+    padded = _on(device, [[*s, *([v] * (width - len(s)))] for s in seqs], torch.long).reshape(len(pick), width)
     counts = torch.zeros(len(pick), v + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
     return counts[:, :v]
@@ -87,16 +98,16 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         return logits
     n, v = logits.shape
     dev = logits.device
-    idx = torch.tensor(pick, device=dev)
+    idx = _on(dev, pick)
     x = logits[idx]  # [M, V]
     params = [rows[i].params for i in pick]
     out_counts = _history(rows, pick, v, dev, prompt_too=False)  # [M, V]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)  # [M, 1]
+    rep = _on(dev, [p.repetition_penalty for p in params]).unsqueeze(1)  # [M, 1]
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = _history(rows, pick, v, dev, prompt_too=True) > 0  # prompt or output
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+    freq = _on(dev, [p.frequency_penalty for p in params]).unsqueeze(1)
+    pres = _on(dev, [p.presence_penalty for p in params]).unsqueeze(1)
     x = x - freq * out_counts - pres * (out_counts > 0).float()
     return logits.index_copy(0, idx, x)
 
@@ -106,9 +117,9 @@ def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     if not pick:
         return logits
     dev = logits.device
-    r_idx = torch.tensor([i for i, _, _ in pick], device=dev)
-    t_idx = torch.tensor([t for _, t, _ in pick], device=dev)
-    return logits.index_put((r_idx, t_idx), torch.tensor([b for _, _, b in pick], device=dev), accumulate=True)
+    r_idx, t_idx = _on(dev, [i for i, _, _ in pick]), _on(dev, [t for _, t, _ in pick])
+    bias = _on(dev, [b for _, _, b in pick], logits.dtype)
+    return logits.index_put((r_idx, t_idx), bias, accumulate=True)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:  # [V] → [V]
