@@ -196,10 +196,12 @@ def test_a_busy_worker_takes_an_idle_peers_core_and_gives_it_back_within_a_step(
         a.wait_steps(t := time.monotonic(), 3)
         b.ask("start", "long-b", long_b, 100_000)
         b.wait_steps(t, 1)
-        b_busy = b.steps_since(t)[0][1]  # B had marked itself busy when its first step read the file
+        # NOTE: B marks itself busy inside its first step's before_step, between that step's two timestamps: A's
+        # steps that read the file before the first one cannot have seen it, those that start after the second must
+        b_marking, b_busy = b.steps_since(t)[0][:2]
         a.wait_steps(b_busy, 3)
         a_steps = a.ask("records")[0]
-        before = [s for s in a_steps if t <= s[0] and s[1] < b_busy]
+        before = [s for s in a_steps if t <= s[0] and s[1] < b_marking]
         after = [s for s in a_steps if s[0] > b_busy]
         assert before and {s[2:4] for s in before} == {(2, 2)}
         assert {(s[2], s[3], tuple(s[4])) for s in after} == {(1, 1, (cores[0],))}

@@ -38,11 +38,12 @@ def test_zeros_is_torch_zeros():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
                     reason="needs Linux with transparent huge pages not turned off")
-def test_a_kv_pool_sized_tensor_is_in_huge_pages():
+def test_a_kv_pool_sized_tensor_is_advised_huge_pages():
+    """The pool's mapping may get huge pages (THPeligible); whether the kernel finds free 2 MiB pages for it at that
+    moment is its own affair (a fragmented machine falls back to small pages: AnonHugePages 0)."""
     t = host_memory.zeros((32 << 20,), torch.uint8)
     fields = _mapping_of(t.data_ptr() + (16 << 20))
     assert fields.get("THPeligible") == "1", fields
-    assert int(fields["AnonHugePages"].split()[0]) >= 16 << 10, fields  # kB: most of it in 2 MiB pages
-    if "[madvise]" in THP.read_text():  # the usual mode: only advised mappings get huge pages
-        plain = torch.zeros(32 << 20, dtype=torch.uint8)  # what the pool was before: small pages
-        assert _mapping_of(plain.data_ptr() + (16 << 20)).get("AnonHugePages", "0 kB").startswith("0 ")
+    if "[madvise]" in THP.read_text():  # the usual mode: only advised mappings may get huge pages
+        plain = torch.zeros(32 << 20, dtype=torch.uint8)  # what the pool was before
+        assert _mapping_of(plain.data_ptr() + (16 << 20)).get("THPeligible") == "0"
