@@ -201,7 +201,8 @@ class Worker:
 
     def _before_step(self) -> None:
         assert self.cores is not None
-        self.cores.before_step(self.engine.scheduler.pending_prompt_tokens())
+        # NOTE: every step: the scheduler's sum is taken only where it decides something
+        self.cores.before_step(self.engine.scheduler.pending_prompt_tokens() if self.cores.lend else 0)
 
     def _on_step(self, step_started: float) -> None:
         computed = self.engine.stats().computed_tokens
