@@ -56,6 +56,8 @@ BENCHES = {
                                        "invariants PASS/FAIL"),
     "serve": ("pdcluster.bench.serve", "open-loop Poisson load at one or more rates: TTFT/ITL/e2e percentiles, "
                                        "throughput, goodput, plots"),
+    "path": ("pdcluster.bench.path", "what the request path adds to the engine: TTFT, ITL and tokens/s of the engine "
+                                     "alone and through a cluster (HTTP, gRPC), router CPU per 1,000 tokens"),
     "compare": ("pdcluster.bench.compare", "one workload on disaggregated vs colocated (same cores) and prefix-aware "
                                            "vs round-robin routing"),
 }
@@ -311,3 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdcluster {args.command}: error: {e}", file=sys.stderr)
             return 2
     return 2
+
+
+if __name__ == "__main__":  # NOTE: `python -m pdcluster.cli ...` ran nothing without it (`-m pdcluster` did)
+    raise SystemExit(main())

@@ -59,6 +59,15 @@ def test_help_exits_0_and_names_the_commands(args):
         assert "--max-tokens" in proc.stdout and "--local" in proc.stdout
 
 
+@pytest.mark.parametrize("module", ["pdcluster", "pdcluster.cli"])
+def test_both_module_forms_run_the_command_line(module):
+    """`python -m pdcluster.cli serve` did nothing and exited 0 (issue 38): both forms run the same parser."""
+    proc = subprocess.run([sys.executable, "-m", module, "serve", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage:") and "--config" in proc.stdout
+
+
 def test_bench_transfer_prints_one_json_object_with_every_transport(tmp_path):
     import json
     import subprocess
