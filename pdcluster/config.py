@@ -21,13 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.cores import LEND_MIN_PROMPT_TOKENS
 from cluster.messages import Role
 from pdcluster import env
+from pdcluster.router_config import RouterConfig
 from pdcluster.yaml_source import ConfigError, ConfigIssue, line_of, parse
 
 if TYPE_CHECKING:
     from cluster.tracing import TracingSettings
     from engine.config import EngineConfig
     from kv_transfer.state import TransferConfig
-    from router.settings import RouterSettings
 
 _RAY_ADDRESS = re.compile(r"^(ray://)?(\[[0-9a-fA-F:]+\]|[^\s:/\[\]]+):\d{1,5}$")
 
@@ -210,53 +210,6 @@ class RedisConfig(BaseModel):
         if v is not None and urlsplit(v).scheme not in ("redis", "rediss"):
             raise ValueError(f"must be a redis:// or rediss:// URL (or null for the embedded server), got {v!r}")
         return v
-
-
-class RouterConfig(BaseModel):
-    """The gRPC front door that clients call."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = Field(default="127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 serves other machines")
-    port: int = Field(default=50051, ge=0, le=65535, description="port to bind; 0 picks a free one")
-    routing: Literal["prefix_aware", "round_robin"] = Field(default="prefix_aware", description="how decode is picked")
-    max_inflight: int = Field(default=256, gt=0, description="concurrent requests; more get RESOURCE_EXHAUSTED")
-    skip_prefill_max_uncached_tokens: int = Field(
-        default=64, ge=0, description="a decode worker caching all but this many prompt tokens prefills them (0: off)")
-    request_timeout_s: float = Field(default=600.0, gt=0, description="a request not finished by then fails")
-    prefill_timeout_s: float = Field(default=120.0, gt=0, description="a prefill not back by then is retried "
-                                     "on another prefill worker")
-    slo_ttft_ms: float = Field(default=2000.0, gt=0, description="time-to-first-token target (ms); admission refuses "
-                               "requests predicted past max_predicted_ttft_ms (null: 4 × this)")
-    slo_itl_ms: float | None = Field(default=100.0, gt=0, description="inter-token latency target (ms): every "
-                                     "engine's steps take prompt tokens beside decoding only within it, and the router "
-                                     "places prompts on decode workers (or keeps requests on prefill workers) by it; "
-                                     "null: neither")
-    max_predicted_ttft_ms: float | None = Field(default=None, ge=0, description="a request whose first token is "
-                                                "predicted later is refused (RESOURCE_EXHAUSTED); null: 4 × "
-                                                "slo_ttft_ms; 0: no limit")
-    stall_timeout_steps: float = Field(default=100.0, gt=0, description="a decode stream with no token for this many "
-                                       "of its worker's usual steps fails over, as if the worker died")
-    stall_timeout_min_s: float = Field(default=15.0, gt=0, description="... and never sooner than this (seconds)")
-    client_stall_timeout_s: float = Field(default=30.0, gt=0, description="a streaming client that reads nothing "
-                                          "this long while its buffer is full is cut off and its request aborted")
-    stream_buffer_chunks: int = Field(default=16, ge=1, le=4096, description="chunks buffered per stream in the "
-                                      "router, and unread deltas per decode stream before the worker pauses it")
-    lease_s: float = Field(default=8.0, ge=1, description="a worker aborts a request (freeing its KV blocks) that no "
-                           "live router renewed for this long (a router renews every quarter of it)")
-
-    def router_settings(self, model: str, mode: str, transport: str) -> RouterSettings:
-        """The settings of a Router over a cluster of `model` in `mode` whose workers move KV over `transport`."""
-        from router.settings import RouterSettings
-
-        return RouterSettings(
-            model=model, mode=mode, transport=transport, routing=self.routing, max_inflight=self.max_inflight,
-            skip_prefill_max_uncached_tokens=self.skip_prefill_max_uncached_tokens,
-            request_timeout_s=self.request_timeout_s, prefill_timeout_s=self.prefill_timeout_s,
-            slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms,
-            stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s,
-            client_stall_timeout_s=self.client_stall_timeout_s, stream_buffer_chunks=self.stream_buffer_chunks,
-            lease_s=self.lease_s)
 
 
 class HttpConfig(BaseModel):
@@ -497,6 +450,14 @@ class ClusterConfig(BaseModel):
             if cpu_pools:
                 raise _RuleError("transfer.torch_backend", f"'nccl' sends CUDA tensors: {' and '.join(cpu_pools)} "
                                                            "must be 'cuda' (or use torch_backend 'gloo')")
+            share = self.prefill.num_gpus + self.decode.num_gpus
+            if share <= 1:
+                # NOTE: Ray packs fractional GPUs onto one device, and NCCL cannot pair two ranks on one device
+                # (the torch transport refuses that pair at run time too: kv_transfer/transports/torch_pairs.py)
+                raise _RuleError("transfer.torch_backend", f"'nccl' cannot pair two ranks on one GPU, and "
+                                 f"prefill.num_gpus + decode.num_gpus = {share:g} lets Ray put a prefill and a decode "
+                                 "worker on the same GPU: give each a whole GPU (num_gpus: 1), or use "
+                                 "transfer.transport 'nixl' (CUDA IPC between processes of one GPU)")
         if self.mode == "disaggregated":
             self._check_pools_agree()
         if self.autoscaler.enabled:

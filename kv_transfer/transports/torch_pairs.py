@@ -52,9 +52,33 @@ def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: fl
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host) if local_host not in ANY_ADDRESS
                          else dist.ProcessGroupGloo.create_default_device()]
         return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+    refuse_one_gpu(prefixed, rank, gpu_identity(), timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout)
     return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+
+
+def gpu_identity() -> str:
+    """The UUID of this process's current CUDA device: the same for every process on that GPU."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def refuse_one_gpu(store: dist.Store, rank: int, gpu: str, timeout: float) -> None:
+    """Raise TransferError naming transfer.torch_backend when both ranks of a pair compute on GPU `gpu`.
+
+    NOTE: NCCL cannot pair two ranks on one device (ncclCommInitRank fails, or hangs, with "Duplicate GPU
+    detected"): two pools sharing a GPU (fractional num_gpus) must move KV another way. Each rank posts its GPU's
+    UUID to the pair's store and reads the other's before the NCCL group is made.
+    """
+    store.set(f"gpu/{rank}", gpu)
+    other = f"gpu/{1 - rank}"
+    store.wait([other], timedelta(seconds=timeout))
+    if store.get(other).decode() == gpu:
+        raise TransferError(f"transfer.torch_backend: 'nccl' cannot pair two ranks on one GPU (both workers "
+                            f"compute on {gpu}): give the prefill and decode pools a GPU each (num_gpus: 1), or "
+                            "use transfer.transport 'nixl' (CUDA IPC between processes of one GPU)")
 
 
 @dataclass
