@@ -409,3 +409,67 @@ def test_kubectl_client_dry_run() -> None:
     out = subprocess.run([kubectl, "apply", "--dry-run=client", "--validate=false", "-f", str(KUBERAY)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+# --- one GPU node (issue 38) ------------------------------------------------------------------------------------
+
+GPU_ONE_NODE = ROOT / "deploy" / "gpu-one-node.yaml"
+
+
+def _two_gpu_overrides() -> dict[str, str]:
+    """The PDCLUSTER_* assignments the header of gpu-one-node.yaml tells a node with two GPUs to set."""
+    header = "".join(line for line in GPU_ONE_NODE.read_text().splitlines(keepends=True) if line.startswith("#"))
+    found = dict(re.findall(r"(PDCLUSTER_[A-Z_]+)=(\S+)", header))
+    assert len(found) == 4, header
+    return found
+
+
+def test_gpu_one_node_shares_one_gpu_as_shipped() -> None:
+    cfg = ClusterConfig.from_yaml(GPU_ONE_NODE)
+    assert (cfg.model, cfg.mode, cfg.ray.address, cfg.redis.url) == ("random:llama-3.1-8b", "disaggregated", "local",
+                                                                       None)
+    assert cfg.transfer.transport == "nixl"
+    p, d = cfg.prefill, cfg.decode
+    assert (p.device, d.device, p.resolved_dtype, d.resolved_dtype) == ("cuda", "cuda", "bfloat16", "bfloat16")
+    assert p.num_gpus + d.num_gpus <= 1  # Ray puts both on one GPU
+    assert p.gpu_memory_utilization is not None and d.gpu_memory_utilization is not None
+    assert p.gpu_memory_utilization + d.gpu_memory_utilization <= 0.9  # room for the two CUDA contexts
+
+
+def test_gpu_one_node_takes_a_gpu_per_worker_by_its_documented_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in _two_gpu_overrides().items():
+        monkeypatch.setenv(key, value)
+    cfg = ClusterConfig.from_yaml(GPU_ONE_NODE)
+    assert (cfg.prefill.num_gpus, cfg.decode.num_gpus) == (1, 1)
+    assert cfg.prefill.gpu_memory_utilization == cfg.decode.gpu_memory_utilization == 0.9
+    # NOTE: with a GPU each, NCCL may pair them
+    monkeypatch.setenv("PDCLUSTER_TRANSFER__TRANSPORT", "torch")
+    monkeypatch.setenv("PDCLUSTER_TRANSFER__TORCH_BACKEND", "nccl")
+    assert ClusterConfig.from_yaml(GPU_ONE_NODE).transfer.torch_backend == "nccl"
+
+
+def test_gpu_one_node_refuses_nccl_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdcluster.config import ConfigError
+
+    monkeypatch.setenv("PDCLUSTER_TRANSFER__TRANSPORT", "torch")
+    monkeypatch.setenv("PDCLUSTER_TRANSFER__TORCH_BACKEND", "nccl")
+    with pytest.raises(ConfigError, match=r"transfer\.torch_backend.*cannot pair two ranks on one GPU"):
+        ClusterConfig.from_yaml(GPU_ONE_NODE)
+
+
+def _gpu_configs() -> list[str]:
+    """The pdcluster configs of deploy/ with a GPU pool (files, and the KubeRay ConfigMap's)."""
+    names = [p.name for p in (ROOT / "deploy").glob("*.yaml") if "device: cuda" in p.read_text()]
+    return sorted(n for n in names if n != KUBERAY.name) + ["kuberay ConfigMap"]
+
+
+@pytest.mark.parametrize("path", _gpu_configs())
+def test_gpu_yamls_move_kv_by_a_transport_that_runs_where_their_pools_are(path: str) -> None:
+    cfg = _embedded_config() if path == "kuberay ConfigMap" else ClusterConfig.from_yaml(ROOT / "deploy" / path)
+    if cfg.mode != "disaggregated":
+        return
+    t = cfg.transfer
+    assert t.transport in ("nixl", "torch"), f"{path}: {t.transport} stages GPU KV through the host"
+    if t.transport == "torch":
+        assert t.torch_backend == "nccl", f"{path}: gloo stages GPU KV through the host"
+        assert min(cfg.prefill.num_gpus, cfg.decode.num_gpus) >= 1, f"{path}: NCCL needs a GPU per worker"
