@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from router.chat_template import ChatOptions
 from router.policy import Policy
 
 
@@ -27,6 +28,7 @@ class RouterSettings:
     client_stall_timeout_s: float = 30.0  # a client that reads nothing this long with a full buffer is cut off
     stream_buffer_chunks: int = 16  # chunks buffered per stream in the router, and deltas unread per worker stream
     lease_s: float = 8.0  # a worker aborts a request no live router renewed for this long (router/leases.py)
+    chat: ChatOptions = field(default_factory=ChatOptions)  # chat template and tool-call parser (router/tool_calls.py)
 
     def admission_ttft_ms(self) -> float:
         """The predicted first token past which a request is refused at admission."""
