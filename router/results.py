@@ -39,6 +39,17 @@ class Timeline:
 
 
 @dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of one tool call of a chat answer (router/tool_stream.py): its first piece names it, the next ones
+    carry its arguments (JSON text) in pieces; pieces of one `index` concatenated give the whole call."""
+
+    index: int  # the call's place in the answer (0, 1, ...)
+    id: str = ""  # first piece only: "call_<hex>"
+    name: str = ""  # first piece only: the function called
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+@dataclass(slots=True)
 class Chunk:
     """New tokens of one request; the last chunk has a finish reason, usage and the timeline."""
 
@@ -51,6 +62,7 @@ class Chunk:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # params.logprobs: one per token of token_ids
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # params.prompt_logprobs: on the first chunk
     index: int = 0  # the choice (n > 1: router/fanout.py)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # a chat with tools: calls parsed out of the text
 
 
 @dataclass(slots=True)
