@@ -215,15 +215,17 @@ class Tokenizer:
         """Whether the id is a special (control) token, skipped by decode(skip_special_tokens=True)."""
         return token_id in self._special
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own chat template (as transformers does, tokenize=False)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation (and the tools it may call, OpenAI's shape) with the chat template, as transformers
+        does (tokenize=False)."""
         if self.chat_template is None:
             raise ModelLoadError("chat_template", "the model's files carry no chat template; send a raw prompt")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         special = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id}
         names = {k: self._backend.id_to_token(v) for k, v in special.items() if v is not None}
-        return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+        return self._template.render(messages=[dict(m) for m in messages], tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **names)
 
     def save_hf(self, path: str) -> None:

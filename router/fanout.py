@@ -8,7 +8,8 @@
 3. each choice is an ordinary run (its own failover: a decode worker that dies continues each of the n) with its
    own random stream: choice i samples with seed + i; chunks carry their choice's `index`;
 4. a choice that fails fails the request: the others are closed (aborted on their workers);
-5. backpressure: at most `2 n` chunks wait between the choices and the front; a client that stops reading leaves
+5. a chat that offered tools gets its calls read out of each choice's text (router/tool_stream.py);
+6. backpressure: at most `2 n` chunks wait between the choices and the front; a client that stops reading leaves
    each choice's relay (router/relay.py) full, the relay cuts the choice off at `router.client_stall_timeout_s`, and
    a choice cut off that way ends the whole response (the front's task is cancelled, as for one choice).
 """
@@ -22,6 +23,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from router.relay import ending_with_front
 from router.results import Chunk
+from router.tool_stream import tool_chunks
 from router.validate import Checked
 
 Open = Callable[[Checked], AsyncGenerator[Chunk, None]]
@@ -37,8 +39,14 @@ def choice_request(checked: Checked, index: int) -> Checked:
     return Checked(rid, checked.token_ids, params)
 
 
-async def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, None]:
-    """The chunks of every choice as they come (`Chunk.index`); one choice is passed through untouched."""
+def fan_out(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, None]:
+    """The chunks of every choice as they come (`Chunk.index`), tool calls parsed when the chat offered tools."""
+    chunks = _choices(open_run, checked)
+    return chunks if checked.tools is None else tool_chunks(chunks, checked.tools)
+
+
+async def _choices(open_run: Open, checked: Checked) -> AsyncGenerator[Chunk, None]:
+    """The chunks of every choice as they come; one choice is passed through untouched."""
     n = checked.params.n
     if n == 1:
         async with contextlib.aclosing(open_run(checked)) as chunks:

@@ -4,6 +4,7 @@ refused, optional fields kept apart from their defaults.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from google.protobuf import unknown_fields
@@ -11,6 +12,7 @@ from google.protobuf.message import DecodeError, Message
 
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredOutputSpec
+from router.tool_calls import ToolCall, ToolFunction, ToolRequest
 from router.v1 import inference_pb2 as pb
 from router.validate import (
     MAX_MESSAGES,
@@ -126,5 +128,29 @@ class ProtoValidator:
         assert isinstance(req, pb.ChatRequest)
         reject_unknown_fields(req)
         # NOTE: one past the limit is enough for the validator to refuse; a 16 MiB request holds millions
-        turns = [ChatTurn(m.role, m.content) for m in req.messages[:MAX_MESSAGES + 1]]
-        return self.validator.chat(MessagesRequest(req.request_id, turns, sampling_fields(req.sampling)))
+        turns = [ChatTurn(m.role, m.content, [ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls],
+                          m.tool_call_id) for m in req.messages[:MAX_MESSAGES + 1]]
+        return self.validator.chat(MessagesRequest(req.request_id, turns, sampling_fields(req.sampling),
+                                                   tool_request(req)))
+
+
+def tool_request(req: pb.ChatRequest) -> ToolRequest | None:
+    """A ChatRequest's tools, tool_choice and parallel_tool_calls (checked by router/tool_calls.py)."""
+    if not req.tools and not req.HasField("tool_choice"):
+        return None
+    tools = []
+    for i, t in enumerate(req.tools):
+        try:
+            parameters = json.loads(t.parameters) if t.parameters else None
+        except ValueError as e:
+            raise InvalidRequestError(f"tools[{i}].parameters", f"is not JSON: {e}") from None
+        tools.append(ToolFunction(t.name, t.description, parameters, f"tools[{i}]"))
+    out = ToolRequest(tools, parallel=req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True)
+    which = req.tool_choice.WhichOneof("choice")
+    if which is not None:
+        out.choice_field = f"tool_choice.{which}"
+    if which == "function":
+        out.choice, out.function = "function", req.tool_choice.function
+    elif which == "mode":
+        out.choice = req.tool_choice.mode or "auto"
+    return out

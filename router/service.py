@@ -29,6 +29,8 @@ from router.fanout import fan_out
 from router.grpc_requests import ProtoValidator, tolerant_parser
 from router.results import Chunk, ClusterStatus
 from router.scaling import PoolScaler
+from router.tool_calls import ToolCall
+from router.tool_stream import merge_calls
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
 from router.validate import Checked, RequestValidator
@@ -45,7 +47,9 @@ def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
     out = pb.GenerateChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
                            finish_reason=chunk.finish_reason, index=chunk.index,
                            logprobs=logprobs_pb(chunk.logprobs),
-                           prompt_logprobs=logprobs_pb([e for e in chunk.prompt_logprobs or [] if e is not None]))
+                           prompt_logprobs=logprobs_pb([e for e in chunk.prompt_logprobs or [] if e is not None]),
+                           tool_calls=[pb.ToolCall(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
+                                       for p in chunk.tool_calls])
     if chunk.usage is not None:
         out.usage.CopyFrom(pb.Usage(**dataclasses.asdict(chunk.usage)))
     if chunk.timeline is not None:
@@ -71,7 +75,7 @@ class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, router: Router, scaler: PoolScaler | None = None) -> None:
         self.router = router
         self.scaler = scaler
-        self.validator = ProtoValidator(RequestValidator(router.info))
+        self.validator = ProtoValidator(RequestValidator(router.info, router.settings.chat))
         self.tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-tokenize")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
@@ -122,6 +126,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                      context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         resp = pb.GenerateResponse()
         choices: dict[int, pb.Choice] = {}
+        calls: dict[int, list[ToolCall]] = {}  # a chat with tools: each choice's whole calls
         completion_tokens = 0
         async with contextlib.aclosing(self._stream(request, check, context)) as chunks:
             async for chunk in chunks:
@@ -129,6 +134,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                 c.token_ids.extend(chunk.token_ids)
                 c.text += chunk.text
                 c.logprobs.extend(logprobs_pb(chunk.logprobs))
+                merge_calls(calls.setdefault(chunk.index, []), chunk.tool_calls)
                 if chunk.prompt_logprobs is not None:
                     resp.prompt_logprobs.extend(logprobs_pb([e for e in chunk.prompt_logprobs if e is not None]))
                 if chunk.finish_reason:
@@ -139,7 +145,11 @@ class InferenceService(pb_grpc.InferenceServicer):
                         resp.request_id = chunk.request_id
                         resp.usage.CopyFrom(last.usage)
                         resp.timeline.CopyFrom(last.timeline)
+        for i, whole in calls.items():
+            choices[i].tool_calls.extend(pb.ToolCall(index=k, id=t.id, name=t.name, arguments=t.arguments)
+                                         for k, t in enumerate(whole))
         first = choices.get(0, pb.Choice())
+        resp.tool_calls.extend(first.tool_calls)
         resp.token_ids.extend(first.token_ids)
         resp.text, resp.finish_reason = first.text, first.finish_reason
         resp.logprobs.extend(first.logprobs)

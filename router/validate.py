@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.messages import WorkerInfo
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredOutputSpec, check_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from router.chat_template import ChatOptions
+from router.tool_calls import ToolCall, ToolPlan, ToolRequest, plan_tools, template_calls, template_tools
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
@@ -68,6 +71,8 @@ class ChatTurn:
 
     role: str  # one of CHAT_ROLES
     content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)  # an assistant's calls (sent back by the client)
+    tool_call_id: str = ""  # a tool message: the call it answers
 
 
 @dataclass
@@ -77,6 +82,7 @@ class MessagesRequest:
     request_id: str  # "" → the router makes one
     messages: list[ChatTurn]
     sampling: SamplingFields = field(default_factory=SamplingFields)
+    tools: ToolRequest | None = None  # tools, tool_choice, parallel_tool_calls (router/tool_calls.py)
 
 
 @dataclass
@@ -86,14 +92,18 @@ class Checked:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    tools: ToolPlan | None = None  # a chat whose answer's calls are read out of its text (router/tool_stream.py)
 
 
 class RequestValidator:
     """Checks requests against the model the workers serve (vocabulary, context length, chat template)."""
 
-    def __init__(self, info: WorkerInfo) -> None:
+    def __init__(self, info: WorkerInfo, chat: ChatOptions | None = None) -> None:
         self.info = info
+        self.chat_options = chat or ChatOptions()
         self.tokenizer = Tokenizer.from_json(info.tokenizer_json)
+        if self.chat_options.template is not None:  # NOTE: router.chat_template replaces the model's own
+            self.tokenizer.chat_template = self.chat_options.template
         # NOTE: a prompt longer than this cannot fit the context whatever its tokens: refused before tokenizing
         per_token = self.tokenizer.max_token_chars()
         self.max_prompt_chars = min(MAX_PROMPT_CHARS, (info.max_model_len - 1) * per_token) if per_token \
@@ -150,12 +160,23 @@ class RequestValidator:
         if total > self.max_prompt_chars:
             raise InvalidRequestError("messages", f"contents are longer than {self.max_prompt_chars} characters "
                                       "(more than the model's context holds)", rid)
+        s = req.sampling
+        plan, spec = plan_tools(req.tools, self.chat_options.tool_call_parser,
+                                s.structured_field if s.structured is not None else None, rid)
+        if spec is not None:
+            s.structured, s.structured_field = spec, "tools"
+        turns: list[dict[str, Any]] = [{"role": m.role, "content": m.content} for m in req.messages]
+        for i, (m, turn) in enumerate(zip(req.messages, turns, strict=True)):
+            if m.tool_calls:
+                turn["tool_calls"] = template_calls(m.tool_calls, f"messages[{i}].tool_calls", rid)
+            if m.tool_call_id:
+                turn["tool_call_id"] = m.tool_call_id
         try:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
+            text = self.tokenizer.apply_chat_template(turns, tools=template_tools(req.tools))
         except Exception as e:  # noqa: BLE001 - the model's own template may refuse a conversation (raise_exception)
             raise InvalidRequestError("messages", f"the chat template rejected them: {e}", rid) from None
         tokens = self._check_length(self.tokenizer.encode(text), "messages", rid)
-        return Checked(rid, tokens, self.sampling(req.sampling, rid))
+        return Checked(rid, tokens, self.sampling(s, rid), plan)
 
     def sampling(self, s: SamplingFields, request_id: str) -> SamplingParams:
         """The sampling fields as SamplingParams (unset optional fields take the defaults)."""
