@@ -54,7 +54,8 @@ def serving(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -
 def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float = 300.0) -> Iterator[dict[str, str]]:
     """As `serving`, yielding every endpoint of its ready line ({"grpc": HOST:PORT, "http": HOST:PORT, ...}) and
     the child's "pid"."""
-    _kernel_built()
+    if any(pool.device == "cpu" for pool in config.pools().values()):
+        _kernel_built()  # NOTE: the CPU attention kernel; GPU pools never load it (a GPU image may lack a compiler)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdc-bench-", delete=False) as f:
         yaml.safe_dump(config.model_dump(mode="json"), f, sort_keys=False)
     # NOTE: RAY_worker_niceness=0: Ray starts its workers at nice 15 by default, so the router process (nice 0, not
