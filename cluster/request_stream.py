@@ -46,6 +46,7 @@ class RequestStream:
         self.whole = bool(req.token_ids)  # the prompt is computed here (no KV came for it)
         self.resumed_chars = req.sent_chars or 0  # characters of the output text the client has at the start
         self._aio = asyncio.get_running_loop()
+        self._outlet = worker.outlet(self._aio)
         # NOTE: each output with when the engine made it: a stream paused by backpressure (its client reads slowly)
         # merges what came meanwhile, stamped with the engine's time, not the time it was sent (router/stall.py)
         self._outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
@@ -61,7 +62,7 @@ class RequestStream:
         made_at, pause = self._backlog.made()
         if pause and not out.finished:  # NOTE: between two steps: the next one already leaves it out
             self.worker.engine.pause_request(self.request_id)
-        self._aio.call_soon_threadsafe(self._outputs.put_nowait, (made_at, out))
+        self._outlet.put(self._outputs.put_nowait, (made_at, out))
 
     def join_whole(self, engine: object) -> None:
         """A `start` function: the whole request (its prompt) joins the engine's batch."""

@@ -19,14 +19,15 @@ import logging
 import os
 import threading
 import time
+from collections.abc import AsyncGenerator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from cluster import faults, tracing
 from cluster.cores import LEND_MIN_PROMPT_TOKENS, CoreShare
 from cluster.leases import RequestLeases
-from cluster.messages import Role, WorkerInfo, WorkerLoad
-from cluster.process import pin_cpus, process_info, set_nice
+from cluster.messages import DecodeRequest, Delta, Role, WorkerInfo, WorkerLoad
+from cluster.outlet import Outlet
 from cluster.redis_client import RedisAuth
 from cluster.tracing import TracingSettings
 from cluster.worker_metrics import PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S, LinearCost, WorkerMetrics
@@ -132,6 +133,8 @@ class Worker:
         self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
+        self._outlet: Outlet | None = None
+        self._outlet_lock = threading.Lock()
         self.cores = join_cores(spec)
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step,
                                before_step=self._before_step if self.cores else None,
@@ -172,6 +175,17 @@ class Worker:
     @property
     def kv_address(self) -> str:
         return ""
+
+    def outlet(self, aio: asyncio.AbstractEventLoop) -> Outlet:
+        """The one Outlet from this worker's engine thread into `aio` (the actor's event loop)."""
+        with self._outlet_lock:
+            if self._outlet is None or self._outlet.aio is not aio:
+                self._outlet = Outlet(aio)
+            return self._outlet
+
+    def generate(self, req: DecodeRequest) -> AsyncGenerator[Delta, None]:
+        """The request's deltas from this worker's engine (each pool's worker says how it takes the request)."""
+        raise NotImplementedError
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -369,69 +383,3 @@ class Worker:
                 self.index.unregister_worker(self.name, self.epoch)
             except Exception as e:  # noqa: BLE001 - Redis may already be gone at shutdown
                 log.info("%s: could not unregister from the prefix index: %s", self.name, e)
-
-
-class WorkerActor:
-    """What both pools' Ray actors share (subclasses add their request method and are wrapped by `ray.remote`).
-
-    Every method is async, so calls run concurrently on the actor's event loop; anything that waits for the
-    engine lock (held for a whole step) runs in a thread.
-    """
-
-    worker: Worker
-
-    def _configure(self, spec: WorkerSpec) -> None:
-        from cluster import logs
-
-        logs.configure(spec.name, spec.log_level, spec.log_format)
-        if spec.cpus:
-            pin_cpus(spec.cpus)
-        if spec.nice is not None:
-            set_nice(spec.nice)
-        faults.delay_restart(spec.name)
-
-    async def ping(self) -> int:
-        """The worker's epoch, from the actor's event loop: it answers at once while the actor is up."""
-        return self.worker.epoch
-
-    async def info(self) -> WorkerInfo:
-        return self.worker.info()
-
-    async def process(self) -> dict[str, object]:
-        """This actor's process: pid, cores, nice values of its threads, torch threads (cluster/worker.process_info)."""
-        # NOTE: from a fresh thread, as the engine loop's own: its OpenMP pool size is the one such a thread gets
-        info = await asyncio.to_thread(process_info)
-        if self.worker.cores is not None:
-            info["lent_steps"] = self.worker.cores.lent_steps  # steps run on idle peers' cores (cluster/cores.py)
-        return info
-
-    async def load(self) -> WorkerLoad:
-        return self.worker.load()
-
-    async def renew_leases(self, request_ids: list[str], lease_s: float) -> None:
-        """A router's one renewal per period for all its requests in flight (router/leases.py)."""
-        self.worker.renew_leases(request_ids, lease_s)
-
-    async def prove_token(self, nonce: bytes) -> bytes:
-        """HMAC of `nonce` with this worker's cluster token: a `serve` re-attaches only to workers of its cluster."""
-        import hashlib
-        import hmac
-
-        return hmac.new(self.worker.spec.transfer.cluster_token.encode(), b"pdcluster attach " + nonce,
-                        hashlib.sha256).digest()
-
-    async def heartbeat_key(self) -> bytes | None:
-        """The key this worker signs its heartbeats with (an extra router checks them with it)."""
-        from cluster.prefix_index import heartbeat_key
-
-        return heartbeat_key(self.worker.spec.transfer.cluster_token)
-
-    async def abort(self, request_id: str) -> None:
-        await asyncio.to_thread(self.worker.abort, request_id)
-
-    async def debug_hang(self, seconds: float) -> None:
-        """Fault injection: the engine loop hangs for `seconds` (returns once it has begun; see Worker.debug_hang)."""
-        await asyncio.to_thread(self.worker.debug_hang(seconds).wait, 30.0)
-
-    async def close(self) -> None:
-        self.worker.close()

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import ray
 
 from cluster.messages import DecodeRequest, Delta
-from cluster.worker import WorkerActor, WorkerSpec
+from cluster.worker import WorkerSpec
+from cluster.worker_actor import WorkerActor
 from decode_workers.worker import DecodeWorker
 
 

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import ray
 
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
-from cluster.worker import WorkerActor, WorkerSpec
+from cluster.worker import WorkerSpec
+from cluster.worker_actor import WorkerActor
 from prefill_workers.worker import PrefillWorker
 
 

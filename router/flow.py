@@ -24,11 +24,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Any
 
 from cluster import tracing
-from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
+from cluster.messages import DecodeRequest, PrefillRequest, PrefillResult
 from engine.errors import InvalidRequestError
 from kv_transfer.state import TransferError
 from router.errors import WorkerFailed, unwrap
@@ -37,6 +35,7 @@ from router.policy import Route
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, Timeline, Usage
 from router.stall import StallClock, Stalled, wait_alive
+from router.streams import OpenStream, open_stream
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
@@ -69,17 +68,6 @@ class StreamedText:
             log.error("%s: streamed %d characters, the final text has %d", self.request_id,
                       self.sent_chars + len(text), len(final_text))
         return text
-
-
-@dataclass
-class OpenStream:
-    """A decode stream the run opened: its worker, Ray's streaming generator, the attempt's span."""
-
-    worker: WorkerHandle
-    attempt_id: str
-    stream: Any  # ray.ObjectRefGenerator of Delta (async iterable of refs)
-    span: Any
-    handoff: bool  # takes a transferred KV (the worker works out the first token's characters itself)
 
 
 class RequestRun:
@@ -217,16 +205,15 @@ class RequestRun:
         if span is not None:
             request = dataclasses.replace(request, traceparent=tracing.traceparent_of(span))
         self.touched.add((worker.name, request.request_id))
+        # NOTE: without a window the worker sends every delta as it is made, whether the router reads or not: a
+        # client that stops reading would pile the whole generation up in the router's memory
         request = dataclasses.replace(request, window=self.stream_window)
-        # NOTE: without a window Ray sends every delta as it is made, whether the router reads or not: a client
-        # that stops reading would pile the whole generation up in the router's memory
-        stream = worker.actor.generate.options(num_returns="streaming",
-                                               _generator_backpressure_num_objects=self.stream_window).remote(request)
-        return OpenStream(worker, request.request_id, stream, span, handoff)
+        return OpenStream(worker, request.request_id, open_stream(worker, request, self.stream_window), span, handoff)
 
     def _drop(self, opened: OpenStream) -> None:
         """Let a stream go unread: its worker is told to abort the attempt (freeing its KV or reservation)."""
         tracing.end(opened.span)
+        opened.stream.close()
         opened.worker.actor.abort.remote(opened.attempt_id)
 
     async def decode_with_failover(self, opened: OpenStream | None) -> AsyncGenerator[Chunk, None]:
@@ -274,9 +261,7 @@ class RequestRun:
                 # NOTE: the stall timeout runs from when the router asks for the next delta: time spent waiting on
                 # the client (a slow reader blocks the yield below) is not the worker's
                 try:
-                    left = max(0.0, self.deadline - time.monotonic())
-                    ref = await asyncio.wait_for(anext(stream), min(wait_s, left))
-                    delta: Delta = await ref
+                    delta = await stream.next(min(wait_s, max(0.0, self.deadline - time.monotonic())))
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -312,6 +297,7 @@ class RequestRun:
                     return
             raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing", self.request_id)
         finally:
+            stream.close()
             tracing.end(opened.span)
 
     def _move_decode(self, exclude: set[str]) -> None:

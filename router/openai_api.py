@@ -248,7 +248,7 @@ class OpenAIFront:
         return [ChoiceBuilder(i, chat=chat, echo=echo, prompt_ids=checked.token_ids,
                               formatter=LogprobsFormatter(tokenizer, as_token_ids=as_ids) if wants else None,
                               logprobs=p.logprobs is not None, prompt_logprobs=body.prompt_logprobs is not None
-                              and i == 0)
+                              and i == 0, token_ids=bool(body.return_token_ids))
                 for i in range(p.n)]
 
     async def _chunks(self, checked: Checked, arrived: float, traceparent: str,

@@ -14,8 +14,10 @@ class ChoiceBuilder:
     """The state of one choice across its chunks."""
 
     def __init__(self, index: int, *, chat: bool, formatter: LogprobsFormatter | None, echo: str | None,
-                 prompt_ids: list[int], logprobs: bool, prompt_logprobs: bool) -> None:
+                 prompt_ids: list[int], logprobs: bool, prompt_logprobs: bool, token_ids: bool = False) -> None:
         self.index, self.chat, self.formatter = index, chat, formatter
+        self.want_token_ids = token_ids  # vLLM's return_token_ids
+        self.token_ids: list[int] = []
         self.want_logprobs = logprobs
         self.echo = echo  # a completion's echo: the prompt text, sent before the first chunk's text
         self.prompt_ids = prompt_ids
@@ -32,6 +34,7 @@ class ChoiceBuilder:
         """Take a chunk into the unary answer."""
         head = self._head(chunk)
         self.text += head + chunk.text
+        self.token_ids += chunk.token_ids
         self.entries += chunk.logprobs
         self._end(chunk)
 
@@ -41,7 +44,8 @@ class ChoiceBuilder:
         head = self._head(chunk)
         text = head + chunk.text
         self._end(chunk)
-        if not text and not chunk.finish_reason and not chunk.logprobs and not (first and self.want_prompt_logprobs):
+        ids = self.want_token_ids and bool(chunk.token_ids)  # NOTE: sent even when its text is held back
+        if not (text or ids or chunk.finish_reason or chunk.logprobs or (first and self.want_prompt_logprobs)):
             return None
         if self.chat:
             out: dict[str, Any] = {"index": self.index, "delta": {"content": text} if text else {}}
@@ -49,6 +53,8 @@ class ChoiceBuilder:
             out = {"index": self.index, "text": text}
         out["finish_reason"] = chunk.finish_reason or None
         out["logprobs"] = self._logprobs(self._echo_entries(first) + list(chunk.logprobs))
+        if self.want_token_ids:
+            out["token_ids"] = list(chunk.token_ids)
         if first and self.want_prompt_logprobs:
             out["prompt_logprobs"] = self.prompt_logprobs()
         return out
@@ -58,6 +64,8 @@ class ChoiceBuilder:
         out: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason or None,
                                "logprobs": self._logprobs(self._echo_entries(True) + self.entries)}
         out.update({"message": {"role": "assistant", "content": self.text}} if self.chat else {"text": self.text})
+        if self.want_token_ids:
+            out["token_ids"] = self.token_ids
         if not self.chat and self.want_prompt_logprobs:
             out["prompt_logprobs"] = self.prompt_logprobs()
         return out

@@ -83,6 +83,7 @@ class _Common(SamplingBody):
     user: str | None = None  # NOTE: accepted and ignored, as OpenAI and vLLM do (it only tags the request)
     request_id: str | None = None  # vLLM's body field; the X-Request-Id header wins
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
+    return_token_ids: bool | None = None  # vLLM's: each choice (and each streamed chunk) carries its token ids
     # Accepted at their neutral value only (NEUTRAL below)
     min_tokens: int | None = None
     response_format: dict[str, Any] | None = None

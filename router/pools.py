@@ -23,6 +23,7 @@ from cluster.prefix_index import WorkerStatus
 from router.breaker import Breaker
 from router.metrics import RouterMetrics
 from router.policy import Policy, Route, WorkerView
+from router.streams import DeltaChannel
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ class WorkerHandle:
     actor: Any  # ray.actor.ActorHandle (plain objects with the same methods in unit tests)
     info: WorkerInfo
     view: WorkerView
+    channel: DeltaChannel = dataclasses.field(init=False)  # the worker's delta channel (router/streams.py)
+
+    def __post_init__(self) -> None:
+        self.channel = DeltaChannel(self.name)
 
 
 class WorkerPools:

@@ -225,7 +225,7 @@ def test_cpu_affinity_cycles_over_the_actors_and_prefill_order_reaches_the_engin
 
 
 def test_pinning_an_actor_process_to_a_core_it_lacks_names_the_field():
-    from cluster.worker import pin_cpus
+    from cluster.process import pin_cpus
 
     mine = tuple(sorted(os.sched_getaffinity(0)))
     pin_cpus(mine)  # every thread of this process: a no-op change

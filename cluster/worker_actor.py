@@ -1,0 +1,103 @@
+"""WorkerActor: what both pools' Ray actors share, over their plain worker (prefill_workers/actor.py,
+decode_workers/actor.py add their request methods and are wrapped by `ray.remote`).
+
+A request's deltas reach the router one of two ways: `stream(req, channel)` sends them over the worker's delta
+channel (cluster/delta_server.py: one connection per router, a step's deltas as one message), which routers use
+whenever `stream_endpoint()` offers one; `generate(req)` (the subclasses': a Ray streaming generator, one Ray
+object per delta) where it does not (a KV plane with TLS: the deltas then travel inside Ray's own transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster import faults
+from cluster.delta_server import DeltaServer
+from cluster.messages import DecodeRequest, WorkerInfo, WorkerLoad
+from cluster.process import pin_cpus, process_info, set_nice
+from cluster.worker import Worker, WorkerSpec, node_address
+
+
+class WorkerActor:
+    """What both pools' Ray actors share (subclasses add their request method and are wrapped by `ray.remote`).
+
+    Every method is async, so calls run concurrently on the actor's event loop; anything that waits for the
+    engine lock (held for a whole step) runs in a thread.
+    """
+
+    worker: Worker
+
+    def _configure(self, spec: WorkerSpec) -> None:
+        from cluster import logs
+
+        logs.configure(spec.name, spec.log_level, spec.log_format)
+        if spec.cpus:
+            pin_cpus(spec.cpus)
+        if spec.nice is not None:
+            set_nice(spec.nice)
+        faults.delay_restart(spec.name)
+
+    _streams: DeltaServer | None = None
+
+    async def stream_endpoint(self) -> tuple[str, str]:
+        """(host:port, secret) of this worker's delta channel; ("", "") when it has none (stream through Ray)."""
+        spec = self.worker.spec
+        if spec.transfer.tls is not None:  # NOTE: the channel is cleartext: with TLS the deltas stay inside Ray
+            return "", ""
+        if self._streams is None:
+            self._streams = DeltaServer(node_address(spec.kv_host))
+        return await self._streams.endpoint()
+
+    async def stream(self, req: DecodeRequest, channel: str) -> None:
+        """Run `req` here and send its deltas over router `channel`'s connection (router/streams.py reads them)."""
+        if self._streams is None:
+            raise ConnectionError("this worker's delta channel is not open (ask stream_endpoint first)")
+        await self._streams.serve(channel, req.request_id, req.window, self.worker.generate(req))
+
+    async def ping(self) -> int:
+        """The worker's epoch, from the actor's event loop: it answers at once while the actor is up."""
+        return self.worker.epoch
+
+    async def info(self) -> WorkerInfo:
+        return self.worker.info()
+
+    async def process(self) -> dict[str, object]:
+        """This actor's process: pid, cores, nice values of its threads, torch threads (cluster/worker.process_info)."""
+        # NOTE: from a fresh thread, as the engine loop's own: its OpenMP pool size is the one such a thread gets
+        info = await asyncio.to_thread(process_info)
+        if self.worker.cores is not None:
+            info["lent_steps"] = self.worker.cores.lent_steps  # steps run on idle peers' cores (cluster/cores.py)
+        return info
+
+    async def load(self) -> WorkerLoad:
+        return self.worker.load()
+
+    async def renew_leases(self, request_ids: list[str], lease_s: float) -> None:
+        """A router's one renewal per period for all its requests in flight (router/leases.py)."""
+        self.worker.renew_leases(request_ids, lease_s)
+
+    async def prove_token(self, nonce: bytes) -> bytes:
+        """HMAC of `nonce` with this worker's cluster token: a `serve` re-attaches only to workers of its cluster."""
+        import hashlib
+        import hmac
+
+        return hmac.new(self.worker.spec.transfer.cluster_token.encode(), b"pdcluster attach " + nonce,
+                        hashlib.sha256).digest()
+
+    async def heartbeat_key(self) -> bytes | None:
+        """The key this worker signs its heartbeats with (an extra router checks them with it)."""
+        from cluster.prefix_index import heartbeat_key
+
+        return heartbeat_key(self.worker.spec.transfer.cluster_token)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.to_thread(self.worker.abort, request_id)
+
+    async def debug_hang(self, seconds: float) -> None:
+        """Fault injection: the engine loop hangs for `seconds` (returns once it has begun; see Worker.debug_hang)."""
+        await asyncio.to_thread(self.worker.debug_hang(seconds).wait, 30.0)
+
+    async def close(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
+        self.worker.close()

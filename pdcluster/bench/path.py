@@ -1,0 +1,193 @@
+"""`pdcluster bench path`: what the request path (router, Ray, handshake, relay) adds to the engine's own time.
+
+For each model it runs, in one process and on the same prompts (fresh random token ids, greedy, `ignore_eos`):
+1. the engine alone (the decode pool's engine settings, one process, no cluster): the time to the first token of a
+   prompt on an idle engine, the decode step at batch 1, and tokens/s of 1 and of N concurrent streams;
+2. the same through a running cluster (`pdcluster serve` on `--config` in a child process, every request across
+   the prefill -> decode handoff: prefix skipping and the SLO placement rules off), as a client sees it over OpenAI
+   HTTP streaming and gRPC streaming: TTFT, the gaps between tokens (ITL p50), tokens/s;
+3. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its /proc times: the router,
+   its Ray driver and everything else `serve` runs in that process).
+The ratios (cluster / engine) are what carries over to a GPU: the path's own cost next to the engine's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pdcluster.bench import cluster_proc
+from pdcluster.bench.path_clients import Timed, close_all, grpc_stream, http_stream
+from pdcluster.bench.report import emit, log, machine
+
+BENCH = "path"
+TTFT_TOKENS = 8  # tokens of each TTFT request
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML (its decode pool's "
+                   "engine settings are the engine-alone baseline's)")
+    p.add_argument("--models", default="tiny,smollm2", help="comma-separated models to measure")
+    p.add_argument("--fronts", default="http,grpc", help="comma-separated client fronts: http, grpc")
+    p.add_argument("--prompt-len", type=int, default=75, help="prompt tokens of every request")
+    p.add_argument("--ttft-requests", type=int, default=8, help="fresh prompts, one at a time, for TTFT")
+    p.add_argument("--itl-tokens", type=int, default=64, help="tokens of the batch-1 stream whose gaps are ITL")
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput case")
+    p.add_argument("--stream-tokens", type=int, default=256, help="tokens per stream in the throughput cases")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_results/path.json")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+
+def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    # NOTE: ids from the middle of the vocabulary: every prompt is new to every prefix cache (no block is shared)
+    return [[rng.randrange(300, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+# ---- 1. the engine alone -----------------------------------------------------------------------------------------
+def engine_alone(model: str, config_path: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT, batch-1 step and tokens/s of the decode pool's engine, in this process."""
+    import torch
+
+    from engine import LLMEngine, SamplingParams
+    from engine.loader import load_model
+
+    cfg = cluster_proc.load(config_path)
+    ecfg = cfg.decode.engine_config()
+    torch.set_num_threads(ecfg.num_threads)
+    engine = LLMEngine(load_model(model), ecfg)
+    n = [0]
+
+    def run(batch: list[list[int]], tokens: int) -> tuple[list[float], list[float], float]:
+        """First-token times (s), every step's time (s), and the whole run's seconds."""
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        for p in batch:
+            n[0] += 1
+            engine.add_request(f"alone-{n[0]}", p, params)
+        firsts: list[float] = []
+        steps: list[float] = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            steps.append(now - t)
+            firsts += [now - t0 for o in outs if len(o.token_ids) == 1 and o.new_token_ids]
+        return firsts, steps, time.perf_counter() - t0
+
+    run(prompts[:2], 4)  # warm-up
+    # NOTE: 8 tokens, not 1: a request that ends at its first token never waits for the KV handoff
+    ttft = [run([p], TTFT_TOKENS)[0][0] for p in prompts[2:2 + args.ttft_requests]]
+    _, steps, _ = run([prompts[-1]], args.itl_tokens)
+    one = run([prompts[-2]], args.stream_tokens)[2]
+    many = run(prompts[:args.streams], args.stream_tokens)[2]
+    return {"ttft_ms_p50": _ms(statistics.median(ttft)), "step_ms_p50": _ms(statistics.median(steps[1:])),
+            "tok_s_1": args.stream_tokens / one, f"tok_s_{args.streams}": args.streams * args.stream_tokens / many}
+
+
+# ---- 2. through the cluster --------------------------------------------------------------------------------------
+Stream = Callable[[str, list[int], int], Awaitable[Timed]]
+
+
+async def through_cluster(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
+                          pid: int) -> dict[str, Any]:
+    """The same cases as `engine_alone`, as a client of `addr` sees them."""
+    try:
+        return await _cases(stream, addr, prompts, args, pid)
+    finally:
+        await close_all()
+
+
+async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
+                 pid: int) -> dict[str, Any]:
+    await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
+    ttft = []
+    for p in prompts[2:2 + args.ttft_requests]:
+        ttft.append((await stream(addr, p, TTFT_TOKENS)).ttft_s)
+        await asyncio.sleep(0.2)  # NOTE: idle between requests: the heartbeats show the workers idle again
+    itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
+    t = time.perf_counter()
+    one = await stream(addr, prompts[-2], args.stream_tokens)
+    one_s = time.perf_counter() - t
+    cpu0, t = _cpu_s(pid), time.perf_counter()
+    many = await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in prompts[:args.streams]))
+    many_s, cpu = time.perf_counter() - t, _cpu_s(pid) - cpu0
+    relayed = sum(r.tokens for r in many)
+    bad = [r.tokens for r in [one, *many] if r.tokens != args.stream_tokens]
+    if bad:
+        log(BENCH, f"WARNING: {len(bad)} streams ended short of {args.stream_tokens} tokens: {bad[:4]}")
+    return {"ttft_ms_p50": _ms(statistics.median(ttft)), "itl_ms_p50": _ms(statistics.median(itl)),
+            "tok_s_1": one.tokens / one_s, f"tok_s_{args.streams}": relayed / many_s,
+            "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _ms(s: float) -> float:
+    return round(s * 1e3, 2)
+
+
+def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One model: the engine alone, then each front through a cluster of it."""
+    from engine.loader import load_model
+
+    vocab = load_model(model).config.vocab_size
+    n = 2 + args.ttft_requests + max(args.streams, 2)
+    fronts = [f for f in args.fronts.split(",") if f]
+    rng = random.Random(args.seed)
+    prompts = {f: _prompts(rng, n, args.prompt_len, vocab) for f in ["engine", *fronts]}
+    log(BENCH, f"{model}: the engine alone")
+    result: dict[str, Any] = {"engine": engine_alone(model, args.config, prompts["engine"], args)}
+    cfg = cluster_proc.load(args.config, http="http" in fronts)
+    cfg.model = model
+    cfg.router.skip_prefill_max_uncached_tokens = 0  # NOTE: every request crosses the handoff
+    cfg.router.slo_itl_ms = None
+    with cluster_proc.serving_endpoints(cfg, f"path-{model}") as ep:
+        for front in fronts:
+            log(BENCH, f"{model}: through the cluster over {front}")
+            addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
+            result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"])))
+    eng = result["engine"]
+    for front in fronts:
+        r = result[front]
+        r["ttft_added_ms"] = round(r["ttft_ms_p50"] - eng["ttft_ms_p50"], 2)
+        r["itl_added_ms"] = round(r["itl_ms_p50"] - eng["step_ms_p50"], 2)
+        for key in ("tok_s_1", f"tok_s_{args.streams}"):
+            r[key.replace("tok_s", "ratio")] = round(r[key] / eng[key], 3)
+    return result
+
+
+def format_table(f: dict[str, Any]) -> str:
+    n = f["streams"]
+    head = (f"| model | front | TTFT ms (engine) | added | ITL p50 ms (step) | added | tok/s 1 (ratio) | "
+            f"tok/s {n} (ratio) | router CPU s / 1k tokens |")
+    lines = [head, "|" + "---|" * 9]
+    for model, r in f["models"].items():
+        e = r["engine"]
+        for front in (k for k in r if k != "engine"):
+            c = r[front]
+            lines.append(f"| {model} | {front} | {c['ttft_ms_p50']:.1f} ({e['ttft_ms_p50']:.1f}) | "
+                         f"{c['ttft_added_ms']:+.1f} | {c['itl_ms_p50']:.2f} ({e['step_ms_p50']:.2f}) | "
+                         f"{c['itl_added_ms']:+.2f} | {c['tok_s_1']:.0f} ({c['ratio_1']:.2f}x) | "
+                         f"{c[f'tok_s_{n}']:.0f} ({c[f'ratio_{n}']:.2f}x) | {c['router_cpu_s_per_1k_tokens']:.3f} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    models = [m for m in args.models.split(",") if m]
+    figures: dict[str, Any] = {"bench": BENCH, "machine": machine(), "config": args.config, "streams": args.streams,
+                               "prompt_len": args.prompt_len, "stream_tokens": args.stream_tokens, "models": {}}
+    for model in models:
+        figures["models"][model] = measure(model, args)
+    return emit(BENCH, figures, args.out, args.json, format_table)

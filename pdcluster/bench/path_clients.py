@@ -1,0 +1,98 @@
+"""The two streaming clients of `pdcluster bench path`: OpenAI HTTP (SSE) and gRPC, timing every token's arrival.
+
+A chunk that carries k tokens counts as k arrivals at the same moment: a gap of 0 for all but its first token
+(`return_token_ids` on HTTP, `token_ids` on gRPC say how many it carries), so merged chunks show in ITL as they
+would to a user reading the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+
+from router.v1 import inference_pb2 as pb
+from router.v1 import inference_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Timed:
+    """One streamed request as its client saw it."""
+
+    ttft_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens after the first
+    tokens: int = 0
+
+    def arrived(self, n: int, now: float, t0: float, last: float) -> float:
+        if not n:
+            return last
+        if not self.tokens:
+            self.ttft_s = now - t0
+            self.gaps_s += [0.0] * (n - 1)
+        else:
+            self.gaps_s += [now - last] + [0.0] * (n - 1)
+        self.tokens += n
+        return now
+
+
+_sessions: dict[str, aiohttp.ClientSession] = {}
+
+
+async def http_stream(addr: str, prompt: list[int], max_tokens: int) -> Timed:
+    """One streamed `POST /v1/completions` (greedy, exactly `max_tokens`; no `model`: the served one)."""
+    session = _sessions.get(addr)
+    if session is None or session.closed:
+        session = _sessions[addr] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    r, t0 = Timed(), time.perf_counter()
+    last, buf = t0, b""
+    async with session.post(f"http://{addr}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for data in resp.content.iter_any():
+            now = time.perf_counter()
+            buf += data
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                payload = event.removeprefix(b"data:").strip()
+                if payload == b"[DONE]" or not payload:
+                    continue
+                ev = json.loads(payload)
+                if "error" in ev:
+                    raise RuntimeError(f"stream error: {ev['error']}")
+                for choice in ev.get("choices") or []:
+                    last = r.arrived(len(choice.get("token_ids") or []), now, t0, last)
+    return r
+
+
+_stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.InferenceStub]] = {}
+
+
+async def grpc_stream(addr: str, prompt: list[int], max_tokens: int) -> Timed:
+    """One `GenerateStream` call (greedy, exactly `max_tokens`)."""
+    if addr not in _stubs:
+        channel = grpc.aio.insecure_channel(addr)
+        _stubs[addr] = (channel, pb_grpc.InferenceStub(channel))
+    stub = _stubs[addr][1]
+    req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    r, t0 = Timed(), time.perf_counter()
+    last = t0
+    async for chunk in stub.GenerateStream(req, timeout=600):
+        last = r.arrived(len(chunk.token_ids), time.perf_counter(), t0, last)
+    return r
+
+
+async def close_all() -> None:
+    """Close every session and channel (they belong to the event loop that made them)."""
+    for session in _sessions.values():
+        await session.close()
+    for channel, _ in _stubs.values():
+        await channel.close()
+    _sessions.clear()
+    _stubs.clear()
