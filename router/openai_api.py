@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import ssl
 import time
@@ -39,27 +37,21 @@ from router import http_limits as limits
 from router.admission import Admission
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
 from router.core import Router
-from router.errors import Status, status_of, unwrap
+from router.errors import Status
 from router.fanout import fan_out
 from router.openai_choices import ChoiceBuilder, total_usage
+from router.openai_errors import ApiError, error_body
 from router.openai_logprobs import LogprobsFormatter
 from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
-from router.openai_params import chat_turns, openai_param, prompt_of, sampling_fields
+from router.openai_params import chat_turns, prompt_of, sampling_fields, tool_request
+from router.openai_sse import DONE, SSE_HEADERS, extra_of, send, sse, usage_of
 from router.openai_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, parse_model, tokenize
-from router.results import Chunk, Timeline, Usage
+from router.results import Chunk
 from router.validate import Checked, MessagesRequest, PromptRequest, RequestValidator
 
 log = logging.getLogger(__name__)
-HTTP_OF = {Status.INVALID_ARGUMENT: (400, "invalid_request_error"),  # status → HTTP status and OpenAI error type
-           Status.UNAUTHENTICATED: (401, "authentication_error"),
-           Status.NOT_FOUND: (404, "invalid_request_error"),
-           Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-           Status.UNAVAILABLE: (503, "service_unavailable"),
-           Status.DEADLINE_EXCEEDED: (504, "server_error")}  # anything else: 500 server_error
 INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")  # counted in pdcluster_requests_total{api="http"}
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's; behind the API key like /v1/*
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-DONE = b"data: [DONE]\n\n"
 REQUEST_ID_HEADER = "X-Request-Id"
 # NOTE: where a handler leaves the request id for the guard (which echoes it on errors too); a typed key where
 # aiohttp has them (3.11+)
@@ -69,37 +61,12 @@ ADMISSION_KEY: Any = (web.RequestKey("pdcluster_admission", Admission) if hasatt
                       else "pdcluster_admission")
 
 
-class ApiError(Exception):
-    """A refusal of the HTTP layer itself (a bad API key, an unknown model) with OpenAI's `param` and `code`."""
-
-    def __init__(self, status: Status, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
-def error_body(exc: BaseException) -> tuple[int, Status, dict[str, Any]]:
-    """The HTTP status, Status and OpenAI error object for `exc` (statuses from `status_of`, the one mapping)."""
-    e = unwrap(exc)
-    param = code = None
-    if isinstance(e, ApiError):
-        status, message, param, code = e.status, str(e), e.param, e.code
-    else:
-        status, message = status_of(e)
-        if isinstance(e, InvalidRequestError):
-            param = openai_param(e.field)
-            message = f"{param}: {e.reason.removeprefix(f'{e.field}: ')}"
-        elif status is Status.INTERNAL:
-            log.error("request failed", exc_info=e)
-    http_status, kind = HTTP_OF.get(status, (500, "server_error"))
-    return http_status, status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 class OpenAIFront:
     """The handlers of the HTTP API over one Router."""
 
     def __init__(self, router: Router, model_name: str, api_keys: frozenset[str]) -> None:
         self.router, self.model_name = router, model_name
-        self.validator = RequestValidator(router.info)
+        self.validator = RequestValidator(router.info, router.settings.chat)
         self._keys = api_keys
         self._ignored = IgnoredFieldLog()
         # NOTE: its own threads: large bodies and tokenizing never queue ahead of the router's Redis lookups
@@ -180,7 +147,7 @@ class OpenAIFront:
         key = "max_tokens" if limit is None else "max_completion_tokens"
         limit = body.max_tokens if limit is None else limit
         turns = await limits.off_loop_if_large(size, self.executor, chat_turns, body.messages)
-        req = MessagesRequest(request_id=rid, messages=turns)
+        req = MessagesRequest(request_id=rid, messages=turns, tools=tool_request(body))
         req.sampling = sampling_fields(body, limit, key)
         try:
             checked = await asyncio.get_running_loop().run_in_executor(self.executor, self.validator.chat, req)
@@ -326,35 +293,6 @@ class OpenAIFront:
                 await resp.write(DONE)
                 await resp.write_eof()
             return resp
-
-
-def usage_of(u: Usage | None) -> dict[str, Any]:
-    """OpenAI's usage object (cached prompt tokens under prompt_tokens_details)."""
-    u = u or Usage()
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
-
-
-def extra_of(last: Chunk) -> dict[str, Any]:
-    """pdcluster's own fields (ignored by OpenAI clients): the request id and its timeline."""
-    return {"request_id": last.request_id, "timeline": dataclasses.asdict(last.timeline or Timeline())}
-
-
-async def sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
-    """One server-sent event."""
-    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def send(resp: web.StreamResponse, head: dict[str, Any], choice: dict[str, Any], include_usage: bool,
-               extra: dict[str, Any] | None = None) -> None:
-    """One streamed chunk (`usage: null` on each when usage was asked for, as OpenAI does)."""
-    obj: dict[str, Any] = {**head, "choices": [choice]}
-    if include_usage:
-        obj["usage"] = None
-    if extra is not None:
-        obj["pdcluster"] = extra
-    await sse(resp, obj)
 
 
 def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset()) -> web.Application:

@@ -7,7 +7,9 @@ from typing import Any
 
 from engine.logprobs import TokenLogprobs
 from router.openai_logprobs import LogprobsFormatter
-from router.results import Chunk, Usage
+from router.results import Chunk, ToolCallDelta, Usage
+from router.tool_calls import ToolCall
+from router.tool_stream import merge_calls
 
 
 class ChoiceBuilder:
@@ -28,6 +30,7 @@ class ChoiceBuilder:
         self.finish_reason = ""
         self.usage: Usage | None = None
         self.last: Chunk | None = None
+        self.calls: list[ToolCall] = []
         self._started = False
 
     def add(self, chunk: Chunk) -> None:
@@ -36,6 +39,7 @@ class ChoiceBuilder:
         self.text += head + chunk.text
         self.token_ids += chunk.token_ids
         self.entries += chunk.logprobs
+        merge_calls(self.calls, chunk.tool_calls)
         self._end(chunk)
 
     def delta(self, chunk: Chunk) -> dict[str, Any] | None:
@@ -45,10 +49,13 @@ class ChoiceBuilder:
         text = head + chunk.text
         self._end(chunk)
         ids = self.want_token_ids and bool(chunk.token_ids)  # NOTE: sent even when its text is held back
-        if not (text or ids or chunk.finish_reason or chunk.logprobs or (first and self.want_prompt_logprobs)):
+        if not (text or ids or chunk.finish_reason or chunk.logprobs or chunk.tool_calls
+                or (first and self.want_prompt_logprobs)):
             return None
         if self.chat:
             out: dict[str, Any] = {"index": self.index, "delta": {"content": text} if text else {}}
+            if chunk.tool_calls:
+                out["delta"]["tool_calls"] = [call_delta(p) for p in chunk.tool_calls]
         else:
             out = {"index": self.index, "text": text}
         out["finish_reason"] = chunk.finish_reason or None
@@ -63,12 +70,20 @@ class ChoiceBuilder:
         """The unary choice."""
         out: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason or None,
                                "logprobs": self._logprobs(self._echo_entries(True) + self.entries)}
-        out.update({"message": {"role": "assistant", "content": self.text}} if self.chat else {"text": self.text})
+        out.update({"message": self._message()} if self.chat else {"text": self.text})
         if self.want_token_ids:
             out["token_ids"] = self.token_ids
         if not self.chat and self.want_prompt_logprobs:
             out["prompt_logprobs"] = self.prompt_logprobs()
         return out
+
+    def _message(self) -> dict[str, Any]:
+        if not self.calls:
+            return {"role": "assistant", "content": self.text}
+        # NOTE: as OpenAI: content null when the answer is calls alone
+        return {"role": "assistant", "content": self.text or None, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self.calls]}
 
     def prompt_logprobs(self) -> list[dict[str, Any] | None] | None:
         """vLLM's `prompt_logprobs` of this choice (None if the workers sent none)."""
@@ -108,3 +123,11 @@ def total_usage(choices: list[ChoiceBuilder]) -> Usage:
     first = choices[0].usage or Usage()
     return Usage(first.prompt_tokens, sum((c.usage or Usage()).completion_tokens for c in choices),
                  first.cached_prompt_tokens)
+
+
+def call_delta(p: ToolCallDelta) -> dict[str, Any]:
+    """A streamed piece of a tool call in OpenAI's shape: index, id, type and name first, then arguments only."""
+    if p.id:
+        return {"index": p.index, "id": p.id, "type": "function",
+                "function": {"name": p.name, "arguments": p.arguments}}
+    return {"index": p.index, "function": {"arguments": p.arguments}}

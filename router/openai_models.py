@@ -44,13 +44,45 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionBody(_Strict):
+    """A tool's function: its name, description and arguments' JSON schema (`strict` accepted: always enforced)."""
+
+    name: str
+    description: str | None = None
+    parameters: Any = None
+    strict: bool | None = None
+
+
+class ToolBody(_Strict):
+    """One entry of `tools` (only function tools)."""
+
+    type: str
+    function: FunctionBody
+
+
+class CalledFunction(_Strict):
+    """The function of an assistant message's tool call: its name and arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallBody(_Strict):
+    """A tool call in an assistant message the client sends back."""
+
+    id: str
+    type: str = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
-    """One chat message (`tool_calls` only empty: this server does not call tools)."""
+    """One chat message: an assistant's may hold `tool_calls`, a tool message answers `tool_call_id`."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: str | None = None
 
 
 class SamplingBody(_Strict):
@@ -120,9 +152,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolBody] | None = None  # router/tool_calls.py
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # NOTE: no tools are ever offered, so any value changes nothing
+    parallel_tool_calls: bool | None = None
     echo: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
@@ -142,7 +174,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "bad_words": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "structured_outputs": (), "priority": (0,),
     "echo": (False,), "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none", "auto"), "add_generation_prompt": (True,),
+    "add_generation_prompt": (True,),
     "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
 }
 # Structured outputs are served (router/openai_params.py `structured_spec`): these are no longer refused.
@@ -191,16 +223,11 @@ def refuse_non_neutral(req: BaseModel) -> None:
         v = getattr(req, name, None)
         if v is None or any(_same(v, n) for n in neutral):
             continue
-        if name == "tool_choice" and v == "auto" and not getattr(req, "tools", None):
-            continue
         raise InvalidRequestError(name, f"is not supported by this server (only {_neutral_text(neutral)} is "
                                   "accepted; it changes nothing)")
     add, default = getattr(req, "add_special_tokens", None), ADD_SPECIAL_TOKENS.get(type(req))
     if add is not None and add != default:
         raise InvalidRequestError("add_special_tokens", f"only {default} (the default) is supported")
-    for i, m in enumerate(getattr(req, "messages", None) or []):
-        if m.tool_calls:
-            raise InvalidRequestError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
     options = getattr(req, "stream_options", None)
     if options is not None and options.continuous_usage_stats:
         raise InvalidRequestError("stream_options.continuous_usage_stats", "only false is supported")

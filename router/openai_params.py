@@ -12,7 +12,8 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredOutputSpec
 from engine.sampling_params import MAX_LOGPROBS
-from router.openai_models import ChatMessage, CompletionRequest, SamplingBody, param_of
+from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingBody, param_of
+from router.tool_calls import ToolCall, ToolFunction, ToolRequest
 from router.validate import ChatTurn, SamplingFields
 
 UINT32, UINT64 = 32, 64  # bits of the proto fields the gRPC API carries the same parameters in
@@ -200,7 +201,36 @@ def chat_turns(messages: list[ChatMessage] | None) -> list[ChatTurn]:
                                               "...} parts are supported")
                 texts.append(part.text)
             content = "\n".join(texts)
-        out.append(ChatTurn(utf8(m.role, f"messages[{i}].role"), utf8(content, f"messages[{i}].content")))
+        calls = [ToolCall(utf8(c.id, f"messages[{i}].tool_calls[{j}].id"),
+                          utf8(c.function.name, f"messages[{i}].tool_calls[{j}].function.name"),
+                          utf8(c.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"))
+                 for j, c in enumerate(m.tool_calls or [])]
+        out.append(ChatTurn(utf8(m.role, f"messages[{i}].role"), utf8(content, f"messages[{i}].content"), calls,
+                            utf8(m.tool_call_id or "", f"messages[{i}].tool_call_id")))
+    return out
+
+
+def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
+    """A chat body's `tools`, `tool_choice` and `parallel_tool_calls` (checked by router/tool_calls.py)."""
+    if body.tools is None and body.tool_choice is None:
+        return None
+    tools = []
+    for i, t in enumerate(body.tools or []):
+        if t.type != "function":
+            raise InvalidRequestError(f"tools[{i}].type", f"only 'function' tools are supported, got {t.type!r}")
+        f = t.function
+        tools.append(ToolFunction(utf8(f.name, f"tools[{i}].function.name"), utf8(f.description or "",
+                                  f"tools[{i}].function.description"), f.parameters, f"tools[{i}].function"))
+    out = ToolRequest(tools, parallel=body.parallel_tool_calls is not False)
+    choice = body.tool_choice
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequestError("tool_choice", 'a named function is {"type": "function", "function": '
+                                      '{"name": ...}}')
+        out.choice, out.function = "function", name
+    elif choice is not None:
+        out.choice = choice
     return out
 
 

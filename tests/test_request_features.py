@@ -220,7 +220,7 @@ SERVED: list[tuple[str, Any, Any]] = [
 CHAT_SERVED = [("logprobs", True), ("top_logprobs", 0)]
 STILL_REFUSED = [("best_of", 3), ("suffix", "x"), ("min_tokens", 2), ("use_beam_search", True),
                  ("include_stop_str_in_output", True), ("spaces_between_special_tokens", False)]
-CHAT_STILL_REFUSED = [("tools", [{"type": "function", "function": {"name": "f"}}]), ("echo", True)]
+CHAT_STILL_REFUSED = [("echo", True)]  # NOTE: tools are served since issue 41 (tests/test_tool_calls_cluster.py)
 
 
 def test_every_field_refused_before_is_served_or_named(front):
