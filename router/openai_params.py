@@ -12,7 +12,14 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredOutputSpec
 from engine.sampling_params import MAX_LOGPROBS
-from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingBody, param_of
+from router.openai_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingBody,
+    ToolBody,
+    param_of,
+)
 from router.tool_calls import ToolCall, ToolFunction, ToolRequest
 from router.validate import ChatTurn, SamplingFields
 
@@ -212,17 +219,22 @@ def chat_turns(messages: list[ChatMessage] | None) -> list[ChatTurn]:
 
 def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
     """A chat body's `tools`, `tool_choice` and `parallel_tool_calls` (checked by router/tool_calls.py)."""
-    if body.tools is None and body.tool_choice is None:
+    return tools_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
+def tools_of(body_tools: list[ToolBody] | None, choice: str | dict[str, Any] | None,
+             parallel: bool | None = None) -> ToolRequest | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as a ToolRequest (None: neither tools nor a choice)."""
+    if body_tools is None and choice is None:
         return None
     tools = []
-    for i, t in enumerate(body.tools or []):
+    for i, t in enumerate(body_tools or []):
         if t.type != "function":
             raise InvalidRequestError(f"tools[{i}].type", f"only 'function' tools are supported, got {t.type!r}")
         f = t.function
         tools.append(ToolFunction(utf8(f.name, f"tools[{i}].function.name"), utf8(f.description or "",
                                   f"tools[{i}].function.description"), f.parameters, f"tools[{i}].function"))
-    out = ToolRequest(tools, parallel=body.parallel_tool_calls is not False)
-    choice = body.tool_choice
+    out = ToolRequest(tools, parallel=parallel is not False)
     if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
         name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):

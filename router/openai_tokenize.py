@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from router.openai_models import ChatMessage, _Strict, param_of
-from router.openai_params import chat_turns, unsigned_list, utf8
+from router.openai_models import ChatMessage, ToolBody, _Strict, param_of
+from router.openai_params import chat_turns, tools_of, unsigned_list, utf8
 from router.validate import MessagesRequest, RequestValidator
 
 UINT32 = 32
@@ -19,6 +19,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolBody] | None = None  # chat form: rendered as a chat request's tools are
     add_special_tokens: bool | None = None  # completions form: default true (vLLM's)
     add_generation_prompt: bool | None = None  # chat form: only true (the inference endpoints' template)
     return_token_strs: bool | None = None
@@ -52,7 +53,9 @@ def tokenize(validator: RequestValidator, req: TokenizeRequest) -> dict[str, Any
     if req.messages is not None:
         if req.add_generation_prompt is False:
             raise InvalidRequestError("add_generation_prompt", "only true (the default) is supported")
-        tokens = validator.chat(MessagesRequest("tokenize", chat_turns(req.messages))).token_ids
+        # NOTE: tool_choice "none": the tools are rendered (and checked), nothing is planned
+        tools = tools_of(req.tools, "none") if req.tools else None
+        tokens = validator.chat(MessagesRequest("tokenize", chat_turns(req.messages), tools=tools)).token_ids
     else:
         add = True if req.add_special_tokens is None else req.add_special_tokens
         tokens = tokenizer.encode(utf8(req.prompt or "", "prompt"), add_special_tokens=add)

@@ -106,6 +106,24 @@ def test_the_chunk_wrapper_sets_tool_calls_as_finish_reason_and_keeps_one_call_w
     assert "".join(c.text for c in plain) == "No call here." and plain[-1].finish_reason == "length"
 
 
+def test_each_choice_of_n_gets_its_own_parser():
+    async def collect() -> list[Chunk]:
+        async def source():  # NOTE: two choices' chunks interleaved, as fan_out merges them
+            texts = [(0, '<tool_call>{"name": "a", "argu'), (1, "plain "), (0, 'ments": {"k": 1}}</tool_call>'),
+                     (1, "<tool_call>"), (1, '{"name": "b"}</tool_call>'), (0, "")]
+            for i, (index, text) in enumerate(texts):
+                yield Chunk("r", [i], text, "stop" if i >= 4 else "", index=index)
+        return [c async for c in tool_chunks(source(), ToolPlan("auto", parser="hermes"))]
+    chunks = asyncio.run(collect())
+    for index, want_text, want_calls in [(0, "", [("a", '{"k": 1}')]), (1, "plain ", [("b", "{}")])]:
+        mine = [c for c in chunks if c.index == index]
+        calls: list[ToolCall] = []
+        for c in mine:
+            merge_calls(calls, c.tool_calls)
+        assert "".join(c.text for c in mine) == want_text and [(c.name, c.arguments) for c in calls] == want_calls
+        assert mine[-1].finish_reason == "tool_calls"
+
+
 def tools_of(tools, choice="", parallel=True) -> ToolRequest:
     return ToolRequest([ToolFunction(t["function"]["name"], "", t["function"].get("parameters"),
                                      f"tools[{i}].function") for i, t in enumerate(tools)], choice,
@@ -226,3 +244,12 @@ def test_the_yaml_options_name_a_shipped_template_or_a_file_and_a_parser(tmp_pat
     with pytest.raises(ConfigError) as e:
         ClusterConfig.from_yaml_text(f"router:\n  chat_template: {broken}\n")
     assert "not a Jinja template" in str(e.value)
+
+
+def test_tokenize_renders_the_tools_as_a_chat_request_does(smollm2_tokenizer):
+    from router.openai_tokenize import TokenizeRequest, parse_model, tokenize
+
+    v = validator(smollm2_tokenizer)
+    _, checked = check_body(v, {"tools": TOOLS, "tool_choice": "none"})
+    counted = tokenize(v, parse_model(TokenizeRequest, {"messages": USER, "tools": TOOLS}))
+    assert counted["tokens"] == checked.token_ids and counted["count"] > len(check_body(v, {})[1].token_ids)
