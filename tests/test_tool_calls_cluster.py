@@ -122,6 +122,19 @@ def test_forced_calls_validate_in_20_of_20_fresh_prompts_unary_and_streamed(fron
         assert extra["timeline"]["prefill_worker"] == "prefill-0" and extra["timeline"]["decode_worker"], extra
 
 
+def test_required_with_parallel_calls_allowed_ends_its_array_with_valid_calls(front):
+    _, client = front
+    # NOTE: greedy on a fixed prompt (it still crosses the handoff: no prefix skip): the same answer every run
+    # NOTE: one tool: offered both, the 135M model greedily repeats book_table calls until max_tokens (the grammar
+    # allows any number of items, as vLLM's; a model's loop is the model's)
+    answers = [ask(client, stream, messages=[{"role": "user", "content": QUESTIONS[0]}], tools=TOOLS[:1],
+                   tool_choice="required", temperature=0, max_tokens=400) for stream in (False, True)]
+    for content, calls, finish, _ in answers:
+        assert finish == "tool_calls" and calls and not content, (content, calls, finish)
+        assert_valid(calls, set(SCHEMAS))
+    assert [(c["name"], c["arguments"]) for c in answers[0][1]] == [(c["name"], c["arguments"]) for c in answers[1][1]]
+
+
 def few_shot(city: str) -> list[dict[str, Any]]:
     """A conversation whose earlier turns answer each weather question with a call (the 135M model follows it)."""
     turns: list[dict[str, Any]] = []
