@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import random
@@ -351,3 +352,51 @@ def test_plan_commands_answer_bad_input_with_a_message_and_exit_2(capsys):
     assert "--profile: 'nope'" in capsys.readouterr().err
     assert main(["plan", "simulate", "--profile", "h100", "--workload", "mixed", "--rate", "0"]) == 2
     assert "rate" in capsys.readouterr().err
+
+
+# --- the H200 profile from its measured figures, and goodput on N GPUs (issue 38) -------------------------------
+
+
+def test_the_shipped_h200_profile_is_the_one_its_module_solves_and_reproduces_the_measured_figures():
+    from pdcluster.plan import h200
+
+    shipped = hardware.resolve_profile("h200-measured")
+    assert shipped == h200.measured_profile()  # NOTE: `python -m pdcluster.plan.h200 --out ...` rewrites it
+    assert shipped.on_gpu and not shipped.estimated and shipped.transfer.bandwidth_gb_s == h200.NIXL_ONE_GPU_GB_S
+    s = shipped.step
+    assert s.decode_time(1, 512) == pytest.approx(1 / h200.DECODE_B1_TOK_S, rel=1e-6)
+    assert s.decode_time(64, 512) == pytest.approx(64 / h200.DECODE_B64_TOK_S, rel=1e-6)
+    assert s.prefill_time(2048) == pytest.approx(2048 / h200.PREFILL_TOK_S, rel=1e-6)
+    assert s.knee_tokens > 64  # both measured decode batches are bound by reading the weights
+
+
+@pytest.mark.parametrize("limit", [0.5, 3.0, 37.0])
+def test_max_rate_finds_the_highest_rate_that_meets_the_slo(limit):
+    from pdcluster.plan.goodput import BISECTIONS, max_rate
+
+    tried = []
+
+    def ok(rate: float) -> bool:
+        tried.append(rate)
+        return rate <= limit
+
+    found = max_rate(ok, 4.0)
+    # NOTE: the bisection's bracket is at most max(limit, start) wide
+    assert limit - max(limit, 4.0) / 2**BISECTIONS <= found <= limit
+
+
+def test_goodput_compares_every_split_with_colocated_workers_on_the_same_gpus(tmp_path):
+    from pdcluster.plan.goodput import run_goodput
+    from pdcluster.plan.simulator import Overheads
+
+    out = tmp_path / "g.json"
+    args = argparse.Namespace(gpus=3, attainment=0.9, rate=0.5, template="deploy/bench-disagg.yaml", out=str(out),
+                              json=True, workload="sharegpt", num_requests=12, seed=0, input_scale=0.2,
+                              output_scale=0.1, slo_ttft_ms=5000.0, slo_itl_ms=150.0)
+    assert run_goodput(args, profile(CPU_LIKE), Overheads(), lambda m: None) == 0
+    f = json.loads(out.read_text())
+    assert [r["shape"] for r in f["shapes"]] == ["1P:2D", "2P:1D", "3 colocated"]
+    assert all(r["goodput_req_per_s"] > 0 for r in f["shapes"])
+    assert f["best_disaggregated"]["goodput_req_per_s"] == max(r["goodput_req_per_s"] for r in f["shapes"][:2])
+    assert f["predicted"] is True and f["ratio"] == pytest.approx(
+        f["best_disaggregated"]["goodput_req_per_s"] / f["colocated"]["goodput_req_per_s"], abs=0.01)

@@ -17,6 +17,7 @@ examples:
   pdcluster plan describe --profile h100:llama-3.1-70b    # the ESTIMATED roofline step model of a GPU worker
   pdcluster plan simulate --config deploy/bench-disagg.yaml --workload mixed --rate 0.5 --num-requests 60
   pdcluster plan search --profile h100 --workload summarization --rate 100 --slo-ttft-ms 300 --slo-itl-ms 15
+  pdcluster plan goodput --profile h200-measured --gpus 8 --workload sharegpt --slo-ttft-ms 500 --slo-itl-ms 50
   pdcluster plan validate --measured results/bench_compare.json --calibrate-on "disaggregated 1P+1D@0.4"
   pdcluster plan scale                                    # 1,024 H100s, 50,000 requests: wall seconds
 """
@@ -89,6 +90,13 @@ def add_arguments(sub: Any) -> None:
     r.add_argument("--out", default="results/plan_search.json")
     _workload_args(r, 100.0, 3000)
 
+    g = psub.add_parser("goodput", help="on N GPUs: every P:D split's and colocated goodput (simulated)",
+                        formatter_class=FMT)
+    _profile_arg(g, "h200-measured")
+    from pdcluster.plan.goodput import add_arguments as goodput_arguments
+
+    goodput_arguments(g)
+    _workload_args(g, 4.0, 600)
     v = psub.add_parser("validate", help="simulator vs measured `bench serve` runs (TTFT/ITL p50/p99)",
                         formatter_class=FMT)
     _profile_arg(v, CPU_PROFILE)
@@ -123,7 +131,7 @@ def _overheads(args: argparse.Namespace, profile: Any) -> Any:
         with open(args.overheads) as f:
             data = json.load(f)
         return Overheads.model_validate(data.get("overheads", data))
-    return GPU_OVERHEADS if profile.estimated else Overheads()
+    return GPU_OVERHEADS if profile.on_gpu else Overheads()
 
 
 def _workload(args: argparse.Namespace) -> Any:
@@ -137,7 +145,7 @@ def _config(args: argparse.Namespace, profile: Any) -> Any:
     from pdcluster.config import ClusterConfig
     from pdcluster.plan.plan_yaml import CPU_TEMPLATE, GPU_TEMPLATE
 
-    cfg = ClusterConfig.from_yaml(args.config or (GPU_TEMPLATE if profile.estimated else CPU_TEMPLATE))
+    cfg = ClusterConfig.from_yaml(args.config or (GPU_TEMPLATE if profile.on_gpu else CPU_TEMPLATE))
     if getattr(args, "colocated", None):
         cfg.mode, cfg.colocated.replicas = "colocated", args.colocated
     for role in ("prefill", "decode"):
@@ -177,7 +185,7 @@ def _simulate(args: argparse.Namespace, out_table: bool = True) -> dict[str, Any
     pools = ", ".join(f"{p.replicas} {role}" for role, p in shape.pools.items())
     return {"profile": f"{prof.hardware} / {prof.model}{' (ESTIMATED)' if prof.estimated else ''}",
             "cluster": f"{cfg.mode}, {cfg.router.routing}: {pools} ({shape.num_workers * prof.gpus_per_worker} "
-                       f"{'GPUs' if prof.estimated else 'cores'})",
+                       f"{'GPUs' if prof.on_gpu else 'cores'})",
             "workload": wl.describe(), "workload_build_s": round(built, 2), "overheads": sim.ov.model_dump(),
             "summary": Timings(sim).summary(args.slo_ttft_ms, args.slo_itl_ms)}
 
@@ -215,6 +223,11 @@ def run(args: argparse.Namespace) -> int:
         from pdcluster.plan.search_cli import run_search
 
         return run_search(args, _profile(args), _overheads, _workload(args), log)
+    if args.plan == "goodput":
+        from pdcluster.plan.goodput import run_goodput
+
+        prof = _profile(args)
+        return run_goodput(args, prof, _overheads(args, prof), log)
     if args.plan == "validate":
         from pdcluster.plan.validate import format_table, validate
 

@@ -111,7 +111,12 @@ def roofline_profile(gpu: str, model: str = "llama-3.1-8b", tp: int | None = Non
 
 
 def resolve_profile(spec: str) -> Profile:
-    """A profile from a JSON path, or `h100`/`h200` optionally with a model: `h100:llama-3.1-70b`."""
+    """A profile from a JSON path, `h100`/`h200` optionally with a model (`h100:llama-3.1-70b`), or `h200-measured`
+    (Llama-3.1-8B on the H200 from its measured figures)."""
+    if spec.lower() == "h200-measured":  # NOTE: calibrated on the lent H200's figures (pdcluster/plan/h200.py)
+        from pdcluster.plan.h200 import SHIPPED
+
+        return Profile.load(SHIPPED)
     name, _, model = spec.partition(":")
     if name.lower() in GPUS:
         return roofline_profile(name, model or "llama-3.1-8b")

@@ -103,12 +103,19 @@ class Profile(BaseModel):
     threads: int = 1
     gpus_per_worker: int = Field(default=1, gt=0, description="what one worker costs (GPUs, or cores on a CPU)")
     estimated: bool = Field(description="true: derived from published specs (roofline), not measured here")
+    device: Literal["cpu", "cuda"] | None = Field(
+        default=None, description="where a worker computes; null: cuda for an estimated profile, else cpu")
     source: str = ""
     step: StepModel
     transfer: TransferModel
     kv_bytes_per_token: int = Field(gt=0)
     fit: FitStats | None = None
     notes: list[str] = Field(default_factory=list)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether a worker of this profile is a GPU (the GPU deploy template and overheads apply)."""
+        return self.device == "cuda" or (self.device is None and self.estimated)
 
     def kv_bytes(self, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token

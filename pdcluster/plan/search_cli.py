@@ -40,7 +40,7 @@ def header(profile: Profile, wl: Workload, slo: Slo, best: Trial | None, same: T
     lines = ["Produced by `pdcluster plan search` (simulated, not measured); re-run the command to re-plan:",
              f"  {cmd}",
              f"Profile: {profile.hardware} / {profile.model}, "
-             + ("ESTIMATED from published specs (roofline)" if profile.estimated else "measured here"),
+             + ("ESTIMATED from published specs (roofline)" if profile.estimated else "measured"),
              f"Workload: {wl.describe()}",
              f"SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.itl_ms:g} ms for >= {slo.attainment:.0%} of requests"]
     if best is not None:
@@ -81,7 +81,7 @@ def run_search(args: argparse.Namespace, profile: Profile, overheads: Callable[[
     import time
 
     started = time.perf_counter()
-    template = args.template or (plan_yaml.GPU_TEMPLATE if profile.estimated else plan_yaml.CPU_TEMPLATE)
+    template = args.template or (plan_yaml.GPU_TEMPLATE if profile.on_gpu else plan_yaml.CPU_TEMPLATE)
     slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, attainment=args.attainment)
     # NOTE: the planned YAML sets the router's SLOs to these (`router=targets` below), and the router and the engines
     # act on them (the ITL budget, the SLO placements): the simulated cluster does the same
