@@ -5,13 +5,15 @@ Through the official openai client: `required` and a named function give calls w
 their schemas in 20 of 20 fresh prompts, unary and streamed; `auto` returns parsed calls when the model writes the
 Hermes format (a few-shot conversation makes the 135M model write it) and plain content when it does not; a tool
 result sent back continues the conversation; each bad input is a 400 naming its parameter. Over gRPC: Chat and
-ChatStream carry the calls in `tool_calls`.
+ChatStream carry the calls in `tool_calls`, and streams whose decode worker is killed mid-call end in the same calls
+as undisturbed ones (a second decode worker takes them over).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,6 +47,7 @@ QUESTIONS = ["What is the weather in Paris?", "Book a table for four on Friday."
 @pytest.fixture(scope="module")
 def front(ray_session):
     def edit(config):
+        config.decode.replicas = 2  # NOTE: the failover test kills one mid-stream
         config.router.max_predicted_ttft_ms = 600_000  # NOTE: admission is not what this tests (a busy CI machine)
 
     # NOTE: every request crosses the handoff: no prefix skip, and no SLO rule that has a decode worker prefill
@@ -56,7 +59,7 @@ def front(ray_session):
 
     runner, port = on_loop(start_http(server.router, host="127.0.0.1", port=0, model_name="smollm2"))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-    yield server, client
+    yield server, client, c
     on_loop(runner.cleanup())
     server.close()
     c.stop()
@@ -103,7 +106,7 @@ def assert_valid(calls: list[dict[str, Any]], names: set[str]) -> None:
 
 @pytest.mark.parametrize("choice", ["required", "book_table"])
 def test_forced_calls_validate_in_20_of_20_fresh_prompts_unary_and_streamed(front, choice):
-    _, client = front
+    _, client, _ = front
     tool_choice: Any = "required" if choice == "required" else {"type": "function", "function": {"name": choice}}
     names = set(SCHEMAS) if choice == "required" else {choice}
 
@@ -123,7 +126,7 @@ def test_forced_calls_validate_in_20_of_20_fresh_prompts_unary_and_streamed(fron
 
 
 def test_required_with_parallel_calls_allowed_ends_its_array_with_valid_calls(front):
-    _, client = front
+    _, client, _ = front
     # NOTE: greedy on a fixed prompt (it still crosses the handoff: no prefix skip): the same answer every run
     # NOTE: one tool: offered both, the 135M model greedily repeats book_table calls until max_tokens (the grammar
     # allows any number of items, as vLLM's; a model's loop is the model's)
@@ -150,7 +153,7 @@ def few_shot(city: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_parses_the_models_calls_and_leaves_other_text_as_content(front, stream):
-    _, client = front
+    _, client, _ = front
     content, calls, finish, extra = ask(client, stream, messages=few_shot("Paris"), tools=TOOLS, temperature=0,
                                         max_tokens=80)
     assert finish == "tool_calls" and not content, (content, calls)
@@ -162,7 +165,7 @@ def test_auto_parses_the_models_calls_and_leaves_other_text_as_content(front, st
 
 
 def test_a_tool_result_sent_back_continues_the_conversation(front):
-    _, client = front
+    _, client, _ = front
     asked = few_shot("Paris")
     first = client.chat.completions.create(model="smollm2", messages=asked, tools=TOOLS, temperature=0,
                                            max_tokens=80)
@@ -189,7 +192,7 @@ def test_a_tool_result_sent_back_continues_the_conversation(front):
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_bad_tool_inputs_are_a_400_naming_the_parameter(front, extra, param):
-    _, client = front
+    _, client, _ = front
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                        **extra)
@@ -197,7 +200,7 @@ def test_bad_tool_inputs_are_a_400_naming_the_parameter(front, extra, param):
 
 
 def test_grpc_chat_and_chat_stream_carry_the_calls(front):
-    server, _ = front
+    server, _, _ = front
     stub = server.stub()
     tools = [pb.Tool(name=t["function"]["name"], description=t["function"]["description"],
                      parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
@@ -222,3 +225,49 @@ def test_grpc_chat_and_chat_stream_carry_the_calls(front):
         stub.Chat(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], tools=tools,
                                  tool_choice=pb.ToolChoice(function="nope")), timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tool_choice.function" in e.value.details()
+
+
+NOTE_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 60, "maxLength": 90}},
+               "required": ["text"]}
+
+
+def test_calls_streamed_across_a_decode_worker_killed_mid_call_end_as_undisturbed(front, ray_session):
+    server, _, c = front
+    stub = server.stub()
+    tools = [pb.Tool(name="write_note", description="Save a note", parameters=json.dumps(NOTE_SCHEMA))]
+    texts = [fresh(f"Write a note about {topic}.") for topic in ("rain", "trains", "bread", "music", "snow", "cats")]
+
+    def request(i: int) -> pb.ChatRequest:
+        return pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=texts[i])], tools=tools,
+                              tool_choice=pb.ToolChoice(function="write_note"),
+                              sampling=pb.SamplingParams(max_tokens=200, temperature=0))
+
+    want = [stub.Chat(request(i), timeout=300).tool_calls[0].arguments for i in range(len(texts))]  # undisturbed
+    counts, started = [0] * len(texts), threading.Event()
+    failovers = server.router.metrics.registry.get_sample_value("pdcluster_failovers_total", {"kind": "decode"}) or 0
+
+    def one(i: int) -> tuple[list[pb.ToolCall], str]:
+        pieces, finish = [], ""
+        for chunk in stub.ChatStream(request(i), timeout=300):
+            pieces += chunk.tool_calls
+            finish = chunk.finish_reason or finish
+            counts[i] += len(chunk.token_ids)
+            if min(counts) >= 4:  # NOTE: every stream is decoding (past the handoff) when the worker dies
+                started.set()
+        return pieces, finish
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(texts))]
+        assert started.wait(120)
+        running = {name: ray_session.get(c.actors[name].load.remote(), timeout=30).running
+                   for name in ("decode-0", "decode-1")}
+        victim = max(running, key=running.get)  # type: ignore[arg-type]
+        ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
+        results = [f.result(timeout=600) for f in futures]
+    for i, (pieces, finish) in enumerate(results):
+        assert finish == "tool_calls" and pieces[0].name == "write_note" and {p.index for p in pieces} == {0}
+        arguments = "".join(p.arguments for p in pieces)
+        assert arguments == want[i], (arguments, want[i])
+        jsonschema.validate(json.loads(arguments), NOTE_SCHEMA)
+    moved = server.router.metrics.registry.get_sample_value("pdcluster_failovers_total", {"kind": "decode"})
+    assert moved is not None and moved > failovers  # streams did move off the killed worker mid-call
