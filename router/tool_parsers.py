@@ -119,8 +119,9 @@ class HermesParser(_Calls):
         return True
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        if self.calls and self.scanner is None and self.CLOSE.startswith(self.buf.lstrip()):
-            self.buf = ""
+        rest = self.buf.lstrip()
+        if self.calls and self.scanner is None and self.CLOSE.startswith(rest) and (not rest or rest[:2] == "</"):
+            self.buf = ""  # NOTE: the last call's unfinished close tag (a lone "<" is text)
         return self.rest(), []
 
 

@@ -72,7 +72,7 @@ class CallScanner:
             self._to("value" if c == ":" else "failed")
         elif s == "value":
             self._value, self._depth, self._in_string = c, 1, c == '"'
-            self._streaming = self._key in ARGUMENT_KEYS and c in "{["
+            self._streaming = self._key in ARGUMENT_KEYS and not self._args_seen and c in "{["
             self._out += c if self._streaming else ""
             self._state = "nested" if c in "{[" else "string" if c == '"' else "scalar"
         elif s in ("nested", "string"):

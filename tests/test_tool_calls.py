@@ -56,6 +56,10 @@ PARSED = [
     (HermesParser, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     (HermesParser, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
     (HermesParser, '<tool_call>{"name": "f"}</tool_call>\nDone.', "Done.", [("f", "{}")]),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>', "",
+     [("f", '{"a": 1}')]),  # a repeated key: the first value counts
+    (HermesParser, '<tool_call>{"name": "f"}</tool_call> x <', "x <", [("f", "{}")]),
+    (HermesParser, '<tool_call>{"name": "f"}</tool_', "", [("f", "{}")]),
     (Llama3JsonParser, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', "",
      [("f", '{"a": 1}'), ("g", "{}")]),
     (Llama3JsonParser, ' {"name": "f", "parameters": {"a": true, "b": null}, "x": 12}', "",
