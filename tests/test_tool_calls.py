@@ -257,3 +257,26 @@ def test_tokenize_renders_the_tools_as_a_chat_request_does(smollm2_tokenizer):
     _, checked = check_body(v, {"tools": TOOLS, "tool_choice": "none"})
     counted = tokenize(v, parse_model(TokenizeRequest, {"messages": USER, "tools": TOOLS}))
     assert counted["tokens"] == checked.token_ids and counted["count"] > len(check_body(v, {})[1].token_ids)
+
+
+def test_grpc_tool_fields_become_the_same_request_and_name_their_fields(smollm2_tokenizer):
+    from router.grpc_requests import ProtoValidator
+    from router.v1 import inference_pb2 as pb
+
+    v = ProtoValidator(validator(smollm2_tokenizer))
+    tool = pb.Tool(name="get_weather", description="Weather of a city", parameters=json.dumps(WEATHER))
+    ok = v.chat(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Weather in Paris?")], tools=[tool],
+                               tool_choice=pb.ToolChoice(mode="required"), parallel_tool_calls=False))
+    assert ok.tools == ToolPlan("required", parallel=False) and ok.params.structured is not None
+    for req, field in [(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")],
+                                       tools=[pb.Tool(name="f", parameters="{bad")]), "tools[0].parameters"),
+                       (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], tools=[tool],
+                                       tool_choice=pb.ToolChoice(function="nope")), "tool_choice.function"),
+                       (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], tools=[tool],
+                                       tool_choice=pb.ToolChoice(mode="sometimes")), "tool_choice.mode"),
+                       (pb.ChatRequest(messages=[pb.ChatMessage(role="assistant", tool_calls=[
+                           pb.ToolCall(id="c", name="f", arguments="{")])]), "messages[0].tool_calls[0]"
+                        ".function.arguments")]:
+        with pytest.raises(InvalidRequestError) as e:
+            v.chat(req)
+        assert e.value.field == field
