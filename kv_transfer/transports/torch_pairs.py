@@ -40,9 +40,10 @@ def address_towards(host: str) -> str:
         return str(s.getsockname()[0])
 
 
-def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: float, local_host: str) -> Any:
+def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: float, local_host: str,
+               device: str = "cuda") -> Any:
     """A two-rank process group under `key` (blocks until both ranks joined or `timeout` passes); this rank's gloo
-    device listens on `local_host`, the address the other rank connects to."""
+    device listens on `local_host`, the address the other rank connects to; nccl sends from `device`."""
     prefixed = dist.PrefixStore(f"pdcluster/kv/{key}", store)
     if backend == "gloo":
         # NOTE: gloo's default device binds the address the hostname resolves to, often 127.0.0.1: a peer on
@@ -52,17 +53,18 @@ def make_group(backend: str, store: dist.Store, key: str, rank: int, timeout: fl
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host) if local_host not in ANY_ADDRESS
                          else dist.ProcessGroupGloo.create_default_device()]
         return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
-    refuse_one_gpu(prefixed, rank, gpu_identity(), timeout)
+    refuse_one_gpu(prefixed, rank, gpu_identity(device), timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout)
     return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
 
 
-def gpu_identity() -> str:
-    """The UUID of this process's current CUDA device: the same for every process on that GPU."""
+def gpu_identity(device: str = "cuda") -> str:
+    """The UUID of the GPU `device` names here ('cuda': the current one): the same for every process on that GPU."""
     import torch
 
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    index = torch.device(device).index
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
 
 
 def refuse_one_gpu(store: dist.Store, rank: int, gpu: str, timeout: float) -> None:

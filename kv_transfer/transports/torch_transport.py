@@ -94,7 +94,7 @@ class TorchEndpoint:
     def _make(self, pair: Pair) -> None:
         try:
             pair.group.set_result(make_group(self.backend, self.store, pair.key, RECEIVER, self.group_timeout_s,
-                                             self.host))
+                                             self.host, self.device))
         except Exception as e:  # noqa: BLE001 - reported to every transfer waiting on this pair
             pair.breaks()
             pair.group.set_exception(e)
@@ -178,7 +178,7 @@ class TorchKVSender(KVSender):
         try:
             store = dist.TCPStore(rv.host, rv.port, is_master=False, timeout=timedelta(seconds=self.remaining()))
             pair.group.set_result(make_group(rv.backend, store, rv.group_key, SENDER, self.remaining(),
-                                             address_towards(rv.host)))
+                                             address_towards(rv.host), rv.device))
         except Exception as e:  # noqa: BLE001 - reported to every transfer waiting on this pair
             pair.breaks()
             pair.group.set_exception(e)
