@@ -34,8 +34,9 @@ IDLE_REQUESTS = 4
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load parts (handoff, serve, mps)")
     g.add_argument("--model", default="random:llama-3.1-8b")
-    g.add_argument("--rates", default="2,8,16", help="req/s of each sweep")
-    g.add_argument("--num-requests", type=int, default=40, help="requests per rate")
+    # NOTE: sized so both modes' clusters, sweeps and the engine alone fit the part's 240 s on an H200
+    g.add_argument("--rates", default="4,12,24", help="req/s of each sweep")
+    g.add_argument("--num-requests", type=int, default=24, help="requests per rate")
     g.add_argument("--modes", default="disaggregated,colocated")
     g.add_argument("--workloads", default=",".join(SWEEPS), help=f"of {','.join(SWEEPS)}")
     g.add_argument("--input-scale", type=float, default=1.0, help="stretch every sweep's prompts (the CPU: < 1)")
