@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -32,81 +30,13 @@ import time
 import traceback
 from typing import Any
 
-from pdcluster.bench import cluster_proc
+from pdcluster.bench import cluster_proc, gpu_load
+from pdcluster.bench.gpu_node import NeedsCuda, engine_of, fresh_prompts, generate, one_node, save
 from pdcluster.bench.report import log
-from pdcluster.config import ClusterConfig
 
-YAML = "deploy/gpu-one-node.yaml"
-# seconds per part (cuda); the CPU rehearsal's models are smaller, its machine slower: the same limits hold
 # NOTE: text's first cluster on a fresh machine also compiles the Triton kernels (both workers and the engine)
 LIMITS_S = {"text": 130, "handoff": 80, "serve": 240, "mps": 100}  # 550 s: gpu-check gives the step 560
 NEEDS_CUDA = ("handoff", "mps")
-CPU_KV_BLOCKS = 1024
-
-
-class NeedsCuda(Exception):
-    """A part that measures something only a CUDA GPU has."""
-
-
-def one_node(device: str, model: str, dtype: str = "auto", mode: str = "disaggregated",
-             env_vars: dict[str, str] | None = None) -> ClusterConfig:
-    """deploy/gpu-one-node.yaml for a measurement: `model`, every prompt through the prefill pool (skip-prefill and
-    SLO placement off), free ports; on the CPU the pools computed there; `colocated`: one worker with the GPU."""
-    data = cluster_proc.load(YAML).model_dump()
-    data["model"] = model
-    data["router"].update(skip_prefill_max_uncached_tokens=0, slo_itl_ms=None)
-    for name in ("prefill", "decode"):
-        pool = data[name]
-        pool.update(dtype=dtype, env_vars={**pool["env_vars"], **(env_vars or {})})
-        if device == "cpu":
-            pool.update(device="cpu", num_gpus=0, num_cpus=1, gpu_memory_utilization=None,
-                        num_kv_blocks=CPU_KV_BLOCKS, max_num_batched_tokens=2048)
-    if mode == "colocated":
-        # NOTE: the strongest single-GPU baseline: one engine with the whole GPU, as vLLM would run it
-        whole = {"num_gpus": 1, "gpu_memory_utilization": 0.9} if device != "cpu" else {"num_cpus": 2,
-                                                                                       "torch_threads": 2}
-        data.update(mode="colocated", colocated={**data["decode"], "replicas": 1, **whole})
-    return ClusterConfig.from_data(data, f"{YAML} ({mode}, {model}, {device})")
-
-
-def fresh_prompts(n: int, seed: int, vocab: int, lo: int = 24, hi: int = 200) -> list[list[int]]:
-    """`n` prompts of random token ids no cache holds (a fresh seed per run of the check)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(256, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-async def generate(addr: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
-    """Each prompt through the router's Generate, one after another, greedy, exactly `max_tokens` tokens: the
-    answer's ids and the request's timeline."""
-    import grpc
-
-    from router.v1 import inference_pb2 as pb
-    from router.v1 import inference_pb2_grpc as pb_grpc
-
-    out = []
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        for prompt in prompts:
-            req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-            t0 = time.perf_counter()
-            resp = await stub.Generate(req, timeout=300)
-            tl = resp.timeline
-            out.append({"token_ids": list(resp.token_ids), "e2e_ms": (time.perf_counter() - t0) * 1e3,
-                        "prefill_worker": tl.prefill_worker, "decode_worker": tl.decode_worker,
-                        "prefill_skipped": tl.prefill_skipped, "placement": tl.placement, "prefill_ms": tl.prefill_ms,
-                        "transfer_ms": tl.transfer_ms, "first_token_ms": tl.first_token_ms, "decode_ms": tl.decode_ms,
-                        "kv_bytes_sent": tl.kv_bytes_sent})
-    return out
-
-
-def engine_of(model: str, device: str, dtype: str) -> Any:
-    """One engine in this process, as a pool worker of the cluster check runs it (1 torch thread on the CPU)."""
-    import engine
-
-    kw: dict[str, Any] = {"num_blocks": CPU_KV_BLOCKS, "num_threads": 1} if device == "cpu" else {
-        "kv_cache_memory_gb": 4.0}
-    return engine.LLM(model, device=device, dtype=dtype, max_model_len=8192, max_num_batched_tokens=8192, **kw)
 
 
 def part_text(args: argparse.Namespace) -> dict[str, Any]:
@@ -133,8 +63,6 @@ def part_text(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_part(part: str, args: argparse.Namespace) -> int:
     """Run one part here; save its JSON (figures, or the error); 0 unless it failed."""
-    from pdcluster.bench import gpu_load
-
     fn = {"text": part_text, "handoff": gpu_load.part_handoff, "serve": gpu_load.part_serve,
           "mps": gpu_load.part_mps}[part]
     t0 = time.monotonic()
@@ -150,12 +78,6 @@ def run_part(part: str, args: argparse.Namespace) -> int:
     save(args.out_dir, part, result)
     log("gpu-cluster", f"{part}: " + ("ok" if result["ok"] else result.get("skipped") or result.get("error", "FAILED")))
     return 1 if result["ok"] is False else 0
-
-
-def save(out_dir: str, part: str, result: dict[str, Any]) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"cluster_{part}.json"), "w") as f:
-        json.dump(result, f, indent=2)
 
 
 def _child(part: str, argv: list[str], limit_s: float, out_dir: str) -> int:
@@ -190,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-model", default="random:smollm2-135m")
     p.add_argument("--text-prompts", type=int, default=8)
     p.add_argument("--text-tokens", type=int, default=64)
-    from pdcluster.bench import gpu_load
-
     gpu_load.add_arguments(p)
     args = p.parse_args(argv)
     if args.device == "auto":
@@ -214,7 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # NOTE: through the package's copy of this module, so gpu_load (which imports it) shares its classes
-    from pdcluster.bench.gpu_cluster import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

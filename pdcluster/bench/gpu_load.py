@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from pdcluster.bench import cluster_proc, serve
-from pdcluster.bench.gpu_cluster import NeedsCuda, engine_of, fresh_prompts, generate, one_node, save
+from pdcluster.bench.gpu_node import NeedsCuda, engine_of, fresh_prompts, generate, one_node, save
 from pdcluster.bench.target import Target
 
 SLO_TTFT_MS, SLO_ITL_MS = 500.0, 50.0

@@ -18,13 +18,11 @@ writes the profile (the shipped file is this with the measured 2.3 GB/s; `--prof
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pdcluster.plan.hardware import TRANSFER_LATENCY_S, roofline_profile
 from pdcluster.plan.profile import Profile, StepModel, TransferModel, describe, prefill_pairs
 
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200-llama-3.1-8b.json")
 HOST_S = 0.4e-3  # the host's part of a batch-1 decode step (engine profile on the H200)
 DECODE_CONTEXT = 512
 DECODE_B1_TOK_S = 185.8

@@ -13,6 +13,7 @@ The efficiencies are stated in each profile's notes; they are typical of vLLM/SG
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pdcluster.plan.profile import Profile, StepModel, TransferModel
@@ -69,6 +70,9 @@ MODELS = {
 }
 DEFAULT_TP = {"smollm2-135m": 1, "llama-3.1-8b": 1, "llama-3.1-70b": 8}
 
+# profiles calibrated on a lent GPU's measured figures, shipped as files (written by pdcluster/plan/h200.py)
+MEASURED = {"h200-measured": os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200-llama-3.1-8b.json")}
+
 MFU = 0.5  # matmul FLOP/s reached in prefill-sized GEMMs
 ATTN_EFF = 0.4  # FlashAttention-style prefill attention, fraction of peak
 BW_EFF = 0.75  # fraction of HBM bandwidth that weight and KV reads sustain
@@ -113,10 +117,8 @@ def roofline_profile(gpu: str, model: str = "llama-3.1-8b", tp: int | None = Non
 def resolve_profile(spec: str) -> Profile:
     """A profile from a JSON path, `h100`/`h200` optionally with a model (`h100:llama-3.1-70b`), or `h200-measured`
     (Llama-3.1-8B on the H200 from its measured figures)."""
-    if spec.lower() == "h200-measured":  # NOTE: calibrated on the lent H200's figures (pdcluster/plan/h200.py)
-        from pdcluster.plan.h200 import SHIPPED
-
-        return Profile.load(SHIPPED)
+    if spec.lower() in MEASURED:
+        return Profile.load(MEASURED[spec.lower()])
     name, _, model = spec.partition(":")
     if name.lower() in GPUS:
         return roofline_profile(name, model or "llama-3.1-8b")
