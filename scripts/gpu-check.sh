@@ -68,7 +68,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, its output also
   local name=$1 limit=$2; shift 2
   if { [ -n "${GPU_CHECK_STEPS:-}" ] || [ "$name" = cluster ]; } && [ "$name" != setup ] \
       && [[ " ${GPU_CHECK_STEPS:-} " != *" $name "* ]]; then
-    echo "=== [$name] left out (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)"
+    echo "=== [$name] left out (GPU_CHECK_STEPS=${GPU_CHECK_STEPS:-}; the cluster step runs only when named)"
     return
   fi
   limit=$((limit * PCT / 100))
