@@ -95,8 +95,8 @@ def run_goodput(args: argparse.Namespace, profile: Profile, ov: Overheads, log: 
     col = next(r for r in rows if r["mode"] == "colocated")
     fig = {"profile": f"{profile.hardware} / {profile.model}{' (ESTIMATED)' if profile.estimated else ''}",
            "transfer_gb_s": profile.transfer.bandwidth_gb_s, "gpus": args.gpus,
-           "workload": build(args.workload, 1.0, args.num_requests, args.seed, input_scale=args.input_scale,
-                             output_scale=args.output_scale).describe(),
+           "workload": build(args.workload, args.rate, args.num_requests, args.seed, input_scale=args.input_scale,
+                             output_scale=args.output_scale).describe() + " per trial span (scaled with the rate)",
            "slo": slo.model_dump(), "shapes": rows, "best_disaggregated": best, "colocated": col,
            "ratio": (round(best["goodput_req_per_s"] / col["goodput_req_per_s"], 2) if col["goodput_req_per_s"]
                      else None),
