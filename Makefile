@@ -4,7 +4,7 @@ PYTHON ?= python3
 CONFIG ?= deploy/local.yaml
 
 .PHONY: install demo demo-multinode serve test test-fast test-reliability lint proto bench-engine bench-transfer bench-soak bench-chaos \
-        bench-serve bench-compare bench-vllm bench-vllm-sweep
+        bench-serve bench-compare bench-vllm bench-vllm-sweep bench-path
 
 .install-stamp: pyproject.toml scripts/install.sh engine/kernels.py $(wildcard engine/csrc/*.cpp engine/csrc/*.h)
 	bash scripts/install.sh
@@ -73,6 +73,10 @@ bench-serve: .install-stamp
 
 bench-transfer: .install-stamp
 	$(PYTHON) -m pdcluster bench transfer
+
+# What the request path adds to the engine: tiny and SmolLM2, HTTP and gRPC, 1 and 32 streams (~5 minutes).
+bench-path: .install-stamp
+	$(PYTHON) -m pdcluster bench path
 
 proto: .install-stamp
 	$(PYTHON) scripts/gen_proto.py

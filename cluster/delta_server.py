@@ -7,10 +7,12 @@ Life of a connection and of the streams on it:
 1. a router asks the worker (through Ray, which authenticates it) for `endpoint()`: an address and a secret; it
    connects, sends `("hello", secret, channel)` and waits for `("welcome",)`; the connection is now channel
    `channel` (the router's id) on this worker;
-2. the router starts a request with the Ray call `stream(req, channel)`; `serve` runs the worker's delta generator
-   (cluster/request_stream.py) and queues each delta for the connection; every delta queued while the event loop
+2. the router opens a request's stream with `("open", attempt, "generate", request, window)`: the worker's delta
+   generator (cluster/request_stream.py) runs and each delta is queued for the connection; a call (`"prefill"`:
+   the prefill worker's first token) sends its one result the same way. Every item queued while the event loop
    ran one round (a step's outputs for all its streams) leaves as one frame `("deltas", [(attempt, item), ...])`,
-   where the item is a Delta, END (the generator returned) or the exception that ended it;
+   where the item is a Delta (most as a tuple: `to_wire`), a call's result, END (the generator returned) or the
+   exception that ended it; no Ray call is made per request (Ray's round trip was ~5 ms of a first token here);
 3. backpressure as Ray's generator window had it: with `window` deltas of a stream not yet acknowledged (the
    router acknowledges as its client takes them: `("ack", {attempt: n})`) `serve` waits before reading the next
    one, and the stream's sequence pauses in the engine (cluster/backlog.py);
@@ -29,7 +31,7 @@ import logging
 import pickle
 import secrets
 import struct
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from cluster.messages import Delta
@@ -64,6 +66,25 @@ def hello(secret: str, channel: str) -> bytes:
     """The router's first frame: plain bytes, read before anything is unpickled."""
     data = f"hello {secret} {channel}".encode()
     return HEADER.pack(len(data)) + data
+
+
+def to_wire(delta: object) -> object:
+    """A delta as it goes on the channel: most carry only new tokens, as a tuple (a third of a Delta's pickle time)."""
+    d = delta
+    if type(d) is not Delta:  # NOTE: a call's result
+        return d
+    if (d.finished or d.logprobs or d.prompt_logprobs is not None or d.resumed_chars or d.queue_ms or d.prefill_ms
+            or d.finish_reason or d.final_text or d.all_token_ids):
+        return d
+    return (d.token_ids, d.text, d.made_at, d.num_prompt_tokens, d.num_cached_tokens)
+
+
+def from_wire(item: object) -> object:
+    """The Delta of a `to_wire` tuple; anything else (a whole Delta, END, an exception) as it is."""
+    if type(item) is tuple:
+        ids, text, made_at, prompt, cached = item
+        return Delta(ids, text, made_at=made_at, num_prompt_tokens=prompt, num_cached_tokens=cached)
+    return item
 
 
 def sendable(error: BaseException) -> BaseException:
@@ -125,15 +146,23 @@ class _Connection:
         self.writer.close()
 
 
-class DeltaServer:
-    """The worker's delta channel: started on the actor's event loop at the first `endpoint()`."""
+Handler = Callable[[Any], Any]  # a request -> an async generator of Deltas (a stream), or an awaitable (a call)
 
-    def __init__(self, host: str) -> None:
+
+class DeltaServer:
+    """The worker's delta channel: started on the actor's event loop at the first `endpoint()`.
+
+    `handlers` name what a router may open: a stream (the handler returns an async generator of Deltas: each goes
+    as a delta, under the window) or a call (it returns an awaitable: its result goes as the one item)."""
+
+    def __init__(self, host: str, handlers: dict[str, Handler]) -> None:
         self.host = host
+        self.handlers = handlers
         self.secret = secrets.token_hex(16)
         self.address = ""
         self._server: asyncio.Server | None = None
         self._connections: dict[str, _Connection] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def endpoint(self) -> tuple[str, str]:
         """(host:port, secret) of this worker's delta channel; the server starts at the first call."""
@@ -162,13 +191,18 @@ class DeltaServer:
         writer.write(frame(("welcome",)))
         try:
             while True:
-                kind, body = await read_frame(reader)
-                if kind == "ack":
-                    for attempt, n in body.items():
+                msg = await read_frame(reader)
+                if msg[0] == "open":
+                    _, attempt, kind, request, window = msg
+                    task = asyncio.ensure_future(self._run(conn, attempt, kind, request, window))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                elif msg[0] == "ack":
+                    for attempt, n in msg[1].items():
                         if (stream := conn.streams.get(attempt)) is not None:
                             stream.acked(n)
-                elif kind == "cancel":
-                    for attempt in body:
+                elif msg[0] == "cancel":
+                    for attempt in msg[1]:
                         if (stream := conn.streams.get(attempt)) is not None:
                             stream.cancel()
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -176,37 +210,41 @@ class DeltaServer:
         finally:
             if self._connections.get(conn.channel) is conn:
                 del self._connections[conn.channel]
-            conn.close()
             if conn.streams:
                 log.warning("router channel %s closed with %d streams open: ending them", conn.channel,
                             len(conn.streams))
+            conn.close()
 
-    async def serve(self, channel: str, attempt: str, window: int, deltas: AsyncGenerator[Delta, None]) -> None:
-        """Send the deltas of `deltas` on `channel`'s connection until END, an error, or the router's cancel."""
-        conn = self._connections.get(channel)
-        if conn is None:
-            await deltas.aclose()
-            raise ConnectionError(f"no delta channel {channel} on this worker (the router's connection dropped)")
+    async def _run(self, conn: _Connection, attempt: str, kind: str, request: Any, window: int) -> None:
+        """One stream or call opened by a router: its items on `conn` until END, an error, or the router's cancel."""
         stream = conn.streams[attempt] = _Stream(window)
         try:
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    conn.send(attempt, delta)
-                    stream.unacked += 1
-                    if stream.unacked >= stream.window:
-                        stream.room.clear()
-                        await stream.room.wait()
+            handler = self.handlers.get(kind)
+            if handler is None:
+                raise ConnectionError(f"this worker takes no {kind!r} over its delta channel")
+            work = handler(request)
+            if isinstance(work, AsyncGenerator):
+                await self._stream(conn, attempt, stream, work)
+            else:
+                conn.send(attempt, await work)
             conn.send(attempt, END)
         except asyncio.CancelledError:
             if not stream.cancelled:
                 raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
         except Exception as e:  # noqa: BLE001 - the router raises it where the stream is read
             conn.send(attempt, sendable(e))
         finally:
             conn.streams.pop(attempt, None)
+
+    @staticmethod
+    async def _stream(conn: _Connection, attempt: str, stream: _Stream, deltas: AsyncGenerator[Delta, None]) -> None:
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                conn.send(attempt, to_wire(delta))
+                stream.unacked += 1
+                if stream.unacked >= stream.window:
+                    stream.room.clear()
+                    await stream.room.wait()
 
     def close(self) -> None:
         for conn in list(self._connections.values()):

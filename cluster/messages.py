@@ -115,6 +115,9 @@ class PrefillResult:
     kv_bytes_sent: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # params.logprobs: the first token's
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # params.prompt_logprobs: the prompt's (first: None)
+    # False: sent at the first token, the KV still on its way (transfer_ms and kv_bytes_sent not final); the final
+    # result follows on the same call (PrefillWorker.prefill_stream)
+    handed_off: bool = True
 
 
 @dataclass

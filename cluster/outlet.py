@@ -12,25 +12,38 @@ class Outlet:
     """The engine thread's outputs into one event loop, one wakeup per step for all of its streams.
 
     NOTE: a `call_soon_threadsafe` per stream per step wrote the loop's self-pipe once per token: at 32 streams of
-    a fast model that was a tenth of the decode worker's CPU. Here the first output of a step schedules the one
-    call that hands over everything queued until it runs.
+    a fast model that was a tenth of the decode worker's CPU, and the event loop woke (and sent a frame to each
+    router) several times per step. Outputs are queued here (`put`); the engine loop calls `flush` once the step's
+    sinks all ran (engine/loop.py `after_outputs`), and one call hands the loop everything queued.
     """
 
     def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
         self.aio = aio
         self._lock = threading.Lock()
         self._queued: list[tuple[Callable[[Any], None], Any]] = []
+        self._scheduled = False
 
     def put(self, fn: Callable[[Any], None], arg: Any) -> None:
-        """(any thread) `fn(arg)` on the loop, soon."""
+        """(the engine thread, in a sink) `fn(arg)` on the loop, at the next `flush`."""
         with self._lock:
             self._queued.append((fn, arg))
-            if len(self._queued) > 1:
+
+    def flush(self) -> None:
+        """(the engine thread, after the sinks) hand over what was queued: one wakeup of the loop."""
+        with self._lock:
+            if self._scheduled or not self._queued:
                 return
-        self.aio.call_soon_threadsafe(self._drain)
+            self._scheduled = True
+        try:
+            self.aio.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # NOTE: the loop closed (the actor is going away): nobody waits for these
+            with self._lock:
+                self._queued.clear()
+                self._scheduled = False
 
     def _drain(self) -> None:
         with self._lock:
             queued, self._queued = self._queued, []
+            self._scheduled = False
         for fn, arg in queued:
             fn(arg)

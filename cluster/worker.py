@@ -133,12 +133,12 @@ class Worker:
         self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
-        self._outlet: Outlet | None = None
+        self._outlets: dict[asyncio.AbstractEventLoop, Outlet] = {}  # the actor's loop (tests may run several)
         self._outlet_lock = threading.Lock()
         self.cores = join_cores(spec)
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step,
                                before_step=self._before_step if self.cores else None,
-                               on_idle=self.cores.idle if self.cores else None)
+                               on_idle=self.cores.idle if self.cores else None, after_outputs=self._flush_outlet)
         self.step_cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)  # what the router predicts with
         self._computed = 0  # engine's computed tokens after the last step
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
@@ -179,9 +179,16 @@ class Worker:
     def outlet(self, aio: asyncio.AbstractEventLoop) -> Outlet:
         """The one Outlet from this worker's engine thread into `aio` (the actor's event loop)."""
         with self._outlet_lock:
-            if self._outlet is None or self._outlet.aio is not aio:
-                self._outlet = Outlet(aio)
-            return self._outlet
+            for gone in [loop for loop in self._outlets if loop.is_closed()]:
+                del self._outlets[gone]
+            if aio not in self._outlets:
+                self._outlets[aio] = Outlet(aio)
+            return self._outlets[aio]
+
+    def _flush_outlet(self) -> None:
+        """The engine loop's `after_outputs`: what the step's sinks queued goes to the event loop(s) now."""
+        for outlet in list(self._outlets.values()):
+            outlet.flush()
 
     def generate(self, req: DecodeRequest) -> AsyncGenerator[Delta, None]:
         """The request's deltas from this worker's engine (each pool's worker says how it takes the request)."""

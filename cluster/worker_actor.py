@@ -1,10 +1,11 @@
 """WorkerActor: what both pools' Ray actors share, over their plain worker (prefill_workers/actor.py,
 decode_workers/actor.py add their request methods and are wrapped by `ray.remote`).
 
-A request's deltas reach the router one of two ways: `stream(req, channel)` sends them over the worker's delta
+A request's deltas (and a prefill worker's first token) reach the router one of two ways: over the worker's delta
 channel (cluster/delta_server.py: one connection per router, a step's deltas as one message), which routers use
-whenever `stream_endpoint()` offers one; `generate(req)` (the subclasses': a Ray streaming generator, one Ray
-object per delta) where it does not (a KV plane with TLS: the deltas then travel inside Ray's own transport).
+whenever `stream_endpoint()` offers one, or through Ray (`generate(req)`: a streaming generator, one Ray object
+per delta; `prefill(req)`) where it does not (a KV plane with TLS: everything then travels inside Ray's own
+transport, which the operator secures).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 from cluster import faults
-from cluster.delta_server import DeltaServer
-from cluster.messages import DecodeRequest, WorkerInfo, WorkerLoad
+from cluster.delta_server import DeltaServer, Handler
+from cluster.messages import WorkerInfo, WorkerLoad
 from cluster.process import pin_cpus, process_info, set_nice
 from cluster.worker import Worker, WorkerSpec, node_address
 
@@ -45,14 +46,12 @@ class WorkerActor:
         if spec.transfer.tls is not None:  # NOTE: the channel is cleartext: with TLS the deltas stay inside Ray
             return "", ""
         if self._streams is None:
-            self._streams = DeltaServer(node_address(spec.kv_host))
+            self._streams = DeltaServer(node_address(spec.kv_host), self.channel_handlers())
         return await self._streams.endpoint()
 
-    async def stream(self, req: DecodeRequest, channel: str) -> None:
-        """Run `req` here and send its deltas over router `channel`'s connection (router/streams.py reads them)."""
-        if self._streams is None:
-            raise ConnectionError("this worker's delta channel is not open (ask stream_endpoint first)")
-        await self._streams.serve(channel, req.request_id, req.window, self.worker.generate(req))
+    def channel_handlers(self) -> dict[str, Handler]:
+        """What a router may open over the delta channel: `generate` (a stream of Deltas) on every worker."""
+        return {"generate": self.worker.generate}
 
     async def ping(self) -> int:
         """The worker's epoch, from the actor's event loop: it answers at once while the actor is up."""

@@ -34,8 +34,11 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, *, name: str = "engine",
                  on_step: Callable[[float], None] | None = None, before_step: Callable[[], object] | None = None,
-                 on_idle: Callable[[], None] | None = None) -> None:
+                 on_idle: Callable[[], None] | None = None, after_outputs: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        # NOTE: once the sinks of a step (or of an abort) have their outputs: a consumer that queues them for
+        # another thread hands them over there in one go (cluster/outlet.py)
+        self._after_outputs = after_outputs
         # NOTE: both on the loop thread: before each step (e.g. cluster/cores.py sets this thread's torch threads)
         # and once each time the loop runs out of work
         self._before_step, self._on_idle = before_step, on_idle
@@ -71,6 +74,7 @@ class EngineLoop:
             engine.abort_request(request_id)
             if sink is not None:
                 sink(RequestOutput(request_id, [], "", True, "abort"))
+                self._delivered()
         self.call(stop)
 
     def release(self, request_id: str) -> None:
@@ -116,6 +120,7 @@ class EngineLoop:
                         log.exception("output of %s could not be delivered; aborting it", out.request_id)
                         self._sinks.pop(out.request_id, None)
                         self.engine.abort_request(out.request_id)
+                self._delivered()
             # NOTE: Python locks are not fair: without a pause the loop could take the lock again before a waiting
             # caller wakes, for many steps. Pause until those waiting now are in (bounded: new ones may keep coming).
             deadline = time.monotonic() + HANDOVER_MAX_S
@@ -127,6 +132,11 @@ class EngineLoop:
             self.engine.abort_request(rid)
             sink(RequestOutput(rid, [], "", True, "abort"))
         self._sinks.clear()
+        self._delivered()
+
+    def _delivered(self) -> None:
+        if self._after_outputs is not None:
+            self._after_outputs()
 
 
 class _BetweenSteps:

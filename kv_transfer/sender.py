@@ -111,7 +111,16 @@ class KVSender(ABC):
             self._prepare_failed(req, e)
             raise
         self.transfer_id, self.cached_blocks, self.num_blocks = resp.transfer_id, resp.cached_blocks, resp.num_blocks
-        self.state = TransferState.TRANSFERRING
+        with _finish_lock:
+            aborted = self.state.finished  # NOTE: aborted while the handshake was in flight (the prefill ran beside it)
+            if not aborted:
+                self.state = TransferState.TRANSFERRING
+        if aborted:
+            try:
+                self.control.abort(self._abort_message("aborted during the handshake"), 2.0)
+            except TransferError:
+                pass  # the receiver is gone: its own deadline frees its side
+            raise self.error or TransferError("aborted during the handshake", self.request_id)
         try:
             self._on_prepared(resp)
         except TransferError as e:
@@ -140,9 +149,15 @@ class KVSender(ABC):
         """Whether the caller hands this sender block ids of its `pool` (`send_blocks`) rather than copies."""
         return self.can_read_pool and self.pool is not None
 
-    def send_blocks(self, layer: int, block_ids: list[int]) -> None:
-        """Queue one layer of the pool's blocks `block_ids` (those after `cached_blocks`); only if `reads_pool`."""
+    def send_blocks(self, layer: int, block_ids: list[int], ready: object = None) -> None:
+        """Queue one layer of the pool's blocks `block_ids` (those after `cached_blocks`); only if `reads_pool`.
+        `ready`: the layer's `layer_mark()` when it was taken earlier (a layer held for the handshake)."""
         raise NotImplementedError(f"the {self.transport} transport sends copies: use send_layer")
+
+    def layer_mark(self) -> object:
+        """(in a layer's hook) what tells the sender later that the layer's K/V are written: a GPU event on the
+        engine's stream, None on the host."""
+        return None
 
     def commit(self, next_token_ids: Sequence[int], num_cached_tokens: int = 0) -> None:
         """After the last layer: the token(s) sampled after the KV; the receiver completes on it."""

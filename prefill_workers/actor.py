@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from cluster.delta_server import Handler
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from cluster.worker import WorkerSpec
 from cluster.worker_actor import WorkerActor
@@ -20,6 +21,9 @@ class PrefillActor(WorkerActor):
     def __init__(self, spec: WorkerSpec) -> None:
         self._configure(spec)
         self.worker: PrefillWorker = PrefillWorker(spec)
+
+    def channel_handlers(self) -> dict[str, Handler]:
+        return {**super().channel_handlers(), "prefill": self.worker.prefill_stream}
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(req)

@@ -36,6 +36,7 @@ from kv_transfer.endpoint import open_sender
 from kv_transfer.pool import KVPool
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferError, TransferState
+from prefill_workers.held_layers import HeldLayers
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +50,36 @@ class PrefillWorker(Worker):
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Prefill one prompt, ship its KV to `req.decode_address`; raises TransferError if the KV did not arrive."""
+        results = [r async for r in self.prefill_stream(req)]
+        return results[-1]
+
+    async def prefill_stream(self, req: PrefillRequest) -> AsyncGenerator[PrefillResult, None]:
+        """As `prefill`, the first token as soon as it is sampled: a first result (`handed_off` False) before the
+        KV is confirmed, then the final one (raises TransferError if the KV did not arrive). A request that ended
+        at its first token has only the final one. What a router reads over the delta channel."""
         REQUEST_ID.set(req.request_id)
         run = PrefillRun(self, req)
         self._senders[req.request_id] = run.sender  # NOTE: before the handshake, so an abort reaches the sender
         # NOTE: the KV wire carries no trace context: this span, a child of the router's prefill span through the
         # Ray message, covers the sender from the handshake to the decode worker's confirmation
         transfer = tracing.start("kv_transfer", req.traceparent, **{"pdcluster.decode_address": req.decode_address})
+        finished = False
         try:
-            await run.handshake()
-            await run.join_batch()
+            await run.handshake_and_join()
             first = await run.first_token()
+            await run.answered(send=not first.output.finished)
+            if not first.output.finished:
+                yield run.result(first, handed_off=False)
             await run.hand_off(first)
-        except asyncio.CancelledError:
-            await asyncio.to_thread(self.abort, req.request_id, "cancelled by the router")
-            raise
+            finished = True
         finally:
             tracing.end(transfer)
+            if not finished:
+                await run.settle()
+                if not run.sender.state.finished:  # NOTE: cancelled or closed by the router
+                    await asyncio.to_thread(self.abort, req.request_id, "cancelled by the router")
             self._senders.pop(req.request_id, None)
-        return run.result(first)
+        yield run.result(first)
 
     async def generate(self, req: DecodeRequest) -> AsyncGenerator[Delta, None]:
         """Run a whole request here (`req.token_ids`: the prompt) and stream its tokens; no KV leaves this worker."""
@@ -112,16 +125,61 @@ class PrefillRun:
                                   sender_id=worker.name, pool=KVPool(engine, worker.loop.between_steps))
         self.cached_blocks = 0  # leading blocks the decode worker caches: not sent
         self._first: asyncio.Future[FirstToken] = asyncio.get_running_loop().create_future()
+        # NOTE: a sender that reads the pool takes layers made before the handshake answered (prefill_workers/
+        # held_layers.py), so the handshake and the prefill overlap; copying senders keep the handshake first
+        self.held = HeldLayers() if self.sender.reads_pool else None
+        self._handshake: asyncio.Future[None] | None = None
 
     # ---- 1. handshake ------------------------------------------------------------------------------------
     async def handshake(self) -> None:
         self.cached_blocks = await asyncio.to_thread(self.sender.prepare)
+
+    async def handshake_and_join(self) -> None:
+        """Steps 1 and 2: one after the other, or at once where layers can wait for the handshake."""
+        if self.held is None:
+            await self.handshake()
+            await self.join_batch()
+            return
+        self._handshake = asyncio.ensure_future(self.handshake())
+        await self.join_batch()
+
+    async def answered(self, send: bool = True) -> None:
+        """The overlapped handshake answered: send the layers that waited for it (`send` False: a request that
+        ended at its first token lets them go); raises what failed the handshake."""
+        if self._handshake is None:
+            return
+        handshake, self._handshake = self._handshake, None
+        try:
+            await asyncio.shield(handshake)
+        except BaseException:
+            await asyncio.wait([handshake])  # NOTE: cancelled: the reservation's answer still comes first
+            await asyncio.to_thread(self.worker.loop.call, self._let_go)
+            raise
+        await asyncio.to_thread(self.worker.loop.call, self._flush if send else self._let_go)
+
+    async def settle(self) -> None:
+        """A run that did not finish: its handshake's answer is in and the layers it held are let go (the abort
+        that follows then frees the decode worker's reservation too)."""
+        if self._handshake is not None:
+            await asyncio.wait([self._handshake])
+            self._handshake = None
+        if self.held is not None and self.held.blocks:
+            await asyncio.to_thread(self.worker.loop.call, self._let_go)
+
+    def _flush(self, engine: object) -> None:  # between steps
+        assert self.held is not None
+        self.held.flush(self.worker.engine, self.sender, self.cached_blocks)
+
+    def _let_go(self, engine: object) -> None:  # between steps
+        assert self.held is not None
+        self.held.release(self.worker.engine)
 
     # ---- 2. join the batch ---------------------------------------------------------------------------------
     async def join_batch(self) -> None:
         try:
             await asyncio.to_thread(self.worker.loop.call, self._start)
         except BaseException:
+            await self.settle()  # NOTE: aborted once the reservation's answer is in (the abort frees it)
             await asyncio.to_thread(self.sender.abort, "the prefill worker rejected the request")
             raise
 
@@ -136,6 +194,9 @@ class PrefillRun:
         """Inside the forward pass: copy this layer's blocks out and hand them to the sender (or, to a sender that
         reads the KV pool itself, their block ids)."""
         engine = self.worker.engine
+        if self.held is not None and self.held.waiting:  # NOTE: the handshake has not answered yet
+            self.held.hold(engine, self.request_id, len(self.tokens), layer, self.sender)
+            return
         if self.sender.reads_pool:
             self.sender.send_blocks(layer, engine.kv_block_ids(self.request_id, self.cached_blocks, len(self.tokens)))
             return
@@ -150,7 +211,10 @@ class PrefillRun:
         now = time.monotonic()
         queue_ms, prefill_ms = self.worker._first_token(self.request_id, now)
         if not out.finished:
-            self.sender.commit(out.new_token_ids, out.num_cached_tokens)
+            if self.held is not None and self.held.waiting:  # NOTE: goes out after the held layers
+                self.held.commit = (out.new_token_ids, out.num_cached_tokens)
+            else:
+                self.sender.commit(out.new_token_ids, out.num_cached_tokens)
             self.worker.loop.release(self.request_id)  # NOTE: decoding goes on elsewhere; blocks stay cached
         self._first.get_loop().call_soon_threadsafe(_set, self._first, FirstToken(out, now, queue_ms, prefill_ms))
 
@@ -167,8 +231,14 @@ class PrefillRun:
         if state is not TransferState.DONE:
             raise self.sender.error or TransferError("KV transfer did not finish", self.request_id, retryable=True)
 
-    def result(self, first: FirstToken) -> PrefillResult:
+    def result(self, first: FirstToken, handed_off: bool = True) -> PrefillResult:
+        """The router's result: after the hand-off, or (`handed_off` False) at the first token, its KV still moving."""
         out, sender = first.output, self.sender
+        if not handed_off:
+            return PrefillResult(self.request_id, out.new_token_ids, out.new_text, False, out.finish_reason, out.text,
+                                 len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms, 0.0,
+                                 sender.num_blocks, sender.bytes_sent, out.new_logprobs, out.prompt_logprobs,
+                                 handed_off=False)
         transfer_ms = max(0.0, (sender.finished_at - first.at) * 1e3) if not out.finished else 0.0
         self._observe(first, transfer_ms)
         log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "

@@ -43,6 +43,7 @@ from router.relay import relayed
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
 from router.stall import StallClock
+from router.timeouts import within
 from router.traffic import TrafficWindow
 from router.validate import Checked
 
@@ -214,7 +215,7 @@ class Router:
         """
         chunks = relayed(self._within(req, arrived, budget_s, traceparent, admission),
                          self.settings.stream_buffer_chunks,
-                         self.settings.client_stall_timeout_s, req.request_id, self.metrics.stream_buffered.inc,
+                         self.settings.client_stall_timeout_s, req.request_id, self.metrics.buffered,
                          self.metrics.client_stalls.inc, on_cut)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
@@ -229,7 +230,7 @@ class Router:
                 if remaining <= 0:
                     raise TimeoutError
                 try:
-                    chunk = await asyncio.wait_for(anext(chunks), remaining)
+                    chunk = await within(anext(chunks), remaining)
                 except StopAsyncIteration:
                     return
                 yield chunk

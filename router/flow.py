@@ -17,7 +17,6 @@ Life of a request run (`RequestRun.chunks`), stage by stage:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -30,12 +29,14 @@ from cluster.messages import DecodeRequest, PrefillRequest, PrefillResult
 from engine.errors import InvalidRequestError
 from kv_transfer.state import TransferError
 from router.errors import WorkerFailed, unwrap
+from router.handoff import HandOff
 from router.metrics import RouterMetrics
 from router.policy import Route
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, Timeline, Usage
 from router.stall import StallClock, Stalled, wait_alive
-from router.streams import OpenStream, open_stream
+from router.streamed_text import StreamedText
+from router.streams import OpenStream, PrefillCall, open_stream
 from router.validate import Checked
 
 log = logging.getLogger(__name__)
@@ -45,29 +46,6 @@ MAX_FAILOVERS = 3  # per phase
 def can_fail_over(exc: BaseException) -> bool:
     """Whether another worker may succeed where this one failed (not for bad input or a cancelled client)."""
     return not isinstance(unwrap(exc), InvalidRequestError)
-
-
-class StreamedText:
-    """The text side of a run: what the client got so far.
-
-    NOTE: one text contract across workers: the worker that takes the request over next (the decode worker after
-    the handoff, another one after a failover) is told how many characters the client has (`sent_chars`) and
-    resumes its detokenizer there, so each chunk's text is exact and nothing is repaired afterwards.
-    """
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.sent_chars = 0  # characters of the output text streamed so far
-
-    def sent(self, text: str) -> None:
-        self.sent_chars += len(text)
-
-    def last(self, text: str, final_text: str) -> str:
-        """The last chunk's text; the whole stream must be as long as the worker's final text (logged if not)."""
-        if self.sent_chars + len(text) != len(final_text):
-            log.error("%s: streamed %d characters, the final text has %d", self.request_id,
-                      self.sent_chars + len(text), len(final_text))
-        return text
 
 
 class RequestRun:
@@ -84,6 +62,7 @@ class RequestRun:
         self.stall = stall or StallClock()
         self.stream_window = stream_window  # unread deltas at most per decode stream: then the worker's yield waits
         self.handoff: OpenStream | None = None  # the decode stream opened with the current prefill attempt
+        self.handing_off: HandOff | None = None  # the prefill call's rest, after a first token sent before the KV
         self.request_id, self.prompt_len = request.request_id, len(request.token_ids)
         self.decode_worker = pools[route.decode]
         self.prefill_worker = pools[route.prefill] if route.prefill else None
@@ -112,6 +91,8 @@ class RequestRun:
                 async for chunk in chunks:
                     yield chunk
         finally:
+            if self.handing_off is not None:
+                self.handing_off.cancel()
             if self.handoff is not None:
                 self._drop(self.handoff)
             if not self.done:  # the client went away or every worker failed: free the request's blocks everywhere
@@ -163,14 +144,25 @@ class RequestRun:
         try:
             request = PrefillRequest(self.attempt_id, self.request.token_ids, self.request.params,
                                      self.decode_worker.info.kv_address, tracing.traceparent_of(span))
-            res: PrefillResult = await asyncio.wait_for(worker.actor.prefill.remote(request), self.prefill_timeout_s)
+            call = PrefillCall(worker, request)
+            try:
+                res = await call.first(self.prefill_timeout_s)
+            except BaseException:
+                call.close()
+                raise
         finally:
             tracing.end(span)
             worker.view.inflight -= 1
             worker.view.pending_tokens -= self.prompt_len
         worker.view.observe_prefill(self.prompt_len - res.num_cached_tokens, res.prefill_ms)
         if res.finish_reason == "abort":
+            call.close()
             raise WorkerFailed(f"prefill worker {worker.name} aborted the request", self.request_id)
+        if res.handed_off:
+            call.close()
+        else:  # NOTE: the first token came before the KV landed: the rest of the call runs beside the decode stream
+            assert self.handoff is not None
+            self.handing_off = HandOff(call, self.handoff, self.timeline, self.prefill_timeout_s, self.request_id)
         return res
 
     def first_token(self, res: PrefillResult) -> Chunk:
@@ -286,6 +278,8 @@ class RequestRun:
                 opened.handoff = False
                 self.generated += delta.token_ids
                 if delta.finished:
+                    if self.handing_off is not None:
+                        await self.handing_off.settled()
                     self.done = True
                     chunk = self.last_chunk(delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
                 else:

@@ -19,18 +19,22 @@ import asyncio
 import collections
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cluster.delta_server import END, frame, hello, read_frame
-from cluster.messages import DecodeRequest, Delta
+from cluster.delta_server import END, frame, from_wire, hello, read_frame
+from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from router.errors import WorkerFailed
+from router.timeouts import within
 
 log = logging.getLogger(__name__)
 
 
 class DeltaStream(Protocol):
     async def next(self, timeout: float) -> Delta: ...
+
+    def fail(self, error: BaseException) -> None: ...
 
     def close(self) -> None: ...
 
@@ -43,8 +47,11 @@ class RayStream:
                                            _generator_backpressure_num_objects=window).remote(request)
 
     async def next(self, timeout: float) -> Delta:
-        ref = await asyncio.wait_for(anext(self._gen), timeout)
+        ref = await within(anext(self._gen), timeout)
         return await ref  # type: ignore[no-any-return]
+
+    def fail(self, error: BaseException) -> None:
+        pass  # NOTE: only a channel's prefill results come before the hand-off; a Ray one comes after it
 
     def close(self) -> None:
         pass
@@ -99,7 +106,7 @@ class DeltaChannel:
                 for attempt, item in items:
                     stream = self.streams.get(attempt)
                     if stream is not None:
-                        stream.put(item)
+                        stream.put(from_wire(item))
         except Exception as e:  # noqa: BLE001 - the worker died or the connection broke: its streams fail over
             if self._writer is writer:
                 self._writer = None
@@ -111,6 +118,14 @@ class DeltaChannel:
     def ack(self, attempt: str, n: int) -> None:
         self._queue_control()
         self._acks[attempt] = self._acks.get(attempt, 0) + n
+
+    def open(self, stream: ChannelStream, request: Any, window: int) -> None:
+        """Ask the worker for `stream` (a stream or a call); a connection already gone fails it at once."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            stream.put(WorkerFailed(f"worker {self.worker_name}'s delta channel closed"))
+            return
+        writer.write(frame(("open", stream.attempt, stream.kind, request, window)))
 
     def cancel(self, attempt: str) -> None:
         self.streams.pop(attempt, None)
@@ -136,30 +151,27 @@ class DeltaChannel:
 class ChannelStream:
     """One stream over a worker's delta channel (or, where the worker has none, its Ray generator)."""
 
-    def __init__(self, worker: Any, channel: DeltaChannel, request: DecodeRequest, window: int) -> None:
-        self.attempt = request.request_id
-        self.channel = channel
-        self.ack_every = max(1, window // 4)
+    def __init__(self, worker: Any, kind: str, attempt: str, request: Any, window: int,
+                 through_ray: Callable[[], Any]) -> None:
+        self.attempt, self.kind = attempt, kind
+        self.channel: DeltaChannel = worker.channel
+        # NOTE: a stream's deltas are acknowledged (the worker holds at most `window` unacknowledged); a call's not
+        self.ack_every = max(1, window // 2) if kind == "generate" else 0
         self._items: collections.deque[object] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._untold = 0  # deltas taken and not yet acknowledged
         self._ended = False
-        self._ray: RayStream | None = None
-        self._call: Any = None
-        self._started = asyncio.ensure_future(self._start(worker, request, window))
+        self._ray: Any = None  # the Ray stream or call, where the worker has no channel
+        self._opened = False
+        self._started = asyncio.ensure_future(self._start(worker.actor, request, window, through_ray))
 
-    async def _start(self, worker: Any, request: DecodeRequest, window: int) -> None:
-        if not await self.channel.connect(worker.actor):
-            self._ray = RayStream(worker.actor, request, window)
+    async def _start(self, actor: Any, request: Any, window: int, through_ray: Callable[[], Any]) -> None:
+        if not await self.channel.connect(actor):
+            self._ray = through_ray()
             return
         self.channel.streams[self.attempt] = self
-        self._call = worker.actor.stream.remote(request, self.channel.channel)
-        asyncio.wrap_future(self._call.future()).add_done_callback(self._called)
-
-    def _called(self, fut: asyncio.Future[None]) -> None:
-        """The worker's Ray call ended: an error (the actor died, no channel) ends the stream if nothing else has."""
-        if not fut.cancelled() and fut.exception() is not None:
-            self.put(fut.exception())
+        self.channel.open(self, request, window)
+        self._opened = True
 
     def put(self, item: object) -> None:
         self._items.append(item)
@@ -168,7 +180,7 @@ class ChannelStream:
 
     async def next(self, timeout: float) -> Delta:
         if not self._started.done():
-            await asyncio.wait_for(asyncio.shield(self._started), timeout)
+            await within(asyncio.shield(self._started), timeout)
         self._started.result()  # NOTE: raises what the start raised (the worker died before it answered)
         if self._ray is not None:
             return await self._ray.next(timeout)
@@ -177,7 +189,7 @@ class ChannelStream:
         if not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(self._waiter, timeout)
+                await within(self._waiter, timeout)
             finally:
                 self._waiter = None
         item = self._items.popleft()
@@ -188,13 +200,28 @@ class ChannelStream:
             self._end()
             raise item
         self._untold += 1
-        if self._untold >= self.ack_every:
+        if self.ack_every and self._untold >= self.ack_every:
             self.channel.ack(self.attempt, self._untold)
             self._untold = 0
-        assert isinstance(item, Delta)
-        if item.finished:
+        if isinstance(item, Delta) and item.finished:
             self._end()
-        return item
+        return item  # type: ignore[return-value]
+
+    async def item(self, timeout: float) -> Any:
+        """The next item of a call (Ray's one result where the worker has no channel)."""
+        if not self._started.done():
+            await within(asyncio.shield(self._started), timeout)
+        self._started.result()
+        if self._ray is not None:
+            ray, self._ray = self._ray, None
+            self._ended = True
+            return await within(ray, timeout)
+        return await self.next(timeout)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` where it is read (its worker is known to have failed it)."""
+        if self._ray is None:
+            self.put(error)
 
     def _end(self) -> None:
         self._ended = True
@@ -206,17 +233,53 @@ class ChannelStream:
             self._started.cancel()
         elif self._started.cancelled() or self._started.exception() is not None:
             pass  # NOTE: exception() marks it retrieved: no "never retrieved" warning
-        elif not self._ended and self._ray is None:
+        elif not self._ended and self._opened:
             self.channel.cancel(self.attempt)
         self._ended = True
         self.channel.streams.pop(self.attempt, None)
 
 
+def _has_channel(worker: Any) -> bool:
+    return worker.channel.available is not False and hasattr(worker.actor, "stream_endpoint")
+
+
 def open_stream(worker: Any, request: DecodeRequest, window: int) -> DeltaStream:
     """`request`'s deltas from `worker` (a router.pools.WorkerHandle): its delta channel, else its Ray generator."""
-    if worker.channel.available is False or not hasattr(worker.actor, "stream_endpoint"):
+    if not _has_channel(worker):
         return RayStream(worker.actor, request, window)
-    return ChannelStream(worker, worker.channel, request, window)
+    return ChannelStream(worker, "generate", request.request_id, request, window,
+                         lambda: RayStream(worker.actor, request, window))
+
+
+class PrefillCall:
+    """A prefill worker's answer to one request: the first token as soon as it is sampled (over the delta channel;
+    the KV still moving), then the hand-off's final result; through Ray (no channel) one result after the hand-off.
+    """
+
+    def __init__(self, worker: Any, request: PrefillRequest) -> None:
+        self._ref: Any = None
+        self._call: ChannelStream | None = None
+        if _has_channel(worker):
+            # NOTE: window 2: the worker sends both results without waiting for an acknowledgement
+            self._call = ChannelStream(worker, "prefill", request.request_id, request, 2,
+                                       lambda: worker.actor.prefill.remote(request))
+        else:
+            self._ref = worker.actor.prefill.remote(request)
+
+    async def first(self, timeout: float) -> PrefillResult:
+        if self._call is None:
+            return await within(self._ref, timeout)  # type: ignore[no-any-return]
+        return await self._call.item(timeout)  # type: ignore[no-any-return]
+
+    async def final(self, timeout: float) -> PrefillResult:
+        """The result after the hand-off (after a first one with `handed_off` False); raises what failed it."""
+        assert self._call is not None
+        return await self._call.item(timeout)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Let the call go: one not finished is cancelled on the worker (its request and transfer aborted)."""
+        if self._call is not None:
+            self._call.close()
 
 
 @dataclass

@@ -3,7 +3,8 @@
 1. Decoding starts when the KV lands, not when the router next calls: the router takes the first token and then
    holds the stream; the decode worker must run the request to its end meanwhile, and the tokens the router then
    relays must be an undisturbed greedy run's.
-2. A decode failover waits for a restarting worker: the only decode worker is killed mid-stream and Ray restarts it
+2. The prompt is computed while the decode worker has not answered the handshake yet (its layers wait for it).
+3. A decode failover waits for a restarting worker: the only decode worker is killed mid-stream and Ray restarts it
    slowly (PDC_FAULT_RESTART_DELAY_S, the workers' fault-injection variable); every stream must still complete
    with exactly the tokens of an undisturbed run, none lost or repeated.
 """
@@ -26,6 +27,7 @@ from tests.helpers import greedy_reference, make_engine, start_test_cluster, str
 pytestmark = pytest.mark.slow
 NS = "test-handoff"
 RESTART_DELAY_S = 14.0  # NOTE: longer than the old failover's four tries at ~2 s each
+HANG_S = 6.0  # the decode worker's engine held: its handshake answers only after it (far under the stall limit)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,34 @@ def test_decoding_starts_when_the_kv_lands_not_when_the_router_calls(cluster, sm
     window = server.router.settings.stream_buffer_chunks
     assert window <= decoded < 199, decoded
     assert tokens == want  # the relayed stream is an undisturbed greedy run, every token once
+
+
+def test_the_prompt_is_computed_while_the_decode_worker_has_not_yet_answered_the_handshake(cluster, smollm2,
+                                                                                            ray_session):
+    """The handshake and the prefill overlap: with the decode worker's engine held (its reservation waits for a
+    step boundary), the prefill worker computes the prompt at once; its layers wait for the answer, and the request
+    still ends with an undisturbed greedy run's tokens."""
+    c, server = cluster
+    text = f"Layers that wait for an answer ({time.monotonic_ns()}): the lighthouse keeper counted the ships, and"
+    want = greedy_reference(smollm2, [text], 24)[0]
+    prefill, decode = c.actors["prefill-0"], c.actors["decode-0"]
+    deadline = time.monotonic() + 60
+    while not all(server.router.pools.is_up(n) for n in ("prefill-0", "decode-0")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    before = ray_session.get(prefill.load.remote(), timeout=30).computed_tokens
+    ray_session.get(decode.debug_hang.remote(HANG_S), timeout=60)  # NOTE: returns once the loop is held
+    held_until = time.monotonic() + HANG_S
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(stream_greedy, server, [text], 24, "held")
+        computed = 0
+        while time.monotonic() < held_until - 0.5 and computed == 0:
+            computed = ray_session.get(prefill.load.remote(), timeout=30).computed_tokens - before
+            time.sleep(0.05)
+        still_held = time.monotonic() < held_until
+        (tokens, last), = run.result(timeout=300)
+    assert computed > 0 and still_held, "the prompt waited for the decode worker's answer before it was computed"
+    assert tokens == want
+    assert last.timeline.prefill_worker == "prefill-0" and not last.timeline.prefill_skipped
 
 
 def test_a_failover_waits_for_the_only_decode_worker_to_restart(cluster, smollm2, ray_session):

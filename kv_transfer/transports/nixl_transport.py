@@ -143,7 +143,10 @@ class NixlKVSender(KVSender):
         self.abort_after(TransferError("nixl reads the engine's KV pool: open the sender with pool= and call "
                                        "send_blocks", self.request_id))
 
-    def send_blocks(self, layer: int, block_ids: list[int]) -> None:
+    def layer_mark(self) -> object:
+        return layer_ready(self.pool.kv) if self.pool is not None else None
+
+    def send_blocks(self, layer: int, block_ids: list[int], ready: object = None) -> None:
         if not self.state.finished and self.transfer_id:
             with self._post_lock:
                 if self._closed or len(block_ids) != len(self._remote_ids):
@@ -151,7 +154,8 @@ class NixlKVSender(KVSender):
                 if not self._pinned and block_ids and self.pool is not None:
                     self.pool.pin(block_ids)
                     self._pinned = list(block_ids)
-            self._queue_item(PoolLayer(layer, tuple(block_ids), layer_ready(self.pool.kv) if self.pool else None))
+            mark = ready if ready is not None else self.layer_mark()
+            self._queue_item(PoolLayer(layer, tuple(block_ids), mark))  # type: ignore[arg-type]
 
     def _prepare_failed(self, req: PrepareRequest, err: TransferError) -> None:
         if err.retryable:  # NOTE: not retryable: the receiver answered with a refusal, it reserved nothing

@@ -60,7 +60,8 @@ def engine_alone(model: str, config_path: str, prompts: list[list[int]], args: a
 
     cfg = cluster_proc.load(config_path)
     ecfg = cfg.decode.engine_config()
-    torch.set_num_threads(ecfg.num_threads)
+    if ecfg.num_threads:
+        torch.set_num_threads(ecfg.num_threads)
     engine = LLMEngine(load_model(model), ecfg)
     n = [0]
 
