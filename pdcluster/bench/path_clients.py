@@ -66,7 +66,10 @@ async def http_stream(addr: str, prompt: list[int], max_tokens: int) -> Timed:
                 if "error" in ev:
                     raise RuntimeError(f"stream error: {ev['error']}")
                 for choice in ev.get("choices") or []:
-                    last = r.arrived(len(choice.get("token_ids") or []), now, t0, last)
+                    # NOTE: a server without vLLM's return_token_ids: one token per chunk with text (vLLM's own
+                    # benchmark counts so)
+                    ids = choice.get("token_ids")
+                    last = r.arrived(len(ids) if ids is not None else int(bool(choice.get("text"))), now, t0, last)
     return r
 
 
