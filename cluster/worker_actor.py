@@ -11,12 +11,15 @@ transport, which the operator secures).
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from cluster import faults
 from cluster.delta_server import DeltaServer, Handler
 from cluster.messages import WorkerInfo, WorkerLoad
 from cluster.process import pin_cpus, process_info, set_nice
 from cluster.worker import Worker, WorkerSpec, node_address
+
+GIL_SWITCH_S = 0.0005  # the worker process's GIL switch interval
 
 
 class WorkerActor:
@@ -32,6 +35,9 @@ class WorkerActor:
         from cluster import logs
 
         logs.configure(spec.name, spec.log_level, spec.log_format)
+        # NOTE: the engine thread takes the GIL back after each torch op; a thread holding it (the event loop sending
+        # deltas, the publisher) keeps it up to the switch interval: 5 ms by default, on a 20 ms step
+        sys.setswitchinterval(GIL_SWITCH_S)
         if spec.cpus:
             pin_cpus(spec.cpus)
         if spec.nice is not None:
