@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput case")
     p.add_argument("--stream-tokens", type=int, default=256, help="tokens per stream in the throughput cases")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench_results/path.json")
+    p.add_argument("--out", default="results/bench_path.json")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
