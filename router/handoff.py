@@ -39,6 +39,9 @@ class HandOff:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the hand-off fails the decode stream over
             err = unwrap(e)
+            if not self.opened.handoff:  # NOTE: the decode worker streamed already: its KV had landed
+                log.info("%s: the prefill call ended with %s after the hand-off", self.request_id, err)
+                return
             log.warning("%s: the KV did not reach %s (%s); continuing elsewhere", self.request_id,
                         self.opened.worker.name, err)
             self.opened.stream.fail(err if isinstance(err, Exception) else WorkerFailed(str(err), self.request_id))

@@ -227,8 +227,10 @@ class ChannelStream:
         self._ended = True
         self.channel.streams.pop(self.attempt, None)
 
-    def close(self) -> None:
-        """Let the stream go: a stream that has not ended is cancelled on the worker (its request aborted)."""
+    def close(self, ended: bool = False) -> None:
+        """Let the stream go: a stream that has not ended is cancelled on the worker (its request aborted);
+        `ended`: the caller took all it wanted of a call that ends by itself."""
+        self._ended = self._ended or ended
         if not self._started.done():
             self._started.cancel()
         elif self._started.cancelled() or self._started.exception() is not None:
@@ -274,7 +276,9 @@ class PrefillCall:
     async def final(self, timeout: float) -> PrefillResult:
         """The result after the hand-off (after a first one with `handed_off` False); raises what failed it."""
         assert self._call is not None
-        return await self._call.item(timeout)  # type: ignore[no-any-return]
+        result = await self._call.item(timeout)
+        self._call.close(ended=True)  # NOTE: its END follows: nothing to cancel on the worker
+        return result  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Let the call go: one not finished is cancelled on the worker (its request and transfer aborted)."""
