@@ -307,7 +307,7 @@ class Worker:
             self.abort(rid, "its router is gone (lease expired)")
 
     def _publish_loop(self) -> None:
-        last_beat, failing, leases_at = 0.0, False, 0.0
+        last_beat, failing, leases_at, beaten = 0.0, False, 0.0, (0, 0, 0)
         while not self._closed.wait(PUBLISH_INTERVAL_S):
             if time.monotonic() - leases_at >= LEASE_CHECK_S:
                 leases_at = time.monotonic()
@@ -326,9 +326,14 @@ class Worker:
                 if self._resync:
                     stored, removed = self.engine.block_manager.pool.cached_hashes(), []
                 hits, self._hits = self._hits, [0, 0]
+                s = self.engine.stats()
+                members = (s.num_waiting, s.num_running, s.num_reserved)
             now = time.monotonic()
+            # NOTE: a beat at least every HEARTBEAT_INTERVAL_S, and at once (within PUBLISH_INTERVAL_S) when requests
+            # joined or left the batch: routers (and anyone reading the index) see a new load without waiting
+            beat = now - last_beat >= HEARTBEAT_INTERVAL_S or members != beaten
             try:
-                self._publish(stored, removed, hits, beat=now - last_beat >= HEARTBEAT_INTERVAL_S)
+                self._publish(stored, removed, hits, beat=beat)
             except Superseded as e:
                 log.error("%s: %s; this process stops writing to the prefix index", self.name, e)
                 self._superseded = True
@@ -344,8 +349,8 @@ class Worker:
             if failing:
                 log.warning("%s: prefix index reachable again; resynced", self.name)
             failing = self._resync = False
-            if now - last_beat >= HEARTBEAT_INTERVAL_S:
-                last_beat = now
+            if beat:
+                last_beat, beaten = now, members
 
     def _publish(self, stored: Seq[BlockHash], removed: Seq[BlockHash], hits: list[int], *, beat: bool) -> None:
         assert self.index is not None

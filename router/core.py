@@ -253,8 +253,6 @@ class Router:
         for name in (timeline.prefill_worker, timeline.decode_worker):  # NOTE: both served it: breakers close
             if name:
                 self.pools.mark_ok(name)
-        if not timeline.prefill_skipped:  # NOTE: what the KV transfer added after the last layer, for predictions
-            self.pools.policy.transfer.observe(usage.prompt_tokens, timeline.transfer_ms / 1e3)
         log.info("done: %s%s, %d prompt tokens (%d cached) + %d generated, first token %.0f ms, total %.0f ms, %s",
                  f"{timeline.prefill_worker} -> " if timeline.prefill_worker else "", timeline.decode_worker,
                  usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, timeline.first_token_ms,
@@ -375,8 +373,10 @@ class Router:
         return out
 
     async def close(self) -> None:
-        """Stop the load refresher, the pinger and the lease renewals."""
+        """Stop the load refresher, the pinger, the lease renewals and the workers' delta channels."""
         self.pinger.close()
         await self.leases.close()
+        for worker in self.pools.by_name.values():
+            worker.channel.close()
         if self._refresher is not None:
             self._refresher.cancel()

@@ -174,6 +174,9 @@ class RequestRun:
         tl.kv_blocks_sent, tl.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
         tl.first_token_ms = (self.first_token_at - self.arrived) * 1e3
         self.num_cached = res.num_cached_tokens
+        # NOTE: what the KV transfer added to the first token, for predictions: nothing when the first token came
+        # before the hand-off (over the delta channel), its tail after the last layer when it came after (Ray)
+        self.pools.policy.transfer.observe(self.prompt_len, res.transfer_ms / 1e3 if res.handed_off else 0.0)
         self.generated += res.token_ids
         if res.finished:
             self.done = True

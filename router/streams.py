@@ -69,6 +69,7 @@ class DeltaChannel:
         self._connecting: asyncio.Future[None] | None = None
         self._acks: dict[str, int] = {}
         self._cancels: list[str] = []
+        self._reader: asyncio.Task[None] | None = None
 
     async def connect(self, actor: Any) -> bool:
         """Connected (True), or the worker offers no channel (False); raises what the worker's Ray call raised."""
@@ -97,7 +98,15 @@ class DeltaChannel:
             writer.close()
             raise ConnectionError(f"{self.worker_name}'s delta channel answered {welcome!r}")
         self._writer = writer
-        asyncio.ensure_future(self._read(reader, writer))
+        self._reader = asyncio.ensure_future(self._read(reader, writer))
+
+    def close(self) -> None:
+        """Drop the connection (the router is stopping): the worker ends the streams that were on it."""
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -124,7 +124,10 @@ def test_sixteen_concurrent_requests_match_the_colocated_engine(cluster, referen
         assert tl.decode_worker == "decode-0" and tl.first_token_ms <= tl.total_ms
         if not tl.prefill_skipped:
             prefill_workers.add(tl.prefill_worker)
-            assert tl.kv_bytes_sent > 0 and tl.prefill_ms > 0
+            assert tl.prefill_ms > 0
+            # NOTE: a request that ended at its first token hands nothing off: its layers, held until the decode
+            # worker answered the handshake, need not move (prefill_workers/held_layers.py)
+            assert tl.kv_bytes_sent > 0 or last.usage.completion_tokens == 1
     assert prefill_workers == {"prefill-0", "prefill-1"}  # both prefill workers got traffic
 
 
