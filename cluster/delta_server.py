@@ -146,14 +146,14 @@ class _Connection:
         self.writer.close()
 
 
-Handler = Callable[[Any], Any]  # a request -> an async generator of Deltas (a stream), or an awaitable (a call)
+Handler = Callable[[Any], AsyncGenerator[Any, None]]  # a request -> its items (Deltas; a prefill's two results)
 
 
 class DeltaServer:
     """The worker's delta channel: started on the actor's event loop at the first `endpoint()`.
 
-    `handlers` name what a router may open: a stream (the handler returns an async generator of Deltas: each goes
-    as a delta, under the window) or a call (it returns an awaitable: its result goes as the one item)."""
+    `handlers` name what a router may open; each returns an async generator whose items go to the router under the
+    stream's window (a decode stream's Deltas, a prefill call's first token and final result)."""
 
     def __init__(self, host: str, handlers: dict[str, Handler]) -> None:
         self.host = host
@@ -222,11 +222,7 @@ class DeltaServer:
             handler = self.handlers.get(kind)
             if handler is None:
                 raise ConnectionError(f"this worker takes no {kind!r} over its delta channel")
-            work = handler(request)
-            if isinstance(work, AsyncGenerator):
-                await self._stream(conn, attempt, stream, work)
-            else:
-                conn.send(attempt, await work)
+            await self._stream(conn, attempt, stream, handler(request))
             conn.send(attempt, END)
         except asyncio.CancelledError:
             if not stream.cancelled:
@@ -237,7 +233,7 @@ class DeltaServer:
             conn.streams.pop(attempt, None)
 
     @staticmethod
-    async def _stream(conn: _Connection, attempt: str, stream: _Stream, deltas: AsyncGenerator[Delta, None]) -> None:
+    async def _stream(conn: _Connection, attempt: str, stream: _Stream, deltas: AsyncGenerator[Any, None]) -> None:
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 conn.send(attempt, to_wire(delta))

@@ -234,24 +234,20 @@ class PrefillRun:
     def result(self, first: FirstToken, handed_off: bool = True) -> PrefillResult:
         """The router's result: after the hand-off, or (`handed_off` False) at the first token, its KV still moving."""
         out, sender = first.output, self.sender
-        if not handed_off:
-            return PrefillResult(self.request_id, out.new_token_ids, out.new_text, False, out.finish_reason, out.text,
-                                 len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms, 0.0,
-                                 sender.num_blocks, sender.bytes_sent, out.new_logprobs, out.prompt_logprobs,
-                                 handed_off=False)
-        transfer_ms = max(0.0, (sender.finished_at - first.at) * 1e3) if not out.finished else 0.0
-        self._observe(first, transfer_ms)
-        log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
-                  "%.1f ms after the first token", len(self.tokens), out.num_cached_tokens, first.prefill_ms,
-                  first.queue_ms, sender.num_blocks, sender.bytes_sent, self.req.decode_address, transfer_ms)
+        transfer_ms = max(0.0, (sender.finished_at - first.at) * 1e3) if handed_off and not out.finished else 0.0
+        if handed_off:
+            self._observe(first, transfer_ms)
         return PrefillResult(self.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                              out.text, len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms,
                              transfer_ms, sender.num_blocks if not out.finished else 0, sender.bytes_sent,
-                             out.new_logprobs, out.prompt_logprobs)
-
+                             out.new_logprobs, out.prompt_logprobs, handed_off=handed_off)
 
     def _observe(self, first: FirstToken, transfer_ms: float) -> None:
-        """This worker's metrics and the queue / prefill spans of the request (times from the monotonic clock)."""
+        """This worker's log line, metrics and the queue / prefill spans of the request (monotonic clock times)."""
+        out, sender = first.output, self.sender
+        log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
+                  "%.1f ms after the first token", len(self.tokens), out.num_cached_tokens, first.prefill_ms,
+                  first.queue_ms, sender.num_blocks, sender.bytes_sent, self.req.decode_address, transfer_ms)
         metrics = self.worker.metrics
         metrics.generation.inc(len(first.output.new_token_ids))
         if not first.output.finished:

@@ -52,18 +52,17 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
 
 
 # ---- 1. the engine alone -----------------------------------------------------------------------------------------
-def engine_alone(model: str, config_path: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def engine_alone(loaded: Any, config_path: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """TTFT, batch-1 step and tokens/s of the decode pool's engine, in this process."""
     import torch
 
     from engine import LLMEngine, SamplingParams
-    from engine.loader import load_model
 
     cfg = cluster_proc.load(config_path)
     ecfg = cfg.decode.engine_config()
     if ecfg.num_threads:
         torch.set_num_threads(ecfg.num_threads)
-    engine = LLMEngine(load_model(model), ecfg)
+    engine = LLMEngine(loaded, ecfg)
     n = [0]
 
     def run(batch: list[list[int]], tokens: int) -> tuple[list[float], list[float], float]:
@@ -151,13 +150,14 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """One model: the engine alone, then each front through a cluster of it."""
     from engine.loader import load_model
 
-    vocab = load_model(model).config.vocab_size
+    loaded = load_model(model)
+    vocab = loaded.config.vocab_size
     n = 2 + args.ttft_requests + max(args.streams, 2)
     fronts = [f for f in args.fronts.split(",") if f]
     rng = random.Random(args.seed)
     prompts = {f: _prompts(rng, n, args.prompt_len, vocab) for f in ["engine", *fronts]}
     log(BENCH, f"{model}: the engine alone")
-    result: dict[str, Any] = {"engine": engine_alone(model, args.config, prompts["engine"], args)}
+    result: dict[str, Any] = {"engine": engine_alone(loaded, args.config, prompts["engine"], args)}
     cfg = cluster_proc.load(args.config, http="http" in fronts)
     cfg.model = model
     cfg.router.skip_prefill_max_uncached_tokens = 0  # NOTE: every request crosses the handoff
