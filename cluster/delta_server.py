@@ -8,106 +8,91 @@ Life of a connection and of the streams on it:
    connects, sends `("hello", secret, channel)` and waits for `("welcome",)`; the connection is now channel
    `channel` (the router's id) on this worker;
 2. the router opens a request's stream with `("open", attempt, "generate", request, window)`: the worker's delta
-   generator (cluster/request_stream.py) runs and each delta is queued for the connection; a call (`"prefill"`:
-   the prefill worker's first token) sends its one result the same way. Every item queued while the event loop
-   ran one round (a step's outputs for all its streams) leaves as one frame `("deltas", [(attempt, item), ...])`,
-   where the item is a Delta (most as a tuple: `to_wire`), a call's result, END (the generator returned) or the
-   exception that ended it; no Ray call is made per request (Ray's round trip was ~5 ms of a first token here);
+   generator runs; its RequestStream (cluster/request_stream.py) takes the stream's `Relay` and the engine thread
+   queues each output's delta on the connection itself and sends the step's frame at the step's end
+   (cluster/frame_writer.py): no event-loop hop per token. What a handler yields (a call's results: `"prefill"`,
+   the prefill worker's first token and final result; a decode stream given up before it began) is queued by the
+   event loop and leaves when its round ends. A frame is `("deltas", [(attempt, item), ...])`, where the item is
+   a Delta (most as a tuple: `to_wire`), a call's result, END (the generator returned) or the exception that ended
+   it; no Ray call is made per request (Ray's round trip was ~5 ms of a first token here);
 3. backpressure as Ray's generator window had it: with `window` deltas of a stream not yet acknowledged (the
-   router acknowledges as its client takes them: `("ack", {attempt: n})`) `serve` waits before reading the next
-   one, and the stream's sequence pauses in the engine (cluster/backlog.py);
+   router acknowledges as its client takes them: `("ack", {attempt: n})`) the stream's sequence pauses in the
+   engine (cluster/backlog.py) until acknowledgements come (a handler's own items: `serve` waits before reading
+   the next one);
 4. a router that cancels a stream (`("cancel", [attempt])`: its client went away) or whose connection drops (the
    router died) ends its streams here: the generators close, which aborts their requests and frees their blocks.
-Frames are a 4-byte big-endian length and a pickle: both ends are this project's processes, and a peer is admitted
-only with the secret that Ray handed it.
+Frames: cluster/delta_wire.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import logging
-import pickle
 import secrets
-import struct
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from cluster.messages import Delta
+from cluster.delta_wire import END, frame, read_bytes, read_frame, sendable, to_wire
+from cluster.frame_writer import FrameWriter
 
 log = logging.getLogger(__name__)
 
-END = "end"  # the item after a stream's last delta: its generator returned
-HEADER = struct.Struct(">I")
-MAX_FRAME = 1 << 30
 HELLO_TIMEOUT_S = 10.0
 
 
-async def read_bytes(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes:
-    """The next frame's bytes; IncompleteReadError when the peer closed the connection."""
-    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if size > limit:
-        raise ConnectionError(f"a frame of {size} bytes")
-    return await reader.readexactly(size)
+class Relay:
+    """A stream's way from the engine thread straight onto its connection: each output's delta is queued there as
+    it is made and the step's frame is sent at the step's end, with no hop through the event loop.
+
+    A stream that takes the relay (`take_relay()`, cluster/request_stream.py) sends its deltas with `send`, has the
+    engine thread `flush` the connection after the step, and hears the router's acknowledgements through `on_ack`
+    (its backpressure: the sequence pauses in the engine with a window of deltas unacknowledged); its generator then
+    yields nothing and returns when the request is over, and END follows its last delta on the connection."""
+
+    def __init__(self, out: FrameWriter, attempt: str) -> None:
+        self.attempt = attempt
+        self.flush = out.flush  # NOTE: one bound method per connection: a step flushes each connection once
+        self._out = out
+        self.on_ack: Callable[[int], None] | None = None
+        self.taken = False
+
+    def send(self, item: object) -> None:
+        """(the engine thread) queue one delta, as `to_wire` has it, for the step's frame."""
+        self._out.put(self.attempt, item)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
-    """The next frame's object (only from a peer that proved the secret: a pickle runs code)."""
-    return pickle.loads(await read_bytes(reader))
+_RELAY: contextvars.ContextVar[Relay | None] = contextvars.ContextVar("pdcluster_relay", default=None)
 
 
-def frame(obj: object) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(data)) + data
-
-
-def hello(secret: str, channel: str) -> bytes:
-    """The router's first frame: plain bytes, read before anything is unpickled."""
-    data = f"hello {secret} {channel}".encode()
-    return HEADER.pack(len(data)) + data
-
-
-def to_wire(delta: object) -> object:
-    """A delta as it goes on the channel: most carry only new tokens, as a tuple (a third of a Delta's pickle time)."""
-    d = delta
-    if type(d) is not Delta:  # NOTE: a call's result
-        return d
-    if (d.finished or d.logprobs or d.prompt_logprobs is not None or d.resumed_chars or d.queue_ms or d.prefill_ms
-            or d.finish_reason or d.final_text or d.all_token_ids):
-        return d
-    return (d.token_ids, d.text, d.made_at, d.num_prompt_tokens, d.num_cached_tokens)
-
-
-def from_wire(item: object) -> object:
-    """The Delta of a `to_wire` tuple; anything else (a whole Delta, END, an exception) as it is."""
-    if type(item) is tuple:
-        ids, text, made_at, prompt, cached = item
-        return Delta(ids, text, made_at=made_at, num_prompt_tokens=prompt, num_cached_tokens=cached)
-    return item
-
-
-def sendable(error: BaseException) -> BaseException:
-    """`error`, or a RuntimeError with its text when it does not survive a pickle round trip."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - any exception type may come out of a generator
-        return RuntimeError(f"{type(error).__name__}: {error}")
+def take_relay() -> Relay | None:
+    """The relay of the channel stream whose handler runs this code (once: the first caller takes it), or None
+    (a Ray stream, a call, or a test that runs the handler itself)."""
+    relay = _RELAY.get()
+    if relay is None or relay.taken:
+        return None
+    relay.taken = True
+    return relay
 
 
 class _Stream:
     """One stream on a connection: its unacknowledged deltas and the task that serves it."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, relay: Relay | None) -> None:
         self.window = max(1, window)
         self.unacked = 0
         self.room = asyncio.Event()
         self.room.set()
         self.task = asyncio.current_task()
         self.cancelled = False
+        self.relay = relay
 
     def acked(self, n: int) -> None:
+        if self.relay is not None and self.relay.on_ack is not None:  # NOTE: its deltas went by the relay
+            self.relay.on_ack(n)
+            return
         self.unacked -= n
         if self.unacked < self.window:
             self.room.set()
@@ -119,30 +104,22 @@ class _Stream:
 
 
 class _Connection:
-    """One router's connection: its streams and the frame being gathered for it."""
+    """One router's connection: its streams and its writer."""
 
     def __init__(self, channel: str, writer: asyncio.StreamWriter) -> None:
         self.channel, self.writer = channel, writer
+        self.out = FrameWriter(writer.get_extra_info("socket"), asyncio.get_running_loop())
         self.streams: dict[str, _Stream] = {}
-        self.outbox: list[tuple[str, object]] = []
-        self.closed = False
 
     def send(self, attempt: str, item: object) -> None:
-        if self.closed:
-            return
-        if not self.outbox:  # NOTE: the first item of this round: the frame leaves once the round is over
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.outbox.append((attempt, item))
-
-    def _flush(self) -> None:
-        items, self.outbox = self.outbox, []
-        if items and not self.closed:
-            self.writer.write(frame(("deltas", items)))
+        """(the event loop) queue `item`; the frame leaves once this round of the loop is over."""
+        if self.out.put(attempt, item):
+            asyncio.get_running_loop().call_soon(self.out.flush)
 
     def close(self) -> None:
-        self.closed = True
         for stream in list(self.streams.values()):
             stream.cancel()
+        self.out.close()
         self.writer.close()
 
 
@@ -188,7 +165,7 @@ class DeltaServer:
         if old is not None:
             old.close()
         self._connections[conn.channel] = conn
-        writer.write(frame(("welcome",)))
+        conn.out.write(frame(("welcome",)))
         try:
             while True:
                 msg = await read_frame(reader)
@@ -217,7 +194,9 @@ class DeltaServer:
 
     async def _run(self, conn: _Connection, attempt: str, kind: str, request: Any, window: int) -> None:
         """One stream or call opened by a router: its items on `conn` until END, an error, or the router's cancel."""
-        stream = conn.streams[attempt] = _Stream(window)
+        relay = Relay(conn.out, attempt) if kind == "generate" else None
+        stream = conn.streams[attempt] = _Stream(window, relay)
+        _RELAY.set(relay)  # NOTE: this task's context: the handler's RequestStream takes it
         try:
             handler = self.handlers.get(kind)
             if handler is None:

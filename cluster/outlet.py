@@ -1,4 +1,5 @@
-"""Outlet: a worker's engine thread hands its step's outputs to the actor's event loop with one wakeup per step."""
+"""Outlet: a worker's engine thread hands its step's outputs on once per step: to the actor's event loop with one
+wakeup, and onto the delta channel's connections with one frame each (cluster/frame_writer.py)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,24 @@ class Outlet:
         self._lock = threading.Lock()
         self._queued: list[tuple[Callable[[Any], None], Any]] = []
         self._scheduled = False
+        self._sends: set[Callable[[], None]] = set()  # the engine thread's own: connections to flush after the step
 
     def put(self, fn: Callable[[Any], None], arg: Any) -> None:
         """(the engine thread, in a sink) `fn(arg)` on the loop, at the next `flush`."""
         with self._lock:
             self._queued.append((fn, arg))
 
+    def send_after_step(self, flush: Callable[[], None]) -> None:
+        """(the engine thread, in a sink) call `flush` (a connection's) once this step's sinks have all run."""
+        self._sends.add(flush)
+
     def flush(self) -> None:
-        """(the engine thread, after the sinks) hand over what was queued: one wakeup of the loop."""
+        """(the engine thread, after the sinks) send the connections' frames, then hand over what was queued: one
+        wakeup of the loop."""
+        if self._sends:
+            sends, self._sends = self._sends, set()
+            for send in sends:
+                send()
         with self._lock:
             if self._scheduled or not self._queued:
                 return

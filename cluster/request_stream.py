@@ -7,11 +7,13 @@ a request that stays where it is prefilled (router/policy.py, "stay"). Life of a
    attached (`join_whole` for a whole request: the prompt, with any tokens a failed worker streamed before,
    `output_token_ids`, recomputed; the engine cuts it into chunks under its ITL budget while it decodes for others);
    a caller cancelled meanwhile still lets `fn` finish, then aborts the request, so nothing joins after its abort;
-2. `deltas()`: each batch of outputs the engine made since the last yield is merged into one Delta, stamped with the
-   time the engine made its last token (`made_at`, on the backlog's busy clock); the first carries how many
-   characters the client had (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker;
-   with `req.window` outputs not yet taken (the router's window: its client reads slowly or not at all) the sequence
-   pauses in the engine (blocks kept, cluster/backlog.py) and resumes when the consumer takes a delta again;
+2. on the delta channel (a `Relay` taken from cluster/delta_server.py) each output leaves from the engine thread as
+   its own Delta (most as a tuple), in the step's frame; through Ray, `deltas()` yields each batch of outputs made
+   since its last yield merged into one Delta. Either way a delta is stamped with the time the engine made its last
+   token (`made_at`, on the backlog's busy clock); the first carries how many characters the client had
+   (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker; with `req.window`
+   outputs not yet taken (acknowledged by the router; its client reads slowly or not at all) the sequence pauses in
+   the engine (blocks kept, cluster/backlog.py) and resumes when the consumer takes a delta again;
 3. a caller that goes away before the last Delta (the generator closed or cancelled) aborts the request: the
    worker's `abort` frees its blocks.
 """
@@ -26,6 +28,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
 from cluster.backlog import Backlog
+from cluster.delta_server import take_relay
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
 from engine.errors import InvalidRequestError
@@ -47,6 +50,14 @@ class RequestStream:
         self.resumed_chars = req.sent_chars or 0  # characters of the output text the client has at the start
         self._aio = asyncio.get_running_loop()
         self._outlet = worker.outlet(self._aio)
+        # NOTE: a stream of the delta channel sends each output from the engine thread (cluster/delta_server.py
+        # `Relay`); otherwise (Ray's generator) outputs reach `deltas()` through the event loop
+        self._relay = take_relay()
+        self._ended: asyncio.Future[None] = self._aio.create_future()
+        self._resuming: set[asyncio.Future[None]] = set()
+        if self._relay is not None:
+            self._relay.on_ack = self._acked
+        self._first = True
         # NOTE: each output with when the engine made it: a stream paused by backpressure (its client reads slowly)
         # merges what came meanwhile, stamped with the engine's time, not the time it was sent (router/stall.py)
         self._outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
@@ -62,7 +73,28 @@ class RequestStream:
         made_at, pause = self._backlog.made()
         if pause and not out.finished:  # NOTE: between two steps: the next one already leaves it out
             self.worker.engine.pause_request(self.request_id)
-        self._outlet.put(self._outputs.put_nowait, (made_at, out))
+        if self._relay is None:
+            self._outlet.put(self._outputs.put_nowait, (made_at, out))
+            return
+        if self._first or out.finished or out.new_logprobs or out.prompt_logprobs is not None:
+            self._relay.send(self._delta([(made_at, out)]))
+        else:  # NOTE: most outputs: the tuple `to_wire` makes of a plain Delta, without the Delta
+            self._relay.send((out.new_token_ids, out.new_text, made_at, out.num_prompt_tokens, out.num_cached_tokens))
+            self.worker.metrics.generation.inc(len(out.new_token_ids))
+        self._outlet.send_after_step(self._relay.flush)
+        if out.finished:
+            self._outlet.put(self._end, None)
+
+    def _end(self, _: object) -> None:  # the event loop: the last delta is on its way
+        if not self._ended.done():
+            self._ended.set_result(None)
+
+    def _acked(self, n: int) -> None:
+        """(the event loop) the router took `n` of the relayed deltas: a paused sequence may resume."""
+        if self._backlog.delivered(n):
+            resume = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, self._resume))
+            self._resuming.add(resume)
+            resume.add_done_callback(self._resuming.discard)
 
     def join_whole(self, engine: object) -> None:
         """A `start` function: the whole request (its prompt) joins the engine's batch."""
@@ -94,30 +126,40 @@ class RequestStream:
             raise
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
-        """The request's Deltas until the one with `finished` set; a caller gone before it aborts the request."""
-        finished, first = False, True
+        """The request's Deltas until the one with `finished` set (none when they go by the relay: this returns
+        after the last one is sent); a caller gone before it aborts the request."""
+        finished = False
         try:
+            if self._relay is not None:
+                await self._ended
+                finished = True
             while not finished:
                 batch = [await self._outputs.get()]
                 while not self._outputs.empty():
                     batch.append(self._outputs.get_nowait())
-                delta = merge([out for _, out in batch])
-                delta.made_at = batch[-1][0]
-                if first:
-                    delta.resumed_chars = self.resumed_chars
-                    if self._timing:
-                        delta.queue_ms, delta.prefill_ms = self._timing[0]
-                first = False
+                delta = self._delta(batch)
                 finished = delta.finished
-                self.worker.metrics.generation.inc(len(delta.token_ids))
-                if finished:
-                    self._log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
                 yield delta
                 if self._backlog.delivered(len(batch)):
                     await asyncio.to_thread(self.worker.loop.call, self._resume)
         finally:
             if not finished:
                 await asyncio.to_thread(self.worker.abort, self.request_id)
+
+    def _delta(self, batch: list[tuple[float, RequestOutput]]) -> Delta:
+        """The outputs of `batch` as one Delta; the stream's first carries where the client's text resumes and, for a
+        whole request, its queue and prefill time here."""
+        delta = merge([out for _, out in batch])
+        delta.made_at = batch[-1][0]
+        if self._first:
+            self._first = False
+            delta.resumed_chars = self.resumed_chars
+            if self._timing:
+                delta.queue_ms, delta.prefill_ms = self._timing[0]
+        self.worker.metrics.generation.inc(len(delta.token_ids))
+        if delta.finished:
+            self._log.debug("finished (%s): %d tokens", delta.finish_reason, len(delta.all_token_ids))
+        return delta
 
 
 def merge(outs: list[RequestOutput]) -> Delta:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cluster.delta_server import END, frame, from_wire, hello, read_frame
+from cluster.delta_wire import END, frame, from_wire, hello, read_frame
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from router.errors import WorkerFailed
 from router.timeouts import within

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
 
-from cluster.delta_server import DeltaServer, frame, read_frame
+from cluster.delta_server import DeltaServer
+from cluster.delta_wire import frame, read_frame
+from cluster.frame_writer import FrameWriter
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from engine import SamplingParams
 from router.errors import WorkerFailed
@@ -205,5 +208,32 @@ def test_a_peer_without_the_secret_is_refused_before_anything_is_unpickled() -> 
         assert await asyncio.wait_for(read_frame(reader), 5) == ("welcome",)
         writer.close()
         worker.server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_nobody_reads_never_blocks_the_engine_thread_and_loses_no_delta() -> None:
+    """The engine thread sends a step's frame whatever the router does: into a full socket the call still returns at
+    once, and what the socket could not take goes out later, whole and in order, once the router reads again."""
+    async def main() -> None:
+        worker_side, router_side = socket.socketpair()
+        _, transport = await asyncio.open_connection(sock=worker_side)
+        out = FrameWriter(transport.get_extra_info("socket"), asyncio.get_running_loop())
+
+        def engine_thread() -> None:  # ~4 MiB of deltas: far more than the socket's buffers hold
+            for step in range(400):
+                out.put("s", ("x" * 10_000, step))
+                out.flush()
+
+        await asyncio.wait_for(asyncio.to_thread(engine_thread), 30)
+        reader, _ = await asyncio.open_connection(sock=router_side)
+        steps: list[int] = []
+        while len(steps) < 400:
+            kind, items = await asyncio.wait_for(read_frame(reader), 10)
+            assert kind == "deltas"
+            steps += [step for _, (_, step) in items]
+        assert steps == list(range(400))
+        out.close()
+        transport.close()
 
     asyncio.run(main())
