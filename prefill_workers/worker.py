@@ -67,9 +67,11 @@ class PrefillWorker(Worker):
         try:
             await run.handshake_and_join()
             first = await run.first_token()
-            await run.answered(send=not first.output.finished)
             if not first.output.finished:
+                # NOTE: before the handshake's answer: the client has its first token while the KV still moves;
+                # if the handshake or the transfer then fails, the router continues from the prompt plus this token
                 yield run.result(first, handed_off=False)
+            await run.answered(send=not first.output.finished)
             await run.hand_off(first)
             finished = True
         finally:
