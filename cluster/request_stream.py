@@ -91,7 +91,7 @@ class RequestStream:
 
     def _acked(self, n: int) -> None:
         """(the event loop) the router took `n` of the relayed deltas: a paused sequence may resume."""
-        if self._backlog.delivered(n):
+        if self._backlog.delivered(n) and not self.worker.loop.try_call(self._resume):
             resume = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, self._resume))
             self._resuming.add(resume)
             resume.add_done_callback(self._resuming.discard)
@@ -116,6 +116,8 @@ class RequestStream:
         # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and
         # shielded: if this call is cancelled meanwhile, the start still completes before the abort below runs,
         # so a request can never join the batch after its abort
+        if self.worker.loop.try_call(fn):  # NOTE: the engine was between steps: done, nothing to cancel
+            return
         starting = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, fn))
         try:
             await asyncio.shield(starting)

@@ -62,6 +62,21 @@ class EngineLoop:
             self._wake.notify()
             return result
 
+    def try_call(self, fn: Callable[[LLMEngine], object]) -> bool:
+        """`call(fn)` if the engine is between steps and no caller waits for it (True), else nothing (False).
+
+        NOTE: for an event loop: a request joins an idle engine without a hop to a thread and back (a thread's wakeup
+        is a good part of a millisecond on a busy host, and a first token on a GPU takes a few); where the engine is
+        busy the caller goes the way of `call`, from a thread."""
+        if self._waiting_callers or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            fn(self.engine)
+            self._wake.notify()
+        finally:
+            self.lock.release()
+        return True
+
     def attach(self, request_id: str, sink: Sink) -> None:
         """Deliver the outputs of `request_id` to `sink` (called on the loop thread, under the lock)."""
         with self.lock:

@@ -21,9 +21,9 @@ from typing import Any
 from cluster.messages import Role, WorkerInfo
 from cluster.prefix_index import WorkerStatus
 from router.breaker import Breaker
+from router.delta_channel import DeltaChannel
 from router.metrics import RouterMetrics
 from router.policy import Policy, Route, WorkerView
-from router.streams import DeltaChannel
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class WorkerHandle:
     actor: Any  # ray.actor.ActorHandle (plain objects with the same methods in unit tests)
     info: WorkerInfo
     view: WorkerView
-    channel: DeltaChannel = dataclasses.field(init=False)  # the worker's delta channel (router/streams.py)
+    channel: DeltaChannel = dataclasses.field(init=False)  # the worker's delta channel (router/delta_channel.py)
 
     def __post_init__(self) -> None:
         self.channel = DeltaChannel(self.name)

@@ -1,10 +1,9 @@
 """A request's delta stream from one worker, as a run reads it: over the worker's delta channel, or Ray's generator.
 
 1. `open_stream(worker, request, window)` returns at once (the run opens the handoff's stream together with its
-   prefill); the stream starts in a task of its own: it connects this router to the worker's delta channel if it
-   is not yet (`DeltaChannel`: the worker's address and secret come through Ray; cluster/delta_server.py is the
-   other end), then makes the Ray call `stream(request, channel)`; a worker that offers no channel (a KV plane
-   with TLS) streams through a Ray streaming generator instead, as every worker did before;
+   prefill): over a connected delta channel (router/delta_channel.py) the open frame leaves at once; otherwise a
+   task connects this router to the worker's channel first, and a worker that offers no channel (a KV plane with
+   TLS) streams through a Ray streaming generator instead, as every worker did before;
 2. `next(timeout)` is the next Delta (StopAsyncIteration after the last one); a failed worker raises here: its Ray
    call's error, its channel closing (the process died), or the exception its generator ended with;
 3. each delta taken is acknowledged to the worker (batched: one frame per round of the event loop for all the
@@ -18,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cluster.delta_wire import END, frame, from_wire, hello, read_frame
+from cluster.delta_wire import END
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
-from router.errors import WorkerFailed
+from router.delta_channel import DeltaChannel
 from router.timeouts import within
 
 log = logging.getLogger(__name__)
@@ -57,106 +55,6 @@ class RayStream:
         pass
 
 
-class DeltaChannel:
-    """This router's connection to one worker's delta channel: read by one task, shared by all its streams."""
-
-    def __init__(self, worker_name: str) -> None:
-        self.worker_name = worker_name
-        self.channel = uuid.uuid4().hex  # this router's name on the worker
-        self.streams: dict[str, ChannelStream] = {}
-        self.available: bool | None = None  # None: not asked yet; False: the worker has no channel (use Ray)
-        self._writer: asyncio.StreamWriter | None = None
-        self._connecting: asyncio.Future[None] | None = None
-        self._acks: dict[str, int] = {}
-        self._cancels: list[str] = []
-        self._reader: asyncio.Task[None] | None = None
-
-    async def connect(self, actor: Any) -> bool:
-        """Connected (True), or the worker offers no channel (False); raises what the worker's Ray call raised."""
-        if self._writer is not None and not self._writer.is_closing():
-            return True
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._dial(actor))
-        dial = self._connecting
-        try:
-            await asyncio.shield(dial)
-        finally:
-            if dial.done() and self._connecting is dial:
-                self._connecting = None
-        return self._writer is not None
-
-    async def _dial(self, actor: Any) -> None:
-        address, secret = await actor.stream_endpoint.remote()
-        self.available = bool(address)
-        if not address:
-            return
-        host, port = address.rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(hello(secret, self.channel))
-        welcome = await asyncio.wait_for(read_frame(reader), 10.0)
-        if welcome != ("welcome",):
-            writer.close()
-            raise ConnectionError(f"{self.worker_name}'s delta channel answered {welcome!r}")
-        self._writer = writer
-        self._reader = asyncio.ensure_future(self._read(reader, writer))
-
-    def close(self) -> None:
-        """Drop the connection (the router is stopping): the worker ends the streams that were on it."""
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                _, items = await read_frame(reader)
-                for attempt, item in items:
-                    stream = self.streams.get(attempt)
-                    if stream is not None:
-                        stream.put(from_wire(item))
-        except Exception as e:  # noqa: BLE001 - the worker died or the connection broke: its streams fail over
-            if self._writer is writer:
-                self._writer = None
-            writer.close()
-            lost = WorkerFailed(f"worker {self.worker_name}'s delta channel closed ({type(e).__name__})")
-            for stream in list(self.streams.values()):
-                stream.put(lost)
-
-    def ack(self, attempt: str, n: int) -> None:
-        self._queue_control()
-        self._acks[attempt] = self._acks.get(attempt, 0) + n
-
-    def open(self, stream: ChannelStream, request: Any, window: int) -> None:
-        """Ask the worker for `stream` (a stream or a call); a connection already gone fails it at once."""
-        writer = self._writer
-        if writer is None or writer.is_closing():
-            stream.put(WorkerFailed(f"worker {self.worker_name}'s delta channel closed"))
-            return
-        writer.write(frame(("open", stream.attempt, stream.kind, request, window)))
-
-    def cancel(self, attempt: str) -> None:
-        self.streams.pop(attempt, None)
-        self._queue_control()
-        self._cancels.append(attempt)
-
-    def _queue_control(self) -> None:
-        if not self._acks and not self._cancels:  # NOTE: the first of this round: one frame when the round ends
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        acks, self._acks = self._acks, {}
-        cancels, self._cancels = self._cancels, []
-        writer = self._writer
-        if writer is None or writer.is_closing():
-            return
-        if acks:
-            writer.write(frame(("ack", acks)))
-        if cancels:
-            writer.write(frame(("cancel", cancels)))
-
-
 class ChannelStream:
     """One stream over a worker's delta channel (or, where the worker has none, its Ray generator)."""
 
@@ -172,12 +70,20 @@ class ChannelStream:
         self._ended = False
         self._ray: Any = None  # the Ray stream or call, where the worker has no channel
         self._opened = False
-        self._started = asyncio.ensure_future(self._start(worker.actor, request, window, through_ray))
+        if self.channel.connected:  # NOTE: the usual case: the open frame leaves now, not a round of the loop later
+            self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._started.set_result(None)
+            self._open(request, window)
+        else:
+            self._started = asyncio.ensure_future(self._start(worker.actor, request, window, through_ray))
 
     async def _start(self, actor: Any, request: Any, window: int, through_ray: Callable[[], Any]) -> None:
         if not await self.channel.connect(actor):
             self._ray = through_ray()
             return
+        self._open(request, window)
+
+    def _open(self, request: Any, window: int) -> None:
         self.channel.streams[self.attempt] = self
         self.channel.open(self, request, window)
         self._opened = True

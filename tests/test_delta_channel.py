@@ -21,8 +21,9 @@ from cluster.delta_wire import frame, read_frame
 from cluster.frame_writer import FrameWriter
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from engine import SamplingParams
+from router.delta_channel import DeltaChannel
 from router.errors import WorkerFailed
-from router.streams import DeltaChannel, PrefillCall, open_stream
+from router.streams import PrefillCall, open_stream
 
 
 class Remote:

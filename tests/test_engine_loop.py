@@ -34,3 +34,32 @@ def test_a_holder_of_between_steps_gets_the_engine_within_a_step_while_the_loop_
         assert done.wait(5)
     finally:
         loop.close()
+
+
+def test_try_call_runs_at_once_on_an_idle_engine_and_declines_while_a_step_holds_it(tiny):
+    """An event loop adds a request to an idle engine itself (no thread hop), and never waits for a busy one."""
+    loop = EngineLoop(make_engine(tiny), name="test")
+    try:
+        ran: list[str] = []
+        assert loop.try_call(lambda e: ran.append(threading.current_thread().name))
+        assert ran == [threading.current_thread().name]  # on the caller's thread, before it returned
+        prompt = random_prompts(1, [30])[0]
+        assert loop.try_call(lambda e: e.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+        deadline = time.monotonic() + 10
+        while loop.call(lambda e: e.has_unfinished_requests()):  # the loop was woken: it steps the request through
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # another thread has the engine (as the loop does during a step)
+            with loop.lock:
+                held.set()
+                release.wait(10)
+
+        threading.Thread(target=hold, daemon=True).start()
+        assert held.wait(5)
+        assert not loop.try_call(lambda e: ran.append("busy"))
+        release.set()
+        assert "busy" not in ran
+    finally:
+        loop.close()
