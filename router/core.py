@@ -43,7 +43,7 @@ from router.relay import relayed
 from router.results import Chunk, ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
 from router.stall import StallClock
-from router.timeouts import within
+from router.timeouts import Deadline
 from router.traffic import TrafficWindow
 from router.validate import Checked
 
@@ -224,17 +224,17 @@ class Router:
     async def _within(self, req: Checked, arrived: float, budget_s: float, traceparent: str,
                       admission: Admission | None) -> AsyncGenerator[Chunk, None]:
         chunks = self.stream(req, arrived, budget_s, traceparent, admission)
+        loop = asyncio.get_running_loop()
+        deadline = Deadline(loop.time() + budget_s - (time.monotonic() - arrived))
         try:
             while True:
-                remaining = budget_s - (time.monotonic() - arrived)
-                if remaining <= 0:
-                    raise TimeoutError
                 try:
-                    chunk = await within(anext(chunks), remaining)
+                    chunk = await deadline.wait(anext(chunks))
                 except StopAsyncIteration:
                     return
                 yield chunk
         finally:
+            deadline.cancel()
             await chunks.aclose()
 
     def _predicted(self, last: Chunk, route: Route) -> None:

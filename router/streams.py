@@ -102,10 +102,14 @@ class ChannelStream:
         if self._ended:
             raise StopAsyncIteration
         if not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            # NOTE: a future of ours: a timer that fails it is all a timeout needs (no asyncio.timeout per token)
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
             try:
-                await within(self._waiter, timeout)
+                await waiter
             finally:
+                timer.cancel()
                 self._waiter = None
         item = self._items.popleft()
         if item == END:
@@ -154,6 +158,11 @@ class ChannelStream:
             self.channel.cancel(self.attempt)
         self._ended = True
         self.channel.streams.pop(self.attempt, None)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 def _has_channel(worker: Any) -> bool:
