@@ -6,7 +6,9 @@ For each model it runs, in one process and on the same prompts (fresh random tok
 2. the same through a running cluster (`pdcluster serve` on `--config` in a child process, every request across
    the prefill -> decode handoff: prefix skipping and the SLO placement rules off), as a client sees it over OpenAI
    HTTP streaming and gRPC streaming: TTFT, the gaps between tokens (ITL p50), tokens/s;
-3. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its /proc times: the router,
+3. where a first token's time goes: the router's own timeline of the TTFT requests (queue: arrival to the prefill's
+   start on a worker; prefill: to its first token; first token: arrival to the token leaving the router);
+4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its /proc times: the router,
    its Ray driver and everything else `serve` runs in that process).
 The ratios (cluster / engine) are what carries over to a GPU: the path's own cost next to the engine's step.
 """
@@ -23,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdcluster.bench import cluster_proc
-from pdcluster.bench.path_clients import Timed, close_all, grpc_stream, http_stream
+from pdcluster.bench.path_clients import TIMELINE_PARTS, Timed, close_all, grpc_stream, http_stream
 from pdcluster.bench.report import emit, log, machine
 
 BENCH = "path"
@@ -108,9 +110,11 @@ async def through_cluster(stream: Stream, addr: str, prompts: list[list[int]], a
 async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
                  pid: int) -> dict[str, Any]:
     await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
-    ttft = []
+    ttft, parts = [], []
     for p in prompts[2:2 + args.ttft_requests]:
-        ttft.append((await stream(addr, p, TTFT_TOKENS)).ttft_s)
+        timed = await stream(addr, p, TTFT_TOKENS)
+        ttft.append(timed.ttft_s)
+        parts.append(timed.timeline)
         await asyncio.sleep(0.2)  # NOTE: idle between requests: the heartbeats show the workers idle again
     itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
     t = time.perf_counter()
@@ -128,7 +132,10 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     bad = [r.tokens for r in [one, *many] if r.tokens != args.stream_tokens]
     if bad:
         log(BENCH, f"WARNING: {len(bad)} streams ended short of {args.stream_tokens} tokens: {bad[:4]}")
-    return {"ttft_ms_p50": _ms(statistics.median(ttft)), "itl_ms_p50": _ms(statistics.median(itl)),
+    # NOTE: the router's own timeline of the TTFT requests: where the first token's time went before it left the router
+    timeline = {f"router_{k.removesuffix('_ms')}_ms_p50": round(statistics.median(t[k] for t in parts), 2)
+                for k in TIMELINE_PARTS if all(k in t for t in parts)}
+    return {"ttft_ms_p50": _ms(statistics.median(ttft)), **timeline, "itl_ms_p50": _ms(statistics.median(itl)),
             "tok_s_1": one.tokens / one_s, f"tok_s_{args.streams}": relayed / many_s,
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
@@ -191,6 +198,16 @@ def format_table(f: dict[str, Any]) -> str:
                          f"{c['itl_added_ms']:+.2f} | {c['tok_s_1']:.0f} ({c['ratio_1']:.2f}x) | "
                          f"{c[f'tok_s_{n}']:.0f} ({c[f'ratio_{n}']:.2f}x) | {c['router_cpu_s_per_1k_tokens']:.3f} "
                          f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) |")
+    lines += ["", "Where the first token's time goes (p50 ms; the router's timeline of the same requests):", "",
+              "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
+              "| prefill |", "|" + "---|" * 7]
+    for model, r in f["models"].items():
+        for front in (k for k in r if k != "engine"):
+            c = r[front]
+            if "router_first_token_ms_p50" in c:
+                lines.append(f"| {model} | {front} | {r['engine']['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
+                             f"{c['router_first_token_ms_p50']:.1f} | {c['router_queue_ms_p50']:.1f} | "
+                             f"{c['router_prefill_ms_p50']:.1f} |")
     return "\n".join(lines)
 
 

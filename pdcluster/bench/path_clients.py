@@ -25,6 +25,7 @@ class Timed:
     ttft_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens after the first
     tokens: int = 0
+    timeline: dict[str, float] = field(default_factory=dict)  # the router's own figures, from the last chunk
 
     def arrived(self, n: int, now: float, t0: float, last: float) -> float:
         if not n:
@@ -65,6 +66,8 @@ async def http_stream(addr: str, prompt: list[int], max_tokens: int) -> Timed:
                 ev = json.loads(payload)
                 if "error" in ev:
                     raise RuntimeError(f"stream error: {ev['error']}")
+                if "pdcluster" in ev:
+                    r.timeline = _timeline(ev["pdcluster"]["timeline"])
                 for choice in ev.get("choices") or []:
                     # NOTE: a server without vLLM's return_token_ids: one token per chunk with text (vLLM's own
                     # benchmark counts so)
@@ -88,7 +91,17 @@ async def grpc_stream(addr: str, prompt: list[int], max_tokens: int) -> Timed:
     last = t0
     async for chunk in stub.GenerateStream(req, timeout=600):
         last = r.arrived(len(chunk.token_ids), time.perf_counter(), t0, last)
+        if chunk.HasField("timeline"):
+            t = chunk.timeline
+            r.timeline = _timeline({k: getattr(t, k) for k in TIMELINE_PARTS})
     return r
+
+
+TIMELINE_PARTS = ("queue_ms", "prefill_ms", "first_token_ms")  # arrival -> prefill starts -> first token (router)
+
+
+def _timeline(t: dict[str, float]) -> dict[str, float]:
+    return {k: float(t[k]) for k in TIMELINE_PARTS}
 
 
 async def close_all() -> None:
