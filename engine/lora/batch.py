@@ -1,0 +1,102 @@
+"""One step's LoRA work: the batch's rows grouped per adapter, and each wrapped linear's delta added to its output.
+
+The rows of a step are laid out sequence by sequence (engine/model_runner.py `prepare`). `LoRAStep` sorts the rows
+that have an adapter into segments, one per adapter present (base rows are in none and cost nothing), once per
+step; every wrapped linear then computes `y[rows] += x[rows] @ A.T @ B.T` per segment: on the CPU one small matmul
+pair per adapter present (Punica's SGMV done as a loop over segments, never over rows), on CUDA one launch of the
+shrink and one of the expand kernel for all segments (engine/lora/sgmv.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from engine.lora.adapter import LoRAAdapter
+
+Stacks = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, linear) → the kernels' A and B stacks
+
+
+class StepHolder(Protocol):
+    """What a LoRALinear reads: the current step (engine/lora/slots.py's LoRASlots)."""
+
+    step: LoRAStep | None
+
+
+class LoRAStep:
+    """The segments of one step: adapter rows sorted by adapter, with each segment's adapter and slot."""
+
+    def __init__(self, adapters: Sequence[LoRAAdapter | None], slots: Sequence[int], counts: Sequence[int],
+                 device: torch.device, stacks: Stacks) -> None:
+        # adapters/slots/counts: per sequence of the batch, its adapter (None: the base), slot and rows this step
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        owner: dict[int, LoRAAdapter] = {}
+        start = 0
+        for adapter, slot, n in zip(adapters, slots, counts):
+            if adapter is not None:
+                by_slot.setdefault(slot, []).append((start, start + n))
+                owner[slot] = adapter
+            start += n
+        self.stacks = stacks
+        rows: list[int] = []
+        self.segments: list[tuple[int, int, LoRAAdapter]] = []  # (start, end) in the sorted rows, its adapter
+        self.seg_slots: list[int] = []
+        for slot, ranges in by_slot.items():
+            first = len(rows)
+            for a, b in ranges:
+                rows.extend(range(a, b))
+            self.segments.append((first, len(rows), owner[slot]))
+            self.seg_slots.append(slot)
+        # NOTE: when each adapter's rows already lie together in the batch (one request per adapter, a prefill),
+        # the segments are slices of x and y themselves: no gather and no scatter
+        self.contiguous = all(len(r) == 1 for r in by_slot.values())
+        self.row_slices = [r[0] for r in by_slot.values()] if self.contiguous else []
+        self.rows = torch.tensor(rows, dtype=torch.long).to(device)  # [Ta]: the batch rows, sorted by adapter
+        self.max_len = max(e - s for s, e, _ in self.segments)
+        self.device_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # (segment starts [G + 1], slots [G])
+        if device.type == "cuda":
+            starts = [s for s, _, _ in self.segments] + [len(rows)]
+            self.device_meta = (torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+                                torch.tensor(self.seg_slots, dtype=torch.int32).to(device, non_blocking=True))
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor, layer: int, linear: str) -> None:
+        """y += each adapter row's x @ A.T @ B.T for this linear of this layer (x [T, in], y [T, out], in place)."""
+        if self.device_meta is not None:
+            from engine.lora.sgmv import add_lora
+
+            a, b = self.stacks(layer, linear)
+            add_lora(x, y, a, b, self.rows, *self.device_meta, self.max_len)
+            return
+        if self.contiguous:
+            for (start, end), (_, _, adapter) in zip(self.row_slices, self.segments):
+                pair = adapter.layers[layer].get(linear)
+                if pair is not None:
+                    y[start:end] += torch.mm(torch.mm(x[start:end], pair.a.t()), pair.b.t())
+            return
+        xs = x.index_select(0, self.rows)  # [Ta, in]
+        delta = y.new_zeros((xs.shape[0], y.shape[1]))  # [Ta, out]
+        for start, end, adapter in self.segments:
+            pair = adapter.layers[layer].get(linear)
+            if pair is not None:
+                torch.mm(torch.mm(xs[start:end], pair.a.t()), pair.b.t(), out=delta[start:end])
+        y.index_add_(0, self.rows, delta)
+
+
+class LoRALinear:
+    """A base linear layer with the step's adapter deltas added to its output (the base's result untouched when the
+    step has no adapter rows)."""
+
+    def __init__(self, base: object, pool: StepHolder, layer: int, linear: str) -> None:
+        self.base, self.pool, self.layer, self.linear = base, pool, layer, linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] → [T, out]
+        y = self.base(x)  # type: ignore[operator]
+        step = self.pool.step
+        if step is not None:
+            step.add_delta(x, y, self.layer, self.linear)
+        return y
+
+    def __getattr__(self, name: str) -> object:  # the base's attributes (out_features, plain_weight, ...)
+        return getattr(self.base, name)

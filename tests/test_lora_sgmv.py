@@ -1,0 +1,60 @@
+"""The Triton LoRA kernels (engine/lora/sgmv.py) against the torch oracle (per segment: x[rows] @ A.T @ B.T in
+float64), on segments of uneven lengths (longer than a program's block), interleaved rows and base rows left alone.
+Without CUDA they run under Triton's interpreter on CPU tensors; marked gpu too, so scripts/gpu-check.sh runs them
+compiled. Tolerance: float32 within 1e-5 relative (another summation order; h stays float32 between the two
+matmuls), bfloat16 within two ulps of the output's scale (the sum is rounded once, to y's dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import import_triton_module
+
+CUDA = torch.cuda.is_available()
+sgmv = import_triton_module("engine.lora.sgmv")
+DEV = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n,ranks", [(64, 96, (4, 16, 8)), (160, 64, (16, 1, 16))])
+def test_sgmv_adds_each_segment_s_adapter_delta(dtype, k, n, ranks) -> None:
+    g = torch.Generator().manual_seed(k + n)
+    slots, width, t = 4, 16, 41
+    a = torch.zeros(slots, width, k)
+    b = torch.zeros(slots, n, width)
+    used = [3, 0, 2]  # slot per segment (slot 1 is loaded with nothing here: its zeros are never read)
+    for slot, r in zip(used, ranks):
+        a[slot, :r] = torch.randn(r, k, generator=g) / k**0.5
+        b[slot, :, :r] = torch.randn(n, r, generator=g) / r**0.5
+    x = torch.randn(t, k, generator=g)
+    y = torch.randn(t, n, generator=g)
+    # NOTE: 20 rows in the first segment (over BLOCK_M = 16), interleaved over the batch; rows 38-40 are the base's
+    order = torch.randperm(38, generator=g).tolist()
+    segments = [order[:20], order[20:23], order[23:]]
+    rows = [r for seg in segments for r in seg]
+    starts = [0, 20, 23, 38]
+    want = y.double().clone()
+    for seg, slot in zip(segments, used):
+        want[seg] += x[seg].double() @ a[slot].double().T @ b[slot].double().T
+    yd = y.to(dtype).to(DEV)
+    sgmv.add_lora(x.to(dtype).to(DEV), yd, a.to(dtype).to(DEV), b.to(dtype).to(DEV),
+                  torch.tensor(rows, dtype=torch.long, device=DEV), torch.tensor(starts, dtype=torch.int32,
+                  device=DEV), torch.tensor(used, dtype=torch.int32, device=DEV), 20)
+    got = yd.double().cpu()
+    assert torch.equal(got[38:], y[38:].to(dtype).double())  # base rows untouched
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the inputs were rounded to bfloat16 too: compare with the same math on the rounded inputs
+        ref = y.to(dtype).double().clone()
+        for seg, slot in zip(segments, used):
+            ref[seg] += x[seg].to(dtype).double() @ a[slot].to(dtype).double().T @ b[slot].to(dtype).double().T
+        assert ((got - ref).abs() <= 2 * 2**-8 * ref.abs().clamp_min(1.0)).all()
