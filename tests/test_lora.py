@@ -184,3 +184,34 @@ def test_requests_and_slots_are_checked(tiny, tmp_path) -> None:
         off.load_lora("a", str(tmp_path / "a"))
     with pytest.raises(InvalidRequestError, match="max_loras"):
         EngineConfig(max_loras=-1)
+
+
+@pytest.mark.parametrize("names,counts,path", [
+    (["a", "b", "c", "a", "b", "c", None, "a"], [1] * 8, "batched"),  # a decode batch: bmm, slots gathered
+    (["a", "b", None, "b", "a", "c", "c", "a"], [1] * 8, "batched"),  # uneven segments: padded rows masked
+    (["c", "a", None, "c", "b"], [30, 1, 1, 1, 1], "loop"),  # a prefill beside decodes: a matmul pair each
+    (["b", None], [5, 7], "slices"),  # one adapter, its rows together: slices of x and y, no gather
+])
+def test_every_cpu_path_adds_each_row_s_own_delta(tiny, tmp_path, names, counts, path) -> None:
+    engine = lora_engine(tiny)
+    for i, name in enumerate("abc"):
+        engine.load_lora(name, make_adapter(str(tmp_path / name), tiny, rank=4 * (i + 1), seed=20 + i))
+    slots = engine.lora
+    assert slots is not None
+    g = torch.Generator().manual_seed(1)
+    t = sum(counts)
+    x, y = torch.randn(t, 160, generator=g), torch.randn(t, 64, generator=g)  # down: 160 → 64
+    want = y.clone()
+    row = 0
+    for name, n in zip(names, counts):
+        if name is not None:
+            pair = slots.get(name).layers[1]["down"]
+            want[row:row + n] += x[row:row + n] @ pair.a.T @ pair.b.T
+        row += n
+    slots.begin(names, counts)
+    step = slots.step
+    assert step is not None
+    assert path == ("batched" if step.batched is not None else "slices" if step.contiguous else "loop")
+    step.add_delta(x, y, 1, "down")
+    slots.end()
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)

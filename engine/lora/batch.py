@@ -2,9 +2,12 @@
 
 The rows of a step are laid out sequence by sequence (engine/model_runner.py `prepare`). `LoRAStep` sorts the rows
 that have an adapter into segments, one per adapter present (base rows are in none and cost nothing), once per
-step; every wrapped linear then computes `y[rows] += x[rows] @ A.T @ B.T` per segment: on the CPU one small matmul
-pair per adapter present (Punica's SGMV done as a loop over segments, never over rows), on CUDA one launch of the
-shrink and one of the expand kernel for all segments (engine/lora/sgmv.py).
+step; every wrapped linear then computes `y[rows] += x[rows] @ A.T @ B.T` per segment. On the CPU: segments of
+about one length (a decode batch) go through one batched matmul pair over the slots' stacked weights (`bmm`, each
+segment padded to the longest); others get one small matmul pair per adapter present (a loop over segments, never
+over rows). On CUDA: one launch of the shrink and one of the expand kernel for all segments (engine/lora/sgmv.py).
+NOTE: op count is what costs on the CPU at decode sizes (~120 wrapped linears a step in a 30-layer model): the loop
+takes 2 + 2G ops per linear for G adapters, the batched path 4-7 whatever G is.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class LoRAStep:
     """The segments of one step: adapter rows sorted by adapter, with each segment's adapter and slot."""
 
     def __init__(self, adapters: Sequence[LoRAAdapter | None], slots: Sequence[int], counts: Sequence[int],
-                 device: torch.device, stacks: Stacks) -> None:
+                 device: torch.device, stacks: Stacks, num_slots: int) -> None:
         # adapters/slots/counts: per sequence of the batch, its adapter (None: the base), slot and rows this step
         by_slot: dict[int, list[tuple[int, int]]] = {}
         owner: dict[int, LoRAAdapter] = {}
@@ -55,6 +58,18 @@ class LoRAStep:
         self.row_slices = [r[0] for r in by_slot.values()] if self.contiguous else []
         self.rows = torch.tensor(rows, dtype=torch.long).to(device)  # [Ta]: the batch rows, sorted by adapter
         self.max_len = max(e - s for s, e, _ in self.segments)
+        self.batched: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        num = len(self.segments)
+        if device.type == "cpu" and num >= 2 and num * self.max_len <= 2 * len(rows):
+            # (rows padded to [G * L]: padding repeats a segment's first row; its mask [G * L, 1] zeroes those,
+            # or None; the slots to gather from the stacks, or None when the step uses every slot in order)
+            padded, mask = [], []
+            for start, end, _ in self.segments:
+                padded += rows[start:end] + [rows[start]] * (self.max_len - (end - start))
+                mask += [1.0] * (end - start) + [0.0] * (self.max_len - (end - start))
+            pad_mask = None if all(mask) else torch.tensor(mask).unsqueeze(1)
+            gather = None if self.seg_slots == list(range(num_slots)) else torch.tensor(self.seg_slots)
+            self.batched = (torch.tensor(padded, dtype=torch.long), pad_mask, gather)
         self.device_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # (segment starts [G + 1], slots [G])
         if device.type == "cuda":
             starts = [s for s, _, _ in self.segments] + [len(rows)]
@@ -69,6 +84,9 @@ class LoRAStep:
             a, b = self.stacks(layer, linear)
             add_lora(x, y, a, b, self.rows, *self.device_meta, self.max_len)
             return
+        if self.batched is not None:
+            self._add_batched(x, y, *self.stacks(layer, linear))
+            return
         if self.contiguous:
             for (start, end), (_, _, adapter) in zip(self.row_slices, self.segments):
                 pair = adapter.layers[layer].get(linear)
@@ -82,6 +100,18 @@ class LoRAStep:
             if pair is not None:
                 torch.mm(torch.mm(xs[start:end], pair.a.t()), pair.b.t(), out=delta[start:end])
         y.index_add_(0, self.rows, delta)
+
+    def _add_batched(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The CPU's batched path: a [S, R, in] and b [S, out, R] (the slots' stacks), one bmm pair for all."""
+        assert self.batched is not None
+        padded, mask, gather = self.batched
+        if gather is not None:
+            a, b = a.index_select(0, gather), b.index_select(0, gather)
+        xs = x.index_select(0, padded).view(len(self.segments), self.max_len, x.shape[1])  # [G, L, in]
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, y.shape[1])  # [G * L, out]
+        if mask is not None:
+            delta.mul_(mask)
+        y.index_add_(0, padded, delta)
 
 
 class LoRALinear:

@@ -1,9 +1,9 @@
 """The adapters resident in one engine (at most `max_loras`), and the wrapping of the model's linears.
 
-An adapter is loaded into a free slot and stays until unloaded (an adapter in use by a request cannot be). On CUDA
-each (layer, linear) also has stacked weights for the Triton kernels: A [max_loras, R, in] and B [max_loras, out, R]
-with R the linear's parts times max_lora_rank (rounded up to a power of two), zeros past an adapter's own rank, so
-the kernels index a slot with no per-adapter shapes.
+An adapter is loaded into a free slot and stays until unloaded (an adapter in use by a request cannot be). Each
+(layer, linear) also has the slots' weights stacked: A [max_loras, R, in] and B [max_loras, out, R] with R the
+linear's parts times max_lora_rank (on CUDA rounded up to a power of two, at least 16, for the Triton kernels),
+zeros past an adapter's own rank, so a batched matmul or a kernel indexes a slot with no per-adapter shapes.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ class LoRASlots:
         # (the model's call signature stays the base model's), cleared by `end`
         self.step: LoRAStep | None = None
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        if device.type == "cuda":
-            for layer in range(cfg.num_layers):
-                for linear, parts in part_sizes(cfg).items():
-                    width = max(16, 1 << (len(parts) * max_rank - 1).bit_length())  # NOTE: tl.dot's least
-                    out, inp = sum(o for o, _ in parts), parts[0][1]
-                    self._stacks[(layer, linear)] = (
-                        torch.zeros(max_loras, width, inp, dtype=dtype, device=device),
-                        torch.zeros(max_loras, out, width, dtype=dtype, device=device))
+        for layer in range(cfg.num_layers):
+            for linear, parts in part_sizes(cfg).items():
+                width = len(parts) * max_rank
+                if device.type == "cuda":
+                    width = max(16, 1 << (width - 1).bit_length())  # NOTE: tl.arange's power of two, tl.dot's least
+                out, inp = sum(o for o, _ in parts), parts[0][1]
+                self._stacks[(layer, linear)] = (torch.zeros(max_loras, width, inp, dtype=dtype, device=device),
+                                                 torch.zeros(max_loras, out, width, dtype=dtype, device=device))
 
     def wrap(self, layers: Sequence[object]) -> None:
         """Put a LoRALinear around each of the decoder layers' four linears."""
@@ -90,7 +90,7 @@ class LoRASlots:
         return sorted(self.by_name, key=lambda n: self.by_name[n][0])
 
     def stacks(self, layer: int, linear: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Triton kernels' weights of one linear: A [S, R, in], B [S, out, R] (CUDA only)."""
+        """The slots' stacked weights of one linear: A [S, R, in], B [S, out, R]."""
         return self._stacks[(layer, linear)]
 
     def begin(self, names: Sequence[str | None], counts: Sequence[int]) -> None:
@@ -99,7 +99,8 @@ class LoRASlots:
         if any(n is not None for n in names):
             entries = [None if n is None else self.by_name[n] for n in names]
             self.step = LoRAStep([None if e is None else e[1] for e in entries],
-                                 [-1 if e is None else e[0] for e in entries], counts, self.device, self.stacks)
+                                 [-1 if e is None else e[0] for e in entries], counts, self.device, self.stacks,
+                                 self.max_loras)
 
     def end(self) -> None:
         self.step = None
