@@ -46,7 +46,8 @@ def test_sgmv_adds_each_segment_s_adapter_delta(dtype, k, n, ranks) -> None:
     for seg, slot in zip(segments, used):
         want[seg] += x[seg].double() @ a[slot].double().T @ b[slot].double().T
     yd = y.to(dtype).to(DEV)
-    sgmv.add_lora(x.to(dtype).to(DEV), yd, a.to(dtype).to(DEV), b.to(dtype).to(DEV),
+    a_t, b_t = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()  # the slots' layout
+    sgmv.add_lora(x.to(dtype).to(DEV), yd, a_t.to(dtype).to(DEV), b_t.to(dtype).to(DEV),
                   torch.tensor(rows, dtype=torch.long, device=DEV), torch.tensor(starts, dtype=torch.int32,
                   device=DEV), torch.tensor(used, dtype=torch.int32, device=DEV), 20)
     got = yd.double().cpu()

@@ -19,7 +19,7 @@ import torch
 
 from engine.lora.adapter import LoRAAdapter
 
-Stacks = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, linear) → the kernels' A and B stacks
+Stacks = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, linear) → A.T [S, in, R], B.T [S, R, out]
 
 
 class StepHolder(Protocol):
@@ -101,14 +101,14 @@ class LoRAStep:
                 torch.mm(torch.mm(xs[start:end], pair.a.t()), pair.b.t(), out=delta[start:end])
         y.index_add_(0, self.rows, delta)
 
-    def _add_batched(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        """The CPU's batched path: a [S, R, in] and b [S, out, R] (the slots' stacks), one bmm pair for all."""
+    def _add_batched(self, x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
+        """The CPU's batched path: a_t [S, in, R] and b_t [S, R, out] (the slots' stacks), one bmm pair for all."""
         assert self.batched is not None
         padded, mask, gather = self.batched
         if gather is not None:
-            a, b = a.index_select(0, gather), b.index_select(0, gather)
+            a_t, b_t = a_t.index_select(0, gather), b_t.index_select(0, gather)
         xs = x.index_select(0, padded).view(len(self.segments), self.max_len, x.shape[1])  # [G, L, in]
-        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, y.shape[1])  # [G * L, out]
+        delta = torch.bmm(torch.bmm(xs, a_t), b_t).view(-1, y.shape[1])  # [G * L, out]
         if mask is not None:
             delta.mul_(mask)
         y.index_add_(0, padded, delta)

@@ -1,9 +1,10 @@
 """The adapters resident in one engine (at most `max_loras`), and the wrapping of the model's linears.
 
 An adapter is loaded into a free slot and stays until unloaded (an adapter in use by a request cannot be). Each
-(layer, linear) also has the slots' weights stacked: A [max_loras, R, in] and B [max_loras, out, R] with R the
-linear's parts times max_lora_rank (on CUDA rounded up to a power of two, at least 16, for the Triton kernels),
-zeros past an adapter's own rank, so a batched matmul or a kernel indexes a slot with no per-adapter shapes.
+(layer, linear) also has the slots' weights stacked, transposed as the batched matmuls read them: A.T
+[max_loras, in, R] and B.T [max_loras, R, out], R the linear's parts times max_lora_rank (on CUDA rounded up to a
+power of two, at least 16, for the Triton kernels), zeros past an adapter's own rank, so a batched matmul or a kernel
+indexes a slot with no per-adapter shapes.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class LoRASlots:
                 if device.type == "cuda":
                     width = max(16, 1 << (width - 1).bit_length())  # NOTE: tl.arange's power of two, tl.dot's least
                 out, inp = sum(o for o, _ in parts), parts[0][1]
-                self._stacks[(layer, linear)] = (torch.zeros(max_loras, width, inp, dtype=dtype, device=device),
-                                                 torch.zeros(max_loras, out, width, dtype=dtype, device=device))
+                self._stacks[(layer, linear)] = (torch.zeros(max_loras, inp, width, dtype=dtype, device=device),
+                                                 torch.zeros(max_loras, width, out, dtype=dtype, device=device))
 
     def wrap(self, layers: Sequence[object]) -> None:
         """Put a LoRALinear around each of the decoder layers' four linears."""
@@ -63,8 +64,8 @@ class LoRASlots:
             pair = adapter.layers[layer].get(linear)
             if pair is not None:
                 r = pair.a.shape[0]
-                a_stack[slot, :r] = pair.a
-                b_stack[slot, :, :r] = pair.b
+                a_stack[slot, :, :r] = pair.a.T
+                b_stack[slot, :r] = pair.b.T
         return adapter
 
     def unload(self, name: str, users: Sequence[str]) -> None:
@@ -90,7 +91,7 @@ class LoRASlots:
         return sorted(self.by_name, key=lambda n: self.by_name[n][0])
 
     def stacks(self, layer: int, linear: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots' stacked weights of one linear: A [S, R, in], B [S, out, R]."""
+        """The slots' stacked weights of one linear: A.T [S, in, R], B.T [S, R, out]."""
         return self._stacks[(layer, linear)]
 
     def begin(self, names: Sequence[str | None], counts: Sequence[int]) -> None:
