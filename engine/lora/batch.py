@@ -99,7 +99,7 @@ class LoRAStep:
             pair = adapter.layers[layer].get(linear)
             if pair is not None:
                 torch.mm(torch.mm(xs[start:end], pair.a.t()), pair.b.t(), out=delta[start:end])
-        y.index_add_(0, self.rows, delta)
+        y.index_put_((self.rows,), delta, accumulate=True)
 
     def _add_batched(self, x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
         """The CPU's batched path: a_t [S, in, R] and b_t [S, R, out] (the slots' stacks), one bmm pair for all."""
@@ -111,7 +111,10 @@ class LoRAStep:
         delta = torch.bmm(torch.bmm(xs, a_t), b_t).view(-1, y.shape[1])  # [G * L, out]
         if mask is not None:
             delta.mul_(mask)
-        y.index_add_(0, padded, delta)
+        # NOTE: index_put_ rather than index_add_: in profiles of the LoRA bench on our shared 2-core machine,
+        # index_add_ took most of the LoRA time whenever the machine was loaded; index_put_ is faster alone too
+        # (4.5 against 7.1 us at [8, 960])
+        y.index_put_((padded,), delta, accumulate=True)
 
 
 class LoRALinear:
