@@ -213,6 +213,7 @@ class LLMEngine(KVSeam):
             self.structured.wait(0.01)  # NOTE: only grammars being compiled are left (no-op otherwise)
             return results
         if self.lora is not None:
+            batch = self.lora.order(batch)
             self.lora.begin([s.params.lora for s in batch.seqs], batch.num_new_tokens)
         try:
             sampled = self.runner.execute(batch, self._layer_hook(batch), lookahead=self._same_next(batch))

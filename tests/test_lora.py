@@ -187,7 +187,8 @@ def test_requests_and_slots_are_checked(tiny, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("names,counts,path", [
-    (["a", "b", "c", "a", "b", "c", None, "a"], [1] * 8, "batched"),  # a decode batch: bmm, slots gathered
+    (["a", "a", "b", "b", "c", "c", None], [1] * 7, "span"),  # a decode batch sorted by LoRASlots.order: a slice
+    (["a", "b", "c", "a", "b", "c", None, "a"], [1] * 8, "batched"),  # unsorted: bmm over gathered rows and slots
     (["a", "b", None, "b", "a", "c", "c", "a"], [1] * 8, "batched"),  # uneven segments: padded rows masked
     (["c", "a", None, "c", "b"], [30, 1, 1, 1, 1], "loop"),  # a prefill beside decodes: a matmul pair each
     (["b", None], [5, 7], "slices"),  # one adapter, its rows together: slices of x and y, no gather
@@ -211,7 +212,8 @@ def test_every_cpu_path_adds_each_row_s_own_delta(tiny, tmp_path, names, counts,
     slots.begin(names, counts)
     step = slots.step
     assert step is not None
-    assert path == ("batched" if step.batched is not None else "slices" if step.contiguous else "loop")
+    assert path == ("span" if step.span else "batched" if step.batched is not None else
+                    "slices" if step.contiguous else "loop")
     step.add_delta(x, y, 1, "down")
     slots.end()
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)

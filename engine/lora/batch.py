@@ -59,6 +59,7 @@ class LoRAStep:
         self.rows = torch.tensor(rows, dtype=torch.long).to(device)  # [Ta]: the batch rows, sorted by adapter
         self.max_len = max(e - s for s, e, _ in self.segments)
         self.batched: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        self.span: tuple[int, int] | None = None
         num = len(self.segments)
         if device.type == "cpu" and num >= 2 and num * self.max_len <= 2 * len(rows):
             # (rows padded to [G * L]: padding repeats a segment's first row; its mask [G * L, 1] zeroes those,
@@ -70,6 +71,10 @@ class LoRAStep:
             pad_mask = None if all(mask) else torch.tensor(mask).unsqueeze(1)
             gather = None if self.seg_slots == list(range(num_slots)) else torch.tensor(self.seg_slots)
             self.batched = (torch.tensor(padded, dtype=torch.long), pad_mask, gather)
+            # NOTE: rows already in segment order with no padding (LoRASlots.order sorts a batch so) are a slice
+            # of x and y: no gather, no scatter
+            if pad_mask is None and rows == list(range(rows[0], rows[0] + len(rows))):
+                self.span = (rows[0], rows[0] + len(rows))
         self.device_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # (segment starts [G + 1], slots [G])
         if device.type == "cuda":
             starts = [s for s, _, _ in self.segments] + [len(rows)]
@@ -107,7 +112,12 @@ class LoRAStep:
         padded, mask, gather = self.batched
         if gather is not None:
             a_t, b_t = a_t.index_select(0, gather), b_t.index_select(0, gather)
-        xs = x.index_select(0, padded).view(len(self.segments), self.max_len, x.shape[1])  # [G, L, in]
+        shape = (len(self.segments), self.max_len, x.shape[1])
+        if self.span is not None:
+            start, end = self.span
+            y[start:end] += torch.bmm(torch.bmm(x[start:end].view(shape), a_t), b_t).view(-1, y.shape[1])
+            return
+        xs = x.index_select(0, padded).view(shape)  # [G, L, in]
         delta = torch.bmm(torch.bmm(xs, a_t), b_t).view(-1, y.shape[1])  # [G * L, out]
         if mask is not None:
             delta.mul_(mask)

@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
 from engine.lora.adapter import LINEARS, LoRAAdapter, LoRALoadError, load_adapter, part_sizes
 from engine.lora.batch import LoRALinear, LoRAStep
+from engine.scheduler import ScheduledBatch
 
 
 class LoRASlots:
@@ -93,6 +94,20 @@ class LoRASlots:
     def stacks(self, layer: int, linear: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots' stacked weights of one linear: A.T [S, in, R], B.T [S, R, out]."""
         return self._stacks[(layer, linear)]
+
+    def order(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The batch with each adapter's rows together, in slot order, base rows last (single-token entries still
+        first, as the runner expects), so a decode step's segments are slices (LoRAStep.span)."""
+        if all(s.params.lora is None for s in batch.seqs):
+            return batch
+        last = self.max_loras
+
+        def key(i: int) -> tuple[bool, int]:
+            name = batch.seqs[i].params.lora
+            return batch.num_new_tokens[i] != 1, last if name is None else self.by_name[name][0]
+
+        order = sorted(range(len(batch.seqs)), key=key)
+        return ScheduledBatch([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order])
 
     def begin(self, names: Sequence[str | None], counts: Sequence[int]) -> None:
         """Group this step's rows (per sequence: its adapter's name or None, its rows) for the wrapped linears."""
