@@ -74,7 +74,7 @@ class LLMEngine(KVSeam):
         self.lora: LoRASlots | None = None  # the resident adapters (engine/lora/); None with max_loras = 0
         if config.max_loras:
             self.lora = LoRASlots(mcfg, config.max_loras, config.max_lora_rank, config.torch_dtype,
-                                  self.runner.device)
+                                  self.runner.device, kernel=self.runner.attn_backend == "triton")
             self.lora.wrap(self.runner.model.layers)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)

@@ -59,3 +59,57 @@ def test_sgmv_adds_each_segment_s_adapter_delta(dtype, k, n, ranks) -> None:
         for seg, slot in zip(segments, used):
             ref[seg] += x[seg].to(dtype).double() @ a[slot].to(dtype).double().T @ b[slot].to(dtype).double().T
         assert ((got - ref).abs() <= 2 * 2**-8 * ref.abs().clamp_min(1.0)).all()
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreted engine on the CPU; on a GPU the next test compares")
+def test_an_engine_on_the_triton_backend_gives_the_torch_path_s_tokens(tiny, tmp_path, monkeypatch) -> None:
+    """The tiny model end to end with PDCLUSTER_ATTENTION=triton (interpreted): base and two adapters in one batch
+    give the tokens of the torch LoRA path (gather backend), and the kernels computed the deltas."""
+    import dataclasses
+
+    from engine.kernels import ENV
+    from tests.helpers import generate_ids, greedy, make_engine, random_prompts
+    from tests.lora_adapters import make_adapter
+
+    calls = []
+    real = sgmv.add_lora
+    monkeypatch.setattr(sgmv, "add_lora", lambda *a: (calls.append(1), real(*a)))
+    paths = {n: make_adapter(str(tmp_path / n), tiny, rank=r, seed=r) for n, r in (("a", 4), ("b", 16))}
+    prompts = random_prompts(4, [7, 19], vocab=tiny.config.vocab_size, seed=2)
+    names = ["a", None, "b", "a"]
+
+    def run(backend: str) -> list[list[int]]:
+        monkeypatch.setenv(ENV, backend)
+        engine = make_engine(tiny, max_loras=2)
+        assert engine.runner.attn_backend == backend
+        for name, path in paths.items():
+            engine.load_lora(name, path)
+        for i, (p, name) in enumerate(zip(prompts, names)):
+            engine.add_request(f"r{i}", p, dataclasses.replace(greedy(6), lora=name))
+        from tests.helpers import run_to_completion
+
+        final = run_to_completion(engine)
+        return [final[f"r{i}"].token_ids for i in range(len(prompts))]
+
+    ref = run("gather")
+    assert not calls
+    assert run("triton") == ref
+    assert calls  # the Triton kernels added the deltas
+    assert generate_ids(make_engine(tiny), prompts[1:2], greedy(6)) == [ref[1]]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_adapter_tokens_on_a_gpu_equal_the_merged_model(tiny, tmp_path) -> None:
+    """On CUDA in float32: the Triton kernels' adapter tokens are the merged model's."""
+    import dataclasses
+
+    from tests.helpers import generate_ids, greedy, make_engine, random_prompts
+    from tests.lora_adapters import make_adapter, merged_model
+
+    path = make_adapter(str(tmp_path / "a"), tiny, rank=8, seed=3)
+    prompts = random_prompts(8, [5, 17, 33], vocab=tiny.config.vocab_size, seed=3)
+    engine = make_engine(tiny, device="cuda", dtype="float32", max_loras=2)
+    engine.load_lora("a", path)
+    ours = generate_ids(engine, prompts, dataclasses.replace(greedy(12), lora="a"))
+    merged = make_engine(merged_model(tiny, path), device="cuda", dtype="float32", enforce_eager=True)
+    assert ours == generate_ids(merged, prompts, greedy(12))

@@ -2,7 +2,7 @@
 
 `adapter.py` reads and checks an adapter; `slots.py` keeps the resident ones (max_loras) and wraps the model's
 linears; `batch.py` groups a step's rows per adapter and computes the deltas (torch on the CPU, `sgmv.py`'s Triton
-kernels on CUDA).
+kernels with the Triton backend, i.e. on CUDA).
 """
 
 from engine.lora.adapter import LoRAAdapter, LoRALoadError, load_adapter

@@ -5,9 +5,10 @@ that have an adapter into segments, one per adapter present (base rows are in no
 step; every wrapped linear then computes `y[rows] += x[rows] @ A.T @ B.T` per segment. On the CPU: segments of
 about one length (a decode batch) go through one batched matmul pair over the slots' stacked weights (`bmm`, each
 segment padded to the longest); others get one small matmul pair per adapter present (a loop over segments, never
-over rows). On CUDA: one launch of the shrink and one of the expand kernel for all segments (engine/lora/sgmv.py).
+over rows). With the Triton backend (CUDA): one launch of the shrink and one of the expand kernel for all segments
+(engine/lora/sgmv.py).
 NOTE: op count is what costs on the CPU at decode sizes (~120 wrapped linears a step in a 30-layer model): the loop
-takes 2 + 2G ops per linear for G adapters, the batched path 4-7 whatever G is.
+takes 2 + 2G ops per linear for G adapters, the batched path 2-7 whatever G is.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class LoRAStep:
     """The segments of one step: adapter rows sorted by adapter, with each segment's adapter and slot."""
 
     def __init__(self, adapters: Sequence[LoRAAdapter | None], slots: Sequence[int], counts: Sequence[int],
-                 device: torch.device, stacks: Stacks, num_slots: int) -> None:
+                 device: torch.device, stacks: Stacks, num_slots: int, kernel: bool = False) -> None:
         # adapters/slots/counts: per sequence of the batch, its adapter (None: the base), slot and rows this step
         by_slot: dict[int, list[tuple[int, int]]] = {}
         owner: dict[int, LoRAAdapter] = {}
@@ -61,7 +62,7 @@ class LoRAStep:
         self.batched: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self.span: tuple[int, int] | None = None
         num = len(self.segments)
-        if device.type == "cpu" and num >= 2 and num * self.max_len <= 2 * len(rows):
+        if not kernel and num >= 2 and num * self.max_len <= 2 * len(rows):
             # (rows padded to [G * L]: padding repeats a segment's first row; its mask [G * L, 1] zeroes those,
             # or None; the slots to gather from the stacks, or None when the step uses every slot in order)
             padded, mask = [], []
@@ -76,7 +77,7 @@ class LoRAStep:
             if pad_mask is None and rows == list(range(rows[0], rows[0] + len(rows))):
                 self.span = (rows[0], rows[0] + len(rows))
         self.device_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # (segment starts [G + 1], slots [G])
-        if device.type == "cuda":
+        if kernel:
             starts = [s for s, _, _ in self.segments] + [len(rows)]
             self.device_meta = (torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
                                 torch.tensor(self.seg_slots, dtype=torch.int32).to(device, non_blocking=True))

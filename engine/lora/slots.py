@@ -2,9 +2,9 @@
 
 An adapter is loaded into a free slot and stays until unloaded (an adapter in use by a request cannot be). Each
 (layer, linear) also has the slots' weights stacked, transposed as the batched matmuls read them: A.T
-[max_loras, in, R] and B.T [max_loras, R, out], R the linear's parts times max_lora_rank (on CUDA rounded up to a
-power of two, at least 16, for the Triton kernels), zeros past an adapter's own rank, so a batched matmul or a kernel
-indexes a slot with no per-adapter shapes.
+[max_loras, in, R] and B.T [max_loras, R, out], R the linear's parts times max_lora_rank (for the Triton kernels
+rounded up to a power of two, at least 16), zeros past an adapter's own rank, so a batched matmul or a kernel indexes
+a slot with no per-adapter shapes.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ class LoRASlots:
     """Resident adapters by name and slot; `begin`/`end` bracket a step's forward pass."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kernel: bool = False) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype, self.device = cfg, max_loras, max_rank, dtype, device
+        # NOTE: the Triton kernels where the runner uses the Triton backend (CUDA; the interpreter on the CPU in tests)
+        self.kernel = kernel
         self.by_name: dict[str, tuple[int, LoRAAdapter]] = {}
         self.free = list(range(max_loras - 1, -1, -1))  # NOTE: popped from the end: slot 0 first
         # NOTE: the one piece of per-step state: set by `begin` before the forward pass, read by every LoRALinear
@@ -35,7 +37,7 @@ class LoRASlots:
         for layer in range(cfg.num_layers):
             for linear, parts in part_sizes(cfg).items():
                 width = len(parts) * max_rank
-                if device.type == "cuda":
+                if kernel:
                     width = max(16, 1 << (width - 1).bit_length())  # NOTE: tl.arange's power of two, tl.dot's least
                 out, inp = sum(o for o, _ in parts), parts[0][1]
                 self._stacks[(layer, linear)] = (torch.zeros(max_loras, inp, width, dtype=dtype, device=device),
@@ -116,7 +118,7 @@ class LoRASlots:
             entries = [None if n is None else self.by_name[n] for n in names]
             self.step = LoRAStep([None if e is None else e[1] for e in entries],
                                  [-1 if e is None else e[0] for e in entries], counts, self.device, self.stacks,
-                                 self.max_loras)
+                                 self.max_loras, self.kernel)
 
     def end(self) -> None:
         self.step = None
