@@ -1,7 +1,8 @@
 """The one block-hash function of pdcluster: prefill, decode and the router all call it.
 
 A block's hash chains its parent's hash, its token ids, the cache scope (model id + KV dtype) and the request's extra
-keys (its LoRA adapter: the same tokens give other KV under another adapter), so equal hashes mean equal KV contents. sha256 with a fixed seed: the same in every process and on every machine.
+keys (its LoRA adapter: the same tokens give other KV under another adapter), so equal hashes mean equal KV
+contents. sha256 with a fixed seed: the same in every process and on every machine.
 NOTE: never Python's hash() (salted per process) and never a random per-process seed; both break sharing
 KV across processes, which is the whole point of the prefix index.
 """

@@ -41,6 +41,9 @@ class KVSeam:
     def _check_unused(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def _lora_key(self, name: str | None, request_id: str) -> str:
+        raise NotImplementedError
+
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """Calls the watchers of the sequences whose prompt KV this step completes, after each layer."""
         if not self._layer_watchers:
@@ -91,10 +94,16 @@ class KVSeam:
         self._layer_watchers[request_id] = fn
 
     def reserve_kv(self, request_id: str, layout: KVLayout, token_ids: Seq[int], num_prompt_tokens: int,
-                   block_hashes: Seq[bytes]) -> KVReservation:
-        """Check an incoming KV payload's description and reserve blocks for it; cached leading blocks are linked."""
+                   block_hashes: Seq[bytes], lora: str | None = None) -> KVReservation:
+        """Check an incoming KV payload's description and reserve blocks for it; cached leading blocks are linked.
+
+        `lora`: the adapter the KV was computed with (loaded here too). NOTE: the sender's hashes carry its adapter's
+        key (name + file digest), so KV from an adapter this engine does not hold identically is refused
+        ("block_hashes ... do not match"), and its blocks never meet another adapter's in the prefix cache.
+        """
         self._check_unused(request_id)
-        res = self.kv_importer.reserve(request_id, layout, token_ids, num_prompt_tokens, block_hashes)
+        key = self._lora_key(lora, request_id)
+        res = self.kv_importer.reserve(request_id, layout, token_ids, num_prompt_tokens, block_hashes, key)
         self._reserved[request_id] = res
         return res
 
@@ -115,11 +124,10 @@ class KVSeam:
         res = self._reserved.pop(request_id, None)
         if res is None:
             raise UnknownRequestError("no KV reserved for this request", request_id)
-        if params.lora is not None:  # NOTE: the handoff hashes blocks without an adapter key (engine/kv_import.py)
-            self.kv_importer.free(res)
-            raise InvalidRequestError("lora", "a request with an adapter cannot take KV from another engine yet",
-                                      request_id)
         try:
+            if self._lora_key(params.lora, request_id) != res.seq.extra_keys:
+                raise InvalidRequestError("lora", f"{params.lora!r} is not the adapter the KV was reserved for",
+                                          request_id)
             seq = self.kv_importer.commit(res, next_token_ids, params, num_cached_tokens)
         except BaseException:
             self.kv_importer.free(res)

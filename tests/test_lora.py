@@ -217,3 +217,46 @@ def test_every_cpu_path_adds_each_row_s_own_delta(tiny, tmp_path, names, counts,
     step.add_delta(x, y, 1, "down")
     slots.end()
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_request_moves_between_engines_through_the_kv_seam(tiny, tmp_path) -> None:
+    """Prefill on engine A with adapter x, its KV into engine B (which loaded the same x) through the KV seam, decode
+    on B: the tokens of x alone. B refuses the KV under another adapter (the hashes carry the adapter's key) and a
+    commit whose params name another adapter."""
+    from engine.block_hash import hash_prompt_blocks
+
+    path = make_adapter(str(tmp_path / "x"), tiny, seed=41)
+    other = make_adapter(str(tmp_path / "y"), tiny, seed=42)
+    a, b = lora_engine(tiny), lora_engine(tiny)
+    a.load_lora("x", path)
+    b.load_lora("x", path)
+    b.load_lora("y", other)
+    prompt = random_prompts(1, [2 * 16 + 7], seed=43)[0]
+    a.add_request("r", prompt, with_lora("x", 2))
+    first = next(o for o in a.step() if o.request_id == "r").new_token_ids
+    layers = [a.read_kv_layer("r", i, num_tokens=len(prompt)) for i in range(tiny.config.num_layers)]
+    a.abort_request("r")  # NOTE: as a prefill worker releases a request once its KV left
+    assert a.lora is not None
+    hashes = hash_prompt_blocks(prompt, 16, a.scope, extra_keys=a.lora.get("x").key)
+    with pytest.raises(InvalidRequestError, match="block_hashes: do not match"):
+        b.reserve_kv("r", b.kv_layout, prompt, len(prompt), hashes, lora="y")
+    with pytest.raises(InvalidRequestError, match="block_hashes: do not match"):
+        b.reserve_kv("r", b.kv_layout, prompt, len(prompt), hashes)  # nor as the base model's
+    res = b.reserve_kv("r", b.kv_layout, prompt, len(prompt), hashes, lora="x")
+    for i, (k, v) in enumerate(layers):
+        b.write_kv_blocks(res, i, 0, 0, k)
+        b.write_kv_blocks(res, i, 1, 0, v)
+    with pytest.raises(InvalidRequestError, match="lora: 'y' is not the adapter the KV was reserved for"):
+        b.commit_kv("r", first, with_lora("y"))
+    res = b.reserve_kv("r", b.kv_layout, prompt, len(prompt), hashes, lora="x")
+    for i, (k, v) in enumerate(layers):
+        b.write_kv_blocks(res, i, 0, 0, k)
+        b.write_kv_blocks(res, i, 1, 0, v)
+    b.commit_kv("r", first, with_lora("x"))
+    while b.has_unfinished_requests():
+        for out in b.step():
+            if out.finished:
+                moved = out.token_ids
+    ref = lora_engine(tiny)
+    ref.load_lora("x", path)
+    assert moved == generate_ids(ref, [prompt], with_lora("x"))[0]
