@@ -118,7 +118,7 @@ def _scale(config: dict, fail: Callable[[str], LoRALoadError]) -> float:
     """lora_alpha / r (PEFT's scaling), or / sqrt(r) with use_rslora; unsupported options refused."""
     if config.get("peft_type", "LORA") != "LORA":
         raise fail(f"peft_type {config.get('peft_type')!r} is not LORA")
-    for option in ("use_dora",):
+    for option in ("use_dora", "fan_in_fan_out"):  # NOTE: fan_in_fan_out: GPT-2's transposed Conv1D weights
         if config.get(option):
             raise fail(f"{option} is not supported")
     if config.get("bias", "none") != "none":
