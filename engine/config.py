@@ -139,6 +139,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # NOTE: None turns speculation off; a dict in vLLM's form is accepted and converted.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters resident at once (vLLM's names); 0 turns LoRA off (the base path, untouched). With adapters, CUDA
+    # steps run eagerly (no graphs: a step's adapter grouping changes from step to step).
+    max_loras: int = 0
+    max_lora_rank: int = 16  # the largest adapter rank accepted (engine/lora/adapter.py)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -147,6 +151,9 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
         _positive("num_threads", self.num_threads)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise InvalidRequestError("max_loras", f"must be >= 0 (0: no adapters), got {self.max_loras!r}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_cache_memory_gb is not None and self.gpu_memory_utilization is not None:

@@ -97,8 +97,9 @@ class KVImporter:
             raise InvalidRequestError(name, f"token ids must be integers in [0, {self.vocab_size})", request_id)
 
     def reserve(self, request_id: str, layout: KVLayout, token_ids: Seq[int], num_prompt_tokens: int,
-                block_hashes: Seq[bytes]) -> KVReservation:
-        """Validate an incoming KV payload's description and reserve its blocks (cached leading ones linked)."""
+                block_hashes: Seq[bytes], extra_keys: str = "") -> KVReservation:
+        """Validate an incoming KV payload's description and reserve its blocks (cached leading ones linked);
+        `extra_keys`: the block hashes' extra keys (the request's LoRA adapter)."""
         self.check_layout(layout, request_id)
         bs, max_len = layout.block_size, self.max_model_len
         self._check_tokens("token_ids", token_ids, request_id)
@@ -111,7 +112,8 @@ class KVImporter:
         if len(block_hashes) != len(token_ids) // bs:
             raise InvalidRequestError("block_hashes", f"one hash per full block is required: "
                                       f"{len(token_ids) // bs}, got {len(block_hashes)}", request_id)
-        seq = Sequence(request_id, list(token_ids[:num_prompt_tokens]), SamplingParams(), bs, layout.scope)
+        seq = Sequence(request_id, list(token_ids[:num_prompt_tokens]), SamplingParams(), bs, layout.scope,
+                       extra_keys)
         seq.token_ids = list(token_ids)
         hashes = [BlockHash(bytes(h)) for h in block_hashes]
         if seq.block_hashes(len(hashes)) != hashes:

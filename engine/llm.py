@@ -67,6 +67,11 @@ class LLM:
         return [Completion(rid, s.token_ids[: s.num_prompt_tokens], final[rid].token_ids, final[rid].text,
                            final[rid].finish_reason or "", s.num_cached_tokens) for s, rid in ids]
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory as `name` (needs max_loras > 0); requests choose it with
+        SamplingParams(lora=name)."""
+        self.engine.load_lora(name, path)
+
     def chat(self, conversations: Seq[Message] | Seq[Seq[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
         """Apply the model's chat template to each conversation and generate the assistant's reply."""

@@ -19,47 +19,30 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from engine.block_hash import cache_scope
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_KV_CACHE_GB, EngineConfig
-from engine.errors import InvalidRequestError, UnknownRequestError
+from engine.errors import InvalidRequestError
 from engine.kv_export import KVLayout
 from engine.kv_import import KVImporter, KVReservation
+from engine.kv_seam import KVSeam
 from engine.loader import LoadedModel
+from engine.lora.slots import LoRASlots
 from engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from engine.output import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import NgramProposer
+from engine.stats import EngineStats
 from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputs
 
 
-@dataclass
-class EngineStats:
-    """Counters a worker reports: pool occupancy and prefix-cache effectiveness."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_waiting: int
-    num_running: int
-    num_reserved: int  # requests whose incoming KV has blocks reserved, not yet committed
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    computed_tokens: int  # tokens run through the model (prefill chunks + decode steps)
-    num_preemptions: int
-    spec_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
-    spec_accepted_tokens: int = 0  # of those, accepted by the target model
-    num_paused: int = 0  # of the running ones, paused by their consumer (a client that stopped reading)
-
-
-class LLMEngine:
+class LLMEngine(KVSeam):
     """One model replica with its paged KV cache, scheduler and runner (plain class; workers wrap it)."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
@@ -88,6 +71,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_order, StepBudget.of(config))
         self.runner.capture_graphs()
+        self.lora: LoRASlots | None = None  # the resident adapters (engine/lora/); None with max_loras = 0
+        if config.max_loras:
+            self.lora = LoRASlots(mcfg, config.max_loras, config.max_lora_rank, config.torch_dtype,
+                                  self.runner.device, kernel=self.runner.attn_backend == "triton")
+            self.lora.wrap(self.runner.model.layers)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
@@ -131,13 +119,14 @@ class LLMEngine:
                                           f"left of max_tokens={params.max_tokens}", request_id)
         if params.n > 1 and output_token_ids:
             raise InvalidRequestError("n", "a resumed request continues one choice (n = 1)", request_id)
-        seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope)
+        key = self._lora_key(params.lora, request_id)
+        seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope, key)
         seq.token_ids.extend(output_token_ids)  # NOTE: like a preempted sequence: output kept, KV recomputed
         if params.n > 1:  # NOTE: choices 1 .. n-1 fork from this one once its prompt is computed (`_fork`)
             self._forks[request_id] = [
                 Sequence(f"{request_id}-{i}", token_ids, dataclasses.replace(
                     params, n=1, seed=((params.seed or 0) + i) % 2**64, prompt_logprobs=None),
-                    self.config.block_size, self.scope) for i in range(1, params.n)]
+                    self.config.block_size, self.scope, key) for i in range(1, params.n)]
         self.outputs.start(seq, sent_chars)
         self._seqs[request_id] = seq
         self.structured.admit(seq, self.scheduler.add)  # NOTE: parked until its grammar is compiled, if it has one
@@ -223,7 +212,14 @@ class LLMEngine:
         if not batch.seqs:
             self.structured.wait(0.01)  # NOTE: only grammars being compiled are left (no-op otherwise)
             return results
-        sampled = self.runner.execute(batch, self._layer_hook(batch), lookahead=self._same_next(batch))
+        if self.lora is not None:
+            batch = self.lora.order(batch)
+            self.lora.begin([s.params.lora for s in batch.seqs], batch.num_new_tokens)
+        try:
+            sampled = self.runner.execute(batch, self._layer_hook(batch), lookahead=self._same_next(batch))
+        finally:
+            if self.lora is not None:
+                self.lora.end()
         self._computed_tokens += batch.num_tokens
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled):
             drafted = len(seq.spec_token_ids)
@@ -251,6 +247,34 @@ class LLMEngine:
                 self._spec_accepted += len(tokens) - 1
             results.append(out)
         return results
+
+    # ---- LoRA adapters (engine/lora/) ----------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name` (requests choose it with SamplingParams.lora); a bad adapter
+        is refused with LoRALoadError naming what is wrong, and the engine serves on as before."""
+        self._lora_slots().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter `name`'s slot; refused while a request uses it (its cached blocks age out as others do)."""
+        self._lora_slots().unload(name, [s.request_id for s in self._seqs.values() if s.params.lora == name])
+
+    def lora_names(self) -> list[str]:
+        """The names of the loaded adapters."""
+        return [] if self.lora is None else self.lora.names()
+
+    def _lora_slots(self) -> LoRASlots:
+        if self.lora is None:
+            raise InvalidRequestError("max_loras", "is 0: this engine serves no LoRA adapters")
+        return self.lora
+
+    def _lora_key(self, name: str | None, request_id: str) -> str:
+        """The block-hash extra key of a request's adapter ("" for the base model); unknown names refused."""
+        if name is None:
+            return ""
+        if self.lora is None:
+            raise InvalidRequestError("lora", f"adapter {name!r} asked for, but this engine serves no adapters "
+                                              "(max_loras is 0)", request_id)
+        return self.lora.get(name, request_id).key
 
     def _same_next(self, batch: ScheduledBatch) -> bool:
         """Whether the next step is likely this batch one token on (a graphed decode step then launches it early:
@@ -307,20 +331,6 @@ class LLMEngine:
                                    new_logprobs=[lp for o in outs for lp in o.new_logprobs],
                                    prompt_logprobs=outs[0].prompt_logprobs)
 
-    def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
-        """Calls the watchers of the sequences whose prompt KV this step completes, after each layer."""
-        if not self._layer_watchers:
-            return None
-        done = [self._layer_watchers.pop(s.request_id) for s, n in zip(batch.seqs, batch.num_new_tokens)
-                if s.request_id in self._layer_watchers and s.num_computed_tokens + n >= s.num_prompt_tokens]
-        if not done:
-            return None
-
-        def hook(layer: int) -> None:
-            for fn in done:
-                fn(layer)
-        return hook
-
     def _release_grammars(self) -> list[RequestOutput]:
         """Schedule the parked sequences whose grammar is compiled; one that cannot follow its grammar ends (abort)."""
         outs = []
@@ -338,74 +348,7 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         self.block_manager.free(seq)
 
-    # ---- the KV seam ------------------------------------------------------------------------------------
-    def read_kv_layer(self, request_id: str, layer: int, skip_blocks: int = 0,
-                      num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one layer's K and V for the blocks of the first `num_tokens` (default: all computed)."""
-        seq = self._seqs.get(request_id)
-        if seq is None or not seq.block_table:
-            raise UnknownRequestError("no KV held for this request", request_id)
-        n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
-        return self.runner.read_blocks(layer, seq.block_table[skip_blocks:n_blocks])
-
-    def kv_block_ids(self, request_id: str, skip_blocks: int = 0, num_tokens: int | None = None) -> list[int]:
-        """The pool block ids `read_kv_layer` would copy (for transports that read the KV pool themselves)."""
-        seq = self._seqs.get(request_id)
-        if seq is None or not seq.block_table:
-            raise UnknownRequestError("no KV held for this request", request_id)
-        n_blocks = self.block_manager.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
-        return list(seq.block_table[skip_blocks:n_blocks])
-
-    def pin_kv_blocks(self, block_ids: list[int]) -> None:
-        """One more reference on held blocks: they are not reused until `unpin_kv_blocks` (a transfer reads them)."""
-        for bid in block_ids:
-            self.block_manager.pool.acquire(bid)
-
-    def unpin_kv_blocks(self, block_ids: list[int]) -> None:
-        self.block_manager.pool.release(block_ids)
-
-    def watch_layers(self, request_id: str, fn: Callable[[int], None]) -> None:
-        """Call `fn(layer)` as soon as each layer's KV of the whole prompt is written (layer-wise sending).
-
-        Fires during the step that completes the prompt's prefill, from inside the forward pass: `fn` should only
-        copy what it needs (`read_kv_layer(request_id, layer, num_tokens=num_prompt_tokens)`) and hand it on.
-        """
-        if request_id not in self._seqs:
-            raise UnknownRequestError("not a running request", request_id)
-        self._layer_watchers[request_id] = fn
-
-    def reserve_kv(self, request_id: str, layout: KVLayout, token_ids: Seq[int], num_prompt_tokens: int,
-                   block_hashes: Seq[bytes]) -> KVReservation:
-        """Check an incoming KV payload's description and reserve blocks for it; cached leading blocks are linked."""
-        self._check_unused(request_id)
-        res = self.kv_importer.reserve(request_id, layout, token_ids, num_prompt_tokens, block_hashes)
-        self._reserved[request_id] = res
-        return res
-
-    def write_kv_blocks(self, res: KVReservation, layer: int, which: int, first_block: int, kv: torch.Tensor) -> None:
-        """Write K (which=0) or V (1) of some of a reservation's fresh blocks in one layer; kv: [n, bs, KVH, D].
-
-        NOTE: safe while another thread steps the engine: reserved blocks belong to no scheduled sequence, and
-        freeing the reservation waits for this write (a write after the free is dropped with UnknownRequestError).
-        """
-        self.kv_importer.write(res, layer, which, first_block, kv)
-
-    def commit_kv(self, request_id: str, next_token_ids: Seq[int], params: SamplingParams,
-                  num_cached_tokens: int = 0, sent_chars: int = 0) -> Sequence:
-        """Turn a fully written reservation into a running request; a failed commit frees the reservation.
-
-        `sent_chars`: characters of the text of `next_token_ids` that the prefill side already streamed.
-        """
-        res = self._reserved.pop(request_id, None)
-        if res is None:
-            raise UnknownRequestError("no KV reserved for this request", request_id)
-        try:
-            seq = self.kv_importer.commit(res, next_token_ids, params, num_cached_tokens)
-        except BaseException:
-            self.kv_importer.free(res)
-            raise
-        return self._adopt(seq, sent_chars)
-
+    # ---- the KV seam's engine side (the rest: engine/kv_seam.py) ---------------------------------------------
     def _adopt(self, seq: Sequence, sent_chars: int) -> Sequence:
         self.outputs.start(seq, sent_chars)
         self._seqs[seq.request_id] = seq

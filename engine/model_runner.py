@@ -148,7 +148,7 @@ class ModelRunner:
         self._ahead: Lookahead | None = None
         self.lookahead_won = 0  # steps whose ids a lookahead had computed
         self.lookahead_lost = 0  # lookaheads computed for nothing (the next step was another)
-        if graphs_wanted(self.device, self.attn_backend, engine_cfg.enforce_eager):
+        if graphs_wanted(self.device, self.attn_backend, engine_cfg.enforce_eager or engine_cfg.max_loras > 0):
             width = -(-min(max_model_len, num_blocks * self.block_size) // self.block_size)
             # NOTE: the graphs call back into the runner through a weak reference, so an engine that is dropped
             # frees its GPU memory at once (a runner <-> graphs cycle would wait for the garbage collector)

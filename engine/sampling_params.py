@@ -46,6 +46,9 @@ class SamplingParams:
     n: int = 1  # sequences sampled from one prompt; sequence i draws from the stream of seed + i
     # Structured outputs (engine/structured_output.py): the output follows this JSON schema / regex / choice / grammar.
     structured: StructuredOutputSpec | None = None
+    # NOTE: the LoRA adapter (its name, loaded by LLMEngine.load_lora) this request runs with; None: the base model.
+    # Here rather than beside the request so that it travels wherever the params go (forks, a resumed request).
+    lora: str | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -112,6 +115,9 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {v!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n!r}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise InvalidRequestError("lora", f"must be an adapter's name (a non-empty string) or None, got "
+                                              f"{self.lora!r}")
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ class Sequence:
         params: SamplingParams,
         block_size: int,
         scope: str,
+        extra_keys: str = "",
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -40,6 +41,7 @@ class Sequence:
         self.params = params
         self.block_size = block_size
         self.scope = scope
+        self.extra_keys = extra_keys  # block-hash extra keys: its LoRA adapter's key ("" for the base model)
         self.arrival = next(_arrival)
         self.arrival_time = time.monotonic()  # when this engine got it (a prompt's age: engine/step_budget.py)
         self.status = SequenceStatus.WAITING
@@ -84,7 +86,8 @@ class Sequence:
         while len(self._hashes) <= i:
             j = len(self._hashes)
             parent = self._hashes[-1] if self._hashes else root_hash(self.scope)
-            self._hashes.append(hash_block_tokens(parent, self.block_tokens(j), self.scope))
+            self._hashes.append(hash_block_tokens(parent, self.block_tokens(j), self.scope,
+                                                  self.extra_keys))
         return self._hashes[i]
 
     def block_hashes(self, num_blocks: int) -> list[BlockHash]:

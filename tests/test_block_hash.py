@@ -86,3 +86,18 @@ def test_sequence_hashes_match_the_shared_function_and_refuse_partial_blocks():
     assert seq.block_hashes(5) == hash_prompt_blocks(TOKENS, BS, SCOPE)
     with pytest.raises(AssertionError, match="only full blocks"):
         seq.block_hash(5)
+
+
+def test_extra_keys_change_every_hash_and_none_leaves_them_as_they_were():
+    """A LoRA adapter's key (the block hash's extra keys, as vLLM's): other hashes for every block, and the base
+    model's (no extra keys) exactly the hashes before extra keys existed, which the router and the index compute."""
+    base = hash_prompt_blocks(TOKENS, BS, SCOPE)
+    assert hash_prompt_blocks(TOKENS, BS, SCOPE, extra_keys="") == base
+    a = hash_prompt_blocks(TOKENS, BS, SCOPE, extra_keys="lora:a:0123")
+    b = hash_prompt_blocks(TOKENS, BS, SCOPE, extra_keys="lora:b:0123")
+    assert len(a) == len(b) == 5
+    assert not set(a) & set(base) and not set(a) & set(b)
+    parent = root_hash(SCOPE)
+    assert hash_block_tokens(parent, TOKENS[:BS], SCOPE, "lora:a:0123") == a[0]
+    seq = Sequence("r", TOKENS, SamplingParams(), BS, SCOPE, extra_keys="lora:a:0123")
+    assert seq.block_hashes(5) == a

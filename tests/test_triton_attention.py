@@ -16,7 +16,7 @@ import torch
 from engine.attention import AttentionMetadata, num_kv_splits, paged_attention, select_backend, write_kv
 from engine.attention.triton_backend import SDPA_MIN_ROWS
 from engine.kernels import ENV
-from engine.llm_engine import EngineStats
+from engine.stats import EngineStats
 from tests.helpers import import_triton_module
 
 # NOTE: Triton decides at decoration time whether a kernel is interpreted, so TRITON_INTERPRET must be on when the

@@ -14,7 +14,8 @@ n-gram speculation on a repetitive task (copying an edited text) against the sam
 with the acceptance rate. Then (unless --no-features) one decode step with a request feature on every row (logprobs
 k = 5, penalties) against plain decoding at batch 1 and 8 (pdcluster/bench/engine_features.py). Then (unless
 --no-grammar) one decode step with a JSON-schema grammar on every row against plain decoding at batch 1 and 8
-(pdcluster/bench/engine_grammar.py).
+(pdcluster/bench/engine_grammar.py). Then (unless --no-lora) one decode step at batch 8 with 4 LoRA adapters of
+rank 16 against the base model's step (pdcluster/bench/engine_lora.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from pdcluster.bench.engine_features import add_arguments as add_features_argume
 from pdcluster.bench.engine_features import format_features, measure_features
 from pdcluster.bench.engine_grammar import add_arguments as add_grammar_arguments
 from pdcluster.bench.engine_grammar import format_grammar, measure_grammar
+from pdcluster.bench.engine_lora import add_arguments as add_lora_arguments
+from pdcluster.bench.engine_lora import format_lora, measure_lora
 from pdcluster.bench.engine_step import add_arguments as add_step_arguments
 from pdcluster.bench.engine_step import format_step, measure_step
 from pdcluster.bench.engine_timing import OursTimer, ReferenceTimer, best
@@ -65,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_features_arguments(p)
     add_device_arguments(p)
     add_grammar_arguments(p)
+    add_lora_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -151,6 +155,7 @@ def measure(args: argparse.Namespace) -> dict:
         **({} if args.no_step else {"step": measure_step(args, loaded)}),
         **({} if args.no_features else {"features": measure_features(args, loaded)}),
         **({} if args.no_grammar else {"grammar": measure_grammar(args, loaded)}),
+        **({} if args.no_lora else {"lora": measure_lora(args, loaded)}),
     }
 
 
@@ -176,6 +181,8 @@ def format_table(r: dict) -> str:
         lines.append(format_features(r["features"]))
     if "grammar" in r:
         lines.append(format_grammar(r["grammar"]))
+    if "lora" in r:
+        lines.append(format_lora(r["lora"]))
     return "\n".join(lines)
 
 

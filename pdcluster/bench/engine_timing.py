@@ -102,20 +102,23 @@ class ReferenceTimer:
 class DecodeStepTimer:
     """Times one decode step of a batch of fresh random prompts on one engine (the bench's per-step cases)."""
 
-    def __init__(self, loaded: Any, threads: int, seed: int, prefix: str, prompt_len: int = 128) -> None:
+    def __init__(self, loaded: Any, threads: int, seed: int, prefix: str, prompt_len: int = 128,
+                 **options: Any) -> None:
         from engine import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(loaded, EngineConfig(num_threads=threads, max_num_batched_tokens=2048,
-                                                     max_num_seqs=16, enable_prefix_caching=False))
+                                                     max_num_seqs=16, enable_prefix_caching=False, **options))
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab, self.prefix, self.prompt_len, self.n = loaded.config.vocab_size, prefix, prompt_len, 0
 
     def ms(self, batch: int, params: Any, steps: int) -> float:
-        """Milliseconds per decode step over `steps` steps of `batch` new rows with `params`."""
-        for _ in range(batch):
+        """Milliseconds per decode step over `steps` steps of `batch` new rows with `params` (a list: row i gets
+        params[i % len(params)])."""
+        for i in range(batch):
             self.n += 1
             prompt = torch.randint(100, self.vocab, (self.prompt_len,), generator=self.gen).tolist()
-            self.engine.add_request(f"{self.prefix}{self.n}", prompt, params)
+            row = params[i % len(params)] if isinstance(params, list) else params
+            self.engine.add_request(f"{self.prefix}{self.n}", prompt, row)
         self.engine.step()  # the prompts (a grammar compiled in the warm-up is released in this same step)
         while self.engine.structured.num_parked:  # NOTE: only in a grammar's warm-up: its first compile
             self.engine.step()

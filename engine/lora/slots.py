@@ -1,0 +1,124 @@
+"""The adapters resident in one engine (at most `max_loras`), and the wrapping of the model's linears.
+
+An adapter is loaded into a free slot and stays until unloaded (an adapter in use by a request cannot be). Each
+(layer, linear) also has the slots' weights stacked, transposed as the batched matmuls read them: A.T
+[max_loras, in, R] and B.T [max_loras, R, out], R the linear's parts times max_lora_rank (for the Triton kernels
+rounded up to a power of two, at least 16), zeros past an adapter's own rank, so a batched matmul or a kernel indexes
+a slot with no per-adapter shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import InvalidRequestError
+from engine.lora.adapter import LINEARS, LoRAAdapter, LoRALoadError, load_adapter, part_sizes
+from engine.lora.batch import LoRALinear, LoRAStep
+from engine.scheduler import ScheduledBatch
+
+
+class LoRASlots:
+    """Resident adapters by name and slot; `begin`/`end` bracket a step's forward pass."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device, kernel: bool = False) -> None:
+        self.cfg, self.max_loras, self.max_rank, self.dtype, self.device = cfg, max_loras, max_rank, dtype, device
+        # NOTE: the Triton kernels where the runner uses the Triton backend (CUDA; the interpreter on the CPU in tests)
+        self.kernel = kernel
+        self.by_name: dict[str, tuple[int, LoRAAdapter]] = {}
+        self.free = list(range(max_loras - 1, -1, -1))  # NOTE: popped from the end: slot 0 first
+        # NOTE: the one piece of per-step state: set by `begin` before the forward pass, read by every LoRALinear
+        # (the model's call signature stays the base model's), cleared by `end`
+        self.step: LoRAStep | None = None
+        self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in range(cfg.num_layers):
+            for linear, parts in part_sizes(cfg).items():
+                width = len(parts) * max_rank
+                if kernel:
+                    width = max(16, 1 << (width - 1).bit_length())  # NOTE: tl.arange's power of two, tl.dot's least
+                out, inp = sum(o for o, _ in parts), parts[0][1]
+                self._stacks[(layer, linear)] = (torch.zeros(max_loras, inp, width, dtype=dtype, device=device),
+                                                 torch.zeros(max_loras, width, out, dtype=dtype, device=device))
+
+    def wrap(self, layers: Sequence[object]) -> None:
+        """Put a LoRALinear around each of the decoder layers' four linears."""
+        for i, layer in enumerate(layers):
+            for linear in LINEARS:
+                setattr(layer, linear, LoRALinear(getattr(layer, linear), self, i, linear))
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Load and check the adapter at `path` into a free slot; LoRALoadError naming what is wrong."""
+        if not isinstance(name, str) or not name:
+            raise LoRALoadError("lora_name", "must be a non-empty string")
+        if name in self.by_name:
+            raise LoRALoadError("lora_name", f"an adapter named {name!r} is already loaded")
+        if not self.free:
+            raise LoRALoadError("max_loras", f"all {self.max_loras} adapter slots are taken "
+                                             f"({sorted(self.by_name)}); unload one first")
+        adapter = load_adapter(name, path, self.cfg, self.max_rank, self.dtype, self.device)
+        slot = self.free.pop()
+        self.by_name[name] = (slot, adapter)
+        for (layer, linear), (a_stack, b_stack) in self._stacks.items():
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            pair = adapter.layers[layer].get(linear)
+            if pair is not None:
+                r = pair.a.shape[0]
+                a_stack[slot, :, :r] = pair.a.T
+                b_stack[slot, :r] = pair.b.T
+        return adapter
+
+    def unload(self, name: str, users: Sequence[str]) -> None:
+        """Free an adapter's slot; refused (naming `lora_name`) while requests `users` run with it."""
+        if name not in self.by_name:
+            raise InvalidRequestError("lora_name", f"no adapter named {name!r} is loaded")
+        if users:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} is in use by {len(users)} request(s) "
+                                                   f"({sorted(users)[:4]}); unload it when they finish")
+        slot, _ = self.by_name.pop(name)
+        self.free.append(slot)
+
+    def get(self, name: str, request_id: str | None = None) -> LoRAAdapter:
+        """The loaded adapter `name`, or InvalidRequestError naming `lora`."""
+        entry = self.by_name.get(name)
+        if entry is None:
+            raise InvalidRequestError("lora", f"no adapter named {name!r} is loaded (loaded: "
+                                              f"{sorted(self.by_name)})", request_id)
+        return entry[1]
+
+    def names(self) -> list[str]:
+        """The loaded adapters' names, in slot order."""
+        return sorted(self.by_name, key=lambda n: self.by_name[n][0])
+
+    def stacks(self, layer: int, linear: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots' stacked weights of one linear: A.T [S, in, R], B.T [S, R, out]."""
+        return self._stacks[(layer, linear)]
+
+    def order(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The batch with each adapter's rows together, in slot order, base rows last (single-token entries still
+        first, as the runner expects), so a decode step's segments are slices (LoRAStep.span)."""
+        if all(s.params.lora is None for s in batch.seqs):
+            return batch
+        last = self.max_loras
+
+        def key(i: int) -> tuple[bool, int]:
+            name = batch.seqs[i].params.lora
+            return batch.num_new_tokens[i] != 1, last if name is None else self.by_name[name][0]
+
+        order = sorted(range(len(batch.seqs)), key=key)
+        return ScheduledBatch([batch.seqs[i] for i in order], [batch.num_new_tokens[i] for i in order])
+
+    def begin(self, names: Sequence[str | None], counts: Sequence[int]) -> None:
+        """Group this step's rows (per sequence: its adapter's name or None, its rows) for the wrapped linears."""
+        self.step = None
+        if any(n is not None for n in names):
+            entries = [None if n is None else self.by_name[n] for n in names]
+            self.step = LoRAStep([None if e is None else e[1] for e in entries],
+                                 [-1 if e is None else e[0] for e in entries], counts, self.device, self.stacks,
+                                 self.max_loras, self.kernel)
+
+    def end(self) -> None:
+        self.step = None
