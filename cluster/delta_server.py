@@ -10,11 +10,12 @@ Life of a connection and of the streams on it:
 2. the router opens a request's stream with `("open", attempt, "generate", request, window)`: the worker's delta
    generator runs; its RequestStream (cluster/request_stream.py) takes the stream's `Relay` and the engine thread
    queues each output's delta on the connection itself and sends the step's frame at the step's end
-   (cluster/frame_writer.py): no event-loop hop per token. What a handler yields (a call's results: `"prefill"`,
-   the prefill worker's first token and final result; a decode stream given up before it began) is queued by the
-   event loop and leaves when its round ends. A frame is `("deltas", [(attempt, item), ...])`, where the item is
-   a Delta (most as a tuple: `to_wire`), a call's result, END (the generator returned) or the exception that ended
-   it; no Ray call is made per request (Ray's round trip was ~5 ms of a first token here);
+   (cluster/frame_writer.py): no event-loop hop per token. A `"prefill"` call's first token leaves the same way
+   (prefill_workers/worker.py). What a handler yields (the prefill call's final result; a decode stream given up
+   before it began) is queued by the event loop and leaves when its round ends. A frame is
+   `("deltas", [(attempt, item), ...])`, where the item is a Delta (most as a tuple: `to_wire`), a call's result,
+   END (the generator returned) or the exception that ended it; no Ray call is made per request (Ray's round
+   trip was ~5 ms of a first token here);
 3. backpressure as Ray's generator window had it: with `window` deltas of a stream not yet acknowledged (the
    router acknowledges as its client takes them: `("ack", {attempt: n})`) the stream's sequence pauses in the
    engine (cluster/backlog.py) until acknowledgements come (a handler's own items: `serve` waits before reading
@@ -194,7 +195,7 @@ class DeltaServer:
 
     async def _run(self, conn: _Connection, attempt: str, kind: str, request: Any, window: int) -> None:
         """One stream or call opened by a router: its items on `conn` until END, an error, or the router's cancel."""
-        relay = Relay(conn.out, attempt) if kind == "generate" else None
+        relay = Relay(conn.out, attempt)
         stream = conn.streams[attempt] = _Stream(window, relay)
         _RELAY.set(relay)  # NOTE: this task's context: the handler's RequestStream takes it
         try:

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from cluster import tracing
+from cluster.delta_server import take_relay
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from cluster.request_stream import RequestStream
@@ -67,7 +68,7 @@ class PrefillWorker(Worker):
         try:
             await run.handshake_and_join()
             first = await run.first_token()
-            if not first.output.finished:
+            if not first.output.finished and not run.relayed:
                 # NOTE: before the handshake's answer: the client has its first token while the KV still moves;
                 # if the handshake or the transfer then fails, the router continues from the prompt plus this token
                 yield run.result(first, handed_off=False)
@@ -126,7 +127,12 @@ class PrefillRun:
                                   hash_prompt_blocks(self.tokens, engine.config.block_size, engine.scope),
                                   sender_id=worker.name, pool=KVPool(engine, worker.loop.between_steps))
         self.cached_blocks = 0  # leading blocks the decode worker caches: not sent
-        self._first: asyncio.Future[FirstToken] = asyncio.get_running_loop().create_future()
+        aio = asyncio.get_running_loop()
+        self._first: asyncio.Future[FirstToken] = aio.create_future()
+        # NOTE: over the delta channel the first token leaves from the engine thread, in the step's frame
+        # (cluster/delta_server.py `Relay`), without waiting for this event loop; `relayed` says it went
+        self._relay, self._outlet = take_relay(), worker.outlet(aio)
+        self.relayed = False
         # NOTE: a sender that reads the pool takes layers made before the handshake answered (prefill_workers/
         # held_layers.py), so the handshake and the prefill overlap; copying senders keep the handshake first
         self.held = HeldLayers() if self.sender.reads_pool else None
@@ -219,7 +225,12 @@ class PrefillRun:
             else:
                 self.sender.commit(out.new_token_ids, out.num_cached_tokens)
             self.worker.loop.release(self.request_id)  # NOTE: decoding goes on elsewhere; blocks stay cached
-        self._first.get_loop().call_soon_threadsafe(_set, self._first, FirstToken(out, now, queue_ms, prefill_ms))
+        first = FirstToken(out, now, queue_ms, prefill_ms)
+        if self._relay is not None and not out.finished:
+            self._relay.send(self.result(first, handed_off=False))
+            self._outlet.send_after_step(self._relay.flush)
+            self.relayed = True
+        self._first.get_loop().call_soon_threadsafe(_set, self._first, first)
 
     async def first_token(self) -> FirstToken:
         return await self._first
