@@ -139,6 +139,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # NOTE: None turns speculation off; a dict in vLLM's form is accepted and converted.
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's name: ranks of one engine (one process each; engine/parallel/). > 1: num_blocks, kv_cache_memory_gb and
+    # num_threads are per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -147,6 +150,9 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
         _positive("num_threads", self.num_threads)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
+            raise InvalidRequestError("tensor_parallel_size", f"must be a positive integer, got "
+                                      f"{self.tensor_parallel_size!r}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_cache_memory_gb is not None and self.gpu_memory_utilization is not None:

@@ -19,44 +19,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from engine.block_hash import cache_scope
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_KV_CACHE_GB, EngineConfig
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.kv_export import KVLayout
 from engine.kv_import import KVImporter, KVReservation
 from engine.loader import LoadedModel
-from engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
+from engine.model_runner import kv_cache_dtype
 from engine.output import OutputProcessor, RequestOutput
+from engine.parallel.runner import make_runner
+from engine.pool_size import pool_size
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import NgramProposer
+from engine.stats import EngineStats
 from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputs
-
-
-@dataclass
-class EngineStats:
-    """Counters a worker reports: pool occupancy and prefix-cache effectiveness."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_waiting: int
-    num_running: int
-    num_reserved: int  # requests whose incoming KV has blocks reserved, not yet committed
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    computed_tokens: int  # tokens run through the model (prefill chunks + decode steps)
-    num_preemptions: int
-    spec_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
-    spec_accepted_tokens: int = 0  # of those, accepted by the target model
-    num_paused: int = 0  # of the running ones, paused by their consumer (a client that stopped reading)
 
 
 class LLMEngine:
@@ -71,17 +54,10 @@ class LLMEngine:
         # NOTE: the scope names the KV dtype (int8 KV never mixes with float KV); weight quantization is not in it,
         # so a decode pool with int8 weights can take KV from a prefill pool without (the issue asks for that).
         self.scope = cache_scope(mcfg.model_id, str(kv_dtype).removeprefix("torch."))
-        per_block = kv_bytes_per_block(mcfg, config.block_size, kv_dtype)
-        model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
-        usable = config.max_num_seqs * -(-model_len // config.block_size)
-        # NOTE: on CUDA without num_blocks or kv_cache_memory_gb, the runner sizes the pool by gpu_memory_utilization
-        # (engine/gpu_memory.py)
-        gb = config.kv_cache_memory_gb
-        if gb is None and config.resolved_device().type != "cuda":
-            gb = DEFAULT_KV_CACHE_GB
-        num_blocks = config.num_blocks or (None if gb is None else max(1, min(usable, int(gb * 2**30 // per_block))))
-        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, model_len, max_blocks=usable)
+        size = pool_size(mcfg, config)
+        model_len = size.model_len
+        # NOTE: TP > 1: rank 0's runner, which starts the group's other ranks (engine/parallel/)
+        self.runner = make_runner(mcfg, config, loaded.weights, size.num_blocks, model_len, max_blocks=size.usable)
         num_blocks = self.runner.num_blocks
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -415,6 +391,12 @@ class LLMEngine:
     def _check_unused(self, request_id: str) -> None:
         if request_id in self._seqs or request_id in self._reserved:
             raise InvalidRequestError("request_id", "is already in use", request_id)
+
+    def close(self) -> None:
+        """Stop the engine's other processes (a TP group's followers); a closed TP engine takes no more steps."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ---- introspection ------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

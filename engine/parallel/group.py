@@ -1,0 +1,108 @@
+"""One rank's view of a tensor-parallel group: its process groups, the step channel and the all-reduce.
+
+NOTE: the process groups are standalone objects over a TCPStore (torch.distributed's ProcessGroupGloo /
+ProcessGroupNCCL), not torch.distributed's global default group: a process may hold several groups (tests, a
+bench comparing sizes) and nothing global has to be torn down between them. Two groups per rank, as vLLM keeps
+them: the device group (NCCL on CUDA, gloo on the CPU) all-reduces activations; a gloo group on the CPU carries the
+step messages from rank 0, so a step's control never goes through (and never syncs) the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.linear import Int8Linear, PackedLinear
+
+# NOTE: a bound on every collective: a peer that hangs without closing its sockets (a stopped process) fails the
+# group after this long instead of blocking it forever; a dead one (closed sockets) fails it at once.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one group meet: rank 0 serves a TCPStore at host:port."""
+
+    host: str
+    port: int
+    size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class AllReduceStats:
+    """Wall time this rank spent in the all-reduces of row-parallel layers (waiting for slower ranks included)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+def serve_store(size: int, host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore,
+                                                                                                   Rendezvous]:
+    """Rank 0's TCPStore on a free port (the OS picks it: no race for a port) and the rendezvous naming it."""
+    store = dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, Rendezvous(host, store.port, size, timeout_s)
+
+
+class TPGroup:
+    """This rank's membership of a TP group: `all_reduce` (device group), `broadcast_object` (CPU group)."""
+
+    def __init__(self, rank: int, rdv: Rendezvous, device: torch.device, store: dist.TCPStore | None = None) -> None:
+        timeout = datetime.timedelta(seconds=rdv.timeout_s)
+        self.rank, self.size, self.device = rank, rdv.size, device
+        # NOTE: rank 0 passes the store it serves (`serve_store`); the others connect to it
+        self.store = store or dist.TCPStore(rdv.host, rdv.port, rdv.size, False, timeout=timeout)
+        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank, rdv.size, timeout)
+        if device.type == "cuda":
+            nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]  # NOTE: absent from CPU builds of torch
+            self.dev: Any = nccl(dist.PrefixStore("dev/", self.store), rank, rdv.size)
+        else:
+            self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev/", self.store), rank, rdv.size, timeout)
+        self.stats = AllReduceStats()
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place (every rank ends with the same values)."""
+        start = time.perf_counter()
+        self.dev.allreduce([t]).wait()
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.calls += 1
+
+    def broadcast_object(self, obj: object = None) -> Any:
+        """Rank 0's `obj` on every rank (rank 0 passes it, the others get it): its pickled length, then its bytes."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            length = torch.tensor([data.numel()], dtype=torch.long)
+        else:
+            length = torch.zeros(1, dtype=torch.long)
+        self.cpu.broadcast(length, 0).wait()
+        if self.rank != 0:
+            data = torch.empty(int(length.item()), dtype=torch.uint8)
+        self.cpu.broadcast(data, 0).wait()
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+class RowParallel:
+    """A row-parallel linear layer: this rank's partial product, then the all-reduce that sums the ranks' parts."""
+
+    def __init__(self, linear: PackedLinear | Int8Linear, group: TPGroup) -> None:
+        self.linear, self.group = linear, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / n] → [T, out], summed over the ranks
+        y = self.linear(x)
+        self.group.all_reduce(y)
+        return y
+
+
+def parallelize(model: Any, group: TPGroup) -> None:
+    """Make a rank's LlamaModel (built on its shard) row parallel: an all-reduce after every o and down projection.
+
+    NOTE: the only change a rank's model needs; a TP 1 engine never calls this (no all-reduce, no wrapper)."""
+    for layer in model.layers:
+        layer.o = RowParallel(layer.o, group)
+        layer.down = RowParallel(layer.down, group)
