@@ -37,7 +37,11 @@ class Rendezvous:
 
 @dataclass
 class AllReduceStats:
-    """Wall time this rank spent in the all-reduces of row-parallel layers (waiting for slower ranks included)."""
+    """Wall time this rank spent in the all-reduces of row-parallel layers (waiting for slower ranks included).
+
+    NOTE: on the CPU (gloo) the call returns when the sum is done: this is the all-reduce's time. On CUDA (NCCL) it
+    returns once the all-reduce is queued on the stream: the figure is then launch time, not GPU time.
+    """
 
     calls: int = 0
     seconds: float = 0.0
@@ -58,12 +62,15 @@ class TPGroup:
         self.rank, self.size, self.device = rank, rdv.size, device
         # NOTE: rank 0 passes the store it serves (`serve_store`); the others connect to it
         self.store = store or dist.TCPStore(rdv.host, rdv.port, rdv.size, False, timeout=timeout)
-        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank, rdv.size, timeout)
+        # NOTE: typed Any: torch's stubs lack the backends' (store, rank, size, timeout) constructors and methods
+        gloo: Any = dist.ProcessGroupGloo
+        self.cpu: Any = gloo(dist.PrefixStore("cpu/", self.store), rank, rdv.size, timeout)
         if device.type == "cuda":
-            nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]  # NOTE: absent from CPU builds of torch
+            # NOTE: absent from CPU builds of torch (this machine)
+            nccl: Any = dist.ProcessGroupNCCL  # type: ignore[attr-defined, unused-ignore]
             self.dev: Any = nccl(dist.PrefixStore("dev/", self.store), rank, rdv.size)
         else:
-            self.dev = dist.ProcessGroupGloo(dist.PrefixStore("dev/", self.store), rank, rdv.size, timeout)
+            self.dev = gloo(dist.PrefixStore("dev/", self.store), rank, rdv.size, timeout)
         self.stats = AllReduceStats()
 
     def all_reduce(self, t: torch.Tensor) -> None:

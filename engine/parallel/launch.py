@@ -12,6 +12,7 @@ import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.multiprocessing as mp
@@ -31,7 +32,7 @@ class Follower:
     """One started follower process and the pipe it reports its build on."""
 
     rank: int
-    process: mp.Process  # type: ignore[name-defined]
+    process: BaseProcess
     conn: Connection
 
 
