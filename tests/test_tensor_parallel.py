@@ -147,3 +147,38 @@ def test_a_dead_rank_fails_the_group_with_an_error_naming_it(tp2: LLMEngine) -> 
             tp2.step()
     with pytest.raises(TPGroupError, match="rank 1"):  # NOTE: and every later step, at once (no collective)
         tp2.step()
+
+
+def test_the_tp_bench_reports_step_times_and_the_all_reduce_share(tmp_path) -> None:
+    import argparse
+    import json
+
+    from pdcluster.bench.engine import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "tp.json"
+    args = p.parse_args(["--model", "tiny", "--tensor-parallel-size", "2", "--prefill-len", "32",
+                         "--decode-prompt-len", "16", "--tp-batches", "1,2", "--tp-rounds", "1", "--out", str(out)])
+    assert run(args) == 0
+    r = json.loads(out.read_text())
+    assert r["tensor_parallel_size"] == 2 and r["allreduces_per_step"] == 2 * tiny_model_config().num_layers
+    assert set(r["cases"]) == {"prefill 32", "decode step, batch 1", "decode step, batch 2"}
+    for row in r["cases"].values():
+        assert row["tp1_ms"] > 0 and row["tp2_ms"] > 0 and 0 < row["allreduce_share"] < 1
+
+
+def test_a_70b_model_shards_over_8_ranks_one_kv_head_each() -> None:
+    from engine.loader import load_model
+
+    # NOTE: on the meta device: the whole model's shapes, no memory
+    loaded = load_model("random:llama-3.1-70b", device=torch.device("meta"), dtype="bfloat16")
+    cfg = loaded.config
+    local = rank_config(cfg, 8)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (8, 1, 3584)
+    shard = shard_weights(cfg, loaded.weights, 3, 8)
+    p = "model.layers.79."
+    assert shard[p + "self_attn.q_proj.weight"].shape == (8 * 128, 8192)
+    assert shard[p + "self_attn.k_proj.weight"].shape == (128, 8192)
+    assert shard[p + "self_attn.o_proj.weight"].shape == (8192, 8 * 128)
+    assert shard[p + "mlp.down_proj.weight"].shape == (8192, 3584)
