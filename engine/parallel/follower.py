@@ -104,10 +104,12 @@ class TPFollower:
             raise
 
 
-def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig,
-                  shard: dict[str, torch.Tensor], num_blocks: int, max_model_len: int, conn: Connection) -> None:
-    """A follower process: build, report ("built" or the traceback) on `conn`, join the group, run."""
+def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int,
+                  max_model_len: int, conn: Connection) -> None:
+    """A follower process: take its shard from `conn`, build, report ("built" or the traceback) on `conn`, join the
+    group, run."""
     try:
+        shard: dict[str, torch.Tensor] = conn.recv()
         if engine_cfg.device.startswith("cuda"):
             torch.cuda.set_device(engine_cfg.device)  # NOTE: NCCL binds a rank to the current device
         runner = rank_runner(cfg, engine_cfg, shard, num_blocks, max_model_len)

@@ -1,8 +1,8 @@
 """The follower processes of a TP group on this machine: start, wait until built, report the dead, stop.
 
 NOTE: spawned, not forked (a fork of a process with torch's thread pools can deadlock). Each follower gets its
-shard as process arguments: torch's multiprocessing moves CPU tensors into shared memory, so a shard is written
-once and not pickled byte by byte. The next phase hosts each rank in a Ray actor instead and loads its shard there.
+shard through a pipe: torch's multiprocessing moves CPU tensors into shared memory, so a shard is written once and
+not pickled byte by byte. The next phase hosts each rank in a Ray actor instead and loads its shard there.
 """
 
 from __future__ import annotations
@@ -57,12 +57,15 @@ class Followers:
         self.rdv = rdv
         self.procs: list[Follower] = []
         for rank, (ecfg, shard) in enumerate(zip(rank_cfgs, shards), start=1):
-            recv, send = ctx.Pipe(duplex=False)
+            ours, theirs = ctx.Pipe()
             p = ctx.Process(target=follower_main, name=f"tp-rank-{rank}", daemon=True,
-                            args=(rank, rdv, cfg, ecfg, shard, num_blocks, max_model_len, send))
+                            args=(rank, rdv, cfg, ecfg, num_blocks, max_model_len, theirs))
             p.start()
-            send.close()
-            self.procs.append(Follower(rank, p, recv))
+            theirs.close()
+            # NOTE: through the pipe, not the process's arguments: the Process object would keep those (a copy of
+            # the follower's shard held here for the group's life); the caller's shards go once this returns
+            ours.send(shard)
+            self.procs.append(Follower(rank, p, ours))
 
     def wait_built(self, timeout_s: float) -> None:
         """Return once every follower has built its runner; TPGroupError naming the rank if one failed or died."""
