@@ -2,7 +2,8 @@
 rank that dies.
 
 The models are the tiny random model (logits far apart: greedy near-ties are rare) in two head layouts:
-8 query / 4 KV heads (TP 2 and 4 split the KV heads) and the default 4 / 2 (TP 4 replicates each KV head on 2 ranks).
+8 query / 4 KV heads (TP 2 and 4 split the KV heads) and the default 4 / 2 (TP 4 replicates each KV head on 2 ranks),
+and the first with Llama's q/k/v/o biases.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from tests.helpers import generate_ids, random_prompts, run_to_completion
 
 NEAR_TIE = 1e-3  # top-2 logit gap under which float32 sums in another order may pick the other token
 N_TOKENS = 32
-LAYOUTS = {"gqa-8q-4kv": dict(num_heads=8, num_kv_heads=4, head_dim=8), "tiny-4q-2kv": {}}
+LAYOUTS = {"gqa-8q-4kv": dict(num_heads=8, num_kv_heads=4, head_dim=8), "tiny-4q-2kv": {},
+           # NOTE: Llama's attention_bias: q/k/v biases split with their rows, o's added once (rank 0's)
+           "biased": dict(num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True, attention_out_bias=True)}
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +105,8 @@ def assert_same_or_near_tie(ref_engine: LLMEngine, prompts: list[list[int]], ref
         assert gap < NEAR_TIE, f"diverged at token {j} with top-2 gap {gap:.2e}: TP 1 {a} vs TP {b}"
 
 
-@pytest.mark.parametrize("layout,tp", [("gqa-8q-4kv", 2), ("gqa-8q-4kv", 4), ("tiny-4q-2kv", 4)],
-                         ids=["tp2", "tp4", "tp4-kv-replicated"])
+@pytest.mark.parametrize("layout,tp", [("gqa-8q-4kv", 2), ("gqa-8q-4kv", 4), ("tiny-4q-2kv", 4), ("biased", 2)],
+                         ids=["tp2", "tp4", "tp4-kv-replicated", "tp2-biases"])
 def test_greedy_tokens_equal_tp1(models: dict[str, LoadedModel], layout: str, tp: int) -> None:
     loaded = models[layout]
     prompts = random_prompts(8, [5, 17, 33, 48, 9, 64, 21, 40], vocab=loaded.config.vocab_size, seed=tp)
