@@ -9,8 +9,10 @@ and the first with Llama's q/k/v/o biases.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +22,8 @@ from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel, tiny_model, tiny_model_config
 from engine.model_runner import ModelRunner
 from engine.parallel import check_tp, rank_config, shard_weights
-from engine.parallel.group import RowParallel
+from engine.parallel.follower import CopyBlock, StepMessage, Stop
+from engine.parallel.group import MESSAGE_BYTES, Rendezvous, RowParallel, TPGroup, serve_store
 from engine.parallel.launch import TPGroupError
 from engine.parallel.runner import TPModelRunner
 from engine.quality import sequence_logits
@@ -185,3 +188,30 @@ def test_a_70b_model_shards_over_8_ranks_one_kv_head_each() -> None:
     assert shard[p + "self_attn.k_proj.weight"].shape == (128, 8192)
     assert shard[p + "self_attn.o_proj.weight"].shape == (8192, 8 * 128)
     assert shard[p + "mlp.down_proj.weight"].shape == (8192, 3584)
+
+
+def _receive(rdv: Rendezvous, n: int, out: Any) -> None:
+    group = TPGroup(1, rdv, torch.device("cpu"))
+    out.put([group.broadcast_object() for _ in range(n)])
+
+
+def test_step_messages_of_any_size_reach_the_followers() -> None:
+    import torch.multiprocessing as mp
+
+    # NOTE: one broadcast up to MESSAGE_BYTES, a second for the rest of a longer one (a long prompt's step)
+    fits = next(k for k in range(MESSAGE_BYTES - 64, MESSAGE_BYTES)  # a string whose pickle fills the first one
+                if len(pickle.dumps("x" * k, protocol=pickle.HIGHEST_PROTOCOL)) == MESSAGE_BYTES - 8)
+    messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), list(range(9000)), [0], [9000], [[1, 2]]),
+                "x" * fits, "x" * (fits + 1)]
+    ctx = mp.get_context("spawn")
+    store, rdv = serve_store(2)
+    out = ctx.Queue()
+    child = ctx.Process(target=_receive, args=(rdv, len(messages), out), daemon=True)
+    child.start()
+    try:
+        group = TPGroup(0, rdv, torch.device("cpu"), store)
+        for m in messages:
+            group.broadcast_object(m)
+        assert out.get(timeout=60) == messages  # NOTE: a guard against a hang, not a timing
+    finally:
+        child.join(10)
