@@ -172,6 +172,7 @@ def test_the_tp_bench_reports_step_times_and_the_all_reduce_share(tmp_path) -> N
     assert set(r["cases"]) == {"prefill 32", "decode step, batch 1", "decode step, batch 2"}
     for row in r["cases"].values():
         assert row["tp1_ms"] > 0 and row["tp2_ms"] > 0 and 0 < row["allreduce_share"] < 1
+        assert row["allreduce_ms_per_call"] > 0
 
 
 def test_a_70b_model_shards_over_8_ranks_one_kv_head_each() -> None:

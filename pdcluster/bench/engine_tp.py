@@ -45,11 +45,13 @@ class _Engine:
             max_num_seqs=64, num_blocks=2048, enable_prefix_caching=False))
         self.count = 0
         self.allreduce_s = 0.0  # over the timed steps only
+        self.allreduce_calls = 0
         self.timed_s = 0.0
 
-    def _clock(self) -> float:
+    def _clock(self) -> tuple[float, int]:
+        """Rank 0's all-reduce seconds and calls so far."""
         group = getattr(self.engine.runner, "group", None)
-        return 0.0 if group is None else group.stats.seconds
+        return (0.0, 0) if group is None else (group.stats.seconds, group.stats.calls)
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
         from engine import SamplingParams
@@ -61,11 +63,12 @@ class _Engine:
     def steps(self, steps: int) -> float:
         """Seconds per step over the next `steps` steps, whose all-reduce time goes on this engine's clock; then the
         engine runs until nothing is left (untimed)."""
-        start_ar, start = self._clock(), time.perf_counter()
+        (ar_s, ar_calls), start = self._clock(), time.perf_counter()
         for _ in range(steps):
             self.engine.step()
         elapsed = time.perf_counter() - start
-        self.allreduce_s += self._clock() - start_ar
+        self.allreduce_s += self._clock()[0] - ar_s
+        self.allreduce_calls += self._clock()[1] - ar_calls
         self.timed_s += elapsed
         while self.engine.has_unfinished_requests():
             self.engine.step()
@@ -106,12 +109,14 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
             log("engine", f"TP 1 vs TP {n}: {case}")
             for e in engines.values():
                 e.allreduce_s = e.timed_s = 0.0
+                e.allreduce_calls = 0
             medians = interleaved_medians({tp: functools.partial(fn, e) for tp, e in engines.items()},
                                           args.tp_rounds)
             tp_n = engines[n]
             rows[case] = {"tp1_ms": medians[1] * 1e3, f"tp{n}_ms": medians[n] * 1e3,
                           "speedup": medians[1] / medians[n],
-                          "allreduce_share": tp_n.allreduce_s / tp_n.timed_s if n > 1 else 0.0}
+                          "allreduce_share": tp_n.allreduce_s / tp_n.timed_s if n > 1 else 0.0,
+                          "allreduce_ms_per_call": tp_n.allreduce_s * 1e3 / max(1, tp_n.allreduce_calls)}
     finally:
         for e in engines.values():
             e.engine.close()
@@ -127,8 +132,9 @@ def format_tp(r: dict[str, Any]) -> str:
     lines = [f"model {r['model']} ({r['model_id']}), fp32, TP 1 on {r['threads']} threads vs TP {n} on "
              f"{r['threads_per_rank']} per rank (gloo), median of {r['rounds']} interleaved rounds; "
              f"{r['allreduces_per_step']} all-reduces per step",
-             f"{'case':28}{'TP 1 ms':>10}{f'TP {n} ms':>10}{'TP1/TPn':>9}{'all-reduce share':>18}"]
+             f"{'case':28}{'TP 1 ms':>10}{f'TP {n} ms':>10}{'TP1/TPn':>9}{'all-reduce share':>18}"
+             f"{'ms per all-reduce':>19}"]
     for case, row in r["cases"].items():
         lines.append(f"{case:28}{row['tp1_ms']:10.2f}{row[f'tp{n}_ms']:10.2f}{row['speedup']:8.2f}x"
-                     f"{row['allreduce_share']:18.1%}")
+                     f"{row['allreduce_share']:18.1%}{row['allreduce_ms_per_call']:19.3f}")
     return "\n".join(lines)
