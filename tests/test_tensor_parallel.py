@@ -129,6 +129,25 @@ def test_greedy_tokens_equal_tp1(models: dict[str, LoadedModel], layout: str, tp
     assert_same_or_near_tie(ref_engine, longer, generate_ids(ref_engine, longer, params, prefix="again"), cached)
 
 
+def test_speculative_drafts_are_verified_on_every_rank(models: dict[str, LoadedModel]) -> None:
+    from tests.test_spec_decode import SPEC, Oracle
+
+    loaded = models["gqa-8q-4kv"]
+    prompts = random_prompts(2, [20, 37], vocab=1000, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ref = generate_ids(engine(loaded, 1), prompts, params)
+    group = LLMEngine(loaded, EngineConfig(num_blocks=256, num_threads=1, tensor_parallel_size=2,
+                                           speculative_config=SPEC))  # type: ignore[arg-type]
+    # NOTE: drafts of the known continuation with every third token wrong: each step accepts some, rejects others
+    group.proposer = Oracle({tuple(p): c for p, c in zip(prompts, ref)})  # type: ignore[assignment]
+    try:
+        ours = generate_ids(group, prompts, params)
+        stats = group.stats()
+    finally:
+        group.close()
+    assert ours == ref and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
 def test_forked_choices_copy_their_block_on_every_rank(models: dict[str, LoadedModel], tp2: LLMEngine) -> None:
     prompt = random_prompts(1, [37], seed=5)[0]  # NOTE: its last block is partly full: n = 2 copies it (CoW)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)
@@ -202,7 +221,7 @@ def test_step_messages_of_any_size_reach_the_followers() -> None:
     # NOTE: one broadcast up to MESSAGE_BYTES, a second for the rest of a longer one (a long prompt's step)
     fits = next(k for k in range(MESSAGE_BYTES - 64, MESSAGE_BYTES)  # a string whose pickle fills the first one
                 if len(pickle.dumps("x" * k, protocol=pickle.HIGHEST_PROTOCOL)) == MESSAGE_BYTES - 8)
-    messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), list(range(9000)), [0], [9000], [[1, 2]]),
+    messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), [0], [9000], [list(range(600))]),
                 "x" * fits, "x" * (fits + 1)]
     ctx = mp.get_context("spawn")
     store, rdv = serve_store(2)

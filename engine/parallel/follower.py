@@ -34,8 +34,7 @@ class StepMessage:
     """What a follower needs of one step: the flat batch (as rank 0's `ModelRunner.prepare` laid it out)."""
 
     input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    starts: list[int]  # per sequence: tokens computed before this step
+    starts: list[int]  # per sequence: tokens computed before this step (its positions follow on)
     num_new: list[int]  # per sequence: tokens this step computes
     tables: list[list[int]]  # per sequence: its block table (rank 0's block manager's)
 
@@ -89,7 +88,8 @@ class TPFollower:
             meta = AttentionMetadata.build(msg.tables, msg.starts, msg.num_new, r.block_size, kernel=r.attn_kernel,
                                            cascade=r.attn_cascade, prefill=r.attn_prefill, backend=r.attn_backend,
                                            device=r.device)
-            ids, pos = r.to_device(msg.input_ids, msg.positions)
+            positions = [p for start, n in zip(msg.starts, msg.num_new) for p in range(start, start + n)]
+            ids, pos = r.to_device(msg.input_ids, positions)
             r.model(ids, pos, r.kv_caches, meta)  # [T, d] hidden states: rank 0 alone computes logits
         self.steps += 1
         return True

@@ -84,10 +84,19 @@ class TPModelRunner(ModelRunner):
             raise self._failed(e) from e
 
     def prepare(self, batch: ScheduledBatch, graphed: bool = True) -> Step:
-        """rank 0's step (as ModelRunner.prepare), broadcast to the followers before it runs."""
-        step = super().prepare(batch, graphed=False)
-        self._send(StepMessage(step.input_ids, step.positions, step.starts, list(batch.num_new_tokens),
+        """rank 0's step (as ModelRunner.prepare), its message broadcast to the followers first.
+
+        NOTE: sent before rank 0 builds its own metadata, so the followers build theirs meanwhile (sent after, they
+        would reach the first all-reduce one metadata build behind rank 0, and rank 0 would wait that long there).
+        """
+        ids: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # NOTE: ModelRunner.prepare's flat ids, drafts last
+            start = seq.num_computed_tokens
+            ids.extend([*seq.token_ids[start : start + n], *seq.spec_token_ids])
+        self._send(StepMessage(ids, [s.num_computed_tokens for s in batch.seqs], list(batch.num_new_tokens),
                                [list(s.block_table) for s in batch.seqs]))
+        step = super().prepare(batch, graphed=False)
+        assert step.input_ids == ids, "the followers' step message differs from rank 0's step"
         return step
 
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None,
