@@ -211,11 +211,14 @@ def test_a_70b_model_shards_over_8_ranks_one_kv_head_each() -> None:
 
 
 def _receive(rdv: Rendezvous, n: int, out: Any) -> None:
+    out.put("started")
     group = TPGroup(1, rdv, torch.device("cpu"))
     out.put([group.broadcast_object() for _ in range(n)])
 
 
-def test_step_messages_of_any_size_reach_the_followers() -> None:
+def test_step_messages_of_any_size_reach_the_followers_after_any_idle_time() -> None:
+    import time
+
     import torch.multiprocessing as mp
 
     # NOTE: one broadcast up to MESSAGE_BYTES, a second for the rest of a longer one (a long prompt's step)
@@ -224,12 +227,14 @@ def test_step_messages_of_any_size_reach_the_followers() -> None:
     messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), [0], [9000], [list(range(600))]),
                 "x" * fits, "x" * (fits + 1)]
     ctx = mp.get_context("spawn")
-    store, rdv = serve_store(2)
+    store, rdv = serve_store(2, timeout_s=3.0)  # NOTE: the collectives' bound; idling longer is no failure
     out = ctx.Queue()
     child = ctx.Process(target=_receive, args=(rdv, len(messages), out), daemon=True)
     child.start()
     try:
+        assert out.get(timeout=60) == "started"  # NOTE: the rendezvous is then within the 3 s
         group = TPGroup(0, rdv, torch.device("cpu"), store)
+        time.sleep(4.0)  # an engine with nothing to do: the follower waits for its next step
         for m in messages:
             group.broadcast_object(m)
         assert out.get(timeout=60) == messages  # NOTE: a guard against a hang, not a timing

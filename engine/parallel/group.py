@@ -23,6 +23,7 @@ from engine.linear import Int8Linear, PackedLinear
 # NOTE: a bound on every collective: a peer that hangs without closing its sockets (a stopped process) fails the
 # group after this long instead of blocking it forever; a dead one (closed sockets) fails it at once.
 DEFAULT_TIMEOUT_S = 120.0
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower's wait for rank 0's next step
 MESSAGE_BYTES = 16384  # a step message up to this size (its length included) takes one broadcast
 
 
@@ -94,7 +95,11 @@ class TPGroup:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             head = len(data).to_bytes(8, "little") + data[: MESSAGE_BYTES - 8]
             buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        self.cpu.broadcast(buf, 0).wait()
+            self.cpu.broadcast(buf, 0).wait()
+        else:
+            # NOTE: a follower waits for the next step as long as the engine idles (the group's timeout would end
+            # an idle group); a rank 0 that dies closes its sockets, which fails this wait at once
+            self.cpu.broadcast(buf, 0, IDLE_TIMEOUT).wait()
         length = int.from_bytes(buf[:8].numpy().tobytes(), "little")
         rest = length - (MESSAGE_BYTES - 8)
         if rest > 0:
