@@ -159,6 +159,13 @@ def test_forked_choices_copy_their_block_on_every_rank(models: dict[str, LoadedM
     assert outs[0] == outs[1] and set(outs[0]) == {"fork", "fork-1"}
 
 
+def test_what_reads_one_processs_model_refuses_a_group(tp2: LLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
+        sequence_logits(tp2, [101, 102, 103])  # NOTE: outside a step the followers would never join it
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size: a TP group does not export KV"):
+        tp2.runner.read_blocks(0, [0])
+
+
 def test_a_dead_rank_fails_the_group_with_an_error_naming_it(tp2: LLMEngine) -> None:
     assert isinstance(tp2.runner, TPModelRunner)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
