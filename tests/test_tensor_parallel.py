@@ -75,6 +75,8 @@ def test_shards_put_back_together_are_the_weights(models: dict[str, LoadedModel]
                 head = r * local.num_heads // group
                 assert torch.equal(s[p + name], w[p + name][head * kv_rows : (head + 1) * kv_rows])
     assert all(s["lm_head.weight"] is w["lm_head.weight"] for s in shards)  # replicated, not copied
+    # a follower never computes logits: a one-row stand-in for the untied head
+    assert shard_weights(cfg, w, 1, tp, with_head=False)["lm_head.weight"].shape == (1, cfg.hidden_size)
 
 
 def test_tp_sizes_the_model_cannot_split_are_refused_naming_the_field() -> None:

@@ -18,9 +18,10 @@ Choices (why):
   are a later saving.
 - embedding and LM head are replicated. The embedding's lookup reads T rows: a vocabulary split would cost an
   all-reduce of [T, d] per step for no compute saved. The head runs on rank 0 only: its full logits feed the
-  sampler (grammar masks, penalties, logprobs) without a gather of [N, vocab] per step; followers hold the head
-  but never read it (its memory on ranks 1 .. n-1 is the cost; a vocab-split head with a gather is the next step
-  for a 70B model, whose head is 2.1 GB in bf16 on every rank).
+  sampler (grammar masks, penalties, logprobs) without a gather of [N, vocab] per step; followers get a one-row
+  stand-in (an untied head; a tied one is the embedding they need anyway). The cost: rank 0 computes the whole head
+  (2 x vocab x d FLOPs per sampled row) while the followers wait; a vocab-split head with a gather to rank 0 would
+  divide it (a 70B model's head is 2.1 GB of bf16 read per step).
 - TP 1 takes none of this: `make_runner` returns the plain ModelRunner (no wrapper, no all-reduce, no copy).
 """
 

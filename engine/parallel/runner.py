@@ -57,8 +57,9 @@ class TPModelRunner(ModelRunner):
         threads = rank_threads(engine_cfg)
         cfgs = [rank_engine_config(engine_cfg, rank_device(engine_cfg, r), threads) for r in range(n)]
         store, rdv = serve_store(n)
-        followers = Followers(rdv, cfg, cfgs[1:], [shard_weights(cfg, weights, r, n) for r in range(1, n)],
-                              num_blocks, max_model_len)
+        shards = [shard_weights(cfg, weights, r, n, with_head=False) for r in range(1, n)]
+        followers = Followers(rdv, cfg, cfgs[1:], shards, num_blocks, max_model_len)
+        del shards  # NOTE: in the followers' hands now (shared memory on the CPU)
         try:
             torch.set_num_threads(threads)
             super().__init__(rank_config(cfg, n), cfgs[0], shard_weights(cfg, weights, 0, n), num_blocks,

@@ -63,9 +63,11 @@ def _rows(t: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
     return t[heads.start * head_dim : heads.stop * head_dim].contiguous()
 
 
-def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, n: int) -> dict[str, torch.Tensor]:
+def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, n: int,
+                  with_head: bool = True) -> dict[str, torch.Tensor]:
     """Rank `rank`'s shard of `weights` (HF names, full model) for TP n: new tensors for the split ones, the
-    replicated ones as they are (no copy)."""
+    replicated ones as they are (no copy). `with_head=False` (a follower, which never computes logits): an untied LM
+    head becomes a one-row stand-in, so the unchanged LlamaModel builds without a copy of the whole head."""
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is not in a group of {n}")
     check_tp(cfg, n)
@@ -89,6 +91,8 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
             out[name] = w[cols].contiguous()  # [I/n, d_model]
         elif part == "down_proj":
             out[name] = w[:, cols].contiguous()  # [d_model, I/n]
+        elif name == "lm_head.weight" and not with_head:
+            out[name] = w[:1].clone()  # [1, d_model]
         else:  # embedding, norms, LM head: replicated
             out[name] = w
     return out
