@@ -59,12 +59,14 @@ class TPModelRunner(ModelRunner):
         store, rdv = serve_store(n)
         shards = [shard_weights(cfg, weights, r, n, with_head=False) for r in range(1, n)]
         followers = Followers(rdv, cfg, cfgs[1:], shards, num_blocks, max_model_len)
-        del shards  # NOTE: in the followers' hands now (shared memory on the CPU)
         try:
             torch.set_num_threads(threads)
             super().__init__(rank_config(cfg, n), cfgs[0], shard_weights(cfg, weights, 0, n), num_blocks,
                              max_model_len, max_blocks=max_blocks)
             followers.wait_built(BUILD_TIMEOUT_S)
+            # NOTE: kept until every follower built its runner: CUDA tensors sent to another process must stay alive
+            # on the sender's side while the receiver still reads them
+            del shards
             self.group = TPGroup(0, rdv, self.device, store)
         except BaseException:
             followers.kill()
