@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from engine.linear import Int8Linear, PackedLinear
 
-# NOTE: a bound on every collective: a peer that hangs without closing its sockets (a stopped process) fails the
-# group after this long instead of blocking it forever; a dead one (closed sockets) fails it at once.
+# NOTE: a bound on every collective of a step: a peer that hangs without closing its sockets (a stopped process)
+# fails the group after this long instead of blocking it forever; a dead one (closed sockets) fails it at once.
+# Between steps a follower waits for the next one up to IDLE_TIMEOUT: an engine may idle for hours.
 DEFAULT_TIMEOUT_S = 120.0
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower's wait for rank 0's next step
 MESSAGE_BYTES = 16384  # a step message up to this size (its length included) takes one broadcast
@@ -49,8 +50,8 @@ class AllReduceStats:
     seconds: float = 0.0
 
 
-def serve_store(size: int, host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore,
-                                                                                                   Rendezvous]:
+def serve_store(size: int, host: str = "127.0.0.1",
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, Rendezvous]:
     """Rank 0's TCPStore on a free port (the OS picks it: no race for a port) and the rendezvous naming it."""
     store = dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return store, Rendezvous(host, store.port, size, timeout_s)
