@@ -150,6 +150,22 @@ def test_speculative_drafts_are_verified_on_every_rank(models: dict[str, LoadedM
     assert ours == ref and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
 
 
+def test_preempted_sequences_recompute_on_every_rank(models: dict[str, LoadedModel]) -> None:
+    loaded = models["gqa-8q-4kv"]
+    prompts = random_prompts(6, [30, 41, 25], vocab=loaded.config.vocab_size, seed=11)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    out = {}
+    for tp in (1, 2):  # NOTE: 16 blocks for ~30 needed: rank 0's scheduler preempts, every rank recomputes
+        eng = LLMEngine(loaded, EngineConfig(num_blocks=16, max_num_batched_tokens=256, num_threads=1,
+                                             tensor_parallel_size=tp))
+        try:
+            out[tp] = generate_ids(eng, prompts, params)
+            assert eng.stats().num_preemptions > 0
+        finally:
+            eng.close()
+    assert out[2] == out[1]
+
+
 def test_forked_choices_copy_their_block_on_every_rank(models: dict[str, LoadedModel], tp2: LLMEngine) -> None:
     prompt = random_prompts(1, [37], seed=5)[0]  # NOTE: its last block is partly full: n = 2 copies it (CoW)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)
