@@ -143,6 +143,9 @@ class EngineConfig:
     # steps run eagerly (no graphs: a step's adapter grouping changes from step to step).
     max_loras: int = 0
     max_lora_rank: int = 16  # the largest adapter rank accepted (engine/lora/adapter.py)
+    # vLLM's name: ranks of one engine (one process each; engine/parallel/). > 1: num_blocks, kv_cache_memory_gb and
+    # num_threads are per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -154,6 +157,13 @@ class EngineConfig:
         _positive("max_lora_rank", self.max_lora_rank)
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise InvalidRequestError("max_loras", f"must be >= 0 (0: no adapters), got {self.max_loras!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
+            raise InvalidRequestError("tensor_parallel_size", f"must be a positive integer, got "
+                                      f"{self.tensor_parallel_size!r}")
+        if self.max_loras and self.tensor_parallel_size > 1:
+            # NOTE: the adapters wrap rank 0's linears only: a follower's shard would compute without its deltas
+            raise InvalidRequestError("max_loras", "LoRA adapters are not served by a tensor-parallel engine yet "
+                                      f"(tensor_parallel_size {self.tensor_parallel_size}); use 0 or TP 1")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_cache_memory_gb is not None and self.gpu_memory_utilization is not None:

@@ -24,15 +24,17 @@ import torch
 
 from engine.block_hash import cache_scope
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_KV_CACHE_GB, EngineConfig
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_export import KVLayout
 from engine.kv_import import KVImporter, KVReservation
 from engine.kv_seam import KVSeam
 from engine.loader import LoadedModel
 from engine.lora.slots import LoRASlots
-from engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
+from engine.model_runner import kv_cache_dtype
 from engine.output import OutputProcessor, RequestOutput
+from engine.parallel.runner import make_runner
+from engine.pool_size import pool_size
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -54,17 +56,10 @@ class LLMEngine(KVSeam):
         # NOTE: the scope names the KV dtype (int8 KV never mixes with float KV); weight quantization is not in it,
         # so a decode pool with int8 weights can take KV from a prefill pool without (the issue asks for that).
         self.scope = cache_scope(mcfg.model_id, str(kv_dtype).removeprefix("torch."))
-        per_block = kv_bytes_per_block(mcfg, config.block_size, kv_dtype)
-        model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        # NOTE: the memory budget is capped at what max_num_seqs full-length sequences could ever use.
-        usable = config.max_num_seqs * -(-model_len // config.block_size)
-        # NOTE: on CUDA without num_blocks or kv_cache_memory_gb, the runner sizes the pool by gpu_memory_utilization
-        # (engine/gpu_memory.py)
-        gb = config.kv_cache_memory_gb
-        if gb is None and config.resolved_device().type != "cuda":
-            gb = DEFAULT_KV_CACHE_GB
-        num_blocks = config.num_blocks or (None if gb is None else max(1, min(usable, int(gb * 2**30 // per_block))))
-        self.runner = ModelRunner(mcfg, config, loaded.weights, num_blocks, model_len, max_blocks=usable)
+        size = pool_size(mcfg, config)
+        model_len = size.model_len
+        # NOTE: TP > 1: rank 0's runner, which starts the group's other ranks (engine/parallel/)
+        self.runner = make_runner(mcfg, config, loaded.weights, size.num_blocks, model_len, max_blocks=size.usable)
         num_blocks = self.runner.num_blocks
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -358,6 +353,12 @@ class LLMEngine(KVSeam):
     def _check_unused(self, request_id: str) -> None:
         if request_id in self._seqs or request_id in self._reserved:
             raise InvalidRequestError("request_id", "is already in use", request_id)
+
+    def close(self) -> None:
+        """Stop the engine's other processes (a TP group's followers); a closed TP engine takes no more steps."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ---- introspection ------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -23,6 +24,8 @@ from engine.sequence import Sequence
 @torch.inference_mode()
 def sequence_logits(engine: LLMEngine, token_ids: Seq[int]) -> torch.Tensor:  # → [T, vocab] float32
     """Logits after every token of `token_ids`, computed chunk by chunk over scratch blocks of `engine` (idle)."""
+    if engine.config.tensor_parallel_size > 1:  # NOTE: it runs the model outside a step: the followers would not join
+        raise InvalidRequestError("tensor_parallel_size", "quality figures read one process's model: use TP 1")
     bs, runner = engine.config.block_size, engine.runner
     seq = Sequence("quality-scratch", list(token_ids), SamplingParams(temperature=0.0), bs, engine.scope)
     if not engine.block_manager.allocate(seq, len(seq)):

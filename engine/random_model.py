@@ -1,5 +1,5 @@
-"""Random-weight models of real shapes (`random:llama-3.1-8b`, `random:qwen2.5-7b`, `random:smollm2-135m`), so
-speed and correctness on a GPU are measured with no download.
+"""Random-weight models of real shapes (`random:llama-3.1-8b`, `random:llama-3.1-70b`, `random:qwen2.5-7b`,
+`random:smollm2-135m`), so speed and correctness on a GPU are measured with no download.
 
 The architecture numbers are the real models' (their Hugging Face config.json); the weights are seeded and made on
 the target device in the target dtype, tensor by tensor: never a float32 copy of the model on the host. The tokenizer
@@ -25,11 +25,17 @@ from engine.errors import ModelLoadError
 from engine.hf_loader import Weights, check_weights, expected_shapes
 
 PREFIX = "random:"
-# NOTE: numbers from each model's config.json on the Hugging Face hub (meta-llama/Llama-3.1-8B,
+# NOTE: numbers from each model's config.json on the Hugging Face hub (meta-llama/Llama-3.1-8B, Llama-3.1-70B,
 # Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M); bos/eos are SmolLM2's, the tokenizer they run with.
 ARCHITECTURES: dict[str, dict[str, object]] = {
     "llama-3.1-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_scaling=RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192)),
+    # NOTE: for the planner (a worker of 8 GPUs) and a multi-GPU machine: ~141 GB in bf16, never made on this one
+    "llama-3.1-70b": dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
         head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
         rope_scaling=RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=8192)),

@@ -1,4 +1,5 @@
-"""The planner: step-model fit, roofline profiles, the cluster simulator, the P:D search, validation plumbing."""
+"""The planner: step-model fit, the cluster simulator, the P:D search, validation plumbing (the roofline profiles:
+tests/test_plan_roofline.py)."""
 
 from __future__ import annotations
 
@@ -68,26 +69,6 @@ def test_fit_recovers_known_coefficients_from_synthetic_steps():
     for name in ("c0_s", "c_tok_s", "c_dec_key_s", "c_pre_pair_s"):
         assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=0.05), name
     assert stats.mean_abs_pct < 1.5
-
-
-def test_roofline_decode_step_at_batch_1_is_reading_the_weights_once():
-    prof = hardware.roofline_profile("h100", "llama-3.1-8b")
-    m = hardware.MODELS["llama-3.1-8b"]
-    weights = (m.layer_params + m.head_params) * 2
-    assert 15e9 < weights < 16.5e9  # Llama-3.1-8B in bf16, without the input embedding
-    read = weights / (3.35e12 * hardware.BW_EFF)
-    t = prof.step.decode_time(1, 1)
-    assert t == pytest.approx(hardware.STEP_OVERHEAD_S + read, rel=0.02)
-    assert prof.estimated and "ESTIMATED" in prof.notes[0]
-    # H200 has the same FLOP/s and 43% more bandwidth: decode is faster, a long prefill is not
-    h200 = hardware.roofline_profile("h200", "llama-3.1-8b")
-    assert h200.step.decode_time(1, 1) < 0.8 * t
-    assert h200.step.prefill_time(4096) == pytest.approx(prof.step.prefill_time(4096), rel=0.01)
-
-
-def test_seventy_b_profile_is_eight_gpus_per_worker():
-    prof = hardware.resolve_profile("h100:llama-3.1-70b")
-    assert prof.gpus_per_worker == 8 and prof.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
 
 
 def test_transfer_tail_is_hidden_behind_a_long_last_step():

@@ -42,6 +42,9 @@ from pdcluster.bench.engine_lora import format_lora, measure_lora
 from pdcluster.bench.engine_step import add_arguments as add_step_arguments
 from pdcluster.bench.engine_step import format_step, measure_step
 from pdcluster.bench.engine_timing import OursTimer, ReferenceTimer, best
+from pdcluster.bench.engine_tp import DEFAULT_OUT as DEFAULT_TP_OUT
+from pdcluster.bench.engine_tp import add_arguments as add_tp_arguments
+from pdcluster.bench.engine_tp import format_tp, measure_tp
 from pdcluster.bench.report import emit, log, machine
 
 DEFAULT_OUT = "results/bench_engine.json"
@@ -69,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_arguments(p)
     add_grammar_arguments(p)
     add_lora_arguments(p)
+    add_tp_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--out", default=DEFAULT_OUT, help="where to save the JSON figures")
 
@@ -277,5 +281,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None:  # NOTE: the device bench (pdcluster/bench/engine_device.py), e.g. --device cuda
         out = DEFAULT_DEVICE_OUT if args.out == DEFAULT_OUT else args.out
         return emit("engine", measure_device(args), out, args.json, format_device)
+    if args.tensor_parallel_size is not None:  # NOTE: the TP bench (pdcluster/bench/engine_tp.py)
+        out = DEFAULT_TP_OUT if args.out == DEFAULT_OUT else args.out
+        return emit("engine", measure_tp(args), out, args.json, format_tp)
     r = measure(args)
     return emit("engine", r, args.out, args.json, format_table)

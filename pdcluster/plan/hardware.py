@@ -7,12 +7,19 @@ not care where a profile came from:
 - c_seq = the logits matmul of one sampled row (2·vocab·hidden FLOPs) plus its share of reading the LM head;
 - c_dec_key = KV bytes of one token / effective bandwidth (paged attention reads each sequence's keys: `sum`);
 - c_pre_pair = 4·layers·heads·head_dim FLOPs per query·key pair / (FLOP/s × attention efficiency);
-- c0 = a fixed per-step cost (scheduling, kernel launches; plus the all-reduces of tensor parallelism).
+- c0 = a fixed per-step cost (scheduling, kernel launches; plus the all-reduces' latency under tensor parallelism).
 The efficiencies are stated in each profile's notes; they are typical of vLLM/SGLang on these parts, not measured.
+
+A tensor-parallel worker (TP n) is predicted from its parts as engine/parallel/ runs it, not by a flat efficiency:
+each GPU computes one rank's shard (`rank_shape`: H/n query heads, max(1, KVH/n) KV heads, MLP width I/n) at one
+GPU's FLOP/s and bandwidth; the LM head is replicated and rank 0 computes all of it (the samples' logits and its
+weight read are on the step's critical path); every layer adds two ring all-reduces of [T, hidden] (a latency in c0
+and 2(n-1)/n of the activations' bytes over NVLink per token in c_tok); a rank reads its own KV heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -50,6 +57,13 @@ class ModelShape:
         attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2
         return self.num_layers * (attn + 3 * h * self.intermediate_size)
 
+    def rank_shape(self, tp: int) -> ModelShape:
+        """The part one GPU of a TP `tp` worker computes (engine/parallel/shard.py `rank_config`)."""
+        if tp == 1:
+            return self
+        return dataclasses.replace(self, num_heads=self.num_heads // tp, num_kv_heads=max(1, self.num_kv_heads // tp),
+                                   intermediate_size=self.intermediate_size // tp)
+
     @property
     def head_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -77,8 +91,8 @@ MFU = 0.5  # matmul FLOP/s reached in prefill-sized GEMMs
 ATTN_EFF = 0.4  # FlashAttention-style prefill attention, fraction of peak
 BW_EFF = 0.75  # fraction of HBM bandwidth that weight and KV reads sustain
 STEP_OVERHEAD_S = 0.003  # scheduler + launches per step (CUDA graphs for decode would cut it)
-TP_EFF = 0.85  # tensor parallel: fraction of the linear speed-up kept
-ALLREDUCE_S = 15e-6  # per all-reduce (NVLink, small messages); two per layer with tensor parallelism
+ALLREDUCE_S = 15e-6  # per all-reduce (NVLink, small messages): its latency; two per layer with tensor parallelism
+NVLINK_GB_S = 360.0  # an all-reduce's bus bandwidth over NVLink (H100/H200 SXM: 450 GB/s per direction, ~80% kept)
 IB_GB_S = 40.0  # KV between nodes: 400 Gb/s InfiniBand NDR per GPU ≈ 50 GB/s raw, ~40 GB/s effective
 TRANSFER_LATENCY_S = 0.001  # handshake + commit round trips over the data-centre network
 
@@ -87,16 +101,18 @@ def roofline_profile(gpu: str, model: str = "llama-3.1-8b", tp: int | None = Non
     """An ESTIMATED profile of one worker: `tp` GPUs of kind `gpu` running `model` (tensor parallel)."""
     g, m = GPUS[gpu.lower()], MODELS[model.lower()]
     tp = tp or DEFAULT_TP[model.lower()]
-    scale = tp * (TP_EFF if tp > 1 else 1.0)
-    flops = g.bf16_tflops * 1e12 * scale
-    bw = g.hbm_tb_s * 1e12 * scale * BW_EFF
-    c_tok = 2 * m.layer_params / (flops * MFU)
-    weight_read = (m.layer_params + m.head_params) * m.bytes_per_param / bw
+    r = m.rank_shape(tp)  # one GPU's part
+    flops = g.bf16_tflops * 1e12
+    bw = g.hbm_tb_s * 1e12 * BW_EFF
+    # NOTE: a ring all-reduce moves 2(n-1)/n of the [T, hidden] activations through each GPU's link, twice a layer
+    allreduce_tok = 2 * m.num_layers * m.hidden_size * m.bytes_per_param * 2 * (tp - 1) / tp / (NVLINK_GB_S * 1e9)
+    c_tok = 2 * r.layer_params / (flops * MFU) + allreduce_tok
+    weight_read = (r.layer_params + m.head_params) * m.bytes_per_param / bw  # NOTE: rank 0 reads the whole head
     c_seq = 2 * m.head_params / (flops * MFU)
     c0 = STEP_OVERHEAD_S + (2 * m.num_layers * ALLREDUCE_S if tp > 1 else 0.0)
     step = StepModel(c0_s=c0, c_tok_s=c_tok, knee_tokens=weight_read / c_tok, c_seq_s=c_seq,
-                     c_dec_key_s=m.kv_bytes_per_token / bw,
-                     c_pre_pair_s=4 * m.num_layers * m.num_heads * m.head_dim / (flops * ATTN_EFF),
+                     c_dec_key_s=r.kv_bytes_per_token / bw,
+                     c_pre_pair_s=4 * m.num_layers * r.num_heads * m.head_dim / (flops * ATTN_EFF),
                      decode_attention="sum")
     # NOTE: each GPU of a tensor-parallel worker sends its own shard of the KV over its own NIC.
     transfer = TransferModel(bandwidth_gb_s=IB_GB_S * tp, latency_s=TRANSFER_LATENCY_S, num_layers=m.num_layers)
@@ -107,11 +123,14 @@ def roofline_profile(gpu: str, model: str = "llama-3.1-8b", tp: int | None = Non
         step=step, transfer=transfer, kv_bytes_per_token=m.kv_bytes_per_token,
         notes=[f"ESTIMATED, not measured: MFU {MFU:.0%}, attention {ATTN_EFF:.0%} of peak, {BW_EFF:.0%} of HBM "
                f"bandwidth, {STEP_OVERHEAD_S * 1e3:g} ms per step",
-               *([f"tensor parallel {tp}: {TP_EFF:.0%} scaling, 2 all-reduces per layer at "
-                  f"{ALLREDUCE_S * 1e6:g} us"] if tp > 1 else []),
+               *([f"tensor parallel {tp}, predicted from its parts: one GPU computes {r.num_heads} of {m.num_heads} "
+                  f"heads, {r.num_kv_heads} KV head(s), MLP width {r.intermediate_size}; rank 0 the whole LM head; 2 "
+                  f"ring all-reduces per layer at {ALLREDUCE_S * 1e6:g} us + {NVLINK_GB_S:g} GB/s NVLink "
+                  f"({allreduce_tok * 1e6:.2f} us per token)"] if tp > 1 else []),
                f"KV transfer {IB_GB_S:g} GB/s per GPU (400 Gb/s InfiniBand), {TRANSFER_LATENCY_S * 1e3:g} ms "
-               f"per transfer, layer-wise", f"weights {(m.layer_params + m.head_params) * 2 / 1e9:.1f} GB bf16; "
-               f"batch-1 decode reads them once per step: {weight_read * 1e3:.2f} ms"])
+               f"per transfer, layer-wise", f"weights {(m.layer_params + m.head_params) * 2 / 1e9:.1f} GB bf16"
+               + (f" ({(r.layer_params + m.head_params) * 2 / 1e9:.1f} GB on rank 0: its shard and the LM head)"
+                  if tp > 1 else "") + f"; batch-1 decode reads them once per step: {weight_read * 1e3:.2f} ms"])
 
 
 def resolve_profile(spec: str) -> Profile:

@@ -1,0 +1,30 @@
+"""Tensor parallelism: one engine over n ranks (`EngineConfig.tensor_parallel_size`, vLLM's name), one process each.
+
+1. `LLMEngine` builds rank 0's runner (`runner.TPModelRunner`), which shards the weights (`shard.py`, Megatron
+   style), starts ranks 1 .. n-1 with their shards (`launch.py`), and joins the group with them (`group.py`: gloo
+   on the CPU, NCCL on CUDA for the activations; gloo on the CPU for the step messages);
+2. each step, rank 0 schedules as a TP 1 engine does, broadcasts the step (`follower.StepMessage`: flat ids,
+   per-sequence starts and counts, block tables) and runs its forward; every rank runs the same
+   forward on its heads and MLP columns, with an all-reduce after each o and down projection;
+3. rank 0 alone computes logits and samples; the followers wait for the next message (`follower.TPFollower`);
+4. a rank that dies fails the group as a whole (`launch.TPGroupError`, naming the rank) at the next collective;
+   `LLMEngine.close` stops the followers.
+
+Choices (why):
+- the step message is the step's lists of ints, pickled once and broadcast (one collective, `TPGroup.broadcast_object`)
+  before rank 0 builds its own metadata: followers rebuild theirs with the same host code meanwhile. Cheaper than
+  the scheduler's sequences (prompts, sampling params, grammar state that followers never use) or the built metadata
+  (a dozen tensors per step, backend specific, on the GPU under CUDA). Full block tables are sent each step; deltas
+  are a later saving.
+- embedding and LM head are replicated. The embedding's lookup reads T rows: a vocabulary split would cost an
+  all-reduce of [T, d] per step for no compute saved. The head runs on rank 0 only: its full logits feed the
+  sampler (grammar masks, penalties, logprobs) without a gather of [N, vocab] per step; followers get a one-row
+  stand-in (an untied head; a tied one is the embedding they need anyway). The cost: rank 0 computes the whole head
+  (2 x vocab x d FLOPs per sampled row) while the followers wait; a vocab-split head with a gather to rank 0 would
+  divide it (a 70B model's head is 2.1 GB of bf16 read per step).
+- TP 1 takes none of this: `make_runner` returns the plain ModelRunner (no wrapper, no all-reduce, no copy).
+"""
+
+from engine.parallel.shard import check_tp, rank_config, shard_weights
+
+__all__ = ["check_tp", "rank_config", "shard_weights"]

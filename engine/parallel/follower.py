@@ -1,0 +1,124 @@
+"""Ranks 1 .. n-1 of a TP group: a plain class that computes the steps rank 0 broadcasts, and its process entry.
+
+Life of a follower:
+1. its host (here a spawned process, `follower_main`; next, a Ray actor of the group's placement group) builds a
+   `ModelRunner` on the rank's shard of the weights and its own KV pool shard (`rank_runner`), reports it built;
+2. joins the group (`TPGroup`), which wraps the model's o and down projections with the all-reduce;
+3. `TPFollower.run` takes one message per step from rank 0 (`StepMessage`: the step's flat inputs and block tables;
+   `CopyBlock`; `Stop`) and computes it: the same forward as rank 0, whose all-reduces it meets, no logits, no
+   sampling, no scheduling (rank 0's block manager decides every block; the tables arrive with the step);
+4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel.group import Rendezvous, TPGroup, parallelize
+from engine.parallel.shard import rank_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepMessage:
+    """What a follower needs of one step: the flat batch (as rank 0's `ModelRunner.prepare` laid it out)."""
+
+    input_ids: list[int]  # [T]
+    starts: list[int]  # per sequence: tokens computed before this step (its positions follow on)
+    num_new: list[int]  # per sequence: tokens this step computes
+    tables: list[list[int]]  # per sequence: its block table (rank 0's block manager's)
+
+
+@dataclass(slots=True)
+class CopyBlock:
+    """Copy one block's K/V in every layer (a forked sequence's copy-on-write block)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(slots=True)
+class Stop:
+    """The group is closing: leave the loop."""
+
+
+def rank_engine_config(engine_cfg: EngineConfig, device: str, threads: int) -> EngineConfig:
+    """The engine settings one rank's runner is built with: its device and threads, eager (see TPModelRunner)."""
+    return dataclasses.replace(engine_cfg, device=device, num_threads=threads, enforce_eager=True,
+                               gpu_memory_utilization=None)
+
+
+def rank_runner(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, torch.Tensor], num_blocks: int,
+                max_model_len: int) -> ModelRunner:
+    """A plain runner over one rank's shard: the rank's heads and MLP width, its KV heads' pool."""
+    torch.set_num_threads(engine_cfg.threads)
+    return ModelRunner(rank_config(cfg, engine_cfg.tensor_parallel_size), engine_cfg, shard, num_blocks,
+                       max_model_len)
+
+
+class TPFollower:
+    """One follower rank: computes each step message on its shard (driven by `run`, or by `handle` per message)."""
+
+    def __init__(self, runner: ModelRunner, group: TPGroup) -> None:
+        self.runner, self.group = runner, group
+        self.steps = 0
+
+    @torch.inference_mode()
+    def handle(self, msg: StepMessage | CopyBlock | Stop) -> bool:
+        """Compute one message; False once it is `Stop`."""
+        r = self.runner
+        if isinstance(msg, Stop):
+            return False
+        if isinstance(msg, CopyBlock):
+            r.copy_block(msg.src, msg.dst)
+            return True
+        # NOTE: the metadata is rebuilt here from the step's lists, with the same host code rank 0 ran: cheaper to
+        # ship than its tensors (a dozen per step, backend-specific, on the device on CUDA)
+        with r.on_device():
+            meta = AttentionMetadata.build(msg.tables, msg.starts, msg.num_new, r.block_size, kernel=r.attn_kernel,
+                                           cascade=r.attn_cascade, prefill=r.attn_prefill, backend=r.attn_backend,
+                                           device=r.device)
+            positions = [p for start, n in zip(msg.starts, msg.num_new) for p in range(start, start + n)]
+            ids, pos = r.to_device(msg.input_ids, positions)
+            r.model(ids, pos, r.kv_caches, meta)  # [T, d] hidden states: rank 0 alone computes logits
+        self.steps += 1
+        return True
+
+    def run(self) -> None:
+        """Take rank 0's messages until `Stop`; a failed collective (rank 0 gone) ends it with an error logged."""
+        try:
+            while self.handle(self.group.broadcast_object()):
+                pass
+        except RuntimeError as e:
+            log.error("TP rank %d: the group failed after %d steps (%s); leaving", self.group.rank, self.steps, e)
+            raise
+
+
+def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int,
+                  max_model_len: int, conn: Connection) -> None:
+    """A follower process: take its shard from `conn`, build, report ("built" or the traceback) on `conn`, join the
+    group, run."""
+    try:
+        shard: dict[str, torch.Tensor] = conn.recv()
+        if engine_cfg.device.startswith("cuda"):
+            torch.cuda.set_device(engine_cfg.device)  # NOTE: NCCL binds a rank to the current device
+        runner = rank_runner(cfg, engine_cfg, shard, num_blocks, max_model_len)
+        del shard
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    conn.send(("built", ""))
+    conn.close()
+    group = TPGroup(rank, rdv, runner.device)
+    parallelize(runner.model, group)
+    TPFollower(runner, group).run()

@@ -1,0 +1,135 @@
+"""One rank's view of a tensor-parallel group: its process groups, the step channel and the all-reduce.
+
+NOTE: the process groups are standalone objects over a TCPStore (torch.distributed's ProcessGroupGloo /
+ProcessGroupNCCL), not torch.distributed's global default group: a process may hold several groups (tests, a
+bench comparing sizes) and nothing global has to be torn down between them. Two groups per rank, as vLLM keeps
+them: the device group (NCCL on CUDA, gloo on the CPU) all-reduces activations; a gloo group on the CPU carries the
+step messages from rank 0, so a step's control never goes through (and never syncs) the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.linear import Int8Linear, PackedLinear
+
+# NOTE: a bound on every collective of a step: a peer that hangs without closing its sockets (a stopped process)
+# fails the group after this long instead of blocking it forever; a dead one (closed sockets) fails it at once.
+# Between steps a follower waits for the next one up to IDLE_TIMEOUT: an engine may idle for hours.
+DEFAULT_TIMEOUT_S = 120.0
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower's wait for rank 0's next step
+MESSAGE_BYTES = 16384  # a step message up to this size (its length included) takes one broadcast
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one group meet: rank 0 serves a TCPStore at host:port."""
+
+    host: str
+    port: int
+    size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class AllReduceStats:
+    """Wall time this rank spent in the all-reduces of row-parallel layers (waiting for slower ranks included).
+
+    NOTE: on the CPU (gloo) the call returns when the sum is done: this is the all-reduce's time. On CUDA (NCCL) it
+    returns once the all-reduce is queued on the stream: the figure is then launch time, not GPU time.
+    """
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+def serve_store(size: int, host: str = "127.0.0.1",
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, Rendezvous]:
+    """Rank 0's TCPStore on a free port (the OS picks it: no race for a port) and the rendezvous naming it."""
+    store = dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, Rendezvous(host, store.port, size, timeout_s)
+
+
+class TPGroup:
+    """This rank's membership of a TP group: `all_reduce` (device group), `broadcast_object` (CPU group)."""
+
+    def __init__(self, rank: int, rdv: Rendezvous, device: torch.device, store: dist.TCPStore | None = None) -> None:
+        timeout = datetime.timedelta(seconds=rdv.timeout_s)
+        self.rank, self.size, self.device = rank, rdv.size, device
+        # NOTE: rank 0 passes the store it serves (`serve_store`); the others connect to it
+        self.store = store or dist.TCPStore(rdv.host, rdv.port, rdv.size, False, timeout=timeout)
+        # NOTE: typed Any: torch's stubs lack the backends' (store, rank, size, timeout) constructors and methods
+        gloo: Any = dist.ProcessGroupGloo
+        self.cpu: Any = gloo(dist.PrefixStore("cpu/", self.store), rank, rdv.size, timeout)
+        if device.type == "cuda":
+            # NOTE: absent from CPU builds of torch (this machine)
+            nccl: Any = dist.ProcessGroupNCCL  # type: ignore[attr-defined, unused-ignore]
+            self.dev: Any = nccl(dist.PrefixStore("dev/", self.store), rank, rdv.size)
+        else:
+            self.dev = gloo(dist.PrefixStore("dev/", self.store), rank, rdv.size, timeout)
+        self.stats = AllReduceStats()
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place (every rank ends with the same values)."""
+        start = time.perf_counter()
+        self.dev.allreduce([t]).wait()
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.calls += 1
+
+    def broadcast_object(self, obj: object = None) -> Any:
+        """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled.
+
+        NOTE: one collective for a message of up to MESSAGE_BYTES (a step's message, as a rule: decode steps take a
+        few hundred bytes, a 512-token prompt ~3 KB): a fixed buffer whose first 8 bytes hold the length; a longer
+        message sends its rest in a second one. Each gloo collective costs ~0.2 ms here (a thread hand-off on
+        each rank), so the usual length-then-bytes pair would double a step's control cost.
+        """
+        buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            head = len(data).to_bytes(8, "little") + data[: MESSAGE_BYTES - 8]
+            buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            self.cpu.broadcast(buf, 0).wait()
+        else:
+            # NOTE: a follower waits for the next step as long as the engine idles (the group's timeout would end
+            # an idle group); a rank 0 that dies closes its sockets, which fails this wait at once
+            self.cpu.broadcast(buf, 0, IDLE_TIMEOUT).wait()
+        length = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+        rest = length - (MESSAGE_BYTES - 8)
+        if rest > 0:
+            tail = torch.zeros(rest, dtype=torch.uint8)
+            if self.rank == 0:
+                tail.copy_(torch.frombuffer(bytearray(data[MESSAGE_BYTES - 8 :]), dtype=torch.uint8))
+            self.cpu.broadcast(tail, 0).wait()
+        if self.rank == 0:
+            return obj
+        body = buf[8 : 8 + length].numpy().tobytes()
+        return pickle.loads(body if rest <= 0 else body + tail.numpy().tobytes())
+
+
+class RowParallel:
+    """A row-parallel linear layer: this rank's partial product, then the all-reduce that sums the ranks' parts."""
+
+    def __init__(self, linear: PackedLinear | Int8Linear, group: TPGroup) -> None:
+        self.linear, self.group = linear, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / n] → [T, out], summed over the ranks
+        y = self.linear(x)
+        self.group.all_reduce(y)
+        return y
+
+
+def parallelize(model: Any, group: TPGroup) -> None:
+    """Make a rank's LlamaModel (built on its shard) row parallel: an all-reduce after every o and down projection.
+
+    NOTE: the only change a rank's model needs; a TP 1 engine never calls this (no all-reduce, no wrapper)."""
+    for layer in model.layers:
+        layer.o = RowParallel(layer.o, group)
+        layer.down = RowParallel(layer.down, group)

@@ -1,0 +1,151 @@
+"""Rank 0 of a TP group: a ModelRunner on rank 0's shard that broadcasts each step to the followers first.
+
+The engine above it (scheduler, block manager, sampler, outputs) is unchanged and sees one runner: rank 0's block
+manager decides every block of every rank's pool (the pools have the same block count, and block i of a sequence
+is block i on every rank, holding that rank's KV heads); rank 0 alone computes logits and samples.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import InvalidRequestError
+from engine.model_runner import ModelRunner, Step
+from engine.parallel.follower import CopyBlock, StepMessage, Stop, rank_engine_config
+from engine.parallel.group import TPGroup, parallelize, serve_store
+from engine.parallel.launch import Followers, TPGroupError
+from engine.parallel.shard import FIELD, check_tp, rank_config, shard_weights
+from engine.scheduler import ScheduledBatch
+
+BUILD_TIMEOUT_S = 600.0  # a follower's load of its shard (weights packed for the kernel)
+
+
+def rank_device(engine_cfg: EngineConfig, rank: int) -> str:
+    """Rank `rank`'s device: the CPU for every rank, or the rank-th GPU from the engine's own on CUDA."""
+    dev = engine_cfg.resolved_device()
+    return "cpu" if dev.type == "cpu" else f"cuda:{(dev.index or 0) + rank}"
+
+
+def rank_threads(engine_cfg: EngineConfig) -> int:
+    """Torch threads per rank: `num_threads` when set (per rank), else this machine's cores shared by the ranks."""
+    if engine_cfg.num_threads is not None:
+        return engine_cfg.num_threads
+    return max(1, len(os.sched_getaffinity(0)) // engine_cfg.tensor_parallel_size)
+
+
+class TPModelRunner(ModelRunner):
+    """The runner of a TP n engine (n > 1): starts the n - 1 followers, computes rank 0's part of each step.
+
+    NOTE: CUDA graphs are off (every rank eager: a graph would have to be captured on every rank in step, the
+    all-reduces inside it); the KV pool is sized by `num_blocks` or `kv_cache_memory_gb` per rank, not by a
+    profiling pass (the followers would have to run it in step too). KV export and import are refused: the handoff
+    does not know a TP group's layout yet.
+    """
+
+    def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
+                 num_blocks: int | None, max_model_len: int, *, max_blocks: int | None = None) -> None:
+        n = engine_cfg.tensor_parallel_size
+        check_tp(cfg, n)
+        if num_blocks is None:
+            raise InvalidRequestError(FIELD, f"{n}: a TP group's KV pool is sized by num_blocks or "
+                                      "kv_cache_memory_gb (per rank), not by gpu_memory_utilization yet")
+        threads = rank_threads(engine_cfg)
+        cfgs = [rank_engine_config(engine_cfg, rank_device(engine_cfg, r), threads) for r in range(n)]
+        store, rdv = serve_store(n)
+        shards = [shard_weights(cfg, weights, r, n, with_head=False) for r in range(1, n)]
+        followers = Followers(rdv, cfg, cfgs[1:], shards, num_blocks, max_model_len)
+        try:
+            torch.set_num_threads(threads)
+            super().__init__(rank_config(cfg, n), cfgs[0], shard_weights(cfg, weights, 0, n), num_blocks,
+                             max_model_len, max_blocks=max_blocks)
+            followers.wait_built(BUILD_TIMEOUT_S)
+            # NOTE: kept until every follower built its runner: CUDA tensors sent to another process must stay alive
+            # on the sender's side while the receiver still reads them
+            del shards
+            self.group = TPGroup(0, rdv, self.device, store)
+        except BaseException:
+            followers.kill()
+            raise
+        parallelize(self.model, self.group)
+        self.followers = followers
+        self.full_config = cfg
+        self.failure: TPGroupError | None = None
+        self._closer = weakref.finalize(self, followers.kill)
+
+    # ---- what the followers must mirror -------------------------------------------------------------
+    def _send(self, msg: StepMessage | CopyBlock | Stop) -> None:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            self.group.broadcast_object(msg)
+        except RuntimeError as e:
+            raise self._failed(e) from e
+
+    def prepare(self, batch: ScheduledBatch, graphed: bool = True) -> Step:
+        """rank 0's step (as ModelRunner.prepare), its message broadcast to the followers first.
+
+        NOTE: sent before rank 0 builds its own metadata, so the followers build theirs meanwhile (sent after, they
+        would reach the first all-reduce one metadata build behind rank 0, and rank 0 would wait that long there).
+        """
+        ids: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # NOTE: ModelRunner.prepare's flat ids, drafts last
+            start = seq.num_computed_tokens
+            ids.extend([*seq.token_ids[start : start + n], *seq.spec_token_ids])
+        self._send(StepMessage(ids, [s.num_computed_tokens for s in batch.seqs], list(batch.num_new_tokens),
+                               [list(s.block_table) for s in batch.seqs]))
+        step = super().prepare(batch, graphed=False)
+        assert step.input_ids == ids, "the followers' step message differs from rank 0's step"
+        return step
+
+    def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None,
+                lookahead: bool = False) -> list[list[int]]:
+        """ModelRunner.execute; a broken collective becomes TPGroupError naming the dead rank(s)."""
+        try:
+            return super().execute(batch, layer_hook, lookahead)
+        except TPGroupError:
+            raise
+        except RuntimeError as e:
+            raise self._failed(e) from e
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self._send(CopyBlock(src, dst))
+        super().copy_block(src, dst)
+
+    def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise InvalidRequestError(FIELD, "a TP group does not export KV yet (issue 40's next phase)")
+
+    def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        raise InvalidRequestError(FIELD, "a TP group does not import KV yet (issue 40's next phase)")
+
+    # ---- failure and shutdown ----------------------------------------------------------------------
+    def _failed(self, e: RuntimeError) -> TPGroupError:
+        """The group's failure (kept: every later step fails at once, no collective with a broken group)."""
+        dead = self.followers.dead(grace_s=0.5)
+        self.followers.kill()  # NOTE: the others, maybe stuck in a collective: the group is out as a whole
+        reason = f"({e})" if not dead else "; ".join(dead)
+        self.failure = TPGroupError(f"tensor-parallel group of {self.group.size} failed: {reason}")
+        return self.failure
+
+    def close(self) -> None:
+        """Stop the followers (a Stop message, then SIGKILL for any that is left after 10 s)."""
+        if self.failure is None:
+            try:
+                self._send(Stop())
+            except TPGroupError:
+                pass
+        self.failure = self.failure or TPGroupError("the tensor-parallel group is closed")
+        self.followers.join(10.0)
+        self._closer.detach()
+
+
+def make_runner(cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
+                num_blocks: int | None, max_model_len: int, *, max_blocks: int | None = None) -> ModelRunner:
+    """The engine's runner: a plain ModelRunner for TP 1 (unchanged: no group, no all-reduce), else rank 0's."""
+    if engine_cfg.tensor_parallel_size == 1:
+        return ModelRunner(cfg, engine_cfg, weights, num_blocks, max_model_len, max_blocks=max_blocks)
+    return TPModelRunner(cfg, engine_cfg, weights, num_blocks, max_model_len, max_blocks=max_blocks)
