@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.messages import Role
 from pdcluster import env
+from pdcluster.config_lora import LoRAConfig
 from pdcluster.config_pool import KV_SHAPE_KEYS, PoolConfig, SpeculativeSection
 from pdcluster.config_rules import RuleError as _RuleError
 from pdcluster.config_sections import (
@@ -32,9 +33,9 @@ from pdcluster.config_sections import (
 from pdcluster.router_config import RouterConfig
 from pdcluster.yaml_source import ConfigError, ConfigIssue, line_of, parse
 
-__all__ = ["KV_SHAPE_KEYS", "AutoscalerConfig", "ClusterConfig", "ConfigError", "HttpConfig", "LoggingConfig",
-           "MetricsConfig", "PoolConfig", "RayConfig", "RedisConfig", "SecurityConfig", "SpeculativeSection",
-           "TracingConfig", "TransferSection"]
+__all__ = ["KV_SHAPE_KEYS", "AutoscalerConfig", "ClusterConfig", "ConfigError", "HttpConfig", "LoRAConfig",
+           "LoggingConfig", "MetricsConfig", "PoolConfig", "RayConfig", "RedisConfig", "SecurityConfig",
+           "SpeculativeSection", "TracingConfig", "TransferSection"]
 
 
 class ClusterConfig(BaseModel):
@@ -58,6 +59,7 @@ class ClusterConfig(BaseModel):
     security: SecurityConfig = SecurityConfig()
     logging: LoggingConfig = LoggingConfig()
     autoscaler: AutoscalerConfig = AutoscalerConfig()
+    lora: LoRAConfig = LoRAConfig()
     prefill: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the prompt workers")
     decode: PoolConfig = Field(default=PoolConfig(), description="disaggregated mode: the token workers")
     colocated: PoolConfig = Field(default=PoolConfig(replicas=0), description="colocated mode: the only workers")
@@ -107,6 +109,10 @@ class ClusterConfig(BaseModel):
                                  "transfer.transport 'nixl' (CUDA IPC between processes of one GPU)")
         if self.mode == "disaggregated":
             self._check_pools_agree()
+        if self.served_model_name in self.lora.modules:
+            # NOTE: a request's `model` names either the base model or an adapter: one name cannot be both
+            raise _RuleError(f"lora.modules.{self.served_model_name}", "is the base model's name (http."
+                             "served_model_name or model): give the adapter another name")
         if self.autoscaler.enabled:
             self._check_autoscaler()
         return self

@@ -246,14 +246,15 @@ class Cluster:
         # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL
         # target, and shortest_first promotes a prompt nearing the TTFT target (engine/step_budget.py)
         engine = dataclasses.replace(pool.engine_config(), step_target_ms=cfg.router.slo_itl_ms,
-                                     ttft_target_ms=cfg.router.slo_ttft_ms)
+                                     ttft_target_ms=cfg.router.slo_ttft_ms, max_loras=cfg.lora.slots,
+                                     max_lora_rank=cfg.lora.max_lora_rank)
         spec = WorkerSpec(name, role, cfg.model, engine, transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
                           cpus=pool.cpus(index), nice=pool.nice, served_model_name=cfg.served_model_name,
                           metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
                           metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
-                          if cfg.metrics.workers else None)
+                          if cfg.metrics.workers else None, lora_modules=tuple(cfg.lora.modules.items()))
         if pool.device == "cpu" and any(p.lend_idle_cores for p in cfg.pools().values()):
             # NOTE: every CPU worker of the cluster marks busy/idle on its node; only lending pools borrow
             spec = dataclasses.replace(spec, cores_group=cores.group_name(cfg.redis.key_prefix, self.cluster_token),
