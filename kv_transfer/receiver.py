@@ -115,7 +115,8 @@ class KVReceiver:
         if not 0 < req.deadline_ms <= self.max_deadline_s * 1000:
             raise InvalidRequestError("deadline_ms", f"must be in (0, {int(self.max_deadline_s * 1000)}]", rid)
         with self.engine_lock:
-            res = self.engine.reserve_kv(rid, req.layout, req.token_ids, req.num_prompt_tokens, req.block_hashes)
+            res = self.engine.reserve_kv(rid, req.layout, req.token_ids, req.num_prompt_tokens, req.block_hashes,
+                                         lora=req.lora or None)
         n = len(res.fresh_blocks)
         t = Inbound(uuid.uuid4().hex, res, time.monotonic() + req.deadline_ms / 1000,
                     np.zeros((self.layout.num_layers, 2, n), dtype=bool), req.deadline_ms / 1000,

@@ -72,6 +72,7 @@ class KVSender(ABC):
     transport: Transport
     can_read_pool = False  # the transport can read blocks from the engine's KV pool itself (`send_blocks`)
     pool: KVPool | None = None  # that pool, set by `open_sender`
+    lora: str = ""  # the LoRA adapter the KV was computed with ("": the base model), set by `open_sender`
 
     def __init__(self, control: Control, config: TransferConfig, request_id: str, layout: KVLayout,
                  token_ids: Sequence[int], num_prompt_tokens: int, block_hashes: Sequence[bytes], *,
@@ -103,7 +104,8 @@ class KVSender(ABC):
         self._deadline = self.started + self.config.deadline_s
         req = PrepareRequest(self.request_id, self.layout, self.token_ids, self.num_prompt_tokens,
                              [bytes(h) for h in self.block_hashes], self.transport,
-                             int(self.config.deadline_s * 1000), self.sender_id, attempt_id=uuid.uuid4().hex)
+                             int(self.config.deadline_s * 1000), self.sender_id, attempt_id=uuid.uuid4().hex,
+                             lora=self.lora)
         try:
             resp = self.control.prepare(self._prepare_request(req), self.remaining())
         except TransferError as e:
