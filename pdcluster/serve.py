@@ -102,6 +102,7 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
             from router.openai_api import start_http
 
             runner, http_port = await start_http(router, host=cfg.http.host, port=cfg.http.port, api_keys=keys,
+                                                 admin_keys=security.admin_api_keys(cfg),
                                                  model_name=cfg.served_model_name, ssl_context=tls,
                                                  allow_unauthenticated=open_ok)
             runners.append(runner)
