@@ -69,6 +69,7 @@ class Router:
         self.pools = WorkerPools(workers, settings.policy(workers[0].info.block_size))
         self.info = self.pools.info
         self.adapters = Adapters(self.info.loras)  # NOTE: every worker loads the same adapters (router/lora.py)
+        self.pools.on_new_process.append(self.adapters.restore)
         self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
         self.metrics = metrics or RouterMetrics(model_name=settings.model)
         self.pools.metrics = self.metrics

@@ -5,7 +5,9 @@
    (`ModelNotFound`: 404 on HTTP, NOT_FOUND on gRPC);
 3. its prompt's blocks are looked up in the prefix index under its adapter's key (engine/block_hash.py, the same
    function and key the workers hash with), so no adapter's request is routed to another's cached prefix;
-4. `load` and `unload` (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) change every worker, all or none.
+4. `load` and `unload` (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) change every worker, all or none;
+5. a worker process that joins later (a scale-up, or Ray's restart of a dead one) loads the YAML's adapters by itself
+   at start; `restore` gives it the ones loaded at run time (until it has, its requests of those adapters fail).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Adapters:
 
     def __init__(self, keys: dict[str, str]) -> None:
         self.keys = dict(keys)
+        self.paths: dict[str, str] = {}  # adapters loaded at run time → their directory (`restore` reloads them)
+        self._restoring: set[asyncio.Task[None]] = set()
         self._changing = asyncio.Lock()  # NOTE: one load or unload at a time: all-or-none needs a stable set
 
     def resolve(self, model: str | None, base: str, request_id: str | None = None) -> str | None:
@@ -72,7 +76,7 @@ class Adapters:
                 await asyncio.gather(*(_call(a.unload_lora, name) for a, (key, _) in zip(actors, answers) if key))
                 raise InvalidRequestError("lora_path", "; ".join(refused) or "the workers loaded different files "
                                           f"for {name!r} (each worker reads {path} on its own node)")
-            self.keys[name] = keys.pop()
+            self.keys[name], self.paths[name] = keys.pop(), path
             log.info("LoRA adapter %s loaded from %s on %d workers", name, path, len(actors))
 
     async def unload(self, workers: Iterable[Any], name: str) -> None:
@@ -81,15 +85,38 @@ class Adapters:
             if name not in self.keys:
                 raise ModelNotFound(f"The model `{name}` does not exist (no LoRA adapter of that name is loaded).")
             # NOTE: new requests stop choosing it at once; a worker where requests still run with it refuses
-            key = self.keys.pop(name)
+            key, path = self.keys.pop(name), self.paths.pop(name, None)
             answers = await asyncio.gather(*(_call(w.actor.unload_lora, name) for w in workers))
             refused = sorted({why for _, why in answers if why and "no adapter named" not in why})
             if refused:
                 # NOTE: still resident where requests use it; a worker that let it go already refuses its requests
                 # (InvalidRequestError naming `lora`) until it is loaded again
                 self.keys[name] = key
+                if path is not None:
+                    self.paths[name] = path
                 raise InvalidRequestError("lora_name", "; ".join(refused))
             log.info("LoRA adapter %s unloaded", name)
+
+    def restore(self, worker: Any) -> None:
+        """A fresh worker process (joined or restarted): load the adapters loaded at run time onto it, in the background
+        (WorkerPools.on_new_process; called on the router's event loop)."""
+        if self.paths:
+            task = asyncio.get_running_loop().create_task(self._restore(worker, dict(self.paths)))
+            self._restoring.add(task)
+            task.add_done_callback(self._restoring.discard)
+
+    async def restored(self) -> None:
+        """Wait for the restores under way."""
+        await asyncio.gather(*self._restoring)
+
+    async def _restore(self, worker: Any, paths: dict[str, str]) -> None:
+        for name, path in paths.items():
+            key, why = await _call(worker.actor.load_lora, name, path)
+            if key and key != self.keys.get(name):
+                log.error("%s: LoRA adapter %s from %s has other files there than on the other workers", worker.name,
+                          name, path)
+            elif why and "already loaded" not in why:  # NOTE: a new epoch of the same process already has it
+                log.error("%s: cannot load LoRA adapter %s (loaded at run time) again: %s", worker.name, name, why)
 
 
 async def _call(method: Any, *args: str) -> tuple[str, str]:
