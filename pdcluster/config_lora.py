@@ -7,6 +7,7 @@ a request chooses one by naming it as its OpenAI `model` (gRPC: `model`). More c
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,6 +16,7 @@ from pdcluster.config_rules import RuleError
 
 # NOTE: a name is an OpenAI `model` id and a Prometheus label value: no spaces, no control characters
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # NOTE: engine/lora/adapter.py reads these
 
 
 class LoRAConfig(BaseModel):
@@ -41,3 +43,15 @@ class LoRAConfig(BaseModel):
     def slots(self) -> int:
         """Adapters resident per worker: `max_loras`, or as many as `modules` lists."""
         return len(self.modules) if self.max_loras is None else self.max_loras
+
+    def missing_files(self) -> list[str]:
+        """Each module whose directory lacks a PEFT file here, as "lora.modules.<name>: ..." (checked where the
+        workers run on this machine, before they start: a worker that cannot load one fails its start)."""
+        problems = []
+        for name, path in self.modules.items():
+            missing = [f for f in PEFT_FILES if not os.path.isfile(os.path.join(path, f))]
+            if missing:
+                problems.append(f"lora.modules.{name}: {path} lacks {' and '.join(missing)} (a PEFT adapter "
+                                f"directory holds {' and '.join(PEFT_FILES)})")
+        return problems
+

@@ -46,6 +46,9 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
     """Start the cluster (or `attach` to a running one: an extra router) and the router; run `body(address)`
     (the demo) or serve until SIGINT/SIGTERM."""
     security.check_exposure(config)  # NOTE: before anything starts: a refusal costs no Ray or worker start
+    missing = config.lora.missing_files() if config.ray.address == "local" and not attach else []
+    if missing:  # NOTE: a private Ray's workers run here: their adapters must be here too
+        raise security.SetupError("; ".join(missing))
     cluster = Cluster(config)
     stop_requested = False
 

@@ -232,6 +232,17 @@ def test_lora_section_sizes_every_pool_and_lists_its_modules():
     assert ClusterConfig.from_yaml_text(lines("lora:", "  max_loras: 4")).lora.slots == 4
 
 
+def test_lora_modules_lacking_peft_files_are_named_before_anything_starts(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text("{}")
+    cfg = ClusterConfig.from_yaml_text(lines("lora:", f"  modules: {{half: {tmp_path / 'half'}, gone: /no/such}}"))
+    assert cfg.lora.missing_files() == [
+        f"lora.modules.half: {tmp_path / 'half'} lacks adapter_model.safetensors (a PEFT adapter directory holds "
+        "adapter_config.json and adapter_model.safetensors)",
+        "lora.modules.gone: /no/such lacks adapter_config.json and adapter_model.safetensors (a PEFT adapter "
+        "directory holds adapter_config.json and adapter_model.safetensors)"]
+
+
 def test_cpu_affinity_cycles_over_the_actors_and_prefill_order_reaches_the_engine():
     pool = PoolConfig(replicas=3, cpu_affinity=[[0], [1, 2]], prefill_order="shortest_first")
     assert [pool.cpus(i) for i in range(3)] == [(0,), (1, 2), (0,)]
