@@ -38,8 +38,10 @@ def make_router(cluster: Cluster) -> Router:
     index, metrics = cluster.index(), RouterMetrics(model_name=cfg.served_model_name)
     index.breaker.client_name = "router"
     metrics.registry.register(index.breaker)  # NOTE: pdcluster_redis_breaker_open and the error counts by kind
-    return Router(cluster.handles(), index, cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport),
-                  metrics)
+    router = Router(cluster.handles(), index,
+                    cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport), metrics)
+    router.adapters.sources.update(cfg.lora.modules)  # NOTE: an unload refused by one worker is undone from these
+    return router
 
 
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:

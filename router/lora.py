@@ -30,6 +30,7 @@ class Adapters:
     def __init__(self, keys: dict[str, str]) -> None:
         self.keys = dict(keys)
         self.paths: dict[str, str] = {}  # adapters loaded at run time → their directory (`restore` reloads them)
+        self.sources: dict[str, str] = {}  # the YAML's adapters → their directory (set by whoever knows the config)
         self._restoring: set[asyncio.Task[None]] = set()
         self._changing = asyncio.Lock()  # NOTE: one load or unload at a time: all-or-none needs a stable set
 
@@ -86,14 +87,19 @@ class Adapters:
                 raise ModelNotFound(f"The model `{name}` does not exist (no LoRA adapter of that name is loaded).")
             # NOTE: new requests stop choosing it at once; a worker where requests still run with it refuses
             key, path = self.keys.pop(name), self.paths.pop(name, None)
+            workers = list(workers)
             answers = await asyncio.gather(*(_call(w.actor.unload_lora, name) for w in workers))
             refused = sorted({why for _, why in answers if why and "no adapter named" not in why})
             if refused:
-                # NOTE: still resident where requests use it; a worker that let it go already refuses its requests
-                # (InvalidRequestError naming `lora`) until it is loaded again
+                # NOTE: all or none: still resident where requests use it, so the workers that let it go load it
+                # again (from where it was loaded: run time or the YAML)
                 self.keys[name] = key
                 if path is not None:
                     self.paths[name] = path
+                source = path or self.sources.get(name)
+                if source is not None:
+                    await asyncio.gather(*(_call(w.actor.load_lora, name, source)
+                                           for w, (_, why) in zip(workers, answers) if not why))
                 raise InvalidRequestError("lora_name", "; ".join(refused))
             log.info("LoRA adapter %s unloaded", name)
 

@@ -94,6 +94,8 @@ def test_an_adapter_in_use_is_not_unloaded_and_a_fresh_worker_gets_the_run_time_
         with pytest.raises(InvalidRequestError) as e:
             await adapters.unload([handle(p), handle(d)], "small2")
         assert "in use" in str(e.value) and "small2" in adapters.keys
+        # NOTE: all or none: the prefill worker, which had let it go, has it again (the same files, the same key)
+        assert p.info().loras["small2"] == d.info().loras["small2"] == adapters.keys["small2"]
         d.engine.abort_request("busy")
         await adapters.unload([handle(p), handle(d)], "small2")
         assert "small2" not in adapters.keys and d.engine.lora_names() == ["small"]
