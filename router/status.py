@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pools import WorkerPools
-
 from cluster.messages import WorkerLoad
 from router.pinger import HeartbeatAges
+from router.pools import WorkerPools
 from router.results import ClusterStatus, WorkerStatus
 from router.settings import RouterSettings
 
