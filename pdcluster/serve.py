@@ -41,6 +41,7 @@ def make_router(cluster: Cluster) -> Router:
     router = Router(cluster.handles(), index,
                     cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport), metrics)
     router.adapters.sources.update(cfg.lora.modules)  # NOTE: an unload refused by one worker is undone from these
+    router.adapters.base_names.update({cfg.model, cfg.served_model_name})  # NOTE: gRPC takes either for the base
     return router
 
 

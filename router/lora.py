@@ -31,12 +31,13 @@ class Adapters:
         self.keys = dict(keys)
         self.paths: dict[str, str] = {}  # adapters loaded at run time → their directory (`restore` reloads them)
         self.sources: dict[str, str] = {}  # the YAML's adapters → their directory (set by whoever knows the config)
+        self.base_names: set[str] = set()  # other names of the base model (http.served_model_name for gRPC too)
         self._restoring: set[asyncio.Task[None]] = set()
         self._changing = asyncio.Lock()  # NOTE: one load or unload at a time: all-or-none needs a stable set
 
     def resolve(self, model: str | None, base: str, request_id: str | None = None) -> str | None:
         """The adapter `model` names (None: `model` is empty or `base`, the base model); ModelNotFound otherwise."""
-        if not model or model == base:
+        if not model or model == base or model in self.base_names:
             return None
         if model in self.keys:
             return model
