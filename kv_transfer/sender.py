@@ -24,43 +24,17 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
 
 from engine.kv_export import KVLayout
+from kv_transfer.control import Control, Layer
 from kv_transfer.messages import Abort, Commit, Prepared, PrepareRequest
 from kv_transfer.pool import KVPool
 from kv_transfer.state import TransferConfig, TransferError, TransferState, Transport
 
 log = logging.getLogger(__name__)
-
-
-class Control(ABC):
-    """The control plane to one receiver: the handshake, commit and abort (gRPC, or a direct call in-process)."""
-
-    @abstractmethod
-    def prepare(self, req: PrepareRequest, timeout: float) -> Prepared: ...
-
-    @abstractmethod
-    def commit(self, req: Commit, timeout: float) -> int:
-        """Returns the bytes the receiver got."""
-
-    @abstractmethod
-    def abort(self, req: Abort, timeout: float) -> None: ...
-
-    @abstractmethod
-    def keep_alive(self, transfer_id: str, timeout: float) -> None:
-        """The transfer is still wanted: the receiver's deadline runs again from now (until its first data)."""
-
-
-@dataclass
-class Layer:
-    """One layer's K and V of the blocks to send, each [num_blocks, block_size, KVH, D]."""
-
-    index: int
-    k: torch.Tensor
-    v: torch.Tensor
+__all__ = ["Control", "KVSender", "Layer"]  # NOTE: Control and Layer live in kv_transfer/control.py
 
 
 _COMMIT = object()
