@@ -11,6 +11,7 @@ from pdcluster.config_rules import RuleError as _RuleError
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from pdcluster.config_lora import LoRAConfig
 
 
 class SpeculativeSection(BaseModel):
@@ -110,8 +111,8 @@ class PoolConfig(BaseModel):
             return ()
         return tuple(self.cpu_affinity[index % len(self.cpu_affinity)])
 
-    def engine_config(self) -> EngineConfig:
-        """The settings of the engine each actor of this pool runs."""
+    def engine_config(self, lora: LoRAConfig | None = None) -> EngineConfig:
+        """The settings of the engine each actor of this pool runs (with `lora`'s adapter slots)."""
         # NOTE: imported here: engine pulls in torch, which a process that only reads the config never needs.
         from engine.config import EngineConfig, SpeculativeConfig
 
@@ -122,7 +123,8 @@ class PoolConfig(BaseModel):
             max_model_len=self.max_model_len, dtype=self.dtype, num_threads=self.torch_threads,
             prefill_order=self.prefill_order, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             speculative_config=spec, device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=self.enforce_eager, decode_lookahead=self.decode_lookahead)
+            enforce_eager=self.enforce_eager, decode_lookahead=self.decode_lookahead,
+            max_loras=lora.slots if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 16)
 
     @property
     def resolved_dtype(self) -> str:
