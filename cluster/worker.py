@@ -130,7 +130,8 @@ class Worker:
         self._aborted: dict[str, float] = {}  # request id → when an abort for it came (under the loop lock)
         self._closed = threading.Event()
         self.leases = RequestLeases()  # NOTE: on once a router renews; a dead router's requests are aborted
-        self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load)
+        self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load,
+                                     self._adapters if self.engine.lora is not None else None)
         if spec.metrics_port is not None:
             host = node_address(spec.metrics_host)
             port = self.metrics.serve(host, spec.metrics_port)
@@ -201,6 +202,13 @@ class Worker:
                           step_token_ns=measured and max(1, round(cost.per_token_s * 1e9)),
                           max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
                           shortest_first=int(self.engine.config.prefill_order == "shortest_first"))
+
+    def _adapters(self) -> tuple[int, list[str], list[str]]:
+        """max_loras and the LoRA adapters of the running and the waiting requests (vllm:lora_requests_info)."""
+        with self.loop.between_steps:
+            running, waiting = ([q.params.lora for q in seqs if q.params.lora]
+                                for seqs in (self.engine.scheduler.running, self.engine.scheduler.waiting))
+        return self.engine.config.max_loras, sorted(set(running)), sorted(set(waiting))
 
     # ---- request timing and hit counting (called under the loop lock) --------------------------------------
     def _track(self, seq: Sequence, arrived: float) -> None:

@@ -112,3 +112,20 @@ def test_an_adapter_in_use_is_not_unloaded_and_a_fresh_worker_gets_the_run_time_
         finally:
             fresh.close()
     asyncio.run(scenario())
+
+
+def test_workers_export_vllms_lora_requests_info(workers, tiny):
+    from prometheus_client import generate_latest
+
+    _, d = workers
+    d.engine.add_request("waits", [1, 2, 3, 4], dataclasses.replace(greedy(4), lora="small"))
+    try:
+        text = generate_latest(d.metrics.registry).decode()
+        assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters="small"}' in text
+    finally:
+        d.engine.abort_request("waits")
+    plain = DecodeWorker(WorkerSpec("decode-9", "decode", "tiny", dataclasses.replace(CFG, max_loras=0)), tiny)
+    try:  # NOTE: as vLLM without --enable-lora: no such series
+        assert "lora_requests_info" not in generate_latest(plain.metrics.registry).decode()
+    finally:
+        plain.close()
