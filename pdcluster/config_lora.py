@@ -13,9 +13,8 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdcluster.config_rules import RuleError
+from router.lora import ADAPTER_NAME
 
-# NOTE: a name is an OpenAI `model` id and a Prometheus label value: no spaces, no control characters
-ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # NOTE: engine/lora/adapter.py reads these
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,8 @@ from engine.errors import InvalidRequestError
 from router.errors import ModelNotFound
 
 log = logging.getLogger(__name__)
+# NOTE: a name is an OpenAI `model` id and a Prometheus label value: no spaces, no control characters
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 LOAD_TIMEOUT_S = 60.0  # a worker's load of one adapter (reading its files) at most
 
 
@@ -61,8 +64,9 @@ class Adapters:
 
     async def load(self, workers: Iterable[Any], name: str, path: str, base: str) -> None:
         """Load adapter `name` from `path` on every worker; on any refusal none keeps it (InvalidRequestError)."""
-        if not name or name == base:
-            raise InvalidRequestError("lora_name", f"must name an adapter (not be empty or {base!r}, the base model)")
+        if not re.fullmatch(ADAPTER_NAME, name) or name == base or name in self.base_names:
+            raise InvalidRequestError("lora_name", f"must be a name matching {ADAPTER_NAME} other than the base "
+                                                   f"model's ({base!r}), got {name!r}")
         if not path:
             raise InvalidRequestError("lora_path", "must be the adapter's directory (PEFT format)")
         async with self._changing:

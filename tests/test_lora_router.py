@@ -81,6 +81,11 @@ def test_a_load_refused_by_one_worker_is_undone_on_the_others(workers, paths):
     with pytest.raises(InvalidRequestError) as e:
         asyncio.run(adapters.load([handle(p), handle(d)], "x", "/no/such/dir", "tiny"))
     assert "adapter_config.json" in str(e.value)
+    for bad in ("tiny", "my adapter", "a\nb", ""):
+        with pytest.raises(InvalidRequestError) as e:
+            asyncio.run(adapters.load([handle(p), handle(d)], bad, paths["small"], "tiny"))
+        assert e.value.field == "lora_name"
+    assert p.engine.lora_names() == ["small"]
 
 
 def test_an_adapter_in_use_is_not_unloaded_and_a_fresh_worker_gets_the_run_time_ones(workers, paths, tiny):
