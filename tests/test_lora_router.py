@@ -81,7 +81,7 @@ def test_a_load_refused_by_one_worker_is_undone_on_the_others(workers, paths):
     with pytest.raises(InvalidRequestError) as e:
         asyncio.run(adapters.load([handle(p), handle(d)], "x", "/no/such/dir", "tiny"))
     assert "adapter_config.json" in str(e.value)
-    for bad in ("tiny", "my adapter", "a\nb", ""):
+    for bad in ("tiny", "my adapter", "a\nb", "ab\n", ""):
         with pytest.raises(InvalidRequestError) as e:
             asyncio.run(adapters.load([handle(p), handle(d)], bad, paths["small"], "tiny"))
         assert e.value.field == "lora_name"
