@@ -83,6 +83,7 @@ class WorkerInfo:
     max_num_seqs: int
     tokenizer_json: str
     kv_address: str = ""  # decode/colocated: where the KV transfer endpoint listens
+    loras: dict[str, str] = field(default_factory=dict)  # resident LoRA adapters: name → block-hash key
 
 
 @dataclass

@@ -48,3 +48,21 @@ def process_info() -> dict[str, object]:
     _each_thread(lambda tid: nices.add(os.getpriority(os.PRIO_PROCESS, tid)))
     return {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "nice": sorted(nices),
             "torch_threads": torch.get_num_threads()}
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def node_address(host: str) -> str:
+    """`host`, or for 'auto' this node's IP as Ray sees it (each worker advertises its own node)."""
+    if host != "auto":
+        return host
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -28,6 +27,7 @@ from cluster.cores import LEND_MIN_PROMPT_TOKENS, CoreShare
 from cluster.leases import RequestLeases
 from cluster.messages import DecodeRequest, Delta, Role, WorkerInfo, WorkerLoad
 from cluster.outlet import Outlet
+from cluster.process import node_address, rss_bytes
 from cluster.redis_client import RedisAuth
 from cluster.tracing import TracingSettings
 from cluster.worker_metrics import PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S, LinearCost, WorkerMetrics
@@ -77,6 +77,7 @@ class WorkerSpec:
     cores_group: str = ""  # the node's core-lending file of this cluster (cluster/cores.py); empty: not shared
     lend_cores: bool = False  # step on idle peers' cores too (the pool's lend_idle_cores)
     lend_min_tokens: int = LEND_MIN_PROMPT_TOKENS  # ... only for steps with this many prompt tokens left to compute
+    lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, PEFT directory) loaded at start
 
 
 def join_cores(spec: WorkerSpec) -> CoreShare | None:
@@ -88,24 +89,6 @@ def join_cores(spec: WorkerSpec) -> CoreShare | None:
     log.info("%s: core lending: slot %d, own cores %s, %d threads%s", spec.name, share.index,
              list(spec.cpus) or "all", spec.engine.threads, "; steps on idle peers' cores" if spec.lend_cores else "")
     return share
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def node_address(host: str) -> str:
-    """`host`, or for 'auto' this node's IP as Ray sees it (each worker advertises its own node)."""
-    if host != "auto":
-        return host
-    import ray.util
-
-    return str(ray.util.get_node_ip_address())
 
 
 @dataclass
@@ -131,6 +114,8 @@ class Worker:
         self.engine = LLMEngine(loaded or load_model(spec.model, device=spec.engine.device, dtype=spec.engine.dtype),
                                 spec.engine)
         self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
+        for lora_name, lora_path in spec.lora_modules:  # NOTE: a bad adapter fails the start, naming it
+            self.engine.load_lora(lora_name, lora_path)
         self.engine.block_manager.pool.enable_events()
         self._starting: dict[str, _Started] = {}
         self._outlets: dict[asyncio.AbstractEventLoop, Outlet] = {}  # the actor's loop (tests may run several)
@@ -145,7 +130,8 @@ class Worker:
         self._aborted: dict[str, float] = {}  # request id → when an abort for it came (under the loop lock)
         self._closed = threading.Event()
         self.leases = RequestLeases()  # NOTE: on once a router renews; a dead router's requests are aborted
-        self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load)
+        self.metrics = WorkerMetrics(spec.served_model_name or spec.model, self.load,
+                                     self._adapters if self.engine.lora is not None else None)
         if spec.metrics_port is not None:
             host = node_address(spec.metrics_host)
             port = self.metrics.serve(host, spec.metrics_port)
@@ -198,7 +184,8 @@ class Worker:
         e = self.engine
         return WorkerInfo(self.name, self.spec.role, self.epoch, e.model_config.model_id, e.scope,
                           e.config.block_size, e.block_manager.pool.num_blocks, e.max_model_len,
-                          e.model_config.vocab_size, e.config.max_num_seqs, e.tokenizer.to_json(), self.kv_address)
+                          e.model_config.vocab_size, e.config.max_num_seqs, e.tokenizer.to_json(), self.kv_address,
+                          {} if e.lora is None else e.lora.keys())
 
     def load(self) -> WorkerLoad:
         """The heartbeat's numbers: what the router weighs when it picks a worker."""
@@ -215,6 +202,13 @@ class Worker:
                           step_token_ns=measured and max(1, round(cost.per_token_s * 1e9)),
                           max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
                           shortest_first=int(self.engine.config.prefill_order == "shortest_first"))
+
+    def _adapters(self) -> tuple[int, list[str], list[str]]:
+        """max_loras and the LoRA adapters of the running and the waiting requests (vllm:lora_requests_info)."""
+        with self.loop.between_steps:
+            running, waiting = ([q.params.lora for q in seqs if q.params.lora]
+                                for seqs in (self.engine.scheduler.running, self.engine.scheduler.waiting))
+        return self.engine.config.max_loras, sorted(set(running)), sorted(set(waiting))
 
     # ---- request timing and hit counting (called under the loop lock) --------------------------------------
     def _track(self, seq: Sequence, arrived: float) -> None:

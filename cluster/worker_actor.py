@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 
 from cluster import faults
 from cluster.delta_server import DeltaServer, Handler
@@ -94,6 +95,28 @@ class WorkerActor:
         from cluster.prefix_index import heartbeat_key
 
         return heartbeat_key(self.worker.spec.transfer.cluster_token)
+
+    async def load_lora(self, name: str, path: str) -> tuple[str, str]:
+        """Load the PEFT adapter at `path` as `name`: (its block-hash key, "") or ("", what is wrong with it).
+
+        NOTE: the reason as a value, not an exception through Ray: the router reports it to the operator as it is,
+        and the worker serves on (a refused adapter changes nothing here).
+        """
+        return await asyncio.to_thread(self._lora, lambda: self.worker.engine.load_lora(name, path), name)
+
+    async def unload_lora(self, name: str) -> tuple[str, str]:
+        """Unload adapter `name`: ("", "") or ("", why not: unknown, or requests still use it)."""
+        return await asyncio.to_thread(self._lora, lambda: self.worker.engine.unload_lora(name), "")
+
+    def _lora(self, change: Callable[[], None], name: str) -> tuple[str, str]:
+        from engine.errors import EngineError
+
+        try:
+            with self.worker.loop.between_steps:  # NOTE: the slots' weights change only between steps
+                change()
+                return (self.worker.engine.lora.keys().get(name, "") if self.worker.engine.lora else ""), ""
+        except EngineError as e:
+            return "", str(e)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.to_thread(self.worker.abort, request_id)

@@ -16,6 +16,8 @@ would scrape a vLLM pod; the router's /metrics keeps the cluster view. The worke
 | `vllm:time_to_first_token_seconds`   | histogram | arrival on this worker → its first token             |
 | `vllm:request_queue_time_seconds`    | histogram | arrival → first step that computed it                |
 | `vllm:request_prefill_time_seconds`  | histogram | that step → first token                              |
+| `vllm:lora_requests_info`            | gauge     | labels: max_lora, the adapters of running / waiting  |
+|                                      |           | requests (comma-separated); value: the scrape time   |
 | `pdcluster_kv_transfer_seconds`      | histogram | prefill workers: first token → KV confirmed          |
 
 Every series has the label `model_name` (the served model's name), as vLLM's.
@@ -24,6 +26,7 @@ Every series has the label `model_name` (the served model's name), as vLLM's.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -119,12 +122,30 @@ class _LoadCollector(Collector):
             yield c
 
 
+class _LoRACollector(Collector):
+    """vLLM's `vllm:lora_requests_info`: `adapters()` gives max_lora and the adapters of running and waiting
+    requests, read at scrape time."""
+
+    def __init__(self, adapters: Callable[[], tuple[int, list[str], list[str]]]) -> None:
+        self.adapters = adapters
+
+    def collect(self) -> Iterator[Any]:
+        max_lora, running, waiting = self.adapters()
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        g.add_metric([str(max_lora), ",".join(running), ",".join(waiting)], time.time())
+        yield g
+
+
 class WorkerMetrics:
     """A worker's registry (heartbeat numbers plus what its request path observes) and its /metrics server."""
 
-    def __init__(self, model_name: str, load: Callable[[], WorkerLoad]) -> None:
+    def __init__(self, model_name: str, load: Callable[[], WorkerLoad],
+                 adapters: Callable[[], tuple[int, list[str], list[str]]] | None = None) -> None:
         self.registry = r = CollectorRegistry()
         r.register(_LoadCollector(model_name, load))
+        if adapters is not None:  # NOTE: only where the engine has LoRA slots, as vLLM with --enable-lora
+            r.register(_LoRACollector(adapters))
         m = ("model_name",)
         self.generation = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r).labels(model_name)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival on this worker to its first token.", m,

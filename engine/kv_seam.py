@@ -41,7 +41,7 @@ class KVSeam:
     def _check_unused(self, request_id: str) -> None:
         raise NotImplementedError
 
-    def _lora_key(self, name: str | None, request_id: str) -> str:
+    def lora_key(self, name: str | None, request_id: str) -> str:
         raise NotImplementedError
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
@@ -102,7 +102,7 @@ class KVSeam:
         ("block_hashes ... do not match"), and its blocks never meet another adapter's in the prefix cache.
         """
         self._check_unused(request_id)
-        key = self._lora_key(lora, request_id)
+        key = self.lora_key(lora, request_id)
         res = self.kv_importer.reserve(request_id, layout, token_ids, num_prompt_tokens, block_hashes, key)
         self._reserved[request_id] = res
         return res
@@ -125,7 +125,7 @@ class KVSeam:
         if res is None:
             raise UnknownRequestError("no KV reserved for this request", request_id)
         try:
-            if self._lora_key(params.lora, request_id) != res.seq.extra_keys:
+            if self.lora_key(params.lora, request_id) != res.seq.extra_keys:
                 raise InvalidRequestError("lora", f"{params.lora!r} is not the adapter the KV was reserved for",
                                           request_id)
             seq = self.kv_importer.commit(res, next_token_ids, params, num_cached_tokens)

@@ -114,7 +114,7 @@ class LLMEngine(KVSeam):
                                           f"left of max_tokens={params.max_tokens}", request_id)
         if params.n > 1 and output_token_ids:
             raise InvalidRequestError("n", "a resumed request continues one choice (n = 1)", request_id)
-        key = self._lora_key(params.lora, request_id)
+        key = self.lora_key(params.lora, request_id)
         seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope, key)
         seq.token_ids.extend(output_token_ids)  # NOTE: like a preempted sequence: output kept, KV recomputed
         if params.n > 1:  # NOTE: choices 1 .. n-1 fork from this one once its prompt is computed (`_fork`)
@@ -262,7 +262,7 @@ class LLMEngine(KVSeam):
             raise InvalidRequestError("max_loras", "is 0: this engine serves no LoRA adapters")
         return self.lora
 
-    def _lora_key(self, name: str | None, request_id: str) -> str:
+    def lora_key(self, name: str | None, request_id: str) -> str:
         """The block-hash extra key of a request's adapter ("" for the base model); unknown names refused."""
         if name is None:
             return ""

@@ -17,11 +17,13 @@ from kv_transfer.state import TransferConfig
 
 def open_sender(config: TransferConfig, address: str, request_id: str, layout: KVLayout, token_ids: Sequence[int],
                 num_prompt_tokens: int, block_hashes: Sequence[bytes], *, sender_id: str = "",
-                on_finish: Callable[[KVSender], None] | None = None, pool: KVPool | None = None) -> KVSender:
+                on_finish: Callable[[KVSender], None] | None = None, pool: KVPool | None = None,
+                lora: str = "") -> KVSender:
     """A sender of `config.transport` to the receiver at `address` (host:port, or local://name); not started.
 
     `pool`: the sending engine's KV pool, for transports that read blocks from it themselves (`sender.reads_pool`:
-    hand them block ids with `send_blocks` instead of copies with `send_layer`).
+    hand them block ids with `send_blocks` instead of copies with `send_layer`). `lora`: the adapter the KV was
+    computed with ("": the base model; `block_hashes` carry its key).
     """
     control: Control
     if config.transport == "local":
@@ -35,7 +37,7 @@ def open_sender(config: TransferConfig, address: str, request_id: str, layout: K
     sender = transports.sender_class(config.transport)(control, config, request_id, layout, token_ids,
                                                        num_prompt_tokens, block_hashes, sender_id=sender_id,
                                                        on_finish=on_finish)
-    sender.pool = pool
+    sender.pool, sender.lora = pool, lora
     return sender
 
 

@@ -29,6 +29,7 @@ class PrepareRequest:
     nixl_agent: str = ""  # nixl: the sender's agent name (its Watch is open)
     nixl_known: str = ""  # nixl: the receiver agent whose metadata the sender already holds
     attempt_id: str = ""  # the sender's id of this handshake (an `Abort` naming it frees what it reserved)
+    lora: str = ""  # the LoRA adapter the KV was computed with ("": the base model); the block hashes carry its key
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,54 +25,22 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.errors import EngineError, InvalidRequestError
-from engine.kv_import import KVReservation
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer import payload
+from kv_transfer.inbound import Inbound
 from kv_transfer.messages import Abort, Chunk, Commit, NixlTarget, Prepared, PrepareRequest, TorchRendezvous
 from kv_transfer.state import TRANSPORTS, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 MAX_ABANDONED = 4096  # handshakes remembered as aborted before they came (each for max_deadline_s)
-
-
-@dataclass
-class Inbound:
-    """One transfer in flight towards this engine."""
-
-    transfer_id: str
-    res: KVReservation
-    deadline: float  # time.monotonic()
-    received: np.ndarray  # [num_layers, 2, num_blocks] bool: which blocks arrived intact
-    lifetime: float = 0.0  # seconds: the sender's deadline, run again from each keep-alive and the first data
-    data_started: bool = False  # some data arrived: the deadline no longer moves
-    state: TransferState = TransferState.TRANSFERRING
-    error: TransferError | None = None
-    writers: int = 0  # writes into the reserved blocks in progress: freeing waits for them
-    receiving: bool = False  # a transport thread is still pulling this transfer's data (torch): commit waits
-    fenced: bool = False  # the sender may still write into the reserved blocks itself (nixl): freeing waits
-    freed: bool = False
-    next_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    bytes_received: int = 0
-    attempt_id: str = ""  # the sender's id of the handshake (`PrepareRequest.attempt_id`)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def request_id(self) -> str:
-        return self.res.request_id
-
-    @property
-    def num_blocks(self) -> int:
-        return self.received.shape[2]
 
 
 class KVReceiver:
@@ -115,7 +83,8 @@ class KVReceiver:
         if not 0 < req.deadline_ms <= self.max_deadline_s * 1000:
             raise InvalidRequestError("deadline_ms", f"must be in (0, {int(self.max_deadline_s * 1000)}]", rid)
         with self.engine_lock:
-            res = self.engine.reserve_kv(rid, req.layout, req.token_ids, req.num_prompt_tokens, req.block_hashes)
+            res = self.engine.reserve_kv(rid, req.layout, req.token_ids, req.num_prompt_tokens, req.block_hashes,
+                                         lora=req.lora or None)
         n = len(res.fresh_blocks)
         t = Inbound(uuid.uuid4().hex, res, time.monotonic() + req.deadline_ms / 1000,
                     np.zeros((self.layout.num_layers, 2, n), dtype=bool), req.deadline_ms / 1000,

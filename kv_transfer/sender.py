@@ -24,43 +24,17 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
 
 from engine.kv_export import KVLayout
+from kv_transfer.control import Control, Layer
 from kv_transfer.messages import Abort, Commit, Prepared, PrepareRequest
 from kv_transfer.pool import KVPool
 from kv_transfer.state import TransferConfig, TransferError, TransferState, Transport
 
 log = logging.getLogger(__name__)
-
-
-class Control(ABC):
-    """The control plane to one receiver: the handshake, commit and abort (gRPC, or a direct call in-process)."""
-
-    @abstractmethod
-    def prepare(self, req: PrepareRequest, timeout: float) -> Prepared: ...
-
-    @abstractmethod
-    def commit(self, req: Commit, timeout: float) -> int:
-        """Returns the bytes the receiver got."""
-
-    @abstractmethod
-    def abort(self, req: Abort, timeout: float) -> None: ...
-
-    @abstractmethod
-    def keep_alive(self, transfer_id: str, timeout: float) -> None:
-        """The transfer is still wanted: the receiver's deadline runs again from now (until its first data)."""
-
-
-@dataclass
-class Layer:
-    """One layer's K and V of the blocks to send, each [num_blocks, block_size, KVH, D]."""
-
-    index: int
-    k: torch.Tensor
-    v: torch.Tensor
+__all__ = ["Control", "KVSender", "Layer"]  # NOTE: Control and Layer live in kv_transfer/control.py
 
 
 _COMMIT = object()
@@ -72,6 +46,7 @@ class KVSender(ABC):
     transport: Transport
     can_read_pool = False  # the transport can read blocks from the engine's KV pool itself (`send_blocks`)
     pool: KVPool | None = None  # that pool, set by `open_sender`
+    lora: str = ""  # the LoRA adapter the KV was computed with ("": the base model), set by `open_sender`
 
     def __init__(self, control: Control, config: TransferConfig, request_id: str, layout: KVLayout,
                  token_ids: Sequence[int], num_prompt_tokens: int, block_hashes: Sequence[bytes], *,
@@ -103,7 +78,8 @@ class KVSender(ABC):
         self._deadline = self.started + self.config.deadline_s
         req = PrepareRequest(self.request_id, self.layout, self.token_ids, self.num_prompt_tokens,
                              [bytes(h) for h in self.block_hashes], self.transport,
-                             int(self.config.deadline_s * 1000), self.sender_id, attempt_id=uuid.uuid4().hex)
+                             int(self.config.deadline_s * 1000), self.sender_id, attempt_id=uuid.uuid4().hex,
+                             lora=self.lora)
         try:
             resp = self.control.prepare(self._prepare_request(req), self.remaining())
         except TransferError as e:

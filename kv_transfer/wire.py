@@ -24,7 +24,7 @@ def prepare_to_proto(req: PrepareRequest) -> pb.PrepareRequest:
                              num_prompt_tokens=req.num_prompt_tokens, block_hashes=req.block_hashes,
                              transport=req.transport, deadline_ms=req.deadline_ms, sender_id=req.sender_id,
                              nixl_agent=req.nixl_agent, nixl_known=req.nixl_known,
-                             attempt_id=req.attempt_id)
+                             attempt_id=req.attempt_id, lora=req.lora)
 
 
 def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
@@ -34,7 +34,7 @@ def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
         raise InvalidRequestError("layout", "is required", rid)
     return PrepareRequest(msg.request_id, layout_from_proto(msg.layout), list(msg.token_ids), msg.num_prompt_tokens,
                           list(msg.block_hashes), transport_from_proto(msg.transport, rid), msg.deadline_ms,
-                          msg.sender_id, msg.nixl_agent, msg.nixl_known, msg.attempt_id)
+                          msg.sender_id, msg.nixl_agent, msg.nixl_known, msg.attempt_id, msg.lora)
 
 
 def transport_from_proto(name: str, request_id: str | None) -> Transport:

@@ -7,7 +7,8 @@ import importlib
 import json
 import sys
 import time
-from typing import Any
+
+from pdcluster.serve_flags import add_serve_flags, apply_flags
 
 DESCRIPTION = """Disaggregated prefill/decode LLM serving on Ray.
 
@@ -94,21 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "SIGINT/SIGTERM", formatter_class=fmt,
                            description="Start a cluster: the YAML (--config) is the full form; PDCLUSTER_<SECTION>__"
                            "<FIELD> environment variables override any of its fields, and these flags override both.")
-    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="override model: 'smollm2', 'random:<arch>', a .gguf file or a Hugging Face directory")
-    serve.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
-    serve.add_argument("--host", default=None, help="override router.host, http.host and metrics.host")
-    serve.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
-    serve.add_argument("--http-port", type=int, default=None, help="override http.port (0: any free port)")
-    serve.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0: any free port)")
-    serve.add_argument("--prefill-replicas", type=int, default=None, help="override prefill.replicas")
-    serve.add_argument("--decode-replicas", type=int, default=None, help="override decode.replicas")
-    serve.add_argument("--served-model-name", default=None, help="override http.served_model_name")
-    serve.add_argument("--api-keys-env", default=None, metavar="NAME", help="override security.api_keys_env: the "
-                       "environment variable with the keys clients must send (needed to serve a non-loopback --host)")
-    serve.add_argument("--keep-workers", action="store_true", default=None, help="set ray.keep_workers: leave the "
-                       "workers running on SIGINT/SIGTERM, for the next `serve` to re-attach to (needs a Ray that "
-                       "outlives this process and security.cluster_token_env)")
+    add_serve_flags(serve)
     rtr = sub.add_parser("router", help="an extra router for a running cluster (shares its state through Redis)",
                          formatter_class=fmt)
     rtr.add_argument("--config", default="deploy/local.yaml", help="the cluster's deploy YAML")
@@ -242,27 +229,6 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def apply_flags(config: Any, args: argparse.Namespace) -> Any:
-    """The config with the command line's overrides (flags win over the YAML and PDCLUSTER_* variables)."""
-    from pdcluster.config import ClusterConfig
-
-    data = config.model_dump()
-    for attr, path in (("model", "model"), ("port", "router.port"), ("http_port", "http.port"),
-                       ("metrics_port", "metrics.port"), ("prefill_replicas", "prefill.replicas"),
-                       ("decode_replicas", "decode.replicas"), ("served_model_name", "http.served_model_name"),
-                       ("host", "router.host"), ("host", "http.host"), ("host", "metrics.host"),
-                       ("api_keys_env", "security.api_keys_env"), ("keep_workers", "ray.keep_workers")):
-        value = getattr(args, attr, None)
-        if value is not None:
-            *sections, key = path.split(".")
-            target = data
-            for section in sections:
-                target = target[section]
-            target[key] = value
-    # NOTE: validated again, so a flag is checked as the same field in the YAML would be (--prefill-replicas 0)
-    return ClusterConfig.from_data(data, "command line")
 
 
 def read_api_key_file(path: str) -> str:

@@ -4,9 +4,9 @@ Life of a cluster started by `pdcluster serve`:
 1. Redis: the configured URL, or an embedded redis-server this process starts (and stops);
 2. Ray: a private local Ray (`ray.address: local`), or join a running one (`auto`, `host:port`);
 3. one Ray actor per worker, named `{pool}-{i}` in the configured namespace, sized from the pool's YAML;
-   each loads the model and answers `info()` when ready. The actors are detached: a router that crashes (or is
-   killed) leaves them serving, and a later `serve` re-attaches to a running worker of that name (prefix cache and
-   all) once it proves the same cluster token; one that cannot is replaced;
+   each loads the model (and `lora.modules`) and answers `info()` when ready. The actors are detached: a router
+   that crashes (or is killed) leaves them serving, and a later `serve` re-attaches to a running worker of that
+   name (prefix cache and all) once it proves the same cluster token; one that cannot is replaced;
 4. while serving, `start_worker(role)` / `stop_worker(name)` add and remove one worker (router/scaling.py drives
    them: `pdcluster scale`);
 5. `stop()` closes the workers and kills the actors (unless `ray.keep_workers`), shuts down a Ray it started and
@@ -238,14 +238,13 @@ class Cluster:
         from decode_workers.actor import DecodeActor
         from prefill_workers.actor import PrefillActor
 
-        cfg = self.config
-        name = f"{role}-{index}"
+        cfg, name = self.config, f"{role}-{index}"
         self._started += 1
         transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token,
                                        tls=self.kv_tls)
         # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL
         # target, and shortest_first promotes a prompt nearing the TTFT target (engine/step_budget.py)
-        engine = dataclasses.replace(pool.engine_config(), step_target_ms=cfg.router.slo_itl_ms,
+        engine = dataclasses.replace(pool.engine_config(cfg.lora), step_target_ms=cfg.router.slo_itl_ms,
                                      ttft_target_ms=cfg.router.slo_ttft_ms)
         spec = WorkerSpec(name, role, cfg.model, engine, transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
@@ -253,7 +252,7 @@ class Cluster:
                           cpus=pool.cpus(index), nice=pool.nice, served_model_name=cfg.served_model_name,
                           metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
                           metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
-                          if cfg.metrics.workers else None)
+                          if cfg.metrics.workers else None, lora_modules=tuple(cfg.lora.modules.items()))
         if pool.device == "cpu" and any(p.lend_idle_cores for p in cfg.pools().values()):
             # NOTE: every CPU worker of the cluster marks busy/idle on its node; only lending pools borrow
             spec = dataclasses.replace(spec, cores_group=cores.group_name(cfg.redis.key_prefix, self.cluster_token),

@@ -38,14 +38,20 @@ def make_router(cluster: Cluster) -> Router:
     index, metrics = cluster.index(), RouterMetrics(model_name=cfg.served_model_name)
     index.breaker.client_name = "router"
     metrics.registry.register(index.breaker)  # NOTE: pdcluster_redis_breaker_open and the error counts by kind
-    return Router(cluster.handles(), index, cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport),
-                  metrics)
+    router = Router(cluster.handles(), index,
+                    cfg.router.router_settings(cfg.model, cfg.mode, cfg.transfer.transport), metrics)
+    router.adapters.sources.update(cfg.lora.modules)  # NOTE: an unload refused by one worker is undone from these
+    router.adapters.base_names.update({cfg.model, cfg.served_model_name})  # NOTE: gRPC takes either for the base
+    return router
 
 
 def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = None, *, attach: bool = False) -> int:
     """Start the cluster (or `attach` to a running one: an extra router) and the router; run `body(address)`
     (the demo) or serve until SIGINT/SIGTERM."""
     security.check_exposure(config)  # NOTE: before anything starts: a refusal costs no Ray or worker start
+    missing = config.lora.missing_files() if config.ray.address == "local" and not attach else []
+    if missing:  # NOTE: a private Ray's workers run here: their adapters must be here too
+        raise security.SetupError("; ".join(missing))
     cluster = Cluster(config)
     stop_requested = False
 
@@ -102,6 +108,7 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
             from router.openai_api import start_http
 
             runner, http_port = await start_http(router, host=cfg.http.host, port=cfg.http.port, api_keys=keys,
+                                                 admin_keys=security.admin_api_keys(cfg),
                                                  model_name=cfg.served_model_name, ssl_context=tls,
                                                  allow_unauthenticated=open_ok)
             runners.append(runner)

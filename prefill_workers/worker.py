@@ -124,8 +124,10 @@ class PrefillRun:
         self.tokens = engine.tokenize(req.token_ids, self.request_id)
         self.sender = open_sender(worker.spec.transfer, req.decode_address, self.request_id, engine.kv_layout,
                                   self.tokens, len(self.tokens),
-                                  hash_prompt_blocks(self.tokens, engine.config.block_size, engine.scope),
-                                  sender_id=worker.name, pool=KVPool(engine, worker.loop.between_steps))
+                                  hash_prompt_blocks(self.tokens, engine.config.block_size, engine.scope,
+                                                     extra_keys=engine.lora_key(req.params.lora, self.request_id)),
+                                  sender_id=worker.name, pool=KVPool(engine, worker.loop.between_steps),
+                                  lora=req.params.lora or "")
         self.cached_blocks = 0  # leading blocks the decode worker caches: not sent
         aio = asyncio.get_running_loop()
         self._first: asyncio.Future[FirstToken] = aio.create_future()

@@ -28,21 +28,22 @@ from typing import Any
 
 from cluster import tracing
 from cluster.logs import REQUEST_ID
-from cluster.messages import WorkerLoad
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
 from router.admission import Admission, check_in_time, check_reachable
 from router.errors import ClientStalled, Overloaded
 from router.flow import RequestRun
 from router.leases import LeaseKeeper
+from router.lora import Adapters
 from router.metrics import RouterMetrics
 from router.pinger import HeartbeatAges, Ping, Pinger
 from router.policy import Route, WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.relay import relayed
-from router.results import Chunk, ClusterStatus, WorkerStatus
+from router.results import Chunk, ClusterStatus
 from router.settings import RouterSettings
 from router.stall import StallClock
+from router.status import cluster_status
 from router.timeouts import Deadline
 from router.traffic import TrafficWindow
 from router.validate import Checked
@@ -67,6 +68,8 @@ class Router:
         self.settings = settings
         self.pools = WorkerPools(workers, settings.policy(workers[0].info.block_size))
         self.info = self.pools.info
+        self.adapters = Adapters(self.info.loras)  # NOTE: every worker loads the same adapters (router/lora.py)
+        self.pools.on_new_process.append(self.adapters.restore)
         self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
         self.metrics = metrics or RouterMetrics(model_name=settings.model)
         self.pools.metrics = self.metrics
@@ -147,7 +150,7 @@ class Router:
         try:
             queued = tracing.start("queue", parent)
             try:
-                matched = await self._lookup(req.token_ids)
+                matched = await self._lookup(req.token_ids, self.adapters.key(req.params.lora))
                 route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
             finally:
                 tracing.end(queued)
@@ -268,10 +271,11 @@ class Router:
             timeline.kv_bytes_sent, None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
             timeline.prefill_worker, timeline.decode_worker, self.pools[timeline.decode_worker].role)
 
-    async def _lookup(self, token_ids: list[int]) -> dict[str, int]:
+    async def _lookup(self, token_ids: list[int], lora_key: str) -> dict[str, int]:
         if self.index is None:
             return {}
-        hashes = hash_prompt_blocks(token_ids, self.info.block_size, self.info.scope)
+        # NOTE: under the request's adapter key, as its workers hash: another adapter's cached blocks never match
+        hashes = hash_prompt_blocks(token_ids, self.info.block_size, self.info.scope, extra_keys=lora_key)
         started = time.perf_counter()
         try:
             matched = dict(await asyncio.to_thread(self.index.lookup, hashes))
@@ -346,31 +350,8 @@ class Router:
                 listener(self.healthy())
 
     async def status(self) -> ClusterStatus:
-        """Workers, their load and KV blocks, and prefix-hit counts, as Redis has them."""
-        out = ClusterStatus(model=self.settings.model, mode=self.settings.mode, router_inflight=self.inflight)
-        live: dict[str, Any] = {}
-        try:
-            if self.index is None:
-                raise ConnectionError("no prefix index configured")
-            live = {s.name: s for s in await asyncio.to_thread(self.index.workers)}
-            hits = await asyncio.to_thread(self.index.hit_counts)
-            out.redis_ok = True
-            out.requested_prompt_tokens, out.cached_prompt_tokens = hits.requested_tokens, hits.cached_tokens
-            out.prefix_hit_rate = hits.hit_rate
-            per_worker = hits.per_worker
-        except Exception:  # noqa: BLE001 - report what is known without Redis
-            per_worker = {}
-        for name, w in self.pools.by_name.items():
-            s = live.get(name)
-            load = s.load if s else WorkerLoad(num_blocks=w.info.num_blocks)
-            requested, cached = per_worker.get(name, (0, 0))
-            out.workers.append(WorkerStatus(
-                name=name, role=str(w.role), epoch=s.epoch if s else w.info.epoch, address=w.info.kv_address,
-                alive=s is not None, running=load.running, waiting=load.waiting, num_blocks=load.num_blocks,
-                free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, requested_prompt_tokens=requested,
-                cached_prompt_tokens=cached, heartbeat_age_s=(self.beats.age(name) or 0.0) if s else 0.0,
-                rss_bytes=load.rss_bytes))
-        return out
+        """Workers, their load and KV blocks, and prefix-hit counts, as Redis has them (router/status.py)."""
+        return await cluster_status(self.settings, self.inflight, self.index, self.pools, self.beats)
 
     async def close(self) -> None:
         """Stop the load refresher, the pinger, the lease renewals and the workers' delta channels."""

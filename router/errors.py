@@ -20,6 +20,7 @@ class Status(enum.Enum):
     CANCELLED = "CANCELLED"  # the client went away
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # bad input: retrying the same request fails again
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # an inference key on an admin call
     NOT_FOUND = "NOT_FOUND"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # overloaded: retry later
     UNAVAILABLE = "UNAVAILABLE"  # a worker failed: the client may retry
@@ -39,6 +40,10 @@ class ClientStalled(EngineError):
     """The client read nothing for `router.client_stall_timeout_s` while its buffer was full (router/relay.py)."""
 
 
+class ModelNotFound(EngineError):
+    """A request's `model` is neither the base model nor a loaded LoRA adapter (NOT_FOUND, 404 as in vLLM)."""
+
+
 class WorkerFailed(EngineError):
     """A worker died or failed the request (UNAVAILABLE: the client may retry)."""
 
@@ -49,6 +54,7 @@ STATUS_OF_ERROR: tuple[tuple[type[BaseException] | tuple[type[BaseException], ..
     (CapacityError, Status.RESOURCE_EXHAUSTED),
     ((DeadlineExceeded, ClientStalled), Status.DEADLINE_EXCEEDED),
     ((TransferError, WorkerFailed), Status.UNAVAILABLE),
+    (ModelNotFound, Status.NOT_FOUND),
 )
 RAY_UNAVAILABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")
 

@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError, Message
 
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredOutputSpec
+from router.lora import Adapters
 from router.tool_calls import ToolCall, ToolFunction, ToolRequest
 from router.v1 import inference_pb2 as pb
 from router.validate import (
@@ -104,8 +105,11 @@ def structured_output(so: pb.StructuredOutput) -> tuple[StructuredOutputSpec, st
 class ProtoValidator:
     """Checks the Inference service's requests: parse errors and unknown fields first, then RequestValidator."""
 
-    def __init__(self, validator: RequestValidator) -> None:
+    def __init__(self, validator: RequestValidator,
+                 adapter: Callable[[str, str | None], str | None] | None = None) -> None:
         self.validator = validator
+        # NOTE: `model` → the LoRA adapter it names (None: the base model), ModelNotFound for an unknown one
+        self.adapter = adapter or Adapters({}).resolve_base_only
 
     def precheck(self, req: Message | Undecodable) -> None:
         """The size limits on counts alone (no tokenizing): before the request takes an admission slot."""
@@ -120,18 +124,24 @@ class ProtoValidator:
         _decoded(req)
         assert isinstance(req, pb.GenerateRequest)
         reject_unknown_fields(req)
-        return self.validator.prompt(PromptRequest(req.request_id, req.prompt, list(req.prompt_token_ids),
-                                                   sampling_fields(req.sampling)))
+        lora = self.adapter(req.model, req.request_id or None)
+        checked = self.validator.prompt(PromptRequest(req.request_id, req.prompt, list(req.prompt_token_ids),
+                                                      sampling_fields(req.sampling)))
+        checked.params.lora = lora
+        return checked
 
     def chat(self, req: pb.ChatRequest | Undecodable) -> Checked:
         _decoded(req)
         assert isinstance(req, pb.ChatRequest)
         reject_unknown_fields(req)
+        lora = self.adapter(req.model, req.request_id or None)
         # NOTE: one past the limit is enough for the validator to refuse; a 16 MiB request holds millions
         turns = [ChatTurn(m.role, m.content, [ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls],
                           m.tool_call_id) for m in req.messages[:MAX_MESSAGES + 1]]
-        return self.validator.chat(MessagesRequest(req.request_id, turns, sampling_fields(req.sampling),
-                                                   tool_request(req)))
+        checked = self.validator.chat(MessagesRequest(req.request_id, turns, sampling_fields(req.sampling),
+                                                      tool_request(req)))
+        checked.params.lora = lora
+        return checked
 
 
 def tool_request(req: pb.ChatRequest) -> ToolRequest | None:

@@ -6,11 +6,11 @@ Life of a request:
    limit, 408 on a slow body; a large body parsed off the loop, the size limits checked on the raw JSON; at most
    `max_connections` connections, idle or header-less ones closed after `keepalive_timeout_s`), a request past
    the router's admission limit is refused (429) before its body is read (reading, parsing and tokenizing count
-   as in flight), and the JSON body is validated
-   as a pydantic model (router/openai_models.py: unknown fields are ignored with one
-   warning per name, unimplemented ones accepted at their neutral value only) and becomes a `PromptRequest` /
-   `MessagesRequest`, checked by the same `RequestValidator` as gRPC (a 400 names the OpenAI parameter: `top_p`,
-   `prompt`, `messages[1].role`); a client's `X-Request-Id` is the request id and comes back as a header;
+   as in flight), and the JSON body is validated as a pydantic model (router/openai_models.py: unknown fields are
+   ignored with one warning per name, unimplemented ones accepted at their neutral value only) and becomes a
+   `PromptRequest` / `MessagesRequest`, checked by the same `RequestValidator` as gRPC (a 400 names the OpenAI
+   parameter: `top_p`, `prompt`, `messages[1].role`); a client's `X-Request-Id` is the request id and comes back
+   as a header; its `model` names the base model or a LoRA adapter (router/lora.py; unknown: 404);
 3. `Router.stream` runs it within `router.request_timeout_s`; the answer is one JSON object or, with
    `stream: true`, server-sent events ending in `data: [DONE]`;
 4. failures map to a Status through `router.errors.status_of`, to HTTP through `HTTP_OF`, with OpenAI's
@@ -37,11 +37,11 @@ from router import http_limits as limits
 from router.admission import Admission
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
 from router.core import Router
-from router.errors import Status
+from router.errors import ModelNotFound, Status
 from router.fanout import fan_out
-from router.openai_choices import ChoiceBuilder, total_usage
+from router.openai_choices import choice_builders, total_usage
 from router.openai_errors import ApiError, error_body
-from router.openai_logprobs import LogprobsFormatter
+from router.openai_lora import ADMIN_PATHS, LoRAEndpoints, check_admin
 from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
 from router.openai_params import chat_turns, prompt_of, sampling_fields, tool_request
 from router.openai_sse import DONE, SSE_HEADERS, extra_of, send, sse, usage_of
@@ -64,10 +64,12 @@ ADMISSION_KEY: Any = (web.RequestKey("pdcluster_admission", Admission) if hasatt
 class OpenAIFront:
     """The handlers of the HTTP API over one Router."""
 
-    def __init__(self, router: Router, model_name: str, api_keys: frozenset[str]) -> None:
+    def __init__(self, router: Router, model_name: str, api_keys: frozenset[str],
+                 admin_keys: frozenset[str] = frozenset()) -> None:
         self.router, self.model_name = router, model_name
         self.validator = RequestValidator(router.info, router.settings.chat)
-        self._keys = api_keys
+        # NOTE: as on gRPC, an admin key opens inference calls too; admin paths take only admin keys (if any)
+        self._keys, self._admin = api_keys | admin_keys if api_keys else api_keys, admin_keys
         self._ignored = IgnoredFieldLog()
         # NOTE: its own threads: large bodies and tokenizing never queue ahead of the router's Redis lookups
         # (asyncio.to_thread's default pool), and at most two run at once
@@ -90,7 +92,9 @@ class OpenAIFront:
         try:
             # NOTE: router.auth.bearer_ok compares in constant time; the header is never logged, not even a wrong one
             keyed = request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS
-            if keyed and not bearer_ok(request.headers.get("Authorization"), self._keys):
+            if request.path in ADMIN_PATHS:
+                check_admin(request.headers.get("Authorization"), self._keys, self._admin)
+            elif keyed and not bearer_ok(request.headers.get("Authorization"), self._keys):
                 log.debug("refused %s %s from %s: missing or invalid API key", request.method, request.path,
                          request.remote)
                 raise ApiError(Status.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
@@ -124,12 +128,11 @@ class OpenAIFront:
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "pdcluster",
-                "max_model_len": self.router.info.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+        cards = self.router.adapters.cards(self.model_name, int(time.time()), self.router.info.max_model_len)
+        return web.json_response({"object": "list", "data": cards})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, rid, _ = await self._open(request, CompletionRequest)
+        body, rid, _, lora = await self._open(request, CompletionRequest)
         req = PromptRequest(request_id=rid)
         prompt = prompt_of(body)
         if isinstance(prompt, str):
@@ -139,10 +142,11 @@ class OpenAIFront:
         req.sampling = sampling_fields(body, body.max_tokens)
         # NOTE: validation tokenizes: off the event loop, as in the gRPC service
         checked = await asyncio.get_running_loop().run_in_executor(self.executor, self.validator.prompt, req)
+        checked.params.lora = lora
         return await self._answer(request, body, checked, f"cmpl-{checked.request_id}", chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body, rid, size = await self._open(request, ChatCompletionRequest)
+        body, rid, size, lora = await self._open(request, ChatCompletionRequest)
         limit = body.max_completion_tokens  # NOTE: OpenAI's successor of max_tokens
         key = "max_tokens" if limit is None else "max_completion_tokens"
         limit = body.max_tokens if limit is None else limit
@@ -157,11 +161,13 @@ class OpenAIFront:
             raise InvalidRequestError(key, e.reason.removeprefix(f"{e.field}: "), e.request_id) from None
         if limit is None:  # NOTE: as OpenAI and vLLM: a chat without a limit may fill the context
             checked.params.max_tokens = self.router.info.max_model_len - len(checked.token_ids)
+        checked.params.lora = lora
         return await self._answer(request, body, checked, f"chatcmpl-{checked.request_id}", chat=True)
 
-    async def _open(self, request: web.Request, kind: type[Any]) -> tuple[Any, str, int]:
-        """The body as a `kind` model, the request id (the client's X-Request-Id, if any) and the body's size in
-        bytes; a wrong model is 404, a router at its admission limit 429 (before the body is read)."""
+    async def _open(self, request: web.Request, kind: type[Any]) -> tuple[Any, str, int, str | None]:
+        """The body as a `kind` model, the request id (the client's X-Request-Id, if any), the body's size in
+        bytes and the LoRA adapter `model` names; an unknown model is 404, a router at its admission limit 429
+        (before the body is read)."""
         rid = request.headers.get(REQUEST_ID_HEADER, "")
         if rid:
             REQUEST_ID.set(rid)
@@ -172,11 +178,15 @@ class OpenAIFront:
         body = await limits.off_loop_if_large(len(data), self.executor, self._decode, data, kind)
         for name in ignored_fields(body):
             self.router.metrics.ignored_field(self._ignored.note(name))
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(Status.NOT_FOUND, f"The model `{body.model}` does not exist (this server serves "
-                           f"`{self.model_name}`).", "model", "model_not_found")
+        lora = self._adapter(body.model, rid)
         # NOTE: as vLLM: the header wins over the body's request_id; with neither, the validator makes one
-        return body, rid or body.request_id or "", len(data)
+        return body, rid or body.request_id or "", len(data), lora
+
+    def _adapter(self, model: str | None, rid: str | None) -> str | None:
+        try:  # NOTE: the LoRA adapter `model` names (None: the base model); an unknown model is 404, as in vLLM
+            return self.router.adapters.resolve(model, self.model_name, rid or None)
+        except ModelNotFound as e:
+            raise ApiError(Status.NOT_FOUND, e.reason, "model", "model_not_found") from None
 
     def _decode(self, data: bytes, kind: type[Any]) -> Any:
         """JSON → size limits on the raw value → a `kind` model (on the executor for a large body)."""
@@ -197,26 +207,9 @@ class OpenAIFront:
     async def _tokenizer_call(self, request: web.Request, kind: type[Any], fn: Callable[..., Any]) -> web.Response:
         data = await limits.read_body(request)
         body = parse_model(kind, limits.load_json(data, self.router.info.max_model_len))
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(Status.NOT_FOUND, f"The model `{body.model}` does not exist (this server serves "
-                           f"`{self.model_name}`).", "model", "model_not_found")
+        self._adapter(body.model, rid=None)
         answer = await asyncio.get_running_loop().run_in_executor(self.executor, fn, self.validator, body)
         return web.json_response(answer)
-
-    def _choices(self, body: Any, checked: Checked, chat: bool) -> list[ChoiceBuilder]:
-        """One builder per choice: logprobs formatting, a completion's echo (the prompt text before the output)."""
-        p, tokenizer = checked.params, self.validator.tokenizer
-        echo = None
-        if not chat and body.echo:
-            prompt = prompt_of(body)
-            echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
-        as_ids = bool(body.return_tokens_as_token_ids)
-        wants = p.logprobs is not None or body.prompt_logprobs is not None
-        return [ChoiceBuilder(i, chat=chat, echo=echo, prompt_ids=checked.token_ids,
-                              formatter=LogprobsFormatter(tokenizer, as_token_ids=as_ids) if wants else None,
-                              logprobs=p.logprobs is not None, prompt_logprobs=body.prompt_logprobs is not None
-                              and i == 0, token_ids=bool(body.return_token_ids))
-                for i in range(p.n)]
 
     async def _chunks(self, checked: Checked, arrived: float, traceparent: str,
                       admission: Admission | None) -> AsyncGenerator[Chunk, None]:
@@ -237,11 +230,11 @@ class OpenAIFront:
         request[RID_KEY] = checked.request_id
         id_header = {REQUEST_ID_HEADER: checked.request_id}
         head = {"id": oid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": self.model_name}
+                "model": checked.params.lora or self.model_name}  # NOTE: as vLLM: the adapter's name
         # NOTE: aclosing: a client that goes away (a failed write, or the handler cancelled) closes the router's
         # generator, which tells the workers to abort the request and free its KV blocks.
         traceparent = request.headers.get("traceparent", "")  # NOTE: the client's W3C trace context, if any
-        choices = self._choices(body, checked, chat)
+        choices = choice_builders(body, checked.params, checked.token_ids, chat, self.validator.tokenizer)
         # NOTE: one admission slot: the first run to start takes it over, the others are admitted anew
         admission = request.get(ADMISSION_KEY)
         runs = fan_out(lambda c: self._chunks(c, arrived, traceparent, admission), checked)
@@ -295,10 +288,11 @@ class OpenAIFront:
             return resp
 
 
-def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset()) -> web.Application:
+def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset(),
+             admin_keys: frozenset[str] = frozenset()) -> web.Application:
     """The HTTP API: /health (readiness), /live (liveness), /v1/models, /v1/completions, /v1/chat/completions,
-    /tokenize and /detokenize."""
-    front = OpenAIFront(router, model_name, api_keys)
+    /tokenize, /detokenize, and the admin calls /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    front, lora = OpenAIFront(router, model_name, api_keys, admin_keys), LoRAEndpoints(router, model_name)
     app = web.Application(middlewares=[front.guard], client_max_size=limits.MAX_BODY_BYTES)
 
     async def stop_executor(app: web.Application) -> None:
@@ -311,11 +305,14 @@ def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = froz
     app.router.add_post("/v1/chat/completions", front.chat)
     app.router.add_post("/tokenize", front.tokenize)
     app.router.add_post("/detokenize", front.detokenize)
+    app.router.add_post(ADMIN_PATHS[0], lora.load)
+    app.router.add_post(ADMIN_PATHS[1], lora.unload)
     return app
 
 
 async def start_http(router: Router, *, host: str, port: int, model_name: str, api_keys: frozenset[str] = frozenset(),
-                     ssl_context: ssl.SSLContext | None = None, allow_unauthenticated: bool = False,
+                     admin_keys: frozenset[str] = frozenset(), ssl_context: ssl.SSLContext | None = None,
+                     allow_unauthenticated: bool = False,
                      max_connections: int = limits.MAX_CONNECTIONS,
                      keepalive_timeout_s: float = limits.KEEPALIVE_TIMEOUT_S) -> tuple[web.AppRunner, int]:
     """A started HTTP server (HTTPS with `ssl_context`); returns its runner (`await runner.cleanup()`) and port.
@@ -327,7 +324,8 @@ async def start_http(router: Router, *, host: str, port: int, model_name: str, a
     # NOTE: handler_cancellation: a client that disconnects cancels its handler even while no token is being
     # written (a long prefill), so the request is aborted at once.
     router.start_health()
-    runner = web.AppRunner(make_app(router, model_name=model_name, api_keys=api_keys), handler_cancellation=True,
+    runner = web.AppRunner(make_app(router, model_name=model_name, api_keys=api_keys, admin_keys=admin_keys),
+                           handler_cancellation=True,
                            keepalive_timeout=keepalive_timeout_s)
     await runner.setup()
     limits.cap_connections(runner, max_connections)

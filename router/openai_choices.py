@@ -6,7 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from engine.logprobs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 from router.openai_logprobs import LogprobsFormatter
+from router.openai_params import prompt_of
 from router.results import Chunk, ToolCallDelta, Usage
 from router.tool_calls import ToolCall
 from router.tool_stream import merge_calls
@@ -131,3 +134,19 @@ def call_delta(p: ToolCallDelta) -> dict[str, Any]:
         return {"index": p.index, "id": p.id, "type": "function",
                 "function": {"name": p.name, "arguments": p.arguments}}
     return {"index": p.index, "function": {"arguments": p.arguments}}
+
+
+def choice_builders(body: Any, params: SamplingParams, prompt_ids: list[int], chat: bool,
+                    tokenizer: Tokenizer) -> list[ChoiceBuilder]:
+    """One builder per choice: logprobs formatting, a completion's echo (the prompt text before the output)."""
+    echo = None
+    if not chat and body.echo:
+        prompt = prompt_of(body)
+        echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+    as_ids = bool(body.return_tokens_as_token_ids)
+    wants = params.logprobs is not None or body.prompt_logprobs is not None
+    return [ChoiceBuilder(i, chat=chat, echo=echo, prompt_ids=prompt_ids,
+                          formatter=LogprobsFormatter(tokenizer, as_token_ids=as_ids) if wants else None,
+                          logprobs=params.logprobs is not None, prompt_logprobs=body.prompt_logprobs is not None
+                          and i == 0, token_ids=bool(body.return_token_ids))
+            for i in range(params.n)]

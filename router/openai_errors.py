@@ -13,6 +13,7 @@ from router.openai_params import openai_param
 log = logging.getLogger("router.openai_api")
 HTTP_OF = {Status.INVALID_ARGUMENT: (400, "invalid_request_error"),  # status → HTTP status and OpenAI error type
            Status.UNAUTHENTICATED: (401, "authentication_error"),
+           Status.PERMISSION_DENIED: (403, "permission_error"),
            Status.NOT_FOUND: (404, "invalid_request_error"),
            Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
            Status.UNAVAILABLE: (503, "service_unavailable"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ class WorkerPools:
         self.live: set[str] | None = None  # workers with a fresh heartbeat that answer pings; None: not known yet
         self.metrics: RouterMetrics | None = None  # the router's, once it set them
         self.removed: dict[str, WorkerHandle] = {}  # retired workers: runs that still name one find its handle
+        self.on_new_process: list[Callable[[WorkerHandle], None]] = []  # a worker joined or restarted (a fresh one)
 
     def __getitem__(self, name: str) -> WorkerHandle:
         return self.by_name[name] if name in self.by_name else self.removed[name]
@@ -68,6 +69,8 @@ class WorkerPools:
         self.breakers[worker.name] = Breaker()
         self.removed.pop(worker.name, None)
         self.hold(worker.name, False)
+        for listener in self.on_new_process:
+            listener(worker)
 
     def hold(self, name: str, held: bool = True) -> None:
         """Stop (or resume) picking `name` for new requests; its running requests go on."""
@@ -158,4 +161,6 @@ class WorkerPools:
                     w.info = dataclasses.replace(w.info, kv_address=status.address or w.info.kv_address,
                                                  epoch=status.epoch)
                     self.breakers[name].succeeded()
+                    for listener in self.on_new_process:
+                        listener(w)
             metrics.set_worker_load(name, w.role, w.view.load, status is not None)

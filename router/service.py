@@ -75,7 +75,8 @@ class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, router: Router, scaler: PoolScaler | None = None) -> None:
         self.router = router
         self.scaler = scaler
-        self.validator = ProtoValidator(RequestValidator(router.info, router.settings.chat))
+        self.validator = ProtoValidator(RequestValidator(router.info, router.settings.chat),
+                                        lambda model, rid: router.adapters.resolve(model, router.settings.model, rid))
         self.tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-tokenize")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:

@@ -173,6 +173,14 @@ BAD = {
     "top level a scalar": (lines("smollm2"), "", 1, ["mapping"]),
     "python tag refused": (lines("model: !!python/object/apply:os.system ['true']"), "", 1, ["invalid YAML"]),
     "two documents": (lines("model: tiny", "---", "model: smollm2"), "", 2, ["invalid YAML"]),
+    "more adapters than slots": (lines("lora:", "  modules: {a: /x, b: /y}", "  max_loras: 1"), "lora.max_loras", 3,
+                                 ["modules lists 2"]),
+    "adapter named as the base": (lines("model: tiny", "lora:", "  modules:", "    tiny: /x"), "lora.modules.tiny", 4,
+                                  ["base model's name"]),
+    "adapter name with a space": (lines("lora:", "  modules: {'my adapter': /x}"), "lora.modules.my adapter.[key]",
+                                  2, ["pattern"]),
+    "unknown lora key": (lines("lora:", "  lora_modules: {a: /x}"), "lora.lora_modules", 2, ["'modules'"]),
+    "zero lora rank": (lines("lora:", "  max_lora_rank: 0"), "lora.max_lora_rank", 2, ["greater than 0"]),
 }
 
 
@@ -215,6 +223,24 @@ def test_engine_config_maps_the_pool_fields():
     assert (ec.num_blocks, ec.block_size, ec.max_num_batched_tokens, ec.max_num_seqs) == (300, 32, 512, 8)
     assert (ec.max_model_len, ec.dtype, ec.num_threads, ec.kv_cache_memory_gb) == (4096, "bfloat16", 3, 2.5)
     assert PoolConfig().engine_config().num_blocks is None  # sized from kv_cache_memory_gb
+
+
+def test_lora_section_sizes_every_pool_and_lists_its_modules():
+    cfg = ClusterConfig.from_yaml_text(lines("lora:", "  modules: {sql: /a/sql, chat: /a/chat}", "  max_lora_rank: 8"))
+    assert cfg.lora.slots == 2 and cfg.lora.modules == {"sql": "/a/sql", "chat": "/a/chat"}
+    assert ClusterConfig().lora.slots == 0  # NOTE: no adapters: the engines carry no LoRA slots
+    assert ClusterConfig.from_yaml_text(lines("lora:", "  max_loras: 4")).lora.slots == 4
+
+
+def test_lora_modules_lacking_peft_files_are_named_before_anything_starts(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text("{}")
+    cfg = ClusterConfig.from_yaml_text(lines("lora:", f"  modules: {{half: {tmp_path / 'half'}, gone: /no/such}}"))
+    assert cfg.lora.missing_files() == [
+        f"lora.modules.half: {tmp_path / 'half'} lacks adapter_model.safetensors (a PEFT adapter directory holds "
+        "adapter_config.json and adapter_model.safetensors)",
+        "lora.modules.gone: /no/such lacks adapter_config.json and adapter_model.safetensors (a PEFT adapter "
+        "directory holds adapter_config.json and adapter_model.safetensors)"]
 
 
 def test_cpu_affinity_cycles_over_the_actors_and_prefill_order_reaches_the_engine():

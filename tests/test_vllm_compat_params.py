@@ -166,6 +166,22 @@ def test_serve_model_and_flags_override_yaml_and_env(monkeypatch):
         apply_flags(ClusterConfig.from_yaml(bad.config), bad)
 
 
+def test_serve_takes_vllms_lora_flags():
+    args = build_parser().parse_args(["serve", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "4",
+                                      "--max-lora-rank", "32"])
+    cfg = apply_flags(ClusterConfig.from_yaml(args.config), args)
+    assert cfg.lora.modules == {"sql": "/a/sql", "chat": "/a/chat"}
+    assert (cfg.lora.slots, cfg.lora.max_lora_rank) == (4, 32)
+    too_few = build_parser().parse_args(["serve", "--lora-modules", "a=/x", "b=/y", "--max-loras", "1"])
+    with pytest.raises(ConfigError, match="lora.max_loras"):
+        apply_flags(ClusterConfig.from_yaml(too_few.config), too_few)
+    twice = build_parser().parse_args(["serve", "--lora-modules", "a=/x", "a=/y"])
+    with pytest.raises(ConfigError, match="twice"):
+        apply_flags(ClusterConfig.from_yaml(twice.config), twice)
+    with pytest.raises(SystemExit):  # NOTE: argparse's usage error, naming NAME=PATH
+        build_parser().parse_args(["serve", "--lora-modules", "no-path"])
+
+
 def test_tracing_is_off_by_default_and_costs_nothing():
     assert ClusterConfig().tracing.otlp_endpoint is None and not tracing.enabled()
     with tracing.span("x", "00-" + "1" * 32 + "-" + "2" * 16 + "-01") as s:

@@ -89,6 +89,10 @@ class LoRASlots:
                                               f"{sorted(self.by_name)})", request_id)
         return entry[1]
 
+    def keys(self) -> dict[str, str]:
+        """The loaded adapters' block-hash keys by name."""
+        return {name: adapter.key for name, (_, adapter) in self.by_name.items()}
+
     def names(self) -> list[str]:
         """The loaded adapters' names, in slot order."""
         return sorted(self.by_name, key=lambda n: self.by_name[n][0])

@@ -28,8 +28,9 @@ import torch
 
 from engine.errors import InvalidRequestError
 from kv_transfer import payload
+from kv_transfer.inbound import Inbound
 from kv_transfer.messages import NixlTarget, PrepareRequest
-from kv_transfer.receiver import Inbound, KVReceiver
+from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferConfig, TransferError, TransferState
 from kv_transfer.transports import nixl_agent
 

@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from engine.errors import EngineError
 from kv_transfer import payload
+from kv_transfer.inbound import Inbound
 from kv_transfer.messages import Chunk, Prepared, PrepareRequest, TorchRendezvous
-from kv_transfer.receiver import Inbound, KVReceiver
+from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, Layer
 from kv_transfer.state import TransferConfig, TransferError, TransferState
 from kv_transfer.transports.liveness import PeerWatch

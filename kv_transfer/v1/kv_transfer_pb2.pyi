@@ -23,7 +23,7 @@ class KVLayout(_message.Message):
     def __init__(self, scope: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id", "nixl_agent", "nixl_known", "attempt_id")
+    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id", "nixl_agent", "nixl_known", "attempt_id", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class PrepareRequest(_message.Message):
     NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
     NIXL_KNOWN_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -46,7 +47,8 @@ class PrepareRequest(_message.Message):
     nixl_agent: str
     nixl_known: str
     attempt_id: str
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ..., attempt_id: _Optional[str] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ..., attempt_id: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class NixlTarget(_message.Message):
     __slots__ = ("agent", "metadata", "kv_addr", "pool_blocks", "mem_type", "device_id", "block_ids")
