@@ -3,9 +3,6 @@ on it against the engine on oneDNN, token by token."""
 
 from __future__ import annotations
 
-import sys
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,37 +31,6 @@ def test_kernel_matches_f_linear(kernel, m: int, n: int, k: int, bias: bool) -> 
     y = kernel.linear(x, kernel.pack_linear(w), n, b)
     assert y.shape == (m, n)
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4 * k**0.5)
-
-
-def test_kernel_runs_without_the_gil(kernel) -> None:
-    """Another thread runs Python while a kernel computes (a worker's event loop relays tokens during a step).
-
-    NOTE: with a 1 s switch interval a thread that holds the GIL through a ~50 ms call keeps it from before the call
-    to after it, so the counter could not move; it moves only if the kernel let the GIL go."""
-    w, x = kernel.pack_linear(torch.randn(1024, 1024)), torch.randn(512, 1024)
-    spins, during = [0], []
-    done = threading.Event()
-
-    def compute() -> None:
-        before = spins[0]
-        kernel.linear(x, w, 1024, None)
-        during.append(spins[0] - before)
-        done.set()
-
-    # NOTE: one torch thread, as a worker's engine runs: the call then stays on this thread from start to end
-    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
-    sys.setswitchinterval(1.0)
-    torch.set_num_threads(1)
-    try:
-        t = threading.Thread(target=compute)
-        t.start()
-        while not done.is_set():
-            spins[0] += 1
-        t.join()
-    finally:
-        sys.setswitchinterval(interval)
-        torch.set_num_threads(threads)
-    assert during[0] > 0
 
 
 def test_kernel_takes_strided_inputs_and_rejects_a_foreign_weight(kernel) -> None:
