@@ -31,10 +31,9 @@ from engine.kv_import import KVImporter, KVReservation
 from engine.kv_seam import KVSeam
 from engine.loader import LoadedModel
 from engine.lora.slots import LoRASlots
-from engine.model_runner import kv_cache_dtype
 from engine.output import OutputProcessor, RequestOutput
 from engine.parallel.runner import make_runner
-from engine.pool_size import pool_size
+from engine.pool_size import kv_cache_dtype, pool_size
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus

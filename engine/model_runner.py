@@ -31,29 +31,14 @@ from engine.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets, graphs_w
 from engine.errors import InvalidRequestError
 from engine.gpu_memory import profile_num_blocks
 from engine.kernels import attention_kernel
-from engine.kv_quant import int8_block_rows
 from engine.logprobs import prompt_logprobs, prompt_rows, sampled_logprobs
 from engine.model import LlamaModel
+from engine.pool_size import kv_block_rows, kv_cache_dtype
 from engine.sampler import SamplerOutput, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.spec_decode import verify
 from engine.structured_output import grammar_bitmask
-
-
-def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
-    """How KV is stored: int8 for kv_cache_dtype="int8", else the engine's dtype."""
-    return torch.int8 if engine_cfg.kv_cache_dtype == "int8" else engine_cfg.torch_dtype
-
-
-def kv_block_rows(block_size: int, dtype: torch.dtype) -> int:
-    """Rows of one block in the KV memory: its tokens, plus the scale row of an int8 block."""
-    return int8_block_rows(block_size) if dtype == torch.int8 else block_size
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers (an int8 block's scales included)."""
-    return 2 * cfg.num_layers * kv_block_rows(block_size, dtype) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 @dataclass

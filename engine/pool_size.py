@@ -1,12 +1,30 @@
-"""How many KV blocks an engine's pool gets, and the context length it serves (before the pool caps it)."""
+"""How many KV blocks an engine's pool gets, what one block costs, and the context length it serves (before the
+pool caps it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.config import DEFAULT_KV_CACHE_GB, EngineConfig, ModelConfig
-from engine.model_runner import kv_bytes_per_block, kv_cache_dtype
+from engine.kv_quant import int8_block_rows
 from engine.parallel.shard import rank_config
+
+
+def kv_cache_dtype(engine_cfg: EngineConfig) -> torch.dtype:
+    """How KV is stored: int8 for kv_cache_dtype="int8", else the engine's dtype."""
+    return torch.int8 if engine_cfg.kv_cache_dtype == "int8" else engine_cfg.torch_dtype
+
+
+def kv_block_rows(block_size: int, dtype: torch.dtype) -> int:
+    """Rows of one block in the KV memory: its tokens, plus the scale row of an int8 block."""
+    return int8_block_rows(block_size) if dtype == torch.int8 else block_size
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers (an int8 block's scales included)."""
+    return 2 * cfg.num_layers * kv_block_rows(block_size, dtype) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
     """Every figure of the module docstring, as one dict."""
     from engine.config import resolve_device, resolve_dtype
     from engine.loader import load_model
-    from engine.model_runner import kv_bytes_per_block
+    from engine.pool_size import kv_bytes_per_block
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
