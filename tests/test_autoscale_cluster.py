@@ -69,9 +69,16 @@ def test_documents_make_the_autoscaler_add_a_prefill_worker_with_no_request_fail
         assert auto.scaler.counts() == (2, 1) and "prefill-1" in server.router.pools.by_name
         assert len(records) == DOCS and all(r.ok for r in records), [r.error for r in records if not r.ok]
         # the new worker takes requests: later documents are prefilled there too
+        # NOTE: once the router counts it up (answered pings, a heartbeat): on a loaded machine that can come after
+        # the next documents are all placed (they arrive within 0.8 s), which would test the pinger's timing instead
+        pools = server.router.pools
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (pools.is_up("prefill-1") and pools["prefill-1"].view.load):
+            time.sleep(0.1)
         more: list[RequestRecord] = asyncio.run(run_workload(server.address, documents(2)))[0]
         assert all(r.ok for r in more) and "prefill-1" in {r.prefill_worker for r in more}, \
-            [(r.prefill_worker, r.error) for r in more]
+            ([(r.prefill_worker, r.error) for r in more], pools.is_up("prefill-1"), pools["prefill-1"].view,
+             pools["prefill-0"].view)
         text = server.router.metrics.render().decode()
         assert 'pdcluster_autoscaler_decisions_total{action="up"} 1.0' in text
         assert 'pdcluster_autoscaler_target_workers{pool="prefill"} 2.0' in text
