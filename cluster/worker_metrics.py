@@ -48,8 +48,11 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 class LinearCost:
     """time ≈ base + per_token × tokens, fitted by least squares over the last `window` observations.
 
-    NOTE: steps of one size (a decode batch that does not change, prefill chunks all at the step limit) cannot tell
-    the base from the slope; then the base stays where it was (at most half the mean) and the rest is per token.
+    NOTE: steps of one size (a decode batch that does not change, prefill chunks all at the step limit, a new
+    worker's warm-up step) cannot tell the base from the slope; then the current split (the priors', or the last
+    fit's) is kept and scaled to their mean time. Putting the rest on the slope instead made a new worker's one small
+    warm-up step (8 tokens, mostly fixed cost) predict its 800-token prompts 10x slower than they are, so the router
+    sent it nothing and it never measured a real step (a starved worker).
     """
 
     def __init__(self, base_s: float, per_token_s: float, window: int = 64) -> None:
@@ -89,8 +92,8 @@ class LinearCost:
             if my - slope * mx >= 0:
                 self.base_s, self.per_token_s = my - slope * mx, slope
                 return
-        self.base_s = min(self.base_s, 0.5 * my)
-        self.per_token_s = (my - self.base_s) / mx
+        scale = my / (self.base_s + self.per_token_s * mx)
+        self.base_s, self.per_token_s = self.base_s * scale, self.per_token_s * scale
 
     def predict(self, tokens: float, steps: int = 1) -> float:
         """Seconds for `tokens` computed in `steps` steps."""

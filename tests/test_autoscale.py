@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from cluster.worker_metrics import PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S, LinearCost
 from pdcluster.autoscale import Hysteresis, Plan, StepCosts, calibrate, plan_split, workload_of
 from pdcluster.bench import stats
 from pdcluster.bench.workloads import build
@@ -94,6 +95,25 @@ def test_calibration_follows_the_measured_step_costs():
     assert slow.step.c0_s == 0.05  # NOTE: the fixed cost from the decode workers' short steps
     cfg = config()
     assert plan_split(cfg, DOCUMENTS, slow).prefill > plan_split(cfg, DOCUMENTS, fast).prefill
+
+
+def test_a_new_workers_slow_warm_up_step_does_not_make_its_prompts_look_slow():
+    # NOTE: what starved a scaled-up prefill worker (CI, a loaded machine): the scaler's 8-token warm-up step took
+    # 0.2 s, the fit put it on the slope (22 ms a token), and 800-token prompts were predicted at 18 s there
+    # against 2 s on the old worker, so the router never sent it one
+    cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)
+    cost.observe(8, 0.2)
+    assert cost.predict(8) == pytest.approx(0.2)
+    assert cost.predict(800) < 0.2 * (PRIOR_STEP_BASE_S + 800 * PRIOR_STEP_TOKEN_S) / PRIOR_STEP_BASE_S
+    old = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)
+    for _ in range(8):
+        old.observe(800, 2.0)
+    assert cost.predict(800) < 3 * old.predict(800)
+    # sizes that spread are fitted: base and slope both recovered
+    fit = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)
+    for n in (1, 64, 256, 1024) * 3:
+        fit.observe(n, 0.01 + n * 0.002)
+    assert fit.base_s == pytest.approx(0.01) and fit.per_token_s == pytest.approx(0.002)
 
 
 def test_the_simulated_workload_keeps_the_window_rate_and_lengths():

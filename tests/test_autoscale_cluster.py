@@ -77,8 +77,8 @@ def test_documents_make_the_autoscaler_add_a_prefill_worker_with_no_request_fail
             time.sleep(0.1)
         more: list[RequestRecord] = asyncio.run(run_workload(server.address, documents(2)))[0]
         assert all(r.ok for r in more) and "prefill-1" in {r.prefill_worker for r in more}, \
-            ([(r.prefill_worker, r.error) for r in more], pools.is_up("prefill-1"), pools["prefill-1"].view,
-             pools["prefill-0"].view)
+            f"{[(r.prefill_worker, r.error) for r in more]} up={pools.is_up('prefill-1')} " \
+            f"{pools['prefill-1'].view} {pools['prefill-0'].view}"  # NOTE: a str, which pytest does not cut short
         text = server.router.metrics.render().decode()
         assert 'pdcluster_autoscaler_decisions_total{action="up"} 1.0' in text
         assert 'pdcluster_autoscaler_target_workers{pool="prefill"} 2.0' in text
