@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from typing import Any, Literal
 
 import yaml
@@ -188,9 +189,14 @@ class ClusterConfig(BaseModel):
             raise ConfigError(source, [_issue(err, node, overrides) for err in exc.errors()]) from None
 
 
+_UNION_TAG = re.compile(r"[a-z-]+\[.*\]|constrained-[a-z]+")
+
+
 def _issue(err: Any, root: yaml.Node | None, overrides: dict[str, Any] | None = None) -> ConfigIssue:
     """A pydantic error as a ConfigIssue: its dotted path and the line of the deepest YAML node on that path."""
-    loc: tuple[str | int, ...] = tuple(err["loc"])
+    # NOTE: without the member tags pydantic puts in the path of a union's error ("list[list[constrained-int]]" in
+    # prefill.cpu_affinity.list[list[constrained-int]].0.0): no YAML key looks like one
+    loc: tuple[str | int, ...] = tuple(p for p in err["loc"] if not (isinstance(p, str) and _UNION_TAG.fullmatch(p)))
     set_by: Any = overrides or None
     for part in loc:
         set_by = set_by.get(part) if isinstance(set_by, dict) else None

@@ -42,8 +42,10 @@ class PoolConfig(BaseModel):
     resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="custom Ray resources per actor; {prefill_node: 1} pins it to such nodes")
     torch_threads: int = Field(default=1, gt=0, description="torch intra-op threads per actor")
-    cpu_affinity: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
-        default=None, description="cores per actor (actor i: entry i mod len), e.g. [[0], [1]]; null: not pinned")
+    cpu_affinity: list[list[Annotated[int, Field(ge=0)]]] | Literal["auto"] | None = Field(
+        default=None, description="cores per actor (actor i: entry i mod len), e.g. [[0], [1]]; 'auto': cores of "
+        "its own on this node, decode workers first, and the router kept off the decode workers' cores "
+        "(pdcluster/core_plan.py; a private Ray only); null: not pinned")
     nice: int | None = Field(
         default=None, ge=-20, le=19, description="CPU priority of the actor's process (Linux nice: lower runs first; "
         "below the current value needs CAP_SYS_NICE); null: as Ray started it")
@@ -95,7 +97,7 @@ class PoolConfig(BaseModel):
         if self.gpu_memory_utilization is not None and self.device != "cuda":
             raise _RuleError("gpu_memory_utilization", "sizes a GPU's KV pool: needs device 'cuda' (on the CPU use "
                                                        "kv_cache_memory_gb or num_kv_blocks)")
-        if self.cpu_affinity is not None and not all(self.cpu_affinity):
+        if isinstance(self.cpu_affinity, list) and not all(self.cpu_affinity):
             raise _RuleError("cpu_affinity", "each entry lists at least one core, e.g. [[0], [1]]")
         if "OMP_NUM_THREADS" in self.env_vars:
             raise _RuleError("env_vars", "OMP_NUM_THREADS: set torch_threads instead (the engine's pool size)")
@@ -106,8 +108,8 @@ class PoolConfig(BaseModel):
         return self
 
     def cpus(self, index: int) -> tuple[int, ...]:
-        """The cores actor `index` of this pool is pinned to (empty: not pinned)."""
-        if not self.cpu_affinity:
+        """The cores actor `index` of this pool lists (empty: not pinned, or `auto`: pdcluster/core_plan.py)."""
+        if not isinstance(self.cpu_affinity, list) or not self.cpu_affinity:
             return ()
         return tuple(self.cpu_affinity[index % len(self.cpu_affinity)])
 

@@ -28,9 +28,11 @@ from typing import Any, cast
 from cluster import cores
 from cluster.messages import Role, WorkerInfo
 from cluster.prefix_index import PrefixIndex, heartbeat_key
+from cluster.process import pin_cpus
 from cluster.worker import WorkerSpec
 from pdcluster import security
 from pdcluster.config import ClusterConfig
+from pdcluster.core_plan import CorePlan, plan_cores
 from pdcluster.redis_server import EmbeddedRedis, connect
 from router.policy import WorkerView
 from router.pools import WorkerHandle
@@ -66,8 +68,13 @@ def use_ray_token() -> None:
 class Cluster:
     """The Redis, Ray and worker actors of one config; `start()` then `handles()`, and `stop()` at the end."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, *, pin_router: bool = False) -> None:
         self.config = config
+        # NOTE: `pdcluster serve` keeps its process (the router) and the Ray it starts off the decode workers' cores
+        # under `cpu_affinity: auto`; an embedding process (a test, a notebook) keeps its own cores
+        self.pin_router = pin_router
+        self.core_plan = CorePlan()
+        self._own_cores: set[int] | None = None  # this process's cores before the plan pinned it
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis.url
         self.redis_auth = security.redis_auth(config)
@@ -86,6 +93,11 @@ class Cluster:
         import ray
 
         cfg = self.config
+        self.core_plan = plan_cores(cfg)
+        if self.pin_router and self.core_plan.router and not ray.is_initialized():
+            # NOTE: before Redis and Ray start: their processes inherit the router's cores
+            self._own_cores = os.sched_getaffinity(0)
+            pin_cpus(self.core_plan.router)
         if self.redis_url is None:
             # NOTE: supervised: restarted on the same port with the same password if it dies
             self.redis = EmbeddedRedis(password=self.redis_auth.password).start().supervise()
@@ -249,7 +261,8 @@ class Cluster:
         spec = WorkerSpec(name, role, cfg.model, engine, transfer, redis_url=self.redis_url,
                           key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
                           log_format=cfg.logging.format, redis_auth=self.redis_auth,
-                          cpus=pool.cpus(index), nice=pool.nice, served_model_name=cfg.served_model_name,
+                          cpus=self.core_plan.cores(cfg, role, index), nice=pool.nice,
+                          served_model_name=cfg.served_model_name,
                           metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
                           metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
                           if cfg.metrics.workers else None, lora_modules=tuple(cfg.lora.modules.items()))
@@ -332,3 +345,6 @@ class Cluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._own_cores is not None:
+            pin_cpus(tuple(self._own_cores))
+            self._own_cores = None

@@ -52,7 +52,7 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
     missing = config.lora.missing_files() if config.ray.address == "local" and not attach else []
     if missing:  # NOTE: a private Ray's workers run here: their adapters must be here too
         raise security.SetupError("; ".join(missing))
-    cluster = Cluster(config)
+    cluster = Cluster(config, pin_router=True)
     stop_requested = False
 
     def on_signal(signum: int, frame: object) -> None:  # before the event loop runs: unwind through finally

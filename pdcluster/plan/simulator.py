@@ -97,7 +97,9 @@ class ClusterShape:
             blocks = p.num_kv_blocks or max(1, min(usable, by_mem))
             if p.max_num_seqs > p.max_num_batched_tokens:
                 raise ValueError(f"{role}: the simulator needs max_num_seqs <= max_num_batched_tokens")
-            affinity = tuple(tuple(c) for c in (getattr(p, "cpu_affinity", None) or ()))
+            # NOTE: `auto` gives each worker cores of its own where there are enough: as unpinned workers here
+            listed = getattr(p, "cpu_affinity", None)
+            affinity = tuple(tuple(c) for c in listed) if isinstance(listed, list) else ()
             pools[str(role)] = PoolShape(p.replicas, blocks, p.block_size, p.max_num_seqs, p.max_num_batched_tokens,
                                     getattr(p, "prefill_order", "fcfs"), affinity)
         return cls(cfg.mode, cfg.router.routing, cfg.router.skip_prefill_max_uncached_tokens, pools,
