@@ -219,7 +219,7 @@ class Router:
         chunks = relayed(self._within(req, arrived, budget_s, traceparent, admission),
                          self.settings.stream_buffer_chunks,
                          self.settings.client_stall_timeout_s, req.request_id, self.metrics.buffered,
-                         self.metrics.client_stalls.inc, on_cut)
+                         self.metrics.client_stalls.inc, on_cut, Chunk.joined)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

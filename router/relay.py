@@ -1,7 +1,9 @@
 """A bounded buffer between a request's run and its client: backpressure, and a limit on a client that stops reading.
 
 1. a task of its own (the pump) moves the run's chunks into a buffer of at most `limit` chunks;
-2. the front takes them one at a time and writes each to its client; while the buffer is full the pump waits, so
+2. the front takes them and writes each to its client (chunks that piled up while it wrote, one after another, as
+   one: `join`, the cost of a write is per message, so a front that falls behind catches up in fewer, larger
+   messages instead of falling further behind); while the buffer is full the pump waits, so
    the run stops reading the decode worker's stream, whose window (router/flow.py: Ray's generator backpressure)
    then pauses the worker's yields: a client that reads slowly piles nothing up in the router;
 3. a buffer that stays full for `stall_s` (the client took nothing meanwhile: its writes are blocked) ends the run
@@ -73,9 +75,16 @@ class Relay:
         self._sized(1)
         self.readable.set()
 
-    def take(self) -> object:
-        item = self.buffer.popleft()
-        self._sized(-1)
+    def take(self, join: Callable[[Any, Any], Any] | None = None) -> object:
+        """The next chunk, with the ones after it that `join(a, b)` makes one (None: they stay apart)."""
+        item, taken = self.buffer.popleft(), 1
+        while join is not None and self.buffer:
+            joined = join(item, self.buffer[0])
+            if joined is None:
+                break
+            item, taken = joined, taken + 1
+            self.buffer.popleft()
+        self._sized(-taken)
         self.writable.set()
         return item
 
@@ -96,8 +105,10 @@ class Relay:
 async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, request_id: str = "",
                   on_size: Callable[[int], None] | None = None,
                   on_stall: Callable[[], None] | None = None,
-                  on_cut: Callable[[ClientStalled], Awaitable[None]] | None = None) -> AsyncGenerator[T, None]:
-    """`chunks` through a buffer of `limit`; closing this closes `chunks` (at once: the request is aborted)."""
+                  on_cut: Callable[[ClientStalled], Awaitable[None]] | None = None,
+                  join: Callable[[T, T], T | None] | None = None) -> AsyncGenerator[T, None]:
+    """`chunks` through a buffer of `limit`; closing this closes `chunks` (at once: the request is aborted).
+    `join`: two buffered chunks as one, or None (see the module's NOTE)."""
     relay = Relay(limit, on_size)
     owner = asyncio.current_task()
     writing = [False]  # the front holds a chunk it has not written yet (its task waits on the client)
@@ -130,7 +141,7 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
                     relay.readable.clear()
                     await relay.readable.wait()
                 if relay.buffer:
-                    item = relay.take()
+                    item = relay.take(join)
                     writing[0] = True
                     yield item  # type: ignore[misc]
                     writing[0] = False

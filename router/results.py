@@ -64,6 +64,15 @@ class Chunk:
     index: int = 0  # the choice (n > 1: router/fanout.py)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # a chat with tools: calls parsed out of the text
 
+    def joined(self, nxt: Chunk) -> Chunk | None:
+        """This chunk and the next one of its stream as one (None where they cannot be: another choice, or this one
+        ends the stream, or either carries tool-call pieces, whose order a client reads one delta at a time)."""
+        if nxt.index != self.index or self.finish_reason or self.usage is not None or self.timeline is not None \
+                or self.tool_calls or nxt.tool_calls or nxt.prompt_logprobs is not None:
+            return None
+        return Chunk(self.request_id, self.token_ids + nxt.token_ids, self.text + nxt.text, nxt.finish_reason,
+                     nxt.usage, nxt.timeline, self.logprobs + nxt.logprobs, self.prompt_logprobs, self.index)
+
 
 @dataclass(slots=True)
 class WorkerStatus:

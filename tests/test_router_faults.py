@@ -353,6 +353,31 @@ def test_a_slow_client_gets_every_chunk_in_order_without_being_cut_off():
     assert asyncio.run(client()) == list(range(40))
 
 
+def test_a_client_that_falls_behind_gets_the_piled_up_tokens_joined_in_order():
+    from router.relay import relayed
+    from router.results import Chunk, Usage
+
+    async def run():
+        yield Chunk("r", [1], "a", prompt_logprobs=[None])
+        for i in range(2, 40):
+            yield Chunk("r", [i], chr(96 + i % 26), index=i % 2 if 20 <= i < 24 else 0)
+        yield Chunk("r", [40], "!", finish_reason="length", usage=Usage(3, 40))
+
+    async def client() -> list[Chunk]:
+        got = []
+        async for chunk in relayed(run(), 64, 1.0, join=Chunk.joined):
+            got.append(chunk)
+            await asyncio.sleep(0.005)  # NOTE: writes slower than the run makes chunks: they pile up
+        return got
+    got = asyncio.run(client())
+    assert len(got) < 20  # fewer, larger messages
+    for index in (0, 1):  # NOTE: chunks of another choice (n > 1) are never joined into this one's
+        ids = [t for c in got if c.index == index for t in c.token_ids]
+        assert ids == [i for i in range(1, 41) if (i % 2 if 20 <= i < 24 else 0) == index]
+    assert got[0].prompt_logprobs == [None] and got[-1].finish_reason == "length" and got[-1].usage == Usage(3, 40)
+    assert all(not c.finish_reason for c in got[:-1])
+
+
 def test_a_failure_of_the_run_reaches_the_client_after_the_chunks_before_it():
     from router.relay import relayed
 
