@@ -54,7 +54,7 @@ class RequestStream:
         # `Relay`); otherwise (Ray's generator) outputs reach `deltas()` through the event loop
         self._relay = take_relay()
         self._ended: asyncio.Future[None] = self._aio.create_future()
-        self._resuming: set[asyncio.Future[None]] = set()
+        self._resuming: set[asyncio.Future[object]] = set()
         if self._relay is not None:
             self._relay.on_ack = self._acked
         self._first = True
@@ -91,10 +91,11 @@ class RequestStream:
 
     def _acked(self, n: int) -> None:
         """(the event loop) the router took `n` of the relayed deltas: a paused sequence may resume."""
-        if self._backlog.delivered(n) and not self.worker.loop.try_call(self._resume):
-            resume = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, self._resume))
-            self._resuming.add(resume)
-            resume.add_done_callback(self._resuming.discard)
+        if self._backlog.delivered(n):
+            resume = self.worker.loop.run_between_steps(self._resume)
+            if not resume.done():  # NOTE: it went to a thread (the engine was stepping): kept until it ends
+                self._resuming.add(resume)
+                resume.add_done_callback(self._resuming.discard)
 
     def join_whole(self, engine: object) -> None:
         """A `start` function: the whole request (its prompt) joins the engine's batch."""
@@ -116,9 +117,7 @@ class RequestStream:
         # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and
         # shielded: if this call is cancelled meanwhile, the start still completes before the abort below runs,
         # so a request can never join the batch after its abort
-        if self.worker.loop.try_call(fn):  # NOTE: the engine was between steps: done, nothing to cancel
-            return
-        starting = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, fn))
+        starting = self.worker.loop.run_between_steps(fn)  # NOTE: done at once if the engine was between steps
         try:
             await asyncio.shield(starting)
         except asyncio.CancelledError:

@@ -187,8 +187,7 @@ class PrefillRun:
     # ---- 2. join the batch ---------------------------------------------------------------------------------
     async def join_batch(self) -> None:
         try:
-            if not self.worker.loop.try_call(self._start):
-                await asyncio.to_thread(self.worker.loop.call, self._start)
+            await self.worker.loop.run_between_steps(self._start)
         except BaseException:
             await self.settle()  # NOTE: aborted once the reservation's answer is in (the abort frees it)
             await asyncio.to_thread(self.sender.abort, "the prefill worker rejected the request")
