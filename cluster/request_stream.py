@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from cluster.backlog import Backlog
 from cluster.delta_server import take_relay
+from cluster.delta_wire import PlainDelta, plain
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
 from engine.errors import InvalidRequestError
@@ -76,12 +77,13 @@ class RequestStream:
         if self._relay is None:
             self._outlet.put(self._outputs.put_nowait, (made_at, out))
             return
+        item: Delta | PlainDelta
         if self._first or out.finished or out.new_logprobs or out.prompt_logprobs is not None:
-            self._relay.send(self._delta([(made_at, out)]))
+            item = self._delta([(made_at, out)])
         else:  # NOTE: most outputs: the tuple `to_wire` makes of a plain Delta, without the Delta
-            self._relay.send((out.new_token_ids, out.new_text, made_at, out.num_prompt_tokens, out.num_cached_tokens))
+            item = plain(out.new_token_ids, out.new_text, made_at, out.num_prompt_tokens, out.num_cached_tokens)
             self.worker.metrics.generation.inc(len(out.new_token_ids))
-        self._outlet.send_after_step(self._relay.flush)
+        self._relay.send_at_step_end(item, self._outlet)
         if out.finished:
             self._outlet.put(self._end, None)
 
