@@ -44,7 +44,7 @@ from router.results import Chunk, ClusterStatus
 from router.settings import RouterSettings
 from router.stall import StallClock
 from router.status import cluster_status
-from router.timeouts import Deadline
+from router.timeouts import until
 from router.traffic import TrafficWindow
 from router.validate import Checked
 
@@ -216,29 +216,15 @@ class Router:
         NOTE: through a bounded buffer (router/relay.py): a client that reads slowly pauses the decode worker's
         stream, and one that reads nothing for `client_stall_timeout_s` has its request aborted (ClientStalled).
         """
-        chunks = relayed(self._within(req, arrived, budget_s, traceparent, admission),
+        # NOTE: the request's deadline is `arrived + budget_s` on the event loop's clock too: asyncio's is
+        # time.monotonic() (the router runs under asyncio.run, pdcluster/serve.py)
+        chunks = relayed(until(self.stream(req, arrived, budget_s, traceparent, admission), arrived + budget_s),
                          self.settings.stream_buffer_chunks,
                          self.settings.client_stall_timeout_s, req.request_id, self.metrics.buffered,
                          self.metrics.client_stalls.inc, on_cut)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-
-    async def _within(self, req: Checked, arrived: float, budget_s: float, traceparent: str,
-                      admission: Admission | None) -> AsyncGenerator[Chunk, None]:
-        chunks = self.stream(req, arrived, budget_s, traceparent, admission)
-        loop = asyncio.get_running_loop()
-        deadline = Deadline(loop.time() + budget_s - (time.monotonic() - arrived))
-        try:
-            while True:
-                try:
-                    chunk = await deadline.wait(anext(chunks))
-                except StopAsyncIteration:
-                    return
-                yield chunk
-        finally:
-            deadline.cancel()
-            await chunks.aclose()
 
     def _predicted(self, last: Chunk, route: Route) -> None:
         """The placement and its predicted first token in the timeline; the prediction's error in the metrics."""
