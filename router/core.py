@@ -30,7 +30,7 @@ from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
-from router.admission import Admission, check_in_time, check_reachable
+from router.admission import Admission, check_route, check_slots
 from router.errors import ClientStalled, Overloaded
 from router.flow import RequestRun
 from router.leases import LeaseKeeper
@@ -112,10 +112,7 @@ class Router:
     def admit(self, request_id: str = "") -> Admission:
         """A slot for a request about to be read or tokenized (release it, or pass it to `stream`); Overloaded when
         `max_inflight` requests are in flight or being admitted."""
-        if self.inflight + self.pending >= self.max_inflight:
-            self.metrics.rejected("inflight")
-            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
-                             "(router.max_inflight)", request_id or None)
+        check_slots(self.inflight + self.pending, self.max_inflight, request_id or None, self.metrics)
         self.pending += 1
         return Admission(self)
 
@@ -133,11 +130,12 @@ class Router:
         ended = False
         if admission is not None and admission.held:
             admission.release()  # NOTE: its slot becomes this request's, with no await in between
-        elif self.inflight + self.pending >= self.max_inflight:
-            self.metrics.rejected("inflight")
-            self.traffic.failed()
-            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
-                             "(router.max_inflight)", req.request_id)
+        else:
+            try:
+                check_slots(self.inflight + self.pending, self.max_inflight, req.request_id, self.metrics)
+            except Overloaded:
+                self.traffic.failed()
+                raise
         self.inflight += 1
         self.metrics.set_inflight(self.inflight)
         self.leases.hold(req.request_id)
@@ -156,20 +154,8 @@ class Router:
                 tracing.end(queued)
             self.metrics.placed(route.why or "prefill_pool")
             left_s = None if budget_s is None else budget_s - (time.monotonic() - arrived)
-            if left_s is not None:
-                # NOTE: before the admission limit: a deadline that even an idle cluster cannot meet is
-                # DEADLINE_EXCEEDED however busy the cluster is (a 429 would invite a retry that fails again)
-                check_reachable(self.pools, route, len(req.token_ids), matched, left_s, req.request_id, self.metrics)
-            limit = self.settings.admission_ttft_ms()
-            if limit and route.predicted_ttft_ms > limit:
-                # NOTE: refused, not queued: the backlog is on the workers already, and a request admitted past it
-                # waits behind it while holding a decode reservation; 429 lets the client back off or go elsewhere
-                self.metrics.rejected("backlog")
-                raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
-                                 f"admission limit of {limit / 1e3:.1f} s (router.max_predicted_ttft_ms): the "
-                                 "prefill backlog is too long", req.request_id)
-            if left_s is not None:
-                check_in_time(route, left_s, req.request_id, self.metrics)
+            check_route(self.pools, route, len(req.token_ids), matched, left_s, self.settings.admission_ttft_ms(),
+                        req.request_id, self.metrics)
             # NOTE: the prompt tokens a decode worker computes count in its queue until the first token, so requests
             # routed before its next heartbeat see them (the prefill pool's are counted by the run)
             held = self.pools[route.decode].view if route.decode_prefill_tokens else None
