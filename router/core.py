@@ -37,10 +37,11 @@ from router.leases import LeaseKeeper
 from router.lora import Adapters
 from router.metrics import RouterMetrics
 from router.pinger import HeartbeatAges, Ping, Pinger
-from router.policy import Route, WorkerView
+from router.policy import WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.relay import relayed
 from router.results import Chunk, ClusterStatus
+from router.served import Served
 from router.settings import RouterSettings
 from router.stall import StallClock
 from router.status import cluster_status
@@ -88,6 +89,7 @@ class Router:
         self._dead: set[str] = set()  # workers whose actor Ray reported dead for good (no restart left)
         self.traffic = TrafficWindow(settings.slo_ttft_ms, settings.slo_itl_ms)  # what an autoscaler reads
         self.leases = LeaseKeeper(self.pools, settings.lease_s)  # NOTE: workers abort what no live router renews
+        self.served = Served(self.pools, self.metrics, self.traffic, settings)  # what a finished request records
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -179,9 +181,8 @@ class Router:
                         last_at = now
                     if chunk.finish_reason:
                         ended = True
-                        self._predicted(chunk, route)
-                        self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived,
-                                      req.request_id)
+                        self.served.record(chunk, route, first_at - arrived if first_at else None, gaps,
+                                           now - arrived, req.request_id)
                     yield chunk
         finally:
             if not ended:
@@ -211,37 +212,6 @@ class Router:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-
-    def _predicted(self, last: Chunk, route: Route) -> None:
-        """The placement and its predicted first token in the timeline; the prediction's error in the metrics."""
-        if last.timeline is None:
-            return
-        placement = route.why or "prefill_pool"
-        tl = last.timeline
-        tl.placement, tl.predicted_ttft_ms = placement, route.predicted_ttft_ms
-        if tl.first_token_ms:
-            self.metrics.observe_prediction(placement, route.predicted_ttft_ms / 1e3, tl.first_token_ms / 1e3)
-
-    def _observe(self, last: Chunk, ttft: float | None, gaps: list[float], e2e: float, request_id: str) -> None:
-        assert last.timeline is not None and last.usage is not None  # NOTE: every last chunk carries both
-        timeline, usage = last.timeline, last.usage
-        for name in (timeline.prefill_worker, timeline.decode_worker):  # NOTE: both served it: breakers close
-            if name:
-                self.pools.mark_ok(name)
-        log.info("done: %s%s, %d prompt tokens (%d cached) + %d generated, first token %.0f ms, total %.0f ms, %s",
-                 f"{timeline.prefill_worker} -> " if timeline.prefill_worker else "", timeline.decode_worker,
-                 usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, timeline.first_token_ms,
-                 timeline.total_ms, last.finish_reason)
-        self.metrics.observe_latency(ttft, gaps, e2e, request_id)
-        self.traffic.finished(ttft, sum(gaps) / len(gaps) if gaps else None)
-        self.metrics.finished(last.finish_reason)
-        self.metrics.observe_phases(timeline.queue_ms / 1e3, timeline.prefill_ms / 1e3,
-                                    None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
-                                    timeline.decode_ms / 1e3, request_id)
-        self.metrics.observe_request(
-            usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, self.settings.transport,
-            timeline.kv_bytes_sent, None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
-            timeline.prefill_worker, timeline.decode_worker, self.pools[timeline.decode_worker].role)
 
     async def _lookup(self, token_ids: list[int], lora_key: str) -> dict[str, int]:
         if self.index is None:
