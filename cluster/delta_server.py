@@ -38,6 +38,7 @@ from typing import Any
 
 from cluster.delta_wire import END, frame, read_bytes, read_frame, sendable, to_wire
 from cluster.frame_writer import FrameWriter
+from cluster.outlet import Outlet
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ class Relay:
     """A stream's way from the engine thread straight onto its connection: each output's delta is queued there as
     it is made and the step's frame is sent at the step's end, with no hop through the event loop.
 
-    A stream that takes the relay (`take_relay()`, cluster/request_stream.py) sends its deltas with `send`, has the
-    engine thread `flush` the connection after the step, and hears the router's acknowledgements through `on_ack`
-    (its backpressure: the sequence pauses in the engine with a window of deltas unacknowledged); its generator then
-    yields nothing and returns when the request is over, and END follows its last delta on the connection."""
+    A stream that takes the relay (`take_relay()`, cluster/request_stream.py) sends its deltas with
+    `send_at_step_end` (the engine thread flushes the connection after the step) and hears the router's
+    acknowledgements through `on_ack` (its backpressure: the sequence pauses in the engine with a window of deltas
+    unacknowledged); its generator then yields nothing and returns when the request is over, and END follows its
+    last delta on the connection."""
 
     def __init__(self, out: FrameWriter, attempt: str) -> None:
         self.attempt = attempt
@@ -60,9 +62,11 @@ class Relay:
         self.on_ack: Callable[[int], None] | None = None
         self.taken = False
 
-    def send(self, item: object) -> None:
-        """(the engine thread) queue one delta, as `to_wire` has it, for the step's frame."""
+    def send_at_step_end(self, item: object, outlet: Outlet) -> None:
+        """(the engine thread, in a sink) queue one delta, as `to_wire` has it, for the step's frame: `outlet` has
+        the engine thread flush the connection once the step's sinks have all run."""
         self._out.put(self.attempt, item)
+        outlet.send_after_step(self.flush)
 
 
 _RELAY: contextvars.ContextVar[Relay | None] = contextvars.ContextVar("pdcluster_relay", default=None)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from cluster.backlog import Backlog
 from cluster.delta_server import take_relay
+from cluster.delta_wire import PlainDelta, plain
 from cluster.logs import REQUEST_ID
 from cluster.messages import DecodeRequest, Delta
 from engine.errors import InvalidRequestError
@@ -54,7 +55,7 @@ class RequestStream:
         # `Relay`); otherwise (Ray's generator) outputs reach `deltas()` through the event loop
         self._relay = take_relay()
         self._ended: asyncio.Future[None] = self._aio.create_future()
-        self._resuming: set[asyncio.Future[None]] = set()
+        self._resuming: set[asyncio.Future[object]] = set()
         if self._relay is not None:
             self._relay.on_ack = self._acked
         self._first = True
@@ -76,12 +77,13 @@ class RequestStream:
         if self._relay is None:
             self._outlet.put(self._outputs.put_nowait, (made_at, out))
             return
+        item: Delta | PlainDelta
         if self._first or out.finished or out.new_logprobs or out.prompt_logprobs is not None:
-            self._relay.send(self._delta([(made_at, out)]))
+            item = self._delta([(made_at, out)])
         else:  # NOTE: most outputs: the tuple `to_wire` makes of a plain Delta, without the Delta
-            self._relay.send((out.new_token_ids, out.new_text, made_at, out.num_prompt_tokens, out.num_cached_tokens))
+            item = plain(out.new_token_ids, out.new_text, made_at, out.num_prompt_tokens, out.num_cached_tokens)
             self.worker.metrics.generation.inc(len(out.new_token_ids))
-        self._outlet.send_after_step(self._relay.flush)
+        self._relay.send_at_step_end(item, self._outlet)
         if out.finished:
             self._outlet.put(self._end, None)
 
@@ -91,10 +93,11 @@ class RequestStream:
 
     def _acked(self, n: int) -> None:
         """(the event loop) the router took `n` of the relayed deltas: a paused sequence may resume."""
-        if self._backlog.delivered(n) and not self.worker.loop.try_call(self._resume):
-            resume = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, self._resume))
-            self._resuming.add(resume)
-            resume.add_done_callback(self._resuming.discard)
+        if self._backlog.delivered(n):
+            resume = self.worker.loop.run_between_steps(self._resume)
+            if not resume.done():  # NOTE: it went to a thread (the engine was stepping): kept until it ends
+                self._resuming.add(resume)
+                resume.add_done_callback(self._resuming.discard)
 
     def join_whole(self, engine: object) -> None:
         """A `start` function: the whole request (its prompt) joins the engine's batch."""
@@ -116,9 +119,7 @@ class RequestStream:
         # NOTE: off the event loop (the engine lock is held for a whole step, other streams must not wait), and
         # shielded: if this call is cancelled meanwhile, the start still completes before the abort below runs,
         # so a request can never join the batch after its abort
-        if self.worker.loop.try_call(fn):  # NOTE: the engine was between steps: done, nothing to cancel
-            return
-        starting = asyncio.ensure_future(asyncio.to_thread(self.worker.loop.call, fn))
+        starting = self.worker.loop.run_between_steps(fn)  # NOTE: done at once if the engine was between steps
         try:
             await asyncio.shield(starting)
         except asyncio.CancelledError:

@@ -12,6 +12,7 @@ Life of a request on the loop:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -76,6 +77,17 @@ class EngineLoop:
         finally:
             self.lock.release()
         return True
+
+    def run_between_steps(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future[object]:
+        """From an event loop: `fn(engine)` between two steps; await the future returned.
+
+        At once where the engine is idle (`try_call`: the future is done, and what `fn` raised is raised here), else
+        by `call` on a thread (the future is that call's; the call runs to its end even if its waiter is cancelled)."""
+        if self.try_call(fn):
+            done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return asyncio.ensure_future(asyncio.to_thread(self.call, fn))
 
     def attach(self, request_id: str, sink: Sink) -> None:
         """Deliver the outputs of `request_id` to `sink` (called on the loop thread, under the lock)."""

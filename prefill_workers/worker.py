@@ -187,8 +187,7 @@ class PrefillRun:
     # ---- 2. join the batch ---------------------------------------------------------------------------------
     async def join_batch(self) -> None:
         try:
-            if not self.worker.loop.try_call(self._start):
-                await asyncio.to_thread(self.worker.loop.call, self._start)
+            await self.worker.loop.run_between_steps(self._start)
         except BaseException:
             await self.settle()  # NOTE: aborted once the reservation's answer is in (the abort frees it)
             await asyncio.to_thread(self.sender.abort, "the prefill worker rejected the request")
@@ -229,8 +228,7 @@ class PrefillRun:
             self.worker.loop.release(self.request_id)  # NOTE: decoding goes on elsewhere; blocks stay cached
         first = FirstToken(out, now, queue_ms, prefill_ms)
         if self._relay is not None and not out.finished:
-            self._relay.send(self.result(first, handed_off=False))
-            self._outlet.send_after_step(self._relay.flush)
+            self._relay.send_at_step_end(self.result(first, handed_off=False), self._outlet)
             self.relayed = True
         self._first.get_loop().call_soon_threadsafe(_set, self._first, first)
 

@@ -1,4 +1,5 @@
-"""Admission beyond the slot count: a slot held from before a request is read (`Admission`), and deadlines.
+"""Admission: the slot count (`check_slots`), a slot held from before a request is read (`Admission`), and a
+routed request's deadline and predicted first token (`check_route`).
 
 NOTE: the expensive work of a request (its body, its tokens) happens inside the admission limit, and a request
 refused for its deadline is told why: DEADLINE_EXCEEDED when even an idle cluster could not meet it (retrying it
@@ -36,6 +37,32 @@ class Admission:
         if self.held:
             self.held = False
             self.router.pending -= 1
+
+
+def check_slots(taken: int, limit: int, request_id: str | None, metrics: RouterMetrics) -> None:
+    """Refuse (RESOURCE_EXHAUSTED) a request when `taken` slots (in flight or being admitted) reach `limit`."""
+    if taken >= limit:
+        metrics.rejected("inflight")
+        raise Overloaded(f"the router has {taken} requests in flight (router.max_inflight)", request_id)
+
+
+def check_route(pools: WorkerPools, route: Route, prompt_len: int, matched: dict[str, int], left_s: float | None,
+                limit_ms: float, request_id: str, metrics: RouterMetrics) -> None:
+    """Refuse a routed request that cannot meet its deadline (`left_s` from now; None: it has none) or whose first
+    token is predicted past the admission limit (`limit_ms`, router.max_predicted_ttft_ms; 0: none)."""
+    if left_s is not None:
+        # NOTE: before the admission limit: a deadline that even an idle cluster cannot meet is DEADLINE_EXCEEDED
+        # however busy the cluster is (a 429 would invite a retry that fails again)
+        check_reachable(pools, route, prompt_len, matched, left_s, request_id, metrics)
+    if limit_ms and route.predicted_ttft_ms > limit_ms:
+        # NOTE: refused, not queued: the backlog is on the workers already, and a request admitted past it waits
+        # behind it while holding a decode reservation; 429 lets the client back off or go elsewhere
+        metrics.rejected("backlog")
+        raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the admission "
+                         f"limit of {limit_ms / 1e3:.1f} s (router.max_predicted_ttft_ms): the prefill backlog is too "
+                         "long", request_id)
+    if left_s is not None:
+        check_in_time(route, left_s, request_id, metrics)
 
 
 def check_reachable(pools: WorkerPools, route: Route, prompt_len: int, matched: dict[str, int], left_s: float,

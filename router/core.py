@@ -30,21 +30,22 @@ from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.prefix_index import HEARTBEAT_TTL_S
 from engine.block_hash import hash_prompt_blocks
-from router.admission import Admission, check_in_time, check_reachable
+from router.admission import Admission, check_route, check_slots
 from router.errors import ClientStalled, Overloaded
 from router.flow import RequestRun
 from router.leases import LeaseKeeper
 from router.lora import Adapters
 from router.metrics import RouterMetrics
 from router.pinger import HeartbeatAges, Ping, Pinger
-from router.policy import Route, WorkerView
+from router.policy import WorkerView
 from router.pools import WorkerHandle, WorkerPools
 from router.relay import relayed
 from router.results import Chunk, ClusterStatus
+from router.served import Served
 from router.settings import RouterSettings
 from router.stall import StallClock
 from router.status import cluster_status
-from router.timeouts import Deadline
+from router.timeouts import until
 from router.traffic import TrafficWindow
 from router.validate import Checked
 
@@ -88,6 +89,7 @@ class Router:
         self._dead: set[str] = set()  # workers whose actor Ray reported dead for good (no restart left)
         self.traffic = TrafficWindow(settings.slo_ttft_ms, settings.slo_itl_ms)  # what an autoscaler reads
         self.leases = LeaseKeeper(self.pools, settings.lease_s)  # NOTE: workers abort what no live router renews
+        self.served = Served(self.pools, self.metrics, self.traffic, settings)  # what a finished request records
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -112,10 +114,7 @@ class Router:
     def admit(self, request_id: str = "") -> Admission:
         """A slot for a request about to be read or tokenized (release it, or pass it to `stream`); Overloaded when
         `max_inflight` requests are in flight or being admitted."""
-        if self.inflight + self.pending >= self.max_inflight:
-            self.metrics.rejected("inflight")
-            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
-                             "(router.max_inflight)", request_id or None)
+        check_slots(self.inflight + self.pending, self.max_inflight, request_id or None, self.metrics)
         self.pending += 1
         return Admission(self)
 
@@ -133,11 +132,12 @@ class Router:
         ended = False
         if admission is not None and admission.held:
             admission.release()  # NOTE: its slot becomes this request's, with no await in between
-        elif self.inflight + self.pending >= self.max_inflight:
-            self.metrics.rejected("inflight")
-            self.traffic.failed()
-            raise Overloaded(f"the router has {self.inflight + self.pending} requests in flight "
-                             "(router.max_inflight)", req.request_id)
+        else:
+            try:
+                check_slots(self.inflight + self.pending, self.max_inflight, req.request_id, self.metrics)
+            except Overloaded:
+                self.traffic.failed()
+                raise
         self.inflight += 1
         self.metrics.set_inflight(self.inflight)
         self.leases.hold(req.request_id)
@@ -156,20 +156,8 @@ class Router:
                 tracing.end(queued)
             self.metrics.placed(route.why or "prefill_pool")
             left_s = None if budget_s is None else budget_s - (time.monotonic() - arrived)
-            if left_s is not None:
-                # NOTE: before the admission limit: a deadline that even an idle cluster cannot meet is
-                # DEADLINE_EXCEEDED however busy the cluster is (a 429 would invite a retry that fails again)
-                check_reachable(self.pools, route, len(req.token_ids), matched, left_s, req.request_id, self.metrics)
-            limit = self.settings.admission_ttft_ms()
-            if limit and route.predicted_ttft_ms > limit:
-                # NOTE: refused, not queued: the backlog is on the workers already, and a request admitted past it
-                # waits behind it while holding a decode reservation; 429 lets the client back off or go elsewhere
-                self.metrics.rejected("backlog")
-                raise Overloaded(f"the first token is predicted in {route.predicted_ttft_ms / 1e3:.1f} s, past the "
-                                 f"admission limit of {limit / 1e3:.1f} s (router.max_predicted_ttft_ms): the "
-                                 "prefill backlog is too long", req.request_id)
-            if left_s is not None:
-                check_in_time(route, left_s, req.request_id, self.metrics)
+            check_route(self.pools, route, len(req.token_ids), matched, left_s, self.settings.admission_ttft_ms(),
+                        req.request_id, self.metrics)
             # NOTE: the prompt tokens a decode worker computes count in its queue until the first token, so requests
             # routed before its next heartbeat see them (the prefill pool's are counted by the run)
             held = self.pools[route.decode].view if route.decode_prefill_tokens else None
@@ -193,9 +181,8 @@ class Router:
                         last_at = now
                     if chunk.finish_reason:
                         ended = True
-                        self._predicted(chunk, route)
-                        self._observe(chunk, first_at - arrived if first_at else None, gaps, now - arrived,
-                                      req.request_id)
+                        self.served.record(chunk, route, first_at - arrived if first_at else None, gaps,
+                                           now - arrived, req.request_id)
                     yield chunk
         finally:
             if not ended:
@@ -216,60 +203,15 @@ class Router:
         NOTE: through a bounded buffer (router/relay.py): a client that reads slowly pauses the decode worker's
         stream, and one that reads nothing for `client_stall_timeout_s` has its request aborted (ClientStalled).
         """
-        chunks = relayed(self._within(req, arrived, budget_s, traceparent, admission),
+        # NOTE: the request's deadline is `arrived + budget_s` on the event loop's clock too: asyncio's is
+        # time.monotonic() (the router runs under asyncio.run, pdcluster/serve.py)
+        chunks = relayed(until(self.stream(req, arrived, budget_s, traceparent, admission), arrived + budget_s),
                          self.settings.stream_buffer_chunks,
                          self.settings.client_stall_timeout_s, req.request_id, self.metrics.buffered,
                          self.metrics.client_stalls.inc, on_cut, Chunk.joined)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-
-    async def _within(self, req: Checked, arrived: float, budget_s: float, traceparent: str,
-                      admission: Admission | None) -> AsyncGenerator[Chunk, None]:
-        chunks = self.stream(req, arrived, budget_s, traceparent, admission)
-        loop = asyncio.get_running_loop()
-        deadline = Deadline(loop.time() + budget_s - (time.monotonic() - arrived))
-        try:
-            while True:
-                try:
-                    chunk = await deadline.wait(anext(chunks))
-                except StopAsyncIteration:
-                    return
-                yield chunk
-        finally:
-            deadline.cancel()
-            await chunks.aclose()
-
-    def _predicted(self, last: Chunk, route: Route) -> None:
-        """The placement and its predicted first token in the timeline; the prediction's error in the metrics."""
-        if last.timeline is None:
-            return
-        placement = route.why or "prefill_pool"
-        tl = last.timeline
-        tl.placement, tl.predicted_ttft_ms = placement, route.predicted_ttft_ms
-        if tl.first_token_ms:
-            self.metrics.observe_prediction(placement, route.predicted_ttft_ms / 1e3, tl.first_token_ms / 1e3)
-
-    def _observe(self, last: Chunk, ttft: float | None, gaps: list[float], e2e: float, request_id: str) -> None:
-        assert last.timeline is not None and last.usage is not None  # NOTE: every last chunk carries both
-        timeline, usage = last.timeline, last.usage
-        for name in (timeline.prefill_worker, timeline.decode_worker):  # NOTE: both served it: breakers close
-            if name:
-                self.pools.mark_ok(name)
-        log.info("done: %s%s, %d prompt tokens (%d cached) + %d generated, first token %.0f ms, total %.0f ms, %s",
-                 f"{timeline.prefill_worker} -> " if timeline.prefill_worker else "", timeline.decode_worker,
-                 usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, timeline.first_token_ms,
-                 timeline.total_ms, last.finish_reason)
-        self.metrics.observe_latency(ttft, gaps, e2e, request_id)
-        self.traffic.finished(ttft, sum(gaps) / len(gaps) if gaps else None)
-        self.metrics.finished(last.finish_reason)
-        self.metrics.observe_phases(timeline.queue_ms / 1e3, timeline.prefill_ms / 1e3,
-                                    None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
-                                    timeline.decode_ms / 1e3, request_id)
-        self.metrics.observe_request(
-            usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, self.settings.transport,
-            timeline.kv_bytes_sent, None if timeline.prefill_skipped else timeline.transfer_ms / 1e3,
-            timeline.prefill_worker, timeline.decode_worker, self.pools[timeline.decode_worker].role)
 
     async def _lookup(self, token_ids: list[int], lora_key: str) -> dict[str, int]:
         if self.index is None:

@@ -1,4 +1,5 @@
-"""Timeouts on the path every token takes: `within(awaitable, timeout)` for one wait, `Deadline` for many.
+"""Timeouts on the path every token takes: `within(awaitable, timeout)` for one wait, `Deadline` for many, `until`
+for a stream's items.
 
 NOTE: `asyncio.wait_for` of a coroutine runs it in a new Task (before Python 3.12): on the path every token takes
 that was a Task per token per stream. `asyncio.timeout` (3.11+) only schedules one timer in the caller's task;
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -66,3 +67,18 @@ class Deadline:
         if self._task is not None:
             self._cancelled_task = True
             self._task.cancel()
+
+
+async def until(items: AsyncGenerator[T, None], when: float) -> AsyncGenerator[T, None]:
+    """The items of `items` until `when` (the event loop's clock), then TimeoutError; closing this closes `items`."""
+    deadline = Deadline(when)
+    try:
+        while True:
+            try:
+                item = await deadline.wait(anext(items))
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        deadline.cancel()
+        await items.aclose()
