@@ -213,7 +213,7 @@ class Cluster:
         """RESOURCE_EXHAUSTED when no node has room for one more actor of `pool` (Ray would wait for one forever)."""
         from router.errors import Overloaded
 
-        need = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        need = pool.ray_resources()  # NOTE: a TP n worker reserves n ranks' CPUs and GPUs
         short = {k: v for k, v in need.items() if v > 0 and free.get(k, 0.0) + 1e-9 < v}
         if short:
             raise Overloaded(f"the Ray cluster has no room for another {role} worker: it needs "
@@ -259,8 +259,11 @@ class Cluster:
                                        lend_cores=pool.lend_idle_cores,
                                        lend_min_tokens=pool.lend_min_prompt_tokens)
         cls = PrefillActor if role is Role.PREFILL else DecodeActor
+        # NOTE: one actor holds every rank of its TP group (the followers are its child processes, on its node):
+        # it reserves their CPUs and GPUs, and CUDA_VISIBLE_DEVICES then lists the n GPUs, rank r on the r-th
+        res = pool.ray_resources()
         self.actors[name] = cls.options(  # type: ignore[union-attr]
-            name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
+            name=name, namespace=cfg.ray.namespace, num_cpus=res["CPU"], num_gpus=res["GPU"],
             resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,
             # NOTE: detached: a worker outlives the router that started it (a crash, `kill -9`, keep_workers)
             lifetime="detached",
@@ -274,7 +277,7 @@ class Cluster:
         need: dict[str, float] = {}
         parts: dict[str, list[str]] = {}
         for role, pool in self.config.pools().items():
-            for key, per in (("CPU", pool.num_cpus), ("GPU", pool.num_gpus), *pool.resources.items()):
+            for key, per in pool.ray_resources().items():  # NOTE: per actor: all ranks of its TP group
                 if per > 0:
                     need[key] = need.get(key, 0.0) + per * pool.replicas
                     parts.setdefault(key, []).append(f"{role}: {pool.replicas} x {per:g}")
