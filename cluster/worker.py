@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -47,6 +48,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
 REGISTER_BACKOFF_S = (0.2, 5.0)  # first and largest wait between registration attempts while Redis is down
 LEASE_CHECK_S = 0.5  # how often running requests' leases are checked (cluster/leases.py)
+EXIT_ENGINE_FAILED = 70  # the process's exit code when its engine can never step again (EX_SOFTWARE)
 
 
 class RequestAborted(EngineError):
@@ -123,7 +125,8 @@ class Worker:
         self.cores = join_cores(spec)
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step,
                                before_step=self._before_step if self.cores else None,
-                               on_idle=self.cores.idle if self.cores else None, after_outputs=self._flush_outlet)
+                               on_idle=self.cores.idle if self.cores else None, after_outputs=self._flush_outlet,
+                               on_fatal=self._engine_failed)
         self.step_cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)  # what the router predicts with
         self._computed = 0  # engine's computed tokens after the last step
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
@@ -372,6 +375,25 @@ class Worker:
             raise Superseded(f"a newer incarnation of {self.name} registered after our epoch {self.epoch}")
         self.epoch = epoch
 
+    def _engine_failed(self, error: BaseException) -> None:
+        """The engine can never step again (a rank of its TP group died): end this process.
+
+        NOTE: a TP group is one worker: half of it must not serve on. Ending the process makes it a dead worker like
+        any other: the router fails its requests over (streams resume elsewhere, no token lost or repeated) and Ray
+        restarts the actor, which starts a fresh group as a unit (the pool's `max_restarts`). The group's other
+        followers were killed when it failed (engine/parallel/runner.py); os._exit skips nothing they need.
+        """
+        log.critical("%s: %s; ending this worker's process (exit code %d) so that its requests fail over and Ray "
+                     "restarts it", self.name, error, EXIT_ENGINE_FAILED)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_ENGINE_FAILED)
+
+    def tp_follower_pids(self) -> list[int]:
+        """The pids of this worker's TP follower processes (ranks 1 .. n-1); empty at TP 1."""
+        followers = getattr(self.engine.runner, "followers", None)
+        return [] if followers is None else [f.process.pid for f in followers.procs if f.process.pid is not None]
+
     def debug_hang(self, seconds: float) -> threading.Event:
         """Fault injection (tests, `bench soak --hang-at`): the engine loop hangs for `seconds` (cluster/faults.py)."""
         return faults.hang_loop(self.loop, self.name, seconds)
@@ -380,6 +402,7 @@ class Worker:
         self._closed.set()
         self._publisher.join(timeout=2)
         self.loop.close()
+        self.engine.close()  # NOTE: a TP group's followers stop with it
         if self.cores is not None:
             self.cores.leave()
         self.metrics.close()
