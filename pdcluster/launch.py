@@ -240,8 +240,9 @@ class Cluster:
 
         cfg, name = self.config, f"{role}-{index}"
         self._started += 1
-        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token,
-                                       tls=self.kv_tls)
+        tp = any(p.tensor_parallel_size > 1 for p in cfg.pools().values())  # NOTE: nixl then gives way to grpc
+        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device, tp),
+                                       cluster_token=self.cluster_token, tls=self.kv_tls)
         # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL
         # target, and shortest_first promotes a prompt nearing the TTFT target (engine/step_budget.py)
         engine = dataclasses.replace(pool.engine_config(cfg.lora), step_target_ms=cfg.router.slo_itl_ms,

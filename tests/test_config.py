@@ -310,6 +310,16 @@ def test_transfer_config_sends_from_cuda_only_with_nccl(backend, device, expecte
     assert (tc.transport, tc.torch_backend, tc.torch_device) == ("torch", backend, expected)
 
 
+@pytest.mark.parametrize("transport,tp,expected", [("nixl", False, "nixl"), ("nixl", True, "grpc"),
+                                                   ("torch", True, "torch"), ("grpc", True, "grpc")])
+def test_a_cluster_with_tp_pools_moves_kv_by_copies(monkeypatch, transport, tp, expected):
+    from pdcluster import config_sections
+
+    # NOTE: as on a machine with NIXL installed (this one falls back to grpc anyway)
+    monkeypatch.setattr(config_sections, "_usable", lambda t: t)
+    assert TransferSection(transport=transport).transfer_config("cpu", tensor_parallel=tp).transport == expected
+
+
 # ---- pools that must agree --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,prefill,decode", [("dtype", "float32", "bfloat16"), ("block_size", 16, 32),
