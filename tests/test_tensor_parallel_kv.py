@@ -15,6 +15,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_hash import hash_prompt_blocks
+from engine.errors import InvalidRequestError
 from engine.kv_export import KVLayout
 from engine.kv_import import KVReservation
 from engine.kv_quant import dequantize_blocks
@@ -179,5 +180,17 @@ def test_a_kv_read_or_write_after_a_rank_died_fails_the_group(models: dict[str, 
         with pytest.raises(TPGroupError, match="rank 1"):
             group.add_request("x", [101, 102, 103], SamplingParams(max_tokens=2))
             group.step()
+    finally:
+        group.close()
+
+
+def test_a_transport_that_reads_the_pool_itself_is_refused_for_a_group(models: dict[str, LoadedModel]) -> None:
+    from kv_transfer.pool import KVPool
+
+    group = engine(models["gqa-8q-4kv"], 2)
+    try:
+        with pytest.raises(InvalidRequestError, match="tensor_parallel_size: 2: the nixl transport reads") as e:
+            _ = KVPool(group).kv  # NOTE: rank 0's tensor holds its own KV heads only
+        assert e.value.field == "tensor_parallel_size"
     finally:
         group.close()
