@@ -184,7 +184,7 @@ def test_a_kv_read_or_write_after_a_rank_died_fails_the_group(models: dict[str, 
         group.close()
 
 
-def test_a_transport_that_reads_the_pool_itself_is_refused_for_a_group(models: dict[str, LoadedModel]) -> None:
+def test_nixl_is_refused_for_a_group_and_a_closed_group_reads_nothing(models: dict[str, LoadedModel]) -> None:
     from kv_transfer.pool import KVPool
 
     group = engine(models["gqa-8q-4kv"], 2)
@@ -194,3 +194,5 @@ def test_a_transport_that_reads_the_pool_itself_is_refused_for_a_group(models: d
         assert e.value.field == "tensor_parallel_size"
     finally:
         group.close()
+    with pytest.raises(TPGroupError, match="closed"):  # NOTE: the followers' KV threads are gone: no wait
+        group.runner.read_blocks(0, [0])

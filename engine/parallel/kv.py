@@ -71,6 +71,10 @@ class StopKV:
     """The group is closing: the KV thread leaves its loop."""
 
 
+class KVChannelClosed(Exception):
+    """A read or write after `KVGather.stop`: the group is closing or closed."""
+
+
 def read_sources(cfg: ModelConfig, n: int) -> dict[int, range]:
     """The ranks a read takes KV heads from, each with its heads: every head once, from the first rank holding it."""
     seen: set[int] = set()
@@ -97,6 +101,7 @@ class KVGather:
         self.heads = [kv_heads_of(cfg, r, n) for r in range(n)]
         self.sources = read_sources(cfg, n)
         self.lock = threading.Lock()  # NOTE: reads (engine thread) and writes (receiver threads) may overlap
+        self.stopped = False  # under `lock`: the followers' KV threads have left
 
     def _buffer(self, lead: tuple[int, ...], heads: range) -> torch.Tensor:
         r = self.runner
@@ -108,6 +113,7 @@ class KVGather:
         """K and V of `block_ids` in `layer` with every KV head: each [n, rows, KVH, D], on rank 0's device."""
         r, n = self.runner, len(block_ids)
         with self.lock:
+            self._check_open()
             if r.device.type == "cuda":
                 torch.cuda.synchronize(r.device)  # NOTE: see the module's docstring (every rank wrote the layer)
             broadcast_object(self.group.kv, 0, ReadKV(layer, list(block_ids)))
@@ -133,6 +139,7 @@ class KVGather:
         slices = {rank: host[:, :, _sl(self.heads[rank])].contiguous() for rank in range(1, self.group.size)}
         acks = {rank: torch.zeros(1, dtype=torch.uint8) for rank in slices}
         with self.lock:
+            self._check_open()
             broadcast_object(self.group.kv, 0, WriteKV(layer, which, list(block_ids)))
             works = [self.group.kv.send([t], rank, TAG_WRITE) for rank, t in slices.items()]
             works += [self.group.kv.recv([t], rank, TAG_ACK) for rank, t in acks.items()]
@@ -140,9 +147,16 @@ class KVGather:
             for w in works:
                 w.wait()
 
+    def _check_open(self) -> None:
+        if self.stopped:
+            raise KVChannelClosed("the tensor-parallel group's KV channel is closed")
+
     def stop(self) -> None:
+        """End the followers' KV threads (after the reads and writes in progress); later ones raise KVChannelClosed."""
         with self.lock:
-            broadcast_object(self.group.kv, 0, StopKV())
+            if not self.stopped:
+                self.stopped = True
+                broadcast_object(self.group.kv, 0, StopKV())
 
 
 class KVService:

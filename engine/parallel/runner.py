@@ -7,9 +7,10 @@ is block i on every rank, holding that rank's KV heads); rank 0 alone computes l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -18,7 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, Step
 from engine.parallel.follower import CopyBlock, StepMessage, Stop, rank_engine_config
 from engine.parallel.group import TPGroup, parallelize, serve_store
-from engine.parallel.kv import KVGather
+from engine.parallel.kv import KVChannelClosed, KVGather
 from engine.parallel.launch import Followers, TPGroupError
 from engine.parallel.shard import FIELD, check_tp, rank_config, shard_weights
 from engine.scheduler import ScheduledBatch
@@ -123,21 +124,25 @@ class TPModelRunner(ModelRunner):
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of `block_ids` in `layer` with every KV head, gathered from the ranks: each
         [n, block_size, KVH, D] (int8: with the scale row), on rank 0's device; TPGroupError if a rank is gone."""
-        if self.failure is not None:
-            raise self.failure
-        try:
+        with self._kv_channel():
             return self.kv_gather.read(layer, block_ids)
-        except RuntimeError as e:
-            raise self._failed(e) from e
 
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """Store K (which=0) or V (1) of every KV head, [n, block_size, KVH, D], into `block_ids` of `layer`: each
         rank its heads (any thread: the seam's receivers write while the engine steps); TPGroupError if a rank is
         gone."""
+        with self._kv_channel():
+            self.kv_gather.write(layer, which, block_ids, kv)
+
+    @contextlib.contextmanager
+    def _kv_channel(self) -> Iterator[None]:
+        """A KV read or write: TPGroupError at once from a failed or closed group, or naming the rank that broke it."""
         if self.failure is not None:
             raise self.failure
         try:
-            self.kv_gather.write(layer, which, block_ids, kv)
+            yield
+        except KVChannelClosed as e:
+            raise self.failure or TPGroupError(str(e)) from e
         except RuntimeError as e:
             raise self._failed(e) from e
 
