@@ -23,7 +23,7 @@ from engine.loader import LoadedModel, tiny_model
 from engine.parallel.kv import read_sources
 from engine.parallel.launch import TPGroupError
 from engine.parallel.runner import TPModelRunner
-from tests.helpers import generate_ids, greedy, random_prompts, run_to_completion
+from tests.helpers import generate_ids, greedy, open_kv_sender, prefill_layerwise, random_prompts, run_to_completion
 from tests.test_tensor_parallel import LAYOUTS, assert_same_or_near_tie
 
 N_TOKENS = 32
@@ -75,9 +75,8 @@ def decode(eng: LLMEngine, rid: str) -> list[int]:
     return run_to_completion(eng)[rid].token_ids
 
 
-@pytest.mark.parametrize("layout,src_tp,dst_tp", [("gqa-8q-4kv", 2, 1), ("gqa-8q-4kv", 1, 2), ("gqa-8q-4kv", 2, 2),
-                                                  ("tiny-4q-2kv", 4, 2)],
-                         ids=["tp2-to-tp1", "tp1-to-tp2", "tp2-to-tp2", "tp4-kv-replicated-to-tp2"])
+@pytest.mark.parametrize("layout,src_tp,dst_tp", [("gqa-8q-4kv", 2, 1), ("gqa-8q-4kv", 1, 2), ("tiny-4q-2kv", 4, 2)],
+                         ids=["tp2-to-tp1", "tp1-to-tp2", "tp4-kv-replicated-to-tp2"])
 def test_prefill_on_one_tp_size_decodes_on_another_as_one_tp1_engine(models: dict[str, LoadedModel], layout: str,
                                                                      src_tp: int, dst_tp: int) -> None:
     loaded = models[layout]
@@ -99,6 +98,33 @@ def test_prefill_on_one_tp_size_decodes_on_another_as_one_tp1_engine(models: dic
         src.close()
         dst.close()
     assert_same_or_near_tie(ref_engine, prompts, ref, moved)
+
+
+def test_the_local_transport_carries_kv_from_a_group_to_a_group_unchanged(models: dict[str, LoadedModel]) -> None:
+    """TP 2 → TP 2 through a transport as the workers run it (a sender fed from inside the forward, the receiver's
+    endpoint writing): the transport sees one engine with all the model's KV heads on either side."""
+    from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState
+
+    loaded = models["gqa-8q-4kv"]
+    cfg = loaded.config
+    prompt = random_prompts(1, [45], vocab=cfg.vocab_size, seed=21)[0]  # 2 full blocks + 13 tokens
+    ref_engine = engine(loaded, 1)
+    ref = generate_ids(ref_engine, [prompt], greedy(N_TOKENS))
+    src = engine(loaded, 2)
+    ep = ReceiverEndpoint(engine(loaded, 2), TransferConfig(transport="local"), local_name="tp-kv-local")
+    try:
+        sender = open_kv_sender("local", ep.address, src, "x", prompt)
+        prefill_layerwise(src, sender, prompt, greedy(1))
+        assert sender.wait(30) is TransferState.DONE, sender.error
+        full_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, every layer, fp32
+        assert sender.bytes_sent == 3 * full_block
+        ep.receiver.take("x", greedy(N_TOKENS))
+        moved = run_to_completion(ep.receiver.engine)["x"].token_ids
+    finally:
+        src.close()
+        ep.close()
+        ep.receiver.engine.close()
+    assert_same_or_near_tie(ref_engine, [prompt], ref, [moved])
 
 
 def test_a_group_takes_kv_from_a_receiver_thread_while_it_steps(models: dict[str, LoadedModel]) -> None:
