@@ -10,8 +10,8 @@ each follower (`KVService`), on the group's KV channel (`TPGroup.kv`, gloo on th
    holding them);
 3. a write: rank 0 sends each follower its heads' slice (replicas each get theirs), writes its own meanwhile, and
    waits for every follower's acknowledgement (the blocks are written before the seam's commit can schedule them);
-4. `Stop` ends a KV thread (`TPModelRunner.close`); a follower whose KV thread fails exits, so rank 0's next read
-   or write fails at once (closed sockets) instead of waiting for the group's timeout.
+4. `StopKV` ends a KV thread (`TPModelRunner.close`, before the step channel's `Stop`); a follower whose KV thread
+   fails exits, so rank 0's next read or write fails at once (closed sockets), not after the group's timeout.
 
 Choices (why):
 - its own group, not the step channel: reads come from inside a forward (rank 0's thread, while the followers'
@@ -23,9 +23,10 @@ Choices (why):
   this machine, through host memory on CUDA (gloo is CPU only). A transport reading each rank's pool itself (one
   stream per rank) would skip that hop; it would also make the peer see TP sizes, which this keeps away from it.
 - int8 KV is sliced the same way: each head's per-block scale sits in that head's own column of the scale row.
-- on CUDA, rank 0 synchronizes its stream before asking for a layer: its all-reduce of that layer completed, so
-  every rank's GPU ran that layer's KV write (stream order before its share of the all-reduce); the follower's KV
-  thread then reads finished memory. A follower syncs its device after a write before it acknowledges.
+- on CUDA, rank 0 synchronizes its device before asking for a layer: its all-reduce of that layer completed, so
+  every rank's GPU ran that layer's KV write (stream order before its share of the all-reduce), even where a
+  follower's host has not reached the hook's layer; the follower's KV thread then reads finished memory. A
+  follower syncs its device after a write before it acknowledges. (Not run on CUDA yet: it needs a GPU per rank.)
 """
 
 from __future__ import annotations
