@@ -9,6 +9,7 @@ Life of a follower:
    sampling, no scheduling (rank 0's block manager decides every block; the tables arrive with the step);
 4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop; a follower whose parent process (rank 0's)
    is gone ends itself too (`watch_parent`), whatever it is doing.
+Beside it, a thread answers the KV hand-off's reads and writes of the rank's pool (`kv.KVService`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel.group import Rendezvous, TPGroup, parallelize
+from engine.parallel.kv import KVService
 from engine.parallel.shard import rank_config
 
 log = logging.getLogger(__name__)
@@ -151,4 +153,9 @@ def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: Engi
     conn.close()
     group = TPGroup(rank, rdv, runner.device)
     parallelize(runner.model, group)
+    kv = KVService(runner, group, cfg)  # NOTE: the KV hand-off's reads and writes, beside the steps
+    kv.start()
     TPFollower(runner, group).run()
+    # NOTE: rank 0 stopped the KV thread first (`TPModelRunner.close`); a process that ends while that thread is still
+    # inside a gloo call aborts in the group's destructor
+    kv.thread.join(10.0)
