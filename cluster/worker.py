@@ -38,6 +38,7 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.loop import EngineLoop
+from engine.parallel.launch import TPGroupError
 from engine.sequence import Sequence
 from kv_transfer.state import TransferConfig
 
@@ -306,6 +307,7 @@ class Worker:
     def _publish_loop(self) -> None:
         last_beat, failing, leases_at, beaten = 0.0, False, 0.0, (0, 0, 0)
         while not self._closed.wait(PUBLISH_INTERVAL_S):
+            self._check_tp_group()
             if time.monotonic() - leases_at >= LEASE_CHECK_S:
                 leases_at = time.monotonic()
                 try:
@@ -388,6 +390,19 @@ class Worker:
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(EXIT_ENGINE_FAILED)
+
+    def _check_tp_group(self) -> None:
+        """End this process if its TP group failed or lost a rank while no step noticed (an idle engine, or a KV
+        write into the pool that failed on a receiver's thread): the next request would only fail over anyway."""
+        runner = self.engine.runner
+        followers = getattr(runner, "followers", None)
+        if followers is None or self._closed.is_set():  # NOTE: TP 1; or closing, when the group stops on purpose
+            return
+        failure = getattr(runner, "failure", None)
+        dead = [] if failure is not None else followers.dead()
+        if failure is not None or dead:
+            self._engine_failed(failure or TPGroupError(f"tensor-parallel group of {len(followers.procs) + 1} lost "
+                                                        f"{'; '.join(dead)}"))
 
     def tp_follower_pids(self) -> list[int]:
         """The pids of this worker's TP follower processes (ranks 1 .. n-1); empty at TP 1."""

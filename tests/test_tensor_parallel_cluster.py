@@ -37,7 +37,7 @@ def cluster(request, ray_session):
         config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size = prefill_tp, decode_tp
         config.decode.replicas = decode_replicas
         for pool in (config.prefill, config.decode):
-            pool.num_cpus, pool.num_kv_blocks, pool.max_restarts = 0.5, 512, 1
+            pool.num_cpus, pool.num_kv_blocks, pool.max_restarts = 0.5, 512, 2
 
     c, server = start_test_cluster("deploy/local.yaml", f"test-tp-{request.param}", edit=edit, port=0,
                                    slo_itl_ms=None, max_predicted_ttft_ms=600_000)
@@ -102,6 +102,15 @@ def test_a_dead_follower_rank_takes_its_worker_out_and_the_streams_fail_over(clu
         assert last.usage.completion_tokens == n and last.finish_reason == "length"
     assert any(last.timeline.decode_worker != victim for _, last in results)
     # the whole worker went (its rank 0 ended its process) and Ray started it again: a new group, a new epoch
-    assert wait_for(lambda: any(w.name == victim and w.epoch > old[victim] for w in c.index().workers()), 120)
+    assert wait_for(lambda: epoch(c, victim) > old[victim], 120)
     info = ray_session.get(c.actors[victim].process.remote(), timeout=60)
     assert len(info["tp_follower_pids"]) == 1 and info["tp_follower_pids"] != [follower]
+    # an idle worker whose rank dies goes too, without waiting for a request to find out
+    restarted = epoch(c, victim)
+    os.kill(info["tp_follower_pids"][0], signal.SIGKILL)
+    assert wait_for(lambda: epoch(c, victim) > restarted, 120)
+
+
+def epoch(c, name: str) -> int:
+    """`name`'s epoch in the prefix index (-1 while it is not registered)."""
+    return max((w.epoch for w in c.index().workers() if w.name == name), default=-1)
