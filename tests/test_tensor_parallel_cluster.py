@@ -79,10 +79,9 @@ def test_a_prefix_cached_by_a_tp_group_is_hit_by_the_next_request(cluster, tiny)
         assert r.usage.cached_prompt_tokens >= 4 * 16, (layout, r.usage, r.timeline)
 
 
+@pytest.mark.parametrize("cluster", ["prefill-tp1-decode-tp2"], indirect=True)  # NOTE: two TP decode workers
 def test_a_dead_follower_rank_takes_its_worker_out_and_the_streams_fail_over(cluster, tiny, ray_session):
     layout, c, server = cluster
-    if LAYOUTS[layout][1] == 1:
-        pytest.skip("the decode pool of this layout is TP 1 (the other layout kills a decode worker's follower)")
     texts, n = prompts("failover", 4), 160  # NOTE: long enough to be mid-stream when the rank dies
     want = greedy_reference(tiny, texts, n)
     old = {w.name: w.epoch for w in c.index().workers()}
