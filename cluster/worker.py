@@ -382,11 +382,14 @@ class Worker:
 
         NOTE: a TP group is one worker: half of it must not serve on. Ending the process makes it a dead worker like
         any other: the router fails its requests over (streams resume elsewhere, no token lost or repeated) and Ray
-        restarts the actor, which starts a fresh group as a unit (the pool's `max_restarts`). The group's other
-        followers were killed when it failed (engine/parallel/runner.py); os._exit skips nothing they need.
+        restarts the actor, which starts a fresh group as a unit (the pool's `max_restarts`). The followers still
+        running are killed first (os._exit runs no finalizer; they would leave on their own within a parent poll).
         """
         log.critical("%s: %s; ending this worker's process (exit code %d) so that its requests fail over and Ray "
                      "restarts it", self.name, error, EXIT_ENGINE_FAILED)
+        followers = getattr(self.engine.runner, "followers", None)
+        if followers is not None:
+            followers.kill()
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(EXIT_ENGINE_FAILED)
