@@ -178,8 +178,8 @@ def _placement(config: ClusterConfig, node_types: dict[str, NodeType]) -> dict[s
 
 
 def _need(pool: PoolConfig) -> dict[str, float]:
-    return {"CPU": pool.num_cpus * pool.replicas, "GPU": pool.num_gpus * pool.replicas,
-            **{k: v * pool.replicas for k, v in pool.resources.items()}}
+    # NOTE: what the launcher asks Ray for: every rank's CPUs and GPUs of a TP pool
+    return {k: v * pool.replicas for k, v in pool.ray_resources().items()}
 
 
 def _assert_pools_fit(config: ClusterConfig, node_types: dict[str, NodeType]) -> None:
