@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -37,6 +38,7 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.loop import EngineLoop
+from engine.parallel.launch import TPGroupError
 from engine.sequence import Sequence
 from kv_transfer.state import TransferConfig
 
@@ -47,6 +49,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 ABORT_MEMORY_S = 120.0  # how long an abort is remembered for a request that has not arrived yet
 REGISTER_BACKOFF_S = (0.2, 5.0)  # first and largest wait between registration attempts while Redis is down
 LEASE_CHECK_S = 0.5  # how often running requests' leases are checked (cluster/leases.py)
+EXIT_ENGINE_FAILED = 70  # the process's exit code when its engine can never step again (EX_SOFTWARE)
 
 
 class RequestAborted(EngineError):
@@ -123,7 +126,8 @@ class Worker:
         self.cores = join_cores(spec)
         self.loop = EngineLoop(self.engine, name=spec.name, on_step=self._on_step,
                                before_step=self._before_step if self.cores else None,
-                               on_idle=self.cores.idle if self.cores else None, after_outputs=self._flush_outlet)
+                               on_idle=self.cores.idle if self.cores else None, after_outputs=self._flush_outlet,
+                               on_fatal=self._engine_failed)
         self.step_cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)  # what the router predicts with
         self._computed = 0  # engine's computed tokens after the last step
         self._hits = [0, 0]  # prompt tokens requested, served from cache: not yet counted in Redis
@@ -303,6 +307,7 @@ class Worker:
     def _publish_loop(self) -> None:
         last_beat, failing, leases_at, beaten = 0.0, False, 0.0, (0, 0, 0)
         while not self._closed.wait(PUBLISH_INTERVAL_S):
+            self._check_tp_group()
             if time.monotonic() - leases_at >= LEASE_CHECK_S:
                 leases_at = time.monotonic()
                 try:
@@ -372,6 +377,41 @@ class Worker:
             raise Superseded(f"a newer incarnation of {self.name} registered after our epoch {self.epoch}")
         self.epoch = epoch
 
+    def _engine_failed(self, error: BaseException) -> None:
+        """The engine can never step again (a rank of its TP group died): end this process.
+
+        NOTE: a TP group is one worker: half of it must not serve on. Ending the process makes it a dead worker like
+        any other: the router fails its requests over (streams resume elsewhere, no token lost or repeated) and Ray
+        restarts the actor, which starts a fresh group as a unit (the pool's `max_restarts`). The followers still
+        running are killed first (os._exit runs no finalizer; they would leave on their own within a parent poll).
+        """
+        log.critical("%s: %s; ending this worker's process (exit code %d) so that its requests fail over and Ray "
+                     "restarts it", self.name, error, EXIT_ENGINE_FAILED)
+        followers = getattr(self.engine.runner, "followers", None)
+        if followers is not None:
+            followers.kill()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_ENGINE_FAILED)
+
+    def _check_tp_group(self) -> None:
+        """End this process if its TP group failed or lost a rank while no step noticed (an idle engine, or a KV
+        write into the pool that failed on a receiver's thread): the next request would only fail over anyway."""
+        runner = self.engine.runner
+        followers = getattr(runner, "followers", None)
+        if followers is None or self._closed.is_set():  # NOTE: TP 1; or closing, when the group stops on purpose
+            return
+        failure = getattr(runner, "failure", None)
+        dead = [] if failure is not None else followers.dead()
+        if failure is not None or dead:
+            self._engine_failed(failure or TPGroupError(f"tensor-parallel group of {len(followers.procs) + 1} lost "
+                                                        f"{'; '.join(dead)}"))
+
+    def tp_follower_pids(self) -> list[int]:
+        """The pids of this worker's TP follower processes (ranks 1 .. n-1); empty at TP 1."""
+        followers = getattr(self.engine.runner, "followers", None)
+        return [] if followers is None else [f.process.pid for f in followers.procs if f.process.pid is not None]
+
     def debug_hang(self, seconds: float) -> threading.Event:
         """Fault injection (tests, `bench soak --hang-at`): the engine loop hangs for `seconds` (cluster/faults.py)."""
         return faults.hang_loop(self.loop, self.name, seconds)
@@ -380,6 +420,7 @@ class Worker:
         self._closed.set()
         self._publisher.join(timeout=2)
         self.loop.close()
+        self.engine.close()  # NOTE: a TP group's followers stop with it
         if self.cores is not None:
             self.cores.leave()
         self.metrics.close()

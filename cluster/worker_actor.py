@@ -73,6 +73,7 @@ class WorkerActor:
         info = await asyncio.to_thread(process_info)
         if self.worker.cores is not None:
             info["lent_steps"] = self.worker.cores.lent_steps  # steps run on idle peers' cores (cluster/cores.py)
+        info["tp_follower_pids"] = self.worker.tp_follower_pids()  # ranks 1 .. n-1 of its TP group (empty at TP 1)
         return info
 
     async def load(self) -> WorkerLoad:

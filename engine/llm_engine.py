@@ -76,6 +76,8 @@ class LLMEngine(KVSeam):
         self._reserved: dict[str, KVReservation] = {}  # incoming KV: blocks reserved until commit_kv/abort
         self._layer_watchers: dict[str, Callable[[int], None]] = {}
         self._forks: dict[str, list[Sequence]] = {}  # n > 1: the other choices, until the prompt is computed
+        # NOTE: the full model's KV heads, whatever this engine's TP size: a TP group reads and writes blocks in that
+        # layout (engine/parallel/kv.py), so a peer of another TP size takes them as they are
         self.kv_layout = KVLayout(self.scope, str(kv_dtype).removeprefix("torch."), mcfg.num_layers,
                                   config.block_size, mcfg.num_kv_heads, mcfg.head_dim)
         self.kv_importer = KVImporter(self.block_manager, self.runner.write_blocks, self.kv_layout, kv_dtype,

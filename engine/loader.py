@@ -18,7 +18,7 @@ import torch
 from engine.config import ModelConfig, resolve_device, resolve_dtype
 from engine.errors import ModelLoadError
 from engine.gguf_loader import cache_dir, gguf_tokenizer, load_gguf
-from engine.hf_loader import Weights, check_weights, expected_shapes, load_hf_dir
+from engine.hf_loader import Weights, check_weights, config_from_hf, expected_shapes, load_hf_dir
 from engine.hf_loader import save_hf_dir as _save_hf_dir
 from engine.random_model import ARCHITECTURES, PREFIX, is_random, random_model_config, random_weights
 from engine.tokenizer import Tokenizer
@@ -70,6 +70,26 @@ def resolve_model_path(model: str) -> str:
         raise ModelLoadError("model", f"directory {path} has no config.json (expected a Hugging Face checkpoint)")
     raise ModelLoadError("model", f"{model!r} is neither an alias {list(ALIASES)}, nor a .gguf file, nor a "
                                   f"Hugging Face directory with config.json; looked for {path}")
+
+
+def model_shape(model: str) -> ModelConfig | None:
+    """The architecture `model` names, read without its weights (an alias, or an HF directory's config.json);
+    None where that takes more (a .gguf file) or the model is not on this machine (config checks skip it then).
+
+    NOTE: 'smollm2' is SmolLM2-135M, the shape of 'random:smollm2-135m' (only the head counts and widths matter here).
+    """
+    if model == "tiny":
+        return tiny_model_config()
+    if model == "smollm2":
+        return dataclasses.replace(random_model_config(PREFIX + "smollm2-135m"), name=model)
+    if is_random(model):
+        return random_model_config(model)
+    path = os.path.abspath(os.path.expanduser(model))
+    config_json = os.path.join(path, "config.json")
+    if not os.path.isfile(config_json):
+        return None
+    with open(config_json, encoding="utf-8") as f:
+        return config_from_hf(json.load(f), {}, name=os.path.basename(path), model_id="")
 
 
 def load_model(model: str, *, progress: bool = False, device: str | torch.device = "cpu",

@@ -7,7 +7,10 @@ Life of a request on the loop:
    every sink with that request's `RequestOutput`, still under the lock (a sink may abort its request before the
    next step, e.g. a prefill that stops at its first token);
 3. a finished output detaches its sink; `abort(request_id)` stops a request (its sink hears "abort"), and
-   `release(request_id)` drops one that is done here without telling the sink.
+   `release(request_id)` drops one that is done here without telling the sink;
+4. a step that fails aborts the running requests (their sinks hear "abort") and the loop goes on; a failed
+   tensor-parallel group (`TPGroupError`) cannot step again: `on_fatal` hears it instead (a worker ends its process,
+   so its requests fail over as from any dead worker) and the loop stops.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
+from engine.parallel.launch import TPGroupError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,8 +39,12 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, *, name: str = "engine",
                  on_step: Callable[[float], None] | None = None, before_step: Callable[[], object] | None = None,
-                 on_idle: Callable[[], None] | None = None, after_outputs: Callable[[], None] | None = None) -> None:
+                 on_idle: Callable[[], None] | None = None, after_outputs: Callable[[], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        # NOTE: on the loop thread, once: a failure no later step can recover from (a TP group with a dead rank).
+        # None: such a step is handled as any other failed step
+        self._on_fatal = on_fatal
         # NOTE: once the sinks of a step (or of an abort) have their outputs: a consumer that queues them for
         # another thread hands them over there in one go (cluster/outlet.py)
         self._after_outputs = after_outputs
@@ -131,6 +139,17 @@ class EngineLoop:
                     if self._before_step is not None:
                         self._before_step()
                     outputs = self.engine.step()
+                except TPGroupError as e:
+                    if self._on_fatal is None:
+                        log.exception("engine step failed; aborting the running requests")
+                        self._abort_all()
+                        continue
+                    # NOTE: the requests are not aborted: an "abort" would reach the router as the request's end,
+                    # where a dead worker's requests fail over to another one
+                    log.critical("the tensor-parallel group failed: this engine cannot step again (%s)", e)
+                    self._closed = True
+                    self._on_fatal(e)
+                    return
                 except Exception:  # noqa: BLE001 - a failed step must not kill the worker: fail its requests
                     log.exception("engine step failed; aborting the running requests")
                     self._abort_all()

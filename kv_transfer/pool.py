@@ -8,7 +8,23 @@ from typing import Any
 
 import torch
 
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
+
+
+def pool_tensor(engine: LLMEngine) -> torch.Tensor:
+    """The engine's whole KV memory, [num_layers, 2, num_blocks, *block_shape], for a transport that moves blocks of
+    it itself (nixl); refused for a TP group, whose pool is split over its ranks' processes.
+
+    NOTE: rank 0's tensor holds only its own KV heads; the seam's copies (`read_kv_layer`, `write_kv_blocks`, which
+    every other transport uses) carry all of them (engine/parallel/kv.py). Per-rank registration is a later step.
+    """
+    n = engine.config.tensor_parallel_size
+    if n > 1:
+        raise InvalidRequestError("tensor_parallel_size", f"{n}: the nixl transport reads and writes the KV pool "
+                                  "itself, and a TP group's is split over its ranks; use the grpc or torch transport")
+    kv: torch.Tensor = engine.runner.kv
+    return kv
 
 
 class KVPool:
@@ -26,8 +42,7 @@ class KVPool:
     @property
     def kv(self) -> torch.Tensor:
         """[num_layers, 2, num_blocks, *block_shape]"""
-        kv: torch.Tensor = self.engine.runner.kv
-        return kv
+        return pool_tensor(self.engine)
 
     def block_ids(self, request_id: str, skip_blocks: int, num_tokens: int) -> list[int]:
         """Blocks holding the first `num_tokens` of a running request, after `skip_blocks` (the engine's thread)."""

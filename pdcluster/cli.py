@@ -7,8 +7,12 @@ import importlib
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from pdcluster.serve_flags import add_serve_flags, apply_flags
+
+if TYPE_CHECKING:
+    from pdcluster.config import ClusterConfig
 
 DESCRIPTION = """Disaggregated prefill/decode LLM serving on Ray.
 
@@ -208,6 +212,9 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "check", False):
+        print(describe_config(path, config))
+        return 0
     body = None
     from cluster import logs
 
@@ -229,6 +236,17 @@ def _serve(args: argparse.Namespace, demo: bool = False) -> int:
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def describe_config(path: object, config: ClusterConfig) -> str:
+    """`serve --check`'s answer: the file is valid, and the pools it would start (what each actor reserves)."""
+    lines = [f"{path}: valid ({config.mode}, model {config.model})"]
+    for role, pool in config.pools().items():
+        res = pool.ray_resources()
+        tp = f", tensor_parallel_size {pool.tensor_parallel_size}" if pool.tensor_parallel_size > 1 else ""
+        lines.append(f"  {role}: {pool.replicas} x ({pool.device}{tp}; each reserves {res['CPU']:g} CPU, "
+                     f"{res['GPU']:g} GPU" + "".join(f", {k} {v:g}" for k, v in pool.resources.items()) + ")")
+    return "\n".join(lines)
 
 
 def read_api_key_file(path: str) -> str:

@@ -37,15 +37,20 @@ class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replicas: int = Field(default=1, ge=0, description="actors in the pool; 0 only for a pool the mode does not run")
-    num_cpus: float = Field(default=1.0, gt=0, description="Ray logical CPUs reserved per actor")
-    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved per actor (a fraction shares one GPU)")
+    tensor_parallel_size: int = Field(
+        default=1, gt=0, description="ranks of each actor's engine (vLLM's name), one process each on the actor's "
+        "node; num_cpus, num_gpus and torch_threads are per rank (an actor of TP n reserves n times them)")
+    num_cpus: float = Field(default=1.0, gt=0, description="Ray logical CPUs reserved per rank (per actor at TP 1)")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved per rank (a fraction shares one GPU; "
+                            "TP > 1 on cuda: 1)")
     resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="custom Ray resources per actor; {prefill_node: 1} pins it to such nodes")
-    torch_threads: int = Field(default=1, gt=0, description="torch intra-op threads per actor")
+    torch_threads: int = Field(default=1, gt=0, description="torch intra-op threads per rank (per actor at TP 1)")
     cpu_affinity: list[list[Annotated[int, Field(ge=0)]]] | Literal["auto"] | None = Field(
-        default=None, description="cores per actor (actor i: entry i mod len), e.g. [[0], [1]]; 'auto': cores of "
-        "its own on this node, decode workers first, and the router kept off the decode workers' cores "
-        "(pdcluster/core_plan.py; a private Ray only); null: not pinned")
+        default=None, description="cores per actor, all its ranks included (actor i: entry i mod len), e.g. [[0], "
+        "[1]]; 'auto': cores of its own on this node (torch_threads x tensor_parallel_size), decode workers first, "
+        "and the router kept off the decode workers' cores (pdcluster/core_plan.py; a private Ray only); null: not "
+        "pinned")
     nice: int | None = Field(
         default=None, ge=-20, le=19, description="CPU priority of the actor's process (Linux nice: lower runs first; "
         "below the current value needs CAP_SYS_NICE); null: as Ray started it")
@@ -101,11 +106,35 @@ class PoolConfig(BaseModel):
             raise _RuleError("cpu_affinity", "each entry lists at least one core, e.g. [[0], [1]]")
         if "OMP_NUM_THREADS" in self.env_vars:
             raise _RuleError("env_vars", "OMP_NUM_THREADS: set torch_threads instead (the engine's pool size)")
+        if self.tensor_parallel_size > 1:
+            self._check_tp()
         reserved = sorted({"CPU", "GPU"} & set(self.resources))
         if reserved:
             # NOTE: Ray refuses CPU/GPU inside `resources`; they have their own fields here too.
             raise _RuleError("resources", f"{', '.join(reserved)}: use num_cpus / num_gpus instead")
         return self
+
+    def _check_tp(self) -> None:
+        """What a TP group's engine (engine/parallel/runner.py) would refuse at actor start, refused here instead."""
+        n = self.tensor_parallel_size
+        if self.device == "cuda" and self.num_gpus != 1:
+            # NOTE: rank r computes on the actor's r-th GPU (engine/parallel/runner.py rank_device), and NCCL cannot
+            # put two ranks on one GPU: the actor asks Ray for exactly n whole GPUs
+            raise _RuleError("num_gpus", f"is per rank: tensor_parallel_size {n} on cuda needs num_gpus 1 (the "
+                                         f"actor reserves {n} GPUs of one node, one per rank), got {self.num_gpus:g}")
+        if self.device == "cuda" and self.num_kv_blocks is None and self.kv_cache_memory_gb is None:
+            raise _RuleError("tensor_parallel_size", f"{n} on cuda: a TP group's KV pool is sized by num_kv_blocks "
+                                                     "or kv_cache_memory_gb (per rank), not by gpu_memory_utilization "
+                                                     "yet: set one of them")
+        if self.lend_idle_cores:
+            # NOTE: the borrowed threads would be rank 0's only; its peers would wait for it at every all-reduce
+            raise _RuleError("lend_idle_cores", f"lends cores to one process: tensor_parallel_size {n} runs {n}")
+
+    def ray_resources(self) -> dict[str, float]:
+        """What one actor of this pool reserves from Ray: num_cpus and num_gpus for each of its ranks, `resources`
+        once (they mark nodes, e.g. {prefill_node: 1})."""
+        n = self.tensor_parallel_size
+        return {"CPU": self.num_cpus * n, "GPU": self.num_gpus * n, **self.resources}
 
     def cpus(self, index: int) -> tuple[int, ...]:
         """The cores actor `index` of this pool lists (empty: not pinned, or `auto`: pdcluster/core_plan.py)."""
@@ -126,7 +155,8 @@ class PoolConfig(BaseModel):
             prefill_order=self.prefill_order, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             speculative_config=spec, device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager, decode_lookahead=self.decode_lookahead,
-            max_loras=lora.slots if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 16)
+            max_loras=lora.slots if lora else 0, max_lora_rank=lora.max_lora_rank if lora else 16,
+            tensor_parallel_size=self.tensor_parallel_size)
 
     @property
     def resolved_dtype(self) -> str:

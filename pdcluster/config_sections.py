@@ -189,13 +189,17 @@ class TransferSection(BaseModel):
                              "use 'grpc', 'torch' or 'nixl'")
         return v
 
-    def transfer_config(self, device: str) -> TransferConfig:
-        """The kv_transfer settings for workers of a pool on `device` ('cpu' or 'cuda')."""
+    def transfer_config(self, device: str, tensor_parallel: bool = False) -> TransferConfig:
+        """The kv_transfer settings for workers of a pool on `device` ('cpu' or 'cuda'); `tensor_parallel`: a pool
+        of the cluster runs TP groups."""
         from kv_transfer.state import TransferConfig
 
         # NOTE: only nccl sends from CUDA; gloo's send/recv take CPU tensors, so it stays on the CPU for any pool.
         torch_device = device if self.torch_backend == "nccl" else "cpu"
-        return TransferConfig(transport=_usable(self.transport), deadline_s=self.deadline_s,
+        transport = _usable(self.transport)
+        if transport == "nixl" and tensor_parallel:
+            transport = _copying(transport)
+        return TransferConfig(transport=transport, deadline_s=self.deadline_s,
                               chunk_bytes=self.chunk_bytes, grpc_streams=self.grpc_streams,
                               torch_backend=self.torch_backend, torch_device=torch_device,
                               nixl_checksum=self.nixl_checksum)
@@ -211,6 +215,20 @@ def _usable(transport: str) -> Any:
         return transport
     logging.getLogger(__name__).warning("transfer.transport: %s cannot run here (%s); KV moves over grpc", transport,
                                         why)
+    return "grpc"
+
+
+@functools.cache
+def _copying(transport: str) -> Any:
+    """grpc for a cluster with TP pools where `transport` (nixl) reads and writes KV pools directly, said once.
+
+    NOTE: NIXL writes from the sender's pool tensor into the receiver's by block id, in a TP 1 layout: a TP group's
+    rank 0 pool holds only its own KV heads. A TP worker moves KV through the engine's copies instead (read_kv_layer
+    and write_kv_blocks gather and scatter the ranks' heads), on a transport that sends copies; every worker of the
+    cluster takes it, so a TP 1 sender never NIXL-writes into a TP receiver's pool (no per-peer negotiation yet).
+    """
+    logging.getLogger(__name__).warning("transfer.transport: %s writes KV pools directly, which a tensor-parallel "
+                                        "pool's layout does not allow yet; KV moves over grpc", transport)
     return "grpc"
 
 

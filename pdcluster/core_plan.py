@@ -8,7 +8,8 @@ it, 1,740-1,780 (the engine alone: 2,030). vLLM's CPU backend binds its workers'
 (`VLLM_CPU_OMP_THREADS_BIND=auto`) and keeps a core for its API server.
 
 The plan (`plan_cores`), for a private Ray (`ray.address: local`: every worker runs on this node):
-1. the pools that say `auto` take cores from the top of this process's cores down, `torch_threads` each: decode
+1. the pools that say `auto` take cores from the top of this process's cores down, `torch_threads` per rank each
+   (a TP group's ranks, its spawned processes, share their worker's cores): decode
    (and colocated) workers first (their steps set every stream's inter-token gap), then prefill workers; cores
    a pool lists itself are left to it;
 2. when the `auto` workers need more cores than are left, none of them is pinned (sharing cores by a plan would
@@ -63,7 +64,8 @@ def plan_cores(config: ClusterConfig, available: list[int] | None = None) -> Cor
     listed = {c for pool in config.pools().values() if isinstance(pool.cpu_affinity, list)
               for entry in pool.cpu_affinity for c in entry}
     free = [c for c in cores if c not in listed]
-    need = sum(pool.replicas * pool.torch_threads for pool in auto.values())
+    per = {role: pool.torch_threads * pool.tensor_parallel_size for role, pool in auto.items()}
+    need = sum(pool.replicas * per[role] for role, pool in auto.items())
     if need > len(free):
         log.warning("cpu_affinity auto: the workers need %d cores of their own and %d are free (%s): not pinned",
                     need, len(free), free)
@@ -71,10 +73,9 @@ def plan_cores(config: ClusterConfig, available: list[int] | None = None) -> Cor
     plan = CorePlan()
     order = sorted(auto, key=lambda role: not role.decodes)  # NOTE: decode (and colocated) workers first
     for role in order:
-        pool = auto[role]
-        for i in range(pool.replicas):
-            plan.workers[f"{role}-{i}"] = tuple(sorted(free[-pool.torch_threads:]))
-            del free[-pool.torch_threads:]
+        for i in range(auto[role].replicas):
+            plan.workers[f"{role}-{i}"] = tuple(sorted(free[-per[role]:]))
+            del free[-per[role]:]
     decode_cores = {c for role in order if role.decodes for i in range(auto[role].replicas)
                     for c in plan.workers[f"{role}-{i}"]}
     plan.router = tuple(c for c in cores if c not in decode_cores)

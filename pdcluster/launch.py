@@ -225,7 +225,7 @@ class Cluster:
         """RESOURCE_EXHAUSTED when no node has room for one more actor of `pool` (Ray would wait for one forever)."""
         from router.errors import Overloaded
 
-        need = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        need = pool.ray_resources()  # NOTE: a TP n worker reserves n ranks' CPUs and GPUs
         short = {k: v for k, v in need.items() if v > 0 and free.get(k, 0.0) + 1e-9 < v}
         if short:
             raise Overloaded(f"the Ray cluster has no room for another {role} worker: it needs "
@@ -252,8 +252,9 @@ class Cluster:
 
         cfg, name = self.config, f"{role}-{index}"
         self._started += 1
-        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device), cluster_token=self.cluster_token,
-                                       tls=self.kv_tls)
+        tp = any(p.tensor_parallel_size > 1 for p in cfg.pools().values())  # NOTE: nixl then gives way to grpc
+        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device, tp),
+                                       cluster_token=self.cluster_token, tls=self.kv_tls)
         # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL
         # target, and shortest_first promotes a prompt nearing the TTFT target (engine/step_budget.py)
         engine = dataclasses.replace(pool.engine_config(cfg.lora), step_target_ms=cfg.router.slo_itl_ms,
@@ -272,8 +273,11 @@ class Cluster:
                                        lend_cores=pool.lend_idle_cores,
                                        lend_min_tokens=pool.lend_min_prompt_tokens)
         cls = PrefillActor if role is Role.PREFILL else DecodeActor
+        # NOTE: one actor holds every rank of its TP group (the followers are its child processes, on its node):
+        # it reserves their CPUs and GPUs, and CUDA_VISIBLE_DEVICES then lists the n GPUs, rank r on the r-th
+        res = pool.ray_resources()
         self.actors[name] = cls.options(  # type: ignore[union-attr]
-            name=name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
+            name=name, namespace=cfg.ray.namespace, num_cpus=res["CPU"], num_gpus=res["GPU"],
             resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,
             # NOTE: detached: a worker outlives the router that started it (a crash, `kill -9`, keep_workers)
             lifetime="detached",
@@ -287,7 +291,7 @@ class Cluster:
         need: dict[str, float] = {}
         parts: dict[str, list[str]] = {}
         for role, pool in self.config.pools().items():
-            for key, per in (("CPU", pool.num_cpus), ("GPU", pool.num_gpus), *pool.resources.items()):
+            for key, per in pool.ray_resources().items():  # NOTE: per actor: all ranks of its TP group
                 if per > 0:
                     need[key] = need.get(key, 0.0) + per * pool.replicas
                     parts.setdefault(key, []).append(f"{role}: {pool.replicas} x {per:g}")

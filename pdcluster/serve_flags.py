@@ -12,6 +12,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="override model: 'smollm2', 'random:<arch>', a .gguf file or a Hugging Face directory")
     parser.add_argument("--config", default="deploy/local.yaml", help="deploy YAML (see deploy/README.md)")
+    parser.add_argument("--check", action="store_true", help="validate the YAML with the environment and these "
+                        "flags laid over it, print the pools it would start, and exit (nothing starts; exit code 2 "
+                        "and the field and line of each problem if it is refused)")
     parser.add_argument("--host", default=None, help="override router.host, http.host and metrics.host")
     parser.add_argument("--port", type=int, default=None, help="override router.port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=None, help="override http.port (0: any free port)")

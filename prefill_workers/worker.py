@@ -31,6 +31,7 @@ from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from cluster.request_stream import RequestStream
 from cluster.worker import Worker, WorkerSpec
 from engine.block_hash import hash_prompt_blocks
+from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import open_sender
@@ -126,8 +127,7 @@ class PrefillRun:
                                   self.tokens, len(self.tokens),
                                   hash_prompt_blocks(self.tokens, engine.config.block_size, engine.scope,
                                                      extra_keys=engine.lora_key(req.params.lora, self.request_id)),
-                                  sender_id=worker.name, pool=KVPool(engine, worker.loop.between_steps),
-                                  lora=req.params.lora or "")
+                                  sender_id=worker.name, pool=self._pool(engine), lora=req.params.lora or "")
         self.cached_blocks = 0  # leading blocks the decode worker caches: not sent
         aio = asyncio.get_running_loop()
         self._first: asyncio.Future[FirstToken] = aio.create_future()
@@ -139,6 +139,16 @@ class PrefillRun:
         # held_layers.py), so the handshake and the prefill overlap; copying senders keep the handshake first
         self.held = HeldLayers() if self.sender.reads_pool else None
         self._handshake: asyncio.Future[None] | None = None
+
+    def _pool(self, engine: LLMEngine) -> KVPool | None:
+        """The engine's KV pool for a sender that reads it by block ids (nixl); None for a TP group.
+
+        NOTE: rank 0's pool of a TP group holds its own KV heads only: the sender takes the engine's copies
+        (read_kv_layer, which gathers every rank's heads), `reads_pool` being False without a pool.
+        """
+        if engine.config.tensor_parallel_size > 1:
+            return None
+        return KVPool(engine, self.worker.loop.between_steps)
 
     # ---- 1. handshake ------------------------------------------------------------------------------------
     async def handshake(self) -> None:

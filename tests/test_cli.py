@@ -87,3 +87,13 @@ def test_bench_transfer_prints_one_json_object_with_every_transport(tmp_path):
         assert figures["transports"][name]["best_gb_s"] > 0
     assert set(figures["overlap"]) == {"grpc", "torch", "nixl"}
     assert figures["transports"]["nixl"]["idle_core_pct"] is not None
+
+
+def test_serve_check_refuses_a_bad_config_naming_the_field_and_starts_nothing(tmp_path):
+    bad = tmp_path / "tp3.yaml"
+    bad.write_text("model: tiny\nprefill:\n  tensor_parallel_size: 3\n")
+    proc = pdcluster("serve", "--check", "--config", str(bad))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"{bad}:3: prefill.tensor_parallel_size: 3 must divide the model's 4 attention heads" in proc.stderr
+    ok = pdcluster("serve", "--check", "--config", "deploy/local.yaml", "--decode-replicas", "2")
+    assert ok.returncode == 0 and "decode: 2 x (cpu; each reserves 1 CPU, 0 GPU)" in ok.stdout

@@ -181,6 +181,22 @@ BAD = {
                                   2, ["pattern"]),
     "unknown lora key": (lines("lora:", "  lora_modules: {a: /x}"), "lora.lora_modules", 2, ["'modules'"]),
     "zero lora rank": (lines("lora:", "  max_lora_rank: 0"), "lora.max_lora_rank", 2, ["greater than 0"]),
+    # tensor parallelism: what the TP engine would refuse at actor start, refused with the file
+    "tp not dividing the heads": (lines("model: tiny", "prefill:", "  tensor_parallel_size: 3"),
+                                  "prefill.tensor_parallel_size", 3, ["3 must divide", "4 attention heads"]),
+    "tp of smollm2's 9 heads": (lines("model: smollm2", "decode:", "  tensor_parallel_size: 2"),
+                                "decode.tensor_parallel_size", 3, ["9 attention heads"]),
+    "tp zero": (lines("decode:", "  tensor_parallel_size: 0"), "decode.tensor_parallel_size", 2, ["greater than 0"]),
+    "tp with lora": (lines("model: tiny", "lora: {max_loras: 2}", "decode:", "  tensor_parallel_size: 2"),
+                     "decode.tensor_parallel_size", 4, ["LoRA", "tensor_parallel_size 1"]),
+    "tp on cuda sized by utilization": (lines("model: tiny", "prefill:", "  device: cuda", "  num_gpus: 1",
+                                              "  tensor_parallel_size: 2"),
+                                        "prefill.tensor_parallel_size", 5, ["num_kv_blocks or kv_cache_memory_gb"]),
+    "tp on cuda with gpus per actor": (lines("model: tiny", "prefill:", "  device: cuda", "  num_gpus: 2",
+                                             "  kv_cache_memory_gb: 1", "  tensor_parallel_size: 2"),
+                                       "prefill.num_gpus", 4, ["per rank", "num_gpus 1"]),
+    "tp lending cores": (lines("model: tiny", "decode:", "  tensor_parallel_size: 2", "  lend_idle_cores: true"),
+                         "decode.lend_idle_cores", 4, ["runs 2"]),
 }
 
 
@@ -223,6 +239,25 @@ def test_engine_config_maps_the_pool_fields():
     assert (ec.num_blocks, ec.block_size, ec.max_num_batched_tokens, ec.max_num_seqs) == (300, 32, 512, 8)
     assert (ec.max_model_len, ec.dtype, ec.num_threads, ec.kv_cache_memory_gb) == (4096, "bfloat16", 3, 2.5)
     assert PoolConfig().engine_config().num_blocks is None  # sized from kv_cache_memory_gb
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_counts_the_ranks_resources():
+    cfg = ClusterConfig.from_yaml_text(lines(
+        "model: random:llama-3.1-70b",
+        "prefill: {tensor_parallel_size: 8, device: cuda, num_gpus: 1, num_cpus: 2, kv_cache_memory_gb: 40, "
+        "resources: {prefill_node: 1}}",
+        "decode: {num_cpus: 3, dtype: bfloat16}"))
+    assert cfg.prefill.engine_config().tensor_parallel_size == 8
+    assert cfg.decode.engine_config().tensor_parallel_size == 1  # the default
+    # NOTE: num_cpus and num_gpus are per rank; custom resources mark the node, once per actor
+    assert cfg.prefill.ray_resources() == {"CPU": 16.0, "GPU": 8.0, "prefill_node": 1}
+    assert cfg.decode.ray_resources() == {"CPU": 3.0, "GPU": 0.0}
+
+
+def test_a_model_not_on_this_machine_skips_the_head_check():
+    # NOTE: a gguf or a directory of another node: the engine checks the heads at actor start
+    cfg = ClusterConfig.from_yaml_text(lines("model: /models/elsewhere", "prefill: {tensor_parallel_size: 3}"))
+    assert cfg.prefill.tensor_parallel_size == 3
 
 
 def test_lora_section_sizes_every_pool_and_lists_its_modules():
@@ -275,6 +310,16 @@ def test_transfer_config_sends_from_cuda_only_with_nccl(backend, device, expecte
     assert (tc.transport, tc.torch_backend, tc.torch_device) == ("torch", backend, expected)
 
 
+@pytest.mark.parametrize("transport,tp,expected", [("nixl", False, "nixl"), ("nixl", True, "grpc"),
+                                                   ("torch", True, "torch"), ("grpc", True, "grpc")])
+def test_a_cluster_with_tp_pools_moves_kv_by_copies(monkeypatch, transport, tp, expected):
+    from pdcluster import config_sections
+
+    # NOTE: as on a machine with NIXL installed (this one falls back to grpc anyway)
+    monkeypatch.setattr(config_sections, "_usable", lambda t: t)
+    assert TransferSection(transport=transport).transfer_config("cpu", tensor_parallel=tp).transport == expected
+
+
 # ---- pools that must agree --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,prefill,decode", [("dtype", "float32", "bfloat16"), ("block_size", 16, 32),
@@ -305,3 +350,18 @@ def test_the_measured_config_carries_its_slo_and_the_router_gets_it():
     assert settings.policy(16).slo_itl_s == 0.1
     colocated = ClusterConfig.from_yaml_text(lines("mode: colocated", "colocated:", "  replicas: 1"))
     assert colocated.router.router_settings("m", "colocated", "grpc").policy(16).slo_itl_s is None  # one pool
+
+
+def test_the_launcher_counts_every_rank_of_a_tp_worker_before_starting_it():
+    from pdcluster.launch import Cluster
+    from pdcluster.security import SetupError
+    from router.errors import Overloaded
+
+    cfg = ClusterConfig.from_yaml_text(lines(
+        "model: tiny", "prefill: {tensor_parallel_size: 2, num_cpus: 1.5, replicas: 2}", "decode: {num_cpus: 1}"))
+    cluster = Cluster(cfg)
+    cluster._check_resources({"CPU": 7.0})  # 2 x (2 ranks x 1.5) + 1
+    with pytest.raises(SetupError, match=r"need 7 CPU \(prefill: 2 x 3, decode: 1 x 1\) but the Ray cluster has 6"):
+        cluster._check_resources({"CPU": 6.0})
+    with pytest.raises(Overloaded, match="needs CPU 3"):
+        Cluster._check_room(next(iter(cfg.pools())), cfg.prefill, {"CPU": 2.5})

@@ -25,6 +25,8 @@ def test_the_decode_worker_gets_the_last_core_and_the_router_keeps_off_it():
     big = plan_cores(config({"replicas": 2, "torch_threads": 2}, {"replicas": 2}), list(range(8)))
     assert big.workers == {"decode-0": (7,), "decode-1": (6,), "prefill-0": (4, 5), "prefill-1": (2, 3)}
     assert big.router == (0, 1, 2, 3, 4, 5)  # the spare cores and the prefill workers', never a decode worker's
+    tp = plan_cores(config({"tensor_parallel_size": 3}), list(range(5)))  # NOTE: its ranks share its cores
+    assert tp.workers == {"decode-0": (4,), "prefill-0": (1, 2, 3)} and tp.router == (0, 1, 2, 3)
 
 
 def test_too_few_cores_a_joined_ray_or_listed_cores_change_the_plan():

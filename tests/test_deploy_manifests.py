@@ -178,8 +178,8 @@ def _placement(config: ClusterConfig, node_types: dict[str, NodeType]) -> dict[s
 
 
 def _need(pool: PoolConfig) -> dict[str, float]:
-    return {"CPU": pool.num_cpus * pool.replicas, "GPU": pool.num_gpus * pool.replicas,
-            **{k: v * pool.replicas for k, v in pool.resources.items()}}
+    # NOTE: what the launcher asks Ray for: every rank's CPUs and GPUs of a TP pool
+    return {k: v * pool.replicas for k, v in pool.ray_resources().items()}
 
 
 def _assert_pools_fit(config: ClusterConfig, node_types: dict[str, NodeType]) -> None:
@@ -473,3 +473,30 @@ def test_gpu_yamls_move_kv_by_a_transport_that_runs_where_their_pools_are(path: 
     if t.transport == "torch":
         assert t.torch_backend == "nccl", f"{path}: gloo stages GPU KV through the host"
         assert min(cfg.prefill.num_gpus, cfg.decode.num_gpus) >= 1, f"{path}: NCCL needs a GPU per worker"
+
+
+PLANNED_70B = ROOT / "deploy" / "planned-h100-70b.yaml"
+
+
+def test_the_70b_plan_is_tp_8_workers_of_a_70b_model_on_whole_nodes() -> None:
+    cfg = ClusterConfig.from_yaml(PLANNED_70B)
+    assert cfg.model == "random:llama-3.1-70b"
+    for pool in (cfg.prefill, cfg.decode):
+        assert (pool.tensor_parallel_size, pool.num_gpus, pool.device, pool.dtype) == (8, 1, "cuda", "bfloat16")
+        assert pool.ray_resources()["GPU"] == 8  # NOTE: one worker takes a whole 8-GPU node
+        assert pool.kv_cache_memory_gb is not None
+    header = PLANNED_70B.read_text().split("\nmodel:")[0]
+    assert "8 GPUs of 80 GB" in header and "NVLink" in header
+    assert f"{cfg.prefill.replicas + cfg.decode.replicas} such nodes" in header
+
+
+def test_serve_check_accepts_the_70b_plan_and_names_its_tp_pools() -> None:
+    import os
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "pdcluster", "serve", "--check", "--config", str(PLANNED_70B)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "valid (disaggregated, model random:llama-3.1-70b)" in proc.stdout
+    assert "tensor_parallel_size 8; each reserves 32 CPU, 8 GPU, prefill_node 1" in proc.stdout

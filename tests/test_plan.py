@@ -272,7 +272,23 @@ def test_the_committed_plans_load_with_the_sizes_their_header_states(path):
     p, d, gpus, per = map(int, m.groups())
     cfg = ClusterConfig.from_yaml(path)
     assert (cfg.mode, cfg.prefill.replicas, cfg.decode.replicas) == ("disaggregated", p, d)
-    assert cfg.decode.num_gpus == per and (p + d) * per == gpus
+    for pool in (cfg.prefill, cfg.decode):  # NOTE: num_gpus is per rank of a TP worker
+        assert pool.num_gpus * pool.tensor_parallel_size == per and (p + d) * per == gpus
+
+
+def test_a_plan_of_multi_gpu_workers_writes_tp_pools_of_the_profiles_model():
+    text = plan_yaml.render("deploy/gpu-cluster.yaml", "disaggregated", {"prefill": 3, "decode": 2}, ["planned"], 8,
+                            model="random:llama-3.1-70b")
+    cfg = ClusterConfig.from_yaml_text(text)
+    assert cfg.model == "random:llama-3.1-70b"
+    for pool in (cfg.prefill, cfg.decode):
+        assert (pool.tensor_parallel_size, pool.num_gpus, pool.device, pool.resolved_dtype) == (8, 1, "cuda",
+                                                                                               "bfloat16")
+        assert pool.kv_cache_memory_gb is not None  # NOTE: a TP group's pool is not sized by gpu_memory_utilization
+    assert "8 GPUs of 80 GB" in text and "NVLink" in text and "5 such nodes" in text
+    # one GPU per worker: the template's shape, model and comments as they were
+    one = plan_yaml.render("deploy/gpu-cluster.yaml", "disaggregated", {"prefill": 3, "decode": 2}, ["planned"], 1)
+    assert "tensor_parallel_size" not in one and ClusterConfig.from_yaml_text(one).model.startswith("/models/")
 
 
 def test_a_colocated_plan_copies_the_decode_pool():

@@ -7,8 +7,11 @@
    per-sequence starts and counts, block tables) and runs its forward; every rank runs the same
    forward on its heads and MLP columns, with an all-reduce after each o and down projection;
 3. rank 0 alone computes logits and samples; the followers wait for the next message (`follower.TPFollower`);
-4. a rank that dies fails the group as a whole (`launch.TPGroupError`, naming the rank) at the next collective;
-   `LLMEngine.close` stops the followers.
+4. the KV hand-off sees one engine with the full model's KV heads (`LLMEngine.kv_layout`, as TP 1 has them), so
+   prefill on TP a hands off to decode on TP b for any a, b: rank 0's `read_blocks` gathers each layer's heads
+   from the ranks and `write_blocks` sends each rank its heads (`kv.py`, on a third group, beside the steps);
+5. a rank that dies fails the group as a whole (`launch.TPGroupError`, naming the rank) at the next collective or
+   KV read or write; `LLMEngine.close` stops the followers.
 
 Choices (why):
 - the step message is the step's lists of ints, pickled once and broadcast (one collective, `TPGroup.broadcast_object`)

@@ -7,13 +7,18 @@ Life of a follower:
 3. `TPFollower.run` takes one message per step from rank 0 (`StepMessage`: the step's flat inputs and block tables;
    `CopyBlock`; `Stop`) and computes it: the same forward as rank 0, whose all-reduces it meets, no logits, no
    sampling, no scheduling (rank 0's block manager decides every block; the tables arrive with the step);
-4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop.
+4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop; a follower whose parent process (rank 0's)
+   is gone ends itself too (`watch_parent`), whatever it is doing.
+Beside it, a thread answers the KV hand-off's reads and writes of the rank's pool (`kv.KVService`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -24,6 +29,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel.group import Rendezvous, TPGroup, parallelize
+from engine.parallel.kv import KVService
 from engine.parallel.shard import rank_config
 
 log = logging.getLogger(__name__)
@@ -104,10 +110,36 @@ class TPFollower:
             raise
 
 
+PARENT_POLL_S = 0.5  # how often a follower checks that rank 0's process is still its parent
+
+
+def watch_parent(rank: int) -> threading.Thread:
+    """A daemon thread that ends this process once its parent (rank 0's process) is gone.
+
+    NOTE: a SIGKILLed rank 0 (a worker actor killed by Ray, the OOM killer) leaves its followers orphaned: daemonic
+    only means "joined at a normal exit". A follower blocked in a collective usually fails at once when rank 0's
+    sockets close, but one still loading its shard, or one whose peer's sockets linger, would live on holding its
+    GPU. Not prctl(PR_SET_PDEATHSIG): it fires when the *thread* that spawned the follower ends, and rank 0's
+    engine may be built on a thread that ends long before the process (an actor's start-up thread).
+    """
+    parent = os.getppid()
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        log.error("TP rank %d: rank 0's process (pid %d) is gone; leaving", rank, parent)
+        os._exit(1)
+
+    t = threading.Thread(target=poll, daemon=True, name=f"tp-rank-{rank}-parent")
+    t.start()
+    return t
+
+
 def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int,
                   max_model_len: int, conn: Connection) -> None:
     """A follower process: take its shard from `conn`, build, report ("built" or the traceback) on `conn`, join the
     group, run."""
+    watch_parent(rank)
     try:
         shard: dict[str, torch.Tensor] = conn.recv()
         if engine_cfg.device.startswith("cuda"):
@@ -121,4 +153,9 @@ def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: Engi
     conn.close()
     group = TPGroup(rank, rdv, runner.device)
     parallelize(runner.model, group)
+    kv = KVService(runner, group, cfg)  # NOTE: the KV hand-off's reads and writes, beside the steps
+    kv.start()
     TPFollower(runner, group).run()
+    # NOTE: rank 0 stopped the KV thread first (`TPModelRunner.close`); a process that ends while that thread is still
+    # inside a gloo call aborts in the group's destructor
+    kv.thread.join(10.0)

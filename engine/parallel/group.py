@@ -4,7 +4,8 @@ NOTE: the process groups are standalone objects over a TCPStore (torch.distribut
 ProcessGroupNCCL), not torch.distributed's global default group: a process may hold several groups (tests, a
 bench comparing sizes) and nothing global has to be torn down between them. Two groups per rank, as vLLM keeps
 them: the device group (NCCL on CUDA, gloo on the CPU) all-reduces activations; a gloo group on the CPU carries the
-step messages from rank 0, so a step's control never goes through (and never syncs) the GPU.
+step messages from rank 0, so a step's control never goes through (and never syncs) the GPU. A third, gloo on the
+CPU, carries the KV hand-off's reads and writes (engine/parallel/kv.py), which run beside the steps.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def serve_store(size: int, host: str = "127.0.0.1",
 
 
 class TPGroup:
-    """This rank's membership of a TP group: `all_reduce` (device group), `broadcast_object` (CPU group)."""
+    """This rank's membership of a TP group: `all_reduce` (device group), `broadcast_object` (CPU group), and
+    the KV hand-off's group (`kv`, gloo on the CPU)."""
 
     def __init__(self, rank: int, rdv: Rendezvous, device: torch.device, store: dist.TCPStore | None = None) -> None:
         timeout = datetime.timedelta(seconds=rdv.timeout_s)
@@ -68,6 +70,9 @@ class TPGroup:
         # NOTE: typed Any: torch's stubs lack the backends' (store, rank, size, timeout) constructors and methods
         gloo: Any = dist.ProcessGroupGloo
         self.cpu: Any = gloo(dist.PrefixStore("cpu/", self.store), rank, rdv.size, timeout)
+        # NOTE: the KV hand-off's own group (engine/parallel/kv.py): its reads and writes run beside the steps (from
+        # inside a forward, or from a receiver thread) and must never interleave with the step channel's collectives
+        self.kv: Any = gloo(dist.PrefixStore("kv/", self.store), rank, rdv.size, timeout)
         if device.type == "cuda":
             # NOTE: absent from CPU builds of torch (this machine)
             nccl: Any = dist.ProcessGroupNCCL  # type: ignore[attr-defined, unused-ignore]
@@ -84,34 +89,39 @@ class TPGroup:
         self.stats.calls += 1
 
     def broadcast_object(self, obj: object = None) -> Any:
-        """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled.
+        """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled, on the step channel."""
+        return broadcast_object(self.cpu, self.rank, obj)
 
-        NOTE: one collective for a message of up to MESSAGE_BYTES (a step's message, as a rule: decode steps take a
-        few hundred bytes, a 512-token prompt ~3 KB): a fixed buffer whose first 8 bytes hold the length; a longer
-        message sends its rest in a second one. Each gloo collective costs ~0.2 ms here (a thread hand-off on
-        each rank), so the usual length-then-bytes pair would double a step's control cost.
-        """
-        buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-        if self.rank == 0:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            head = len(data).to_bytes(8, "little") + data[: MESSAGE_BYTES - 8]
-            buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-            self.cpu.broadcast(buf, 0).wait()
-        else:
-            # NOTE: a follower waits for the next step as long as the engine idles (the group's timeout would end
-            # an idle group); a rank 0 that dies closes its sockets, which fails this wait at once
-            self.cpu.broadcast(buf, 0, IDLE_TIMEOUT).wait()
-        length = int.from_bytes(buf[:8].numpy().tobytes(), "little")
-        rest = length - (MESSAGE_BYTES - 8)
-        if rest > 0:
-            tail = torch.zeros(rest, dtype=torch.uint8)
-            if self.rank == 0:
-                tail.copy_(torch.frombuffer(bytearray(data[MESSAGE_BYTES - 8 :]), dtype=torch.uint8))
-            self.cpu.broadcast(tail, 0).wait()
-        if self.rank == 0:
-            return obj
-        body = buf[8 : 8 + length].numpy().tobytes()
-        return pickle.loads(body if rest <= 0 else body + tail.numpy().tobytes())
+
+def broadcast_object(pg: Any, rank: int, obj: object = None) -> Any:
+    """Rank 0's `obj` on every rank of the gloo group `pg` (rank 0 passes it, the others get it), pickled.
+
+    NOTE: one collective for a message of up to MESSAGE_BYTES (a step's message, as a rule: decode steps take a
+    few hundred bytes, a 512-token prompt ~3 KB): a fixed buffer whose first 8 bytes hold the length; a longer
+    message sends its rest in a second one. Each gloo collective costs ~0.2 ms here (a thread hand-off on
+    each rank), so the usual length-then-bytes pair would double a step's control cost.
+    """
+    buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    if rank == 0:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        head = len(data).to_bytes(8, "little") + data[: MESSAGE_BYTES - 8]
+        buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        pg.broadcast(buf, 0).wait()
+    else:
+        # NOTE: a follower waits for the next message as long as the engine idles (the group's timeout would end
+        # an idle group); a rank 0 that dies closes its sockets, which fails this wait at once
+        pg.broadcast(buf, 0, IDLE_TIMEOUT).wait()
+    length = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    rest = length - (MESSAGE_BYTES - 8)
+    if rest > 0:
+        tail = torch.zeros(rest, dtype=torch.uint8)
+        if rank == 0:
+            tail.copy_(torch.frombuffer(bytearray(data[MESSAGE_BYTES - 8 :]), dtype=torch.uint8))
+        pg.broadcast(tail, 0).wait()
+    if rank == 0:
+        return obj
+    body = buf[8 : 8 + length].numpy().tobytes()
+    return pickle.loads(body if rest <= 0 else body + tail.numpy().tobytes())
 
 
 class RowParallel:

@@ -7,9 +7,10 @@ is block i on every rank, holding that rank's KV heads); rank 0 alone computes l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -18,6 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, Step
 from engine.parallel.follower import CopyBlock, StepMessage, Stop, rank_engine_config
 from engine.parallel.group import TPGroup, parallelize, serve_store
+from engine.parallel.kv import KVChannelClosed, KVGather
 from engine.parallel.launch import Followers, TPGroupError
 from engine.parallel.shard import FIELD, check_tp, rank_config, shard_weights
 from engine.scheduler import ScheduledBatch
@@ -43,8 +45,10 @@ class TPModelRunner(ModelRunner):
 
     NOTE: CUDA graphs are off (every rank eager: a graph would have to be captured on every rank in step, the
     all-reduces inside it); the KV pool is sized by `num_blocks` or `kv_cache_memory_gb` per rank, not by a
-    profiling pass (the followers would have to run it in step too). KV export and import are refused: the handoff
-    does not know a TP group's layout yet.
+    profiling pass (the followers would have to run it in step too). The KV hand-off sees the full model's layout
+    (all KV heads, as a TP 1 engine has them): `read_blocks` gathers every rank's heads through rank 0 and
+    `write_blocks` sends each rank its heads, on the group's own KV channel (engine/parallel/kv.py), so a prefill
+    group of any TP size hands its KV to a decode engine of any other.
     """
 
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
@@ -72,6 +76,7 @@ class TPModelRunner(ModelRunner):
             followers.kill()
             raise
         parallelize(self.model, self.group)
+        self.kv_gather = KVGather(self, self.group, cfg)
         self.followers = followers
         self.full_config = cfg
         self.failure: TPGroupError | None = None
@@ -117,10 +122,29 @@ class TPModelRunner(ModelRunner):
         super().copy_block(src, dst)
 
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        raise InvalidRequestError(FIELD, "a TP group does not export KV yet (issue 40's next phase)")
+        """Copies of K and V of `block_ids` in `layer` with every KV head, gathered from the ranks: each
+        [n, block_size, KVH, D] (int8: with the scale row), on rank 0's device; TPGroupError if a rank is gone."""
+        with self._kv_channel():
+            return self.kv_gather.read(layer, block_ids)
 
     def write_blocks(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        raise InvalidRequestError(FIELD, "a TP group does not import KV yet (issue 40's next phase)")
+        """Store K (which=0) or V (1) of every KV head, [n, block_size, KVH, D], into `block_ids` of `layer`: each
+        rank its heads (any thread: the seam's receivers write while the engine steps); TPGroupError if a rank is
+        gone."""
+        with self._kv_channel():
+            self.kv_gather.write(layer, which, block_ids, kv)
+
+    @contextlib.contextmanager
+    def _kv_channel(self) -> Iterator[None]:
+        """A KV read or write: TPGroupError at once from a failed or closed group, or naming the rank that broke it."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            yield
+        except KVChannelClosed as e:
+            raise self.failure or TPGroupError(str(e)) from e
+        except RuntimeError as e:
+            raise self._failed(e) from e
 
     # ---- failure and shutdown ----------------------------------------------------------------------
     def _failed(self, e: RuntimeError) -> TPGroupError:
@@ -135,9 +159,12 @@ class TPModelRunner(ModelRunner):
         """Stop the followers (a Stop message, then SIGKILL for any that is left after 10 s)."""
         if self.failure is None:
             try:
+                self.kv_gather.stop()  # NOTE: first: the followers' KV threads leave before their processes end
                 self._send(Stop())
             except TPGroupError:
                 pass
+            except RuntimeError as e:
+                self._failed(e)
         self.failure = self.failure or TPGroupError("the tensor-parallel group is closed")
         self.followers.join(10.0)
         self._closer.detach()

@@ -30,6 +30,7 @@ from engine.errors import InvalidRequestError
 from kv_transfer import payload
 from kv_transfer.inbound import Inbound
 from kv_transfer.messages import NixlTarget, PrepareRequest
+from kv_transfer.pool import pool_tensor
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferConfig, TransferError, TransferState
 from kv_transfer.transports import nixl_agent
@@ -97,7 +98,7 @@ class NixlEndpoint:
     def __init__(self, receiver: KVReceiver, config: TransferConfig) -> None:
         self.receiver, self.config = receiver, config
         self.agent = nixl_agent.agent()
-        self.pool = self.agent.pool(receiver.engine.runner.kv)
+        self.pool = self.agent.pool(pool_tensor(receiver.engine))
         self._watches: dict[str, _Watch] = {}  # sender agent → its open watch
         self._open: dict[str, tuple[Inbound, _Watch]] = {}  # transfer id → (transfer, its watch), until settled
         self._cond = threading.Condition()

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         config.router.max_inflight = max(config.router.max_inflight, args.streams * 2)
         if args.decode_replicas:
             config.decode.replicas = args.decode_replicas
-            need = sum(p.num_cpus * p.replicas for p in config.pools().values())
+            need = sum(p.ray_resources()["CPU"] * p.replicas for p in config.pools().values())  # every rank
             if config.ray.address == "local" and (config.ray.num_cpus or os.cpu_count() or 1) < need:
                 config.ray.num_cpus = need  # NOTE: logical CPUs: the workers share the cores, as the soak intends
         config.metrics.enabled, config.metrics.port = True, _free_port()

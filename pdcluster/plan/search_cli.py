@@ -76,6 +76,15 @@ def format_table(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def planned_model(profile: Profile) -> str | None:
+    """The model a plan of TP workers names: `random:<arch>` of the profile's model (the template names an 8B
+    directory); None (the template's) for a worker of one GPU or a model without a random twin."""
+    from pdcluster.plan.hardware import MODELS  # NOTE: its keys are engine/random_model.py's architectures
+
+    arch = profile.model.lower()
+    return f"random:{arch}" if profile.gpus_per_worker > 1 and profile.on_gpu and arch in MODELS else None
+
+
 def run_search(args: argparse.Namespace, profile: Profile, overheads: Callable[[argparse.Namespace, Any], Any],
                wl: Workload, log: Callable[[str], None]) -> int:
     import time
@@ -98,7 +107,7 @@ def run_search(args: argparse.Namespace, profile: Profile, overheads: Callable[[
         replicas = {"colocated": plan.decode} if chosen == "colocated" else {"prefill": plan.prefill,
                                                                               "decode": plan.decode}
         text = plan_yaml.render(template, chosen, replicas, header(profile, wl, slo, best, same, fewest, chosen),
-                                profile.gpus_per_worker, router=targets)
+                                profile.gpus_per_worker, router=targets, model=planned_model(profile))
         loaded = plan_yaml.write(args.yaml, text)
         log(f"wrote {args.yaml}: loads as {loaded.mode} with "
             + ", ".join(f"{p.replicas} {role}" for role, p in loaded.pools().items()))

@@ -1,0 +1,115 @@
+"""Tensor-parallel pools through `pdcluster serve`: a TP group is one worker to the router, the index and the KV
+hand-off (deploy/local.yaml on the tiny random model, CPU, gloo).
+
+Two clusters, one per layout (module-scoped, parametrized): prefill TP 2 → decode TP 1, and prefill TP 1 → two
+decode workers of TP 2. Every fresh prompt crosses the prefill → decode hand-off (no SLO keeps it on the decode
+worker), and the tokens must equal one TP 1 engine's (the tiny model's logits are far apart: float32 sums in another
+order pick the same greedy token). In the second layout a follower rank of the decode worker holding the streams
+is SIGKILLed mid-stream: the worker ends (a TP group is one worker), its streams finish on the other one with no
+token lost or repeated, and Ray restarts it as a fresh group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from router.v1 import inference_pb2 as pb
+from tests.helpers import greedy_reference, start_test_cluster, stream_greedy, wait_for
+
+pytestmark = pytest.mark.slow
+TAIL = ("The ferry left the harbour at dawn, crossed the grey water under the gulls, and came back each evening "
+        "with the tide. ")
+LAYOUTS = {"prefill-tp2-decode-tp1": (2, 1, 1), "prefill-tp1-decode-tp2": (1, 2, 2)}  # prefill TP, decode TP, replicas
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def cluster(request, ray_session):
+    prefill_tp, decode_tp, decode_replicas = LAYOUTS[request.param]
+
+    def edit(config):
+        config.model = "tiny"
+        config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size = prefill_tp, decode_tp
+        config.decode.replicas = decode_replicas
+        for pool in (config.prefill, config.decode):
+            pool.num_cpus, pool.num_kv_blocks, pool.max_restarts = 0.5, 512, 2
+
+    c, server = start_test_cluster("deploy/local.yaml", f"test-tp-{request.param}", edit=edit, port=0,
+                                   slo_itl_ms=None, max_predicted_ttft_ms=600_000)
+    yield request.param, c, server
+    server.close()
+    c.stop()
+
+
+def prompts(tag: str, n: int, repeat: int = 1) -> list[str]:
+    return [f"{tag} {i} {time.monotonic_ns()}: " + TAIL * repeat + f"What did the ferry do, {i}?" for i in range(n)]
+
+
+def test_fresh_prompts_cross_the_handoff_and_equal_one_tp1_engine(cluster, tiny):
+    layout, c, server = cluster
+    texts = prompts("fresh", 3)
+    results = stream_greedy(server, texts, 16, "tp-fresh")
+    assert [ids for ids, _ in results] == greedy_reference(tiny, texts, 16)
+    for _, last in results:
+        tl = last.timeline
+        assert not tl.prefill_skipped and tl.prefill_worker.startswith("prefill-"), layout
+        assert tl.kv_blocks_sent > 0 and last.usage.completion_tokens == 16
+
+
+def test_a_prefix_cached_by_a_tp_group_is_hit_by_the_next_request(cluster, tiny):
+    layout, c, server = cluster
+    stub = server.stub()
+    prefix = prompts("prefix", 1, repeat=4)[0]  # ~120 tokens: several full blocks
+    second = prefix + " And once more, slowly: " + TAIL
+    sampling = pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = stub.Generate(pb.GenerateRequest(prompt=prefix, sampling=sampling), timeout=120)
+    assert first.usage.cached_prompt_tokens == 0 and not first.timeline.prefill_skipped
+    # NOTE: the blocks reach the index through the holders' publishers (every 50 ms)
+    wait_for(lambda: bool(c.index().workers()), 5)
+    time.sleep(0.3)
+    again = [stub.Generate(pb.GenerateRequest(prompt=t, sampling=sampling), timeout=120) for t in (second, prefix)]
+    want = greedy_reference(tiny, [second, prefix], 8)
+    for r, ids in zip(again, want):
+        assert list(r.token_ids) == ids, layout
+        assert r.usage.cached_prompt_tokens >= 4 * 16, (layout, r.usage, r.timeline)
+
+
+@pytest.mark.parametrize("cluster", ["prefill-tp1-decode-tp2"], indirect=True)  # NOTE: two TP decode workers
+def test_a_dead_follower_rank_takes_its_worker_out_and_the_streams_fail_over(cluster, tiny, ray_session):
+    layout, c, server = cluster
+    texts, n = prompts("failover", 4), 160  # NOTE: long enough to be mid-stream when the rank dies
+    want = greedy_reference(tiny, texts, n)
+    old = {w.name: w.epoch for w in c.index().workers()}
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as bg:
+        fut = bg.submit(stream_greedy, server, texts, n, "tp-failover", started)
+        assert started.wait(120)
+        running = {n: ray_session.get(c.actors[n].load.remote(), timeout=30).running for n in ("decode-0", "decode-1")}
+        victim = max(running, key=running.__getitem__)
+        assert running[victim] > 0, running
+        info = ray_session.get(c.actors[victim].process.remote(), timeout=30)
+        (follower,) = info["tp_follower_pids"]
+        os.kill(follower, signal.SIGKILL)
+        results = fut.result(timeout=300)
+    for (ids, last), ref in zip(results, want):
+        assert ids == ref  # every token once, in order: none lost, none repeated
+        assert last.usage.completion_tokens == n and last.finish_reason == "length"
+    assert any(last.timeline.decode_worker != victim for _, last in results)
+    # the whole worker went (its rank 0 ended its process) and Ray started it again: a new group, a new epoch
+    assert wait_for(lambda: epoch(c, victim) > old[victim], 120)
+    info = ray_session.get(c.actors[victim].process.remote(), timeout=60)
+    assert len(info["tp_follower_pids"]) == 1 and info["tp_follower_pids"] != [follower]
+    # an idle worker whose rank dies goes too, without waiting for a request to find out
+    restarted = epoch(c, victim)
+    os.kill(info["tp_follower_pids"][0], signal.SIGKILL)
+    assert wait_for(lambda: epoch(c, victim) > restarted, 120)
+
+
+def epoch(c, name: str) -> int:
+    """`name`'s epoch in the prefix index (-1 while it is not registered)."""
+    return max((w.epoch for w in c.index().workers() if w.name == name), default=-1)

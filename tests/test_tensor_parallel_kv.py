@@ -1,0 +1,224 @@
+"""The KV hand-off across TP sizes (engine/parallel/kv.py): a TP group exports and imports KV in the full model's
+layout, so prefill on TP a and decode on TP b continue the tokens of one TP 1 engine (engine to engine through the
+KV seam, no cluster; gloo, CPU, float32; the tiny random models of tests/test_tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_hash import hash_prompt_blocks
+from engine.errors import InvalidRequestError
+from engine.kv_export import KVLayout
+from engine.kv_import import KVReservation
+from engine.kv_quant import dequantize_blocks
+from engine.loader import LoadedModel, tiny_model
+from engine.parallel.kv import read_sources
+from engine.parallel.launch import TPGroupError
+from engine.parallel.runner import TPModelRunner
+from tests.helpers import generate_ids, greedy, open_kv_sender, prefill_layerwise, random_prompts, run_to_completion
+from tests.test_tensor_parallel import LAYOUTS, assert_same_or_near_tie
+
+N_TOKENS = 32
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, LoadedModel]:
+    return {name: tiny_model(**LAYOUTS[name]) for name in ("gqa-8q-4kv", "tiny-4q-2kv")}
+
+
+def engine(loaded: LoadedModel, tp: int, **overrides: object) -> LLMEngine:
+    return LLMEngine(loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=256, num_threads=1,
+                                          tensor_parallel_size=tp, **overrides))  # type: ignore[arg-type]
+
+
+def prefill(eng: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], Layers]:
+    """What a prefill worker does: the prompt's first token, and each layer's K and V read from inside the forward
+    pass as soon as it is written (`watch_layers` → `read_kv_layer`)."""
+    layers: Layers = []
+    eng.add_request(rid, prompt, greedy(1))
+    eng.watch_layers(rid, lambda layer: layers.append(eng.read_kv_layer(rid, layer, num_tokens=len(prompt))))
+    first = next(o for _ in range(100) for o in eng.step() if o.request_id == rid).new_token_ids
+    eng.abort_request(rid)  # NOTE: the prefill worker's release: decoding goes on elsewhere
+    assert len(layers) == eng.model_config.num_layers
+    return first, layers
+
+
+def reserve(eng: LLMEngine, rid: str, prompt: list[int], layout: KVLayout) -> KVReservation:
+    hashes = hash_prompt_blocks(prompt, eng.config.block_size, eng.scope)
+    return eng.reserve_kv(rid, layout, prompt, len(prompt), hashes)
+
+
+def write(eng: LLMEngine, res: KVReservation, layers: Layers, rounds: int = 1) -> None:
+    """What a decode worker's receiver does with the layers as they arrive (`rounds` times over: a longer write)."""
+    for _ in range(rounds):
+        for i, (k, v) in enumerate(layers):
+            eng.write_kv_blocks(res, i, 0, 0, k)
+            eng.write_kv_blocks(res, i, 1, 0, v)
+
+
+def import_kv(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], layers: Layers, layout: KVLayout) -> None:
+    """Reserve, write each layer's K and V, commit with the first token."""
+    write(eng, reserve(eng, rid, prompt, layout), layers)
+    eng.commit_kv(rid, first, greedy(N_TOKENS))
+
+
+def decode(eng: LLMEngine, rid: str) -> list[int]:
+    return run_to_completion(eng)[rid].token_ids
+
+
+@pytest.mark.parametrize("layout,src_tp,dst_tp", [("gqa-8q-4kv", 2, 1), ("gqa-8q-4kv", 1, 2), ("tiny-4q-2kv", 4, 2)],
+                         ids=["tp2-to-tp1", "tp1-to-tp2", "tp4-kv-replicated-to-tp2"])
+def test_prefill_on_one_tp_size_decodes_on_another_as_one_tp1_engine(models: dict[str, LoadedModel], layout: str,
+                                                                     src_tp: int, dst_tp: int) -> None:
+    loaded = models[layout]
+    prompts = random_prompts(3, [37, 16, 50], vocab=loaded.config.vocab_size, seed=40 + src_tp + dst_tp)
+    ref_engine = engine(loaded, 1)
+    ref = generate_ids(ref_engine, prompts, greedy(N_TOKENS))
+    src, dst = engine(loaded, src_tp), engine(loaded, dst_tp)
+    try:
+        assert src.kv_layout == dst.kv_layout == ref_engine.kv_layout  # NOTE: the peer sees the full model's heads
+        moved = []
+        for i, prompt in enumerate(prompts):
+            first, layers = prefill(src, f"p{i}", prompt)
+            _, ref_layers = prefill(ref_engine, f"ref{i}", prompt)
+            for (k, v), (rk, rv) in zip(layers, ref_layers):  # every head, in model order, as TP 1 holds them
+                assert k.shape == rk.shape and torch.allclose(k, rk, atol=1e-5) and torch.allclose(v, rv, atol=1e-5)
+            import_kv(dst, f"p{i}", prompt, first, layers, src.kv_layout)
+            moved.append(decode(dst, f"p{i}"))
+    finally:
+        src.close()
+        dst.close()
+    assert_same_or_near_tie(ref_engine, prompts, ref, moved)
+
+
+def test_the_local_transport_carries_kv_from_a_group_to_a_group_unchanged(models: dict[str, LoadedModel]) -> None:
+    """TP 2 → TP 2 through a transport as the workers run it (a sender fed from inside the forward, the receiver's
+    endpoint writing): the transport sees one engine with all the model's KV heads on either side."""
+    from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState
+
+    loaded = models["gqa-8q-4kv"]
+    cfg = loaded.config
+    prompt = random_prompts(1, [45], vocab=cfg.vocab_size, seed=21)[0]  # 2 full blocks + 13 tokens
+    ref_engine = engine(loaded, 1)
+    ref = generate_ids(ref_engine, [prompt], greedy(N_TOKENS))
+    src = engine(loaded, 2)
+    ep = ReceiverEndpoint(engine(loaded, 2), TransferConfig(transport="local"), local_name="tp-kv-local")
+    try:
+        sender = open_kv_sender("local", ep.address, src, "x", prompt)
+        prefill_layerwise(src, sender, prompt, greedy(1))
+        assert sender.wait(30) is TransferState.DONE, sender.error
+        full_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, every layer, fp32
+        assert sender.bytes_sent == 3 * full_block
+        ep.receiver.take("x", greedy(N_TOKENS))
+        moved = run_to_completion(ep.receiver.engine)["x"].token_ids
+    finally:
+        src.close()
+        ep.close()
+        ep.receiver.engine.close()
+    assert_same_or_near_tie(ref_engine, [prompt], ref, [moved])
+
+
+def test_a_group_takes_kv_from_a_receiver_thread_while_it_steps(models: dict[str, LoadedModel]) -> None:
+    """Writes from another thread (the seam's receivers) while the group computes another request's steps, from
+    inside whose forward a read of a third request's layers also runs."""
+    loaded = models["gqa-8q-4kv"]
+    a, b, c = random_prompts(3, [45, 30, 21], vocab=loaded.config.vocab_size, seed=9)
+    ref_engine = engine(loaded, 1)
+    ref = generate_ids(ref_engine, [a, b], greedy(N_TOKENS))
+    first, layers = prefill(ref_engine, "moved", a)
+    group = engine(loaded, 2)
+    try:
+        group.add_request("busy", b, greedy(N_TOKENS))
+        group.step()
+        res = reserve(group, "moved", a, group.kv_layout)
+        writer = threading.Thread(target=write, args=(group, res, layers, 8))  # NOTE: 8 rounds: several steps long
+        writer.start()
+        read: Layers = []
+        group.add_request("read", c, greedy(1))
+        group.watch_layers("read", lambda layer: read.append(group.read_kv_layer("read", layer)))
+        steps = 0
+        while writer.is_alive():
+            group.step()
+            steps += 1
+        writer.join()
+        group.commit_kv("moved", first, greedy(N_TOKENS))  # NOTE: a commit runs between steps (the engine lock)
+        print(f"{steps} steps while the writer wrote")
+        assert len(read) == loaded.config.num_layers
+        out = run_to_completion(group)
+    finally:
+        group.close()
+    assert_same_or_near_tie(ref_engine, [a, b], ref, [out["moved"].token_ids, out["busy"].token_ids])
+
+
+def test_replicated_kv_heads_are_read_once() -> None:
+    cfg = tiny_model(**LAYOUTS["tiny-4q-2kv"]).config  # 2 KV heads over 4 ranks: ranks 0, 1 hold head 0
+    assert read_sources(cfg, 4) == {0: range(0, 1), 2: range(1, 2)}
+    assert read_sources(cfg, 2) == {0: range(0, 1), 1: range(1, 2)}
+
+
+def test_int8_kv_blocks_move_with_their_scales(models: dict[str, LoadedModel]) -> None:
+    """int8 KV: each head's scale sits in that head's part of the block's scale row, so it moves with its head."""
+    loaded = models["gqa-8q-4kv"]
+    prompt = random_prompts(1, [40], vocab=loaded.config.vocab_size, seed=12)[0]
+    ref_engine, group = engine(loaded, 1, kv_cache_dtype="int8"), engine(loaded, 2, kv_cache_dtype="int8")
+    try:
+        _, ref_layers = prefill(ref_engine, "r", prompt)
+        first, layers = prefill(group, "r", prompt)
+        bs = group.config.block_size
+        for (k, _), (rk, _) in zip(layers, ref_layers):
+            assert k.dtype == torch.int8 and k.shape == rk.shape
+            scale = float(dequantize_blocks(rk, bs, torch.float32).abs().max()) / 127
+            assert torch.allclose(dequantize_blocks(k, bs, torch.float32), dequantize_blocks(rk, bs, torch.float32),
+                                  atol=1.01 * scale)  # NOTE: one step of int8 rounding apart at most
+        other = random_prompts(1, [40], vocab=loaded.config.vocab_size, seed=13)[0]  # NOTE: none of it cached
+        res = reserve(group, "back", other, group.kv_layout)
+        group.write_kv_blocks(res, 1, 0, 0, layers[0][0])  # the bytes round trip exactly, scales included
+        assert torch.equal(group.runner.read_blocks(1, res.fresh_blocks)[0], layers[0][0])
+        group.abort_request("back")
+    finally:
+        group.close()
+
+
+def test_a_kv_read_or_write_after_a_rank_died_fails_the_group(models: dict[str, LoadedModel]) -> None:
+    group = engine(models["gqa-8q-4kv"], 2)
+    try:
+        runner = group.runner
+        assert isinstance(runner, TPModelRunner)
+        k, _ = runner.read_blocks(0, [0, 1])
+        pid = runner.followers.procs[0].process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TPGroupError, match=rf"group of 2 failed: rank 1 \(pid {pid}\): killed by SIGKILL"):
+            runner.read_blocks(0, [0, 1])
+        assert time.monotonic() - start < 30  # NOTE: not the group's timeout: closed sockets fail at once
+        with pytest.raises(TPGroupError, match="rank 1"):  # and every later use, at once
+            runner.write_blocks(0, 0, [0, 1], k)
+        with pytest.raises(TPGroupError, match="rank 1"):
+            group.add_request("x", [101, 102, 103], SamplingParams(max_tokens=2))
+            group.step()
+    finally:
+        group.close()
+
+
+def test_nixl_is_refused_for_a_group_and_a_closed_group_reads_nothing(models: dict[str, LoadedModel]) -> None:
+    from kv_transfer.pool import KVPool
+
+    group = engine(models["gqa-8q-4kv"], 2)
+    try:
+        with pytest.raises(InvalidRequestError, match="tensor_parallel_size: 2: the nixl transport reads") as e:
+            _ = KVPool(group).kv  # NOTE: rank 0's tensor holds its own KV heads only
+        assert e.value.field == "tensor_parallel_size"
+    finally:
+        group.close()
+    with pytest.raises(TPGroupError, match="closed"):  # NOTE: the followers' KV threads are gone: no wait
+        group.runner.read_blocks(0, [0])
