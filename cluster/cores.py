@@ -11,7 +11,7 @@ Life of a worker's share:
 2. before each engine step, on the engine loop's thread, `before_step()` marks this worker busy (one byte in the
    mapped file) and, when it lends and the step has at least `min_tokens` of prompt work left (short work ran
    slower on borrowed cores), reads every slot and applies `plan()`: torch threads, and the cores of every thread
-   of this process (idle OpenMP threads sleep: OMP_WAIT_POLICY=PASSIVE, pdcluster/launch.py); otherwise its own;
+   of this process (idle OpenMP threads sleep: OMP_WAIT_POLICY=PASSIVE, pdcluster/launch_actors.py); otherwise its own;
 3. when the loop runs out of work, `idle()` marks it idle (the peers read that before their next step) and puts
    it back on its own cores and threads;
 4. `leave()` frees the slot and removes the file after the node's last worker (a killed worker's slot is reclaimed

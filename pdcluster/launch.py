@@ -20,40 +20,24 @@ import hashlib
 import hmac
 import logging
 import os
-import pathlib
 import secrets
 import time
 from typing import Any, cast
 
-from cluster import cores
 from cluster.messages import Role, WorkerInfo
 from cluster.prefix_index import PrefixIndex, heartbeat_key
 from cluster.process import pin_cpus
-from cluster.worker import WorkerSpec
 from pdcluster import security
 from pdcluster.config import ClusterConfig
+from pdcluster.config_pool import PoolConfig
 from pdcluster.core_plan import CorePlan, plan_cores
+from pdcluster.launch_actors import check_resources, check_room, start_actor, worker_spec
 from pdcluster.redis_server import EmbeddedRedis, connect
 from router.policy import WorkerView
 from router.pools import WorkerHandle
 
 log = logging.getLogger(__name__)
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER_START_TIMEOUT_S = 600.0
-
-
-def worker_env(torch_threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of a worker process: our code importable, one thread pool of the configured size."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    # NOTE: PASSIVE: idle OpenMP threads sleep instead of spinning; two busy-waiting pools on 2 cores thrash.
-    # NOTE: every decode step gathers batch x context x KV bytes per layer into fresh tensors of several MB. Above
-    # glibc's mmap threshold (128 KiB until a big chunk has been freed) each one is a fresh mmap, page-faulted in
-    # and unmapped again; the largest fixed threshold (32 MiB) and a high trim threshold keep them on the heap
-    # (see pdcluster/plan/README.md, "What the profiling found in the engine").
-    faults = {k: v for k, v in os.environ.items() if k.startswith("PDC_FAULT_")}  # NOTE: tests' fault injection
-    return {"PYTHONPATH": path, "OMP_NUM_THREADS": str(torch_threads), "OMP_WAIT_POLICY": "PASSIVE",
-            "RAY_USAGE_STATS_ENABLED": "0", "GRPC_VERBOSITY": "ERROR",
-            "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30), **(extra or {}), **faults}
 
 
 def use_ray_token() -> None:
@@ -220,17 +204,11 @@ class Cluster:
         return WorkerHandle(name, info.role, self.actors[name], info,
                             WorkerView(name, info.num_blocks, info.max_num_seqs))
 
-    @staticmethod
-    def _check_room(role: Role, pool: Any, free: dict[str, float]) -> None:
-        """RESOURCE_EXHAUSTED when no node has room for one more actor of `pool` (Ray would wait for one forever)."""
-        from router.errors import Overloaded
+    # NOTE: the checks live in pdcluster/launch_actors.py; the cluster runs them against its config
+    _check_room = staticmethod(check_room)
 
-        need = pool.ray_resources()  # NOTE: a TP n worker reserves n ranks' CPUs and GPUs
-        short = {k: v for k, v in need.items() if v > 0 and free.get(k, 0.0) + 1e-9 < v}
-        if short:
-            raise Overloaded(f"the Ray cluster has no room for another {role} worker: it needs "
-                             + ", ".join(f"{k} {v:g} ({free.get(k, 0.0):g} free)" for k, v in short.items())
-                             + "; add nodes of its type or lower the other pool")
+    def _check_resources(self, available: dict[str, float]) -> None:
+        check_resources(self.config, available)
 
     def stop_worker(self, name: str) -> None:
         """Close one worker (it unregisters from the prefix index) and kill its actor."""
@@ -246,61 +224,13 @@ class Cluster:
             log.info("closing %s: %s", name, e)
         ray.kill(actor, no_restart=True)
 
-    def _start_actor(self, role: Role, index: int, pool: Any, number: int = 0) -> None:
-        from decode_workers.actor import DecodeActor
-        from prefill_workers.actor import PrefillActor
-
-        cfg, name = self.config, f"{role}-{index}"
+    def _start_actor(self, role: Role, index: int, pool: PoolConfig, number: int = 0) -> None:
+        cfg = self.config
         self._started += 1
-        tp = any(p.tensor_parallel_size > 1 for p in cfg.pools().values())  # NOTE: nixl then gives way to grpc
-        transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device, tp),
-                                       cluster_token=self.cluster_token, tls=self.kv_tls)
-        # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL
-        # target, and shortest_first promotes a prompt nearing the TTFT target (engine/step_budget.py)
-        engine = dataclasses.replace(pool.engine_config(cfg.lora), step_target_ms=cfg.router.slo_itl_ms,
-                                     ttft_target_ms=cfg.router.slo_ttft_ms)
-        spec = WorkerSpec(name, role, cfg.model, engine, transfer, redis_url=self.redis_url,
-                          key_prefix=cfg.redis.key_prefix, kv_host=cfg.transfer.host, log_level=cfg.logging.level,
-                          log_format=cfg.logging.format, redis_auth=self.redis_auth,
-                          cpus=self.core_plan.cores(cfg, role, index), nice=pool.nice,
-                          served_model_name=cfg.served_model_name,
-                          metrics_host=cfg.metrics.worker_host, tracing=cfg.tracing.settings(),
-                          metrics_port=(cfg.metrics.worker_port and cfg.metrics.worker_port + number)
-                          if cfg.metrics.workers else None, lora_modules=tuple(cfg.lora.modules.items()))
-        if pool.device == "cpu" and any(p.lend_idle_cores for p in cfg.pools().values()):
-            # NOTE: every CPU worker of the cluster marks busy/idle on its node; only lending pools borrow
-            spec = dataclasses.replace(spec, cores_group=cores.group_name(cfg.redis.key_prefix, self.cluster_token),
-                                       lend_cores=pool.lend_idle_cores,
-                                       lend_min_tokens=pool.lend_min_prompt_tokens)
-        cls = PrefillActor if role is Role.PREFILL else DecodeActor
-        # NOTE: one actor holds every rank of its TP group (the followers are its child processes, on its node):
-        # it reserves their CPUs and GPUs, and CUDA_VISIBLE_DEVICES then lists the n GPUs, rank r on the r-th
-        res = pool.ray_resources()
-        self.actors[name] = cls.options(  # type: ignore[union-attr]
-            name=name, namespace=cfg.ray.namespace, num_cpus=res["CPU"], num_gpus=res["GPU"],
-            resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,
-            # NOTE: detached: a worker outlives the router that started it (a crash, `kill -9`, keep_workers)
-            lifetime="detached",
-            # NOTE: as Ray Serve places replicas: a pool's workers on as many nodes as can take them, so losing
-            # a node loses as few of them as possible
-            scheduling_strategy="SPREAD",
-            runtime_env={"env_vars": worker_env(pool.torch_threads, pool.env_vars)}).remote(spec)
-
-    def _check_resources(self, available: dict[str, float]) -> None:
-        """Fail early, naming the pools, when Ray cannot place every actor (it would wait forever)."""
-        need: dict[str, float] = {}
-        parts: dict[str, list[str]] = {}
-        for role, pool in self.config.pools().items():
-            for key, per in pool.ray_resources().items():  # NOTE: per actor: all ranks of its TP group
-                if per > 0:
-                    need[key] = need.get(key, 0.0) + per * pool.replicas
-                    parts.setdefault(key, []).append(f"{role}: {pool.replicas} x {per:g}")
-        for key, total in need.items():
-            if total > available.get(key, 0.0) + 1e-9:
-                raise security.SetupError(
-                    f"the pools need {total:g} {key} ({', '.join(parts[key])}) but the Ray cluster has "
-                    f"{available.get(key, 0.0):g}: lower the replicas or the per-actor {key} of a pool, or give Ray "
-                    "more (ray.num_cpus)")
+        spec = worker_spec(cfg, role, index, pool, number, redis_url=self.redis_url, redis_auth=self.redis_auth,
+                           cluster_token=self.cluster_token, kv_tls=self.kv_tls,
+                           cpus=self.core_plan.cores(cfg, role, index))
+        self.actors[spec.name] = start_actor(cfg, pool, spec)
 
     @property
     def attached(self) -> bool:

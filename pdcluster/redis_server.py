@@ -9,8 +9,8 @@ is SIGKILLed leaves no redis-server behind; `stop()` is still the normal way out
 lives as long as the server should (the main thread): the signal follows the spawning thread, not the process.
 NOTE: `supervise()` restarts a server that died (killed, out of memory) on the same port with the same password, so
 the workers' clients reconnect by themselves; it comes back empty (no persistence) and every worker resyncs its
-cache under a new epoch (cluster/worker.py). `failure` says when restarts keep failing (the router's /live then
-answers 503: only a restart of the process helps).
+cache under a new epoch (cluster/worker_publisher.py). `failure` says when restarts keep failing (the router's /live
+then answers 503: only a restart of the process helps).
 """
 
 from __future__ import annotations

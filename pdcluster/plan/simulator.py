@@ -151,7 +151,7 @@ class Simulator:
         self.num_events = 0
 
     def _worker(self, role: str, i: int, ps: PoolShape) -> Worker:
-        # NOTE: as pdcluster/launch.py sets every engine's step_target_ms and ttft_target_ms from the router's SLOs
+        # NOTE: as pdcluster/launch_actors.py sets every engine's step_target_ms and ttft_target_ms from the SLOs
         sh = self.shape
         budget = StepBudget(None if sh.slo_itl_ms is None else sh.slo_itl_ms / 1e3,
                             None if sh.slo_ttft_ms is None else sh.slo_ttft_ms / 1e3)
