@@ -19,6 +19,7 @@ The plan (`plan_cores`), for a private Ray (`ray.address: local`: every worker r
    core is left it is not pinned.
 A worker added later (`pdcluster scale`, the autoscaler) beyond a pool's replicas is not pinned; a restarted one
 keeps its cores. On a Ray cluster that this process joins, `auto` pins nothing (the nodes' cores are not known).
+Two clusters started on one machine both plan from the same cores: give one of them explicit lists (or null).
 """
 
 from __future__ import annotations
