@@ -1,11 +1,10 @@
 """Cores of this node for `cpu_affinity: auto`: each worker on cores of its own, the router off the decode cores.
 
-On a machine where the workers, the router and the clients share a few cores, the scheduler preempts a decode
-worker's engine thread whenever the router or a client wakes up (once per token of a stream): measured on this
-2-core machine, one `tiny` stream of 1,900 tokens made ~1.6 involuntary context switches per token of the engine
-thread and ran at 1,000-1,160 tokens/s; with the decode worker on a core of its own and the router's process off
-it, 1,740-1,780 (the engine alone: 2,030). vLLM's CPU backend binds its workers' threads the same way by default
-(`VLLM_CPU_OMP_THREADS_BIND=auto`) and keeps a core for its API server.
+On a machine where the workers, the router and the clients share a few cores, the scheduler can preempt a decode
+worker's engine thread whenever the router or a client wakes up (once per token of a stream). Keeping them apart
+mattered while other jobs loaded this 2-core machine; on the quiet machine `pdcluster bench path` showed no steady
+difference either way (BENCHMARKS.md, the request path, session 11). vLLM's CPU backend binds its workers' threads
+the same way by default (`VLLM_CPU_OMP_THREADS_BIND=auto`) and keeps a core for its API server.
 
 The plan (`plan_cores`), for a private Ray (`ray.address: local`: every worker runs on this node):
 1. the pools that say `auto` take cores from the top of this process's cores down, `torch_threads` per rank each
