@@ -150,7 +150,9 @@ class Worker(IndexMember):
 
     def _on_step(self, step_started: float) -> None:
         computed = self.engine.stats().computed_tokens
-        self.step_cost.observe(computed - self._computed, time.monotonic() - step_started)
+        took = time.monotonic() - step_started
+        self.step_cost.observe(computed - self._computed, took)
+        self.metrics.step.observe(took)
         self._computed = computed
         # NOTE: the engine's ITL budget follows the same measured cost the router predicts with
         self.engine.scheduler.budget.set_cost(self.step_cost.base_s, self.step_cost.per_token_s)

@@ -19,6 +19,7 @@ would scrape a vLLM pod; the router's /metrics keeps the cluster view. The worke
 | `vllm:lora_requests_info`            | gauge     | labels: max_lora, the adapters of running / waiting  |
 |                                      |           | requests (comma-separated); value: the scrape time   |
 | `pdcluster_kv_transfer_seconds`      | histogram | prefill workers: first token → KV confirmed          |
+| `pdcluster_engine_step_seconds`      | summary   | the engine's steps: how many, and their seconds      |
 
 Every series has the label `model_name` (the served model's name), as vLLM's.
 """
@@ -31,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, Summary, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -159,6 +160,10 @@ class WorkerMetrics:
                                  buckets=LATENCY_BUCKETS_S, registry=r).labels(model_name)
         self.transfer = Histogram("pdcluster_kv_transfer_seconds", "First token to KV confirmed by the decode side.",
                                   m, buckets=LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        # NOTE: a count and a sum (no buckets: two additions on the engine thread per step); their rates give the
+        # mean step (`pdcluster bench path` sets it beside the engine alone's, on the same prompts)
+        self.step = Summary("pdcluster_engine_step_seconds", "The engine's steps on this worker.", m,
+                            registry=r).labels(model_name)
         self._server: Any = None
         self.port = 0
 

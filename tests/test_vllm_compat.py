@@ -212,6 +212,8 @@ def test_every_metric_the_grafana_dashboard_queries_is_scraped(front):
                        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
             assert [s.labels["model_name"] for s in own[metric]] == ["smollm2"], (name, metric)
         assert own["vllm:generation_tokens_total"][0].value >= 1  # the first token there, the rest here
+        assert own["pdcluster_engine_step_seconds_count"][0].value >= 1  # NOTE: read by `pdcluster bench path`
+        assert own["pdcluster_engine_step_seconds_sum"][0].value > 0
         if name == "prefill-0":
             assert own["vllm:prompt_tokens_total"][0].value > 0
             assert own["vllm:request_prefill_time_seconds_count"][0].value >= 1

@@ -204,3 +204,20 @@ def test_worker_metrics_read_the_heartbeat_load():
     assert got["vllm:kv_cache_usage_perc"] == 0.25
     assert (got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]) == (64, 32)
     assert got["vllm:generation_tokens_total"] == 5 and got["vllm:time_to_first_token_seconds_count"] == 1
+
+
+def test_worker_metrics_count_the_engines_steps_and_bench_path_reads_them():
+    from pdcluster.bench.cluster_proc import free_port
+    from pdcluster.bench.path import worker_steps
+
+    m = WorkerMetrics("tiny", lambda: WorkerLoad())
+    port = m.serve("127.0.0.1", free_port())
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert worker_steps(url) == (0.0, 0.0)
+        for took in (0.002, 0.003, 0.005):
+            m.step.observe(took)
+        steps, seconds = worker_steps(url)
+        assert steps == 3 and abs(seconds - 0.01) < 1e-9
+    finally:
+        m.close()

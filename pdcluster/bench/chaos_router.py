@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import yaml
 
-from pdcluster.bench.cluster_proc import ROOT
+from pdcluster.bench.cluster_proc import ROOT, free_port
 from pdcluster.bench.report import log
 from pdcluster.config import ClusterConfig
 from router.v1 import inference_pb2 as pb
@@ -29,20 +29,13 @@ from router.v1 import inference_pb2 as pb
 START_TIMEOUT_S = 180.0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 class ExtraRouter:
     """One `pdcluster router` attached to serve's Ray and Redis; `restart()` is the chaos fault."""
 
     def __init__(self, config: ClusterConfig, ep: dict[str, str]) -> None:
         cfg = config.model_copy(deep=True)
-        cfg.router.port, cfg.http.port, cfg.metrics.port = _free_port(), _free_port(), _free_port()
+        cfg.router.port, cfg.http.port, cfg.metrics.port = free_port(), free_port(), free_port()
         cfg.http.enabled = cfg.metrics.enabled = True
         self.grpc = f"{cfg.router.host}:{cfg.router.port}"
         self.http = f"{cfg.http.host}:{cfg.http.port}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,25 @@ def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float 
     finally:
         _stop(proc)
         os.unlink(f.name)
+
+
+def free_port(n: int = 1) -> int:
+    """A port of 127.0.0.1 free now, with the `n - 1` after it free too (a base port, as `metrics.worker_port`)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port + n - 1 <= 65535 and all(_bindable(port + i) for i in range(1, n)):
+            return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _kernel_built() -> None:

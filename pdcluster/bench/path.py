@@ -9,7 +9,10 @@ For each model it runs, in one process and on the same prompts (fresh random tok
 3. where a first token's time goes: the router's own timeline of the TTFT requests (queue: arrival to the prefill's
    start on a worker; prefill: to its first token; first token: arrival to the token leaving the router);
 4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its /proc times: the router,
-   its Ray driver and everything else `serve` runs in that process).
+   its Ray driver and everything else `serve` runs in that process);
+5. where one stream's time per token goes: the decode worker's own engine steps over the 1-stream runs (its
+   `pdcluster_engine_step_seconds` summary), beside the engine alone's steps on the same kind of prompts; what is
+   left of the time per token is the path's (relay, the worker's loop, the client).
 The ratios (cluster / engine) are what carries over to a GPU: the path's own cost next to the engine's step.
 """
 
@@ -21,6 +24,7 @@ import os
 import random
 import statistics
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-tokens", type=int, default=64, help="tokens of the batch-1 stream whose gaps are ITL")
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput case")
     p.add_argument("--stream-tokens", type=int, default=256, help="tokens per stream in the throughput cases")
+    p.add_argument("--one-rounds", type=int, default=5, help="1-stream runs of each side (the median is reported: "
+                   "one run of 256 tiny tokens lasts ~0.1 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_path.json")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -88,10 +94,18 @@ def engine_alone(loaded: Any, config_path: str, prompts: list[list[int]], args: 
     # NOTE: 8 tokens, not 1: a request that ends at its first token never waits for the KV handoff
     ttft = [run([p], TTFT_TOKENS)[0][0] for p in prompts[2:2 + args.ttft_requests]]
     _, steps, _ = run([prompts[-1]], args.itl_tokens)
-    one = run([prompts[-2]], args.stream_tokens)[2]
+    ones = [run([p], args.stream_tokens) for p in _one_prompts(prompts, args.one_rounds)]
     many = run(prompts[:args.streams], args.stream_tokens)[2]
+    one_steps = [s for _, st, _ in ones for s in st]
     return {"ttft_ms_p50": _ms(statistics.median(ttft)), "step_ms_p50": _ms(statistics.median(steps[1:])),
-            "tok_s_1": args.stream_tokens / one, f"tok_s_{args.streams}": args.streams * args.stream_tokens / many}
+            "tok_s_1": statistics.median(args.stream_tokens / o[2] for o in ones),
+            "step_ms_mean_1": _ms(sum(one_steps) / len(one_steps)),
+            f"tok_s_{args.streams}": args.streams * args.stream_tokens / many}
+
+
+def _one_prompts(prompts: list[list[int]], rounds: int) -> list[list[int]]:
+    """The 1-stream runs' prompts: the `rounds` before the last (the ITL case's), fresh to every other case."""
+    return prompts[-1 - rounds:-1]
 
 
 # ---- 2. through the cluster --------------------------------------------------------------------------------------
@@ -99,16 +113,17 @@ Stream = Callable[[str, list[int], int], Awaitable[Timed]]
 
 
 async def through_cluster(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                          pid: int) -> dict[str, Any]:
-    """The same cases as `engine_alone`, as a client of `addr` sees them."""
+                          pid: int, steps_url: str) -> dict[str, Any]:
+    """The same cases as `engine_alone`, as a client of `addr` sees them (`steps_url`: the decode worker's
+    /metrics)."""
     try:
-        return await _cases(stream, addr, prompts, args, pid)
+        return await _cases(stream, addr, prompts, args, pid, steps_url)
     finally:
         await close_all()
 
 
 async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                 pid: int) -> dict[str, Any]:
+                 pid: int, steps_url: str) -> dict[str, Any]:
     await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
     ttft, parts = [], []
     for p in prompts[2:2 + args.ttft_requests]:
@@ -117,9 +132,11 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
         parts.append(timed.timeline)
         await asyncio.sleep(0.2)  # NOTE: idle between requests: the heartbeats show the workers idle again
     itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
-    t = time.perf_counter()
-    one = await stream(addr, prompts[-2], args.stream_tokens)
-    one_s = time.perf_counter() - t
+    ones, steps0 = [], await asyncio.to_thread(worker_steps, steps_url)
+    for p in _one_prompts(prompts, args.one_rounds):
+        t = time.perf_counter()
+        ones.append((await stream(addr, p, args.stream_tokens), time.perf_counter() - t))
+    steps1 = await asyncio.to_thread(worker_steps, steps_url)
     # NOTE: the router's CPU at idle (heartbeat reads, pings, lease renewals) over a few seconds, taken out of the
     # run's figure for the net one: what relaying the tokens cost
     cpu0, t = _cpu_s(pid), time.perf_counter()
@@ -129,17 +146,30 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     many = await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in prompts[:args.streams]))
     many_s, cpu = time.perf_counter() - t, _cpu_s(pid) - cpu0
     relayed = sum(r.tokens for r in many)
-    bad = [r.tokens for r in [one, *many] if r.tokens != args.stream_tokens]
+    bad = [r.tokens for r in [*(r for r, _ in ones), *many] if r.tokens != args.stream_tokens]
     if bad:
         log(BENCH, f"WARNING: {len(bad)} streams ended short of {args.stream_tokens} tokens: {bad[:4]}")
     # NOTE: the router's own timeline of the TTFT requests: where the first token's time went before it left the router
     timeline = {f"router_{k.removesuffix('_ms')}_ms_p50": round(statistics.median(t[k] for t in parts), 2)
                 for k in TIMELINE_PARTS if all(k in t for t in parts)}
     return {"ttft_ms_p50": _ms(statistics.median(ttft)), **timeline, "itl_ms_p50": _ms(statistics.median(itl)),
-            "tok_s_1": one.tokens / one_s, f"tok_s_{args.streams}": relayed / many_s,
+            "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": relayed / many_s,
+            "worker_step_ms_mean_1": _ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
             "router_idle_cpu": idle_rate}
+
+
+def worker_steps(url: str) -> tuple[float, float]:
+    """(steps, seconds) so far of a worker's engine, from its /metrics (`pdcluster_engine_step_seconds`)."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    got = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in ("pdcluster_engine_step_seconds_count", "pdcluster_engine_step_seconds_sum"):
+            got[name.rsplit("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
+    return got.get("count", 0.0), got.get("sum", 0.0)
 
 
 def _cpu_s(pid: int) -> float:
@@ -159,7 +189,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
     loaded = load_model(model)
     vocab = loaded.config.vocab_size
-    n = 2 + args.ttft_requests + max(args.streams, 2)
+    n = 2 + args.ttft_requests + max(args.streams, 2) + args.one_rounds
     fronts = [f for f in args.fronts.split(",") if f]
     rng = random.Random(args.seed)
     prompts = {f: _prompts(rng, n, args.prompt_len, vocab) for f in ["engine", *fronts]}
@@ -169,11 +199,16 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg.model = model
     cfg.router.skip_prefill_max_uncached_tokens = 0  # NOTE: every request crosses the handoff
     cfg.router.slo_itl_ms = None
+    # NOTE: worker i of the cluster (pools in order: prefill, then decode) serves its /metrics on base + i
+    cfg.metrics.workers, cfg.metrics.worker_host = True, "127.0.0.1"
+    cfg.metrics.worker_port = base = cluster_proc.free_port(cfg.prefill.replicas + cfg.decode.replicas)
+    steps_url = f"http://127.0.0.1:{base + cfg.prefill.replicas}/metrics"  # decode-0
     with cluster_proc.serving_endpoints(cfg, f"path-{model}") as ep:
         for front in fronts:
             log(BENCH, f"{model}: through the cluster over {front}")
             addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
-            result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"])))
+            result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"]),
+                                                        steps_url))
     eng = result["engine"]
     for front in fronts:
         r = result[front]
@@ -208,6 +243,16 @@ def format_table(f: dict[str, Any]) -> str:
                 lines.append(f"| {model} | {front} | {r['engine']['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
                              f"{c['router_first_token_ms_p50']:.1f} | {c['router_queue_ms_p50']:.1f} | "
                              f"{c['router_prefill_ms_p50']:.1f} |")
+    lines += ["", "One stream, ms per token: the decode worker's own engine step (mean over the 1-stream runs) and "
+              "the rest (relay, the worker's loop, the client):", "",
+              "| model | front | engine alone: step | through the cluster: per token | decode worker's step | rest |",
+              "|" + "---|" * 6]
+    for model, r in f["models"].items():
+        for front in (k for k in r if k != "engine"):
+            c, per_token = r[front], 1e3 / r[front]["tok_s_1"]
+            if "worker_step_ms_mean_1" in c:
+                lines.append(f"| {model} | {front} | {r['engine']['step_ms_mean_1']:.3f} | {per_token:.3f} | "
+                             f"{c['worker_step_ms_mean_1']:.3f} | {per_token - c['worker_step_ms_mean_1']:.3f} |")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from pdcluster.bench import soak_faults
+from pdcluster.bench.cluster_proc import free_port
 from pdcluster.bench.report import emit, log
 from pdcluster.bench.soak_faults import Faults
 from router.v1 import inference_pb2 as pb
@@ -164,13 +165,6 @@ def format_table(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def run(args: argparse.Namespace) -> int:
     if args.addr:
@@ -196,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
             need = sum(p.ray_resources()["CPU"] * p.replicas for p in config.pools().values())  # every rank
             if config.ray.address == "local" and (config.ray.num_cpus or os.cpu_count() or 1) < need:
                 config.ray.num_cpus = need  # NOTE: logical CPUs: the workers share the cores, as the soak intends
-        config.metrics.enabled, config.metrics.port = True, _free_port()
+        config.metrics.enabled, config.metrics.port = True, free_port()
         logs.configure("router", "WARNING", config.logging.format)
         result: dict[str, Any] = {}
         faults = Faults(args, config.ray.namespace, f"http://127.0.0.1:{config.metrics.port}/metrics",

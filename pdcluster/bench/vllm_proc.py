@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from pdcluster.bench.cluster_proc import free_port
 from pdcluster.bench.report import log
 
 DEFAULT_VENV = os.environ.get("VLLM_VENV", "/work/vllm-venv")
@@ -39,11 +39,6 @@ def vllm_python(venv: str) -> str:
                      f"or point --vllm-venv (or $VLLM_VENV) at one")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _drain(stream: object, tail: list[str]) -> None:
     for line in stream:  # type: ignore[attr-defined]
@@ -56,7 +51,7 @@ def vllm_serving(venv: str, model_dir: str, *, cores: str = "0-1", kv_cache_gb: 
                  extra_args: Sequence[str] = (), start_timeout_s: float = 600.0) -> Iterator[str]:
     """Start vLLM's OpenAI server on `model_dir` (an HF directory); yield its base URL (…/v1); stop it after."""
     python = vllm_python(venv)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb), VLLM_CPU_OMP_THREADS_BIND=cores,
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.pop("PYTHONPATH", None)  # NOTE: vLLM's venv must not import this checkout's packages (or their torch)
