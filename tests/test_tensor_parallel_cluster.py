@@ -44,11 +44,23 @@ def cluster(request, ray_session):
                                    slo_itl_ms=None, max_predicted_ttft_ms=600_000)
     yield request.param, c, server
     server.close()
-    c.stop()
+    # a TP worker stopped for good (what a scale-down does once it drained) takes its placement group with it; so
+    # does a stopped cluster
     from ray.util import placement_group_table
 
+    from pdcluster.launch_actors import placement_name
+
+    def states(name: str) -> list[str]:
+        return [t["state"] for t in placement_group_table().values() if t["name"] == placement_name(c.config, name)]
+
+    tp_worker = f"decode-{decode_replicas - 1}" if decode_tp > 1 else "prefill-0"
+    assert states(tp_worker) == ["CREATED"]
+    c.stop_worker(tp_worker)
+    assert states(tp_worker) == ["REMOVED"]
+    c.stop()
     left = [t for t in placement_group_table().values() if t["name"].startswith(f"test-tp-{request.param}/")]
-    assert left and all(t["state"] == "REMOVED" for t in left), left
+    assert len(left) == decode_replicas * (decode_tp > 1) + (prefill_tp > 1), left
+    assert all(t["state"] == "REMOVED" for t in left), left
 
 
 def prompts(tag: str, n: int, repeat: int = 1) -> list[str]:
