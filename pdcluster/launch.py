@@ -10,8 +10,8 @@ Life of a cluster started by `pdcluster serve`:
    name (prefix cache and all) once it proves the same cluster token; one that cannot is replaced;
 4. while serving, `start_worker(role)` / `stop_worker(name)` add and remove one worker (router/scaling.py drives
    them: `pdcluster scale`);
-5. `stop()` closes the workers and kills the actors (unless `ray.keep_workers`), shuts down a Ray it started and
-   stops an embedded Redis.
+5. `stop()` closes the workers and kills the actors, TP workers' placement groups removed too (unless
+   `ray.keep_workers`), shuts down a Ray it started and stops an embedded Redis.
 """
 
 from __future__ import annotations
