@@ -155,7 +155,6 @@ class RayRanks:
         self.host = host
         self.actors: dict[int, Any] = {}
         self.places: dict[int, RankPlace] = {}  # known once the rank is built
-        self.pid: dict[int, int] = {}
         for rank, (ecfg, shard) in enumerate(zip(rank_cfgs, shards), start=1):
             bundle = bundles[rank]
             # NOTE: through the object store, on the host: a CUDA shard would be pickled as rank 0's device
@@ -179,13 +178,13 @@ class RayRanks:
             if not done:
                 rank = min(waiting.values())
                 raise TPGroupError(f"TP rank {rank} of {self.host.worker} was not built within {timeout_s:.0f} s "
-                                   f"(placed in bundle {rank} of its placement group, or still loading its shard)")
+                                   f"(waiting for bundle {rank} of its placement group, or loading its shard)")
             rank = waiting.pop(done[0])
             try:
                 place: RankPlace = ray.get(done[0])
             except RayError as e:
                 raise TPGroupError(f"TP rank {rank} of {self.host.worker} failed to load its shard:\n{e}") from e
-            self.places[rank], self.pid[rank] = place, place.pid
+            self.places[rank] = place
             if place.node_id != ray.get_runtime_context().get_node_id():
                 # NOTE: `dead` watches pids of this node: a group spread over nodes would go unwatched
                 raise TPGroupError(f"TP rank {rank} of {self.host.worker} runs on node {place.node_id}, not rank 0's "
@@ -195,12 +194,13 @@ class RayRanks:
         """'rank r (pid p): ...' for every built rank whose process is gone (waiting up to `grace_s` for one).
 
         NOTE: by pid, every 50 ms at idle (cluster/tp_group.py): a read of /proc, no call through Ray. Rank 0 and
-        its ranks share a node (the placement group is STRICT_PACK), so the pids are this node's."""
+        its ranks share a node (the placement group is STRICT_PACK; `wait_built` checks it), so the pids are this
+        node's. A pid reused by a new process within one check would be missed; rank 0's next collective fails."""
         deadline = time.monotonic() + grace_s
         while True:
-            gone = [rank for rank, pid in self.pid.items() if not alive(pid)]
+            gone = [p for p in self.places.values() if not alive(p.pid)]
             if gone or time.monotonic() >= deadline:
-                return [f"rank {r} (pid {self.pid[r]}, a Ray actor): its process ended" for r in gone]
+                return [f"rank {p.rank} (pid {p.pid}, a Ray actor): its process ended" for p in gone]
             time.sleep(0.01)
 
     def join(self, timeout_s: float) -> None:
@@ -213,10 +213,10 @@ class RayRanks:
 
     def kill(self) -> None:
         """SIGKILL every built rank's process (at once: rank 0 may end its own next), and ray.kill every actor."""
-        for pid in self.pid.values():
-            if alive(pid):
+        for p in self.places.values():
+            if alive(p.pid):
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
         try:
@@ -229,7 +229,7 @@ class RayRanks:
 
     def pids(self) -> list[int]:
         """The built ranks' pids, rank 1 first."""
-        return [self.pid[r] for r in sorted(self.pid)]
+        return [self.places[r].pid for r in sorted(self.places)]
 
 
 def places(group: FollowerGroup) -> list[RankPlace]:
