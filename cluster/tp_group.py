@@ -1,5 +1,8 @@
 """A worker's tensor-parallel group seen from rank 0: its followers' pids, and ending the process when it failed.
 
+The followers are Ray actors of the worker's placement group when the launcher gave it one (cluster/tp_ranks.py),
+else processes of the worker's (the engine's own launcher); both are the engine's `FollowerGroup` here.
+
 NOTE: a TP group is one worker: half of it must not serve on. A worker whose group failed ends its process, which
 makes it a dead worker like any other: the router fails its requests over and Ray restarts the actor as a unit.
 """
@@ -11,11 +14,17 @@ import os
 import threading
 from typing import NoReturn
 
-from engine.parallel.launch import TPGroupError
+from engine.parallel.launch import FollowerGroup, TPGroupError
+from engine.parallel.runner import TPModelRunner
 
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_FAILED = 70  # the process's exit code when its engine can never step again (EX_SOFTWARE)
+
+
+def followers(runner: object) -> FollowerGroup | None:
+    """The followers of `runner`'s TP group; None at TP 1 (a plain ModelRunner)."""
+    return runner.followers if isinstance(runner, TPModelRunner) else None
 
 
 def end_process(name: str, error: BaseException, runner: object) -> NoReturn:
@@ -23,14 +32,14 @@ def end_process(name: str, error: BaseException, runner: object) -> NoReturn:
 
     NOTE: ending the process makes it a dead worker like any other: the router fails its requests over (streams
     resume elsewhere, no token lost or repeated) and Ray restarts the actor, which starts a fresh group as a unit (the
-    pool's `max_restarts`). The followers still running are killed first (os._exit runs no finalizer; they would
-    leave on their own within a parent poll).
+    pool's `max_restarts`). The followers still running are killed first (os._exit runs no finalizer; follower
+    processes would leave on their own within a parent poll, rank actors once Ray sees their owner gone).
     """
     log.critical("%s: %s; ending this worker's process (exit code %d) so that its requests fail over and Ray "
                  "restarts it", name, error, EXIT_ENGINE_FAILED)
-    followers = getattr(runner, "followers", None)
-    if followers is not None:
-        followers.kill()
+    group = followers(runner)
+    if group is not None:
+        group.kill()
     for handler in logging.getLogger().handlers:
         handler.flush()
     os._exit(EXIT_ENGINE_FAILED)
@@ -39,17 +48,16 @@ def end_process(name: str, error: BaseException, runner: object) -> NoReturn:
 def check(name: str, runner: object, closed: threading.Event) -> None:
     """End this process if its TP group failed or lost a rank while no step noticed (an idle engine, or a KV
     write into the pool that failed on a receiver's thread): the next request would only fail over anyway."""
-    followers = getattr(runner, "followers", None)
-    if followers is None or closed.is_set():  # NOTE: TP 1; or closing, when the group stops on purpose
+    if not isinstance(runner, TPModelRunner) or closed.is_set():  # NOTE: TP 1; or closing, on purpose
         return
-    failure = getattr(runner, "failure", None)
-    dead = [] if failure is not None else followers.dead()
+    failure = runner.failure
+    dead = [] if failure is not None else runner.followers.dead()
     if failure is not None or dead:
-        end_process(name, failure or TPGroupError(f"tensor-parallel group of {len(followers.procs) + 1} lost "
+        end_process(name, failure or TPGroupError(f"tensor-parallel group of {runner.group.size} lost "
                                                   f"{'; '.join(dead)}"), runner)
 
 
 def follower_pids(runner: object) -> list[int]:
-    """The pids of a TP group's follower processes (ranks 1 .. n-1); empty at TP 1."""
-    followers = getattr(runner, "followers", None)
-    return [] if followers is None else [f.process.pid for f in followers.procs if f.process.pid is not None]
+    """The pids of a TP group's followers (ranks 1 .. n-1); empty at TP 1."""
+    group = followers(runner)
+    return [] if group is None else group.pids()

@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from cluster import faults, tp_group, tracing
+from cluster import faults, tp_group, tp_ranks, tracing
 from cluster.leases import RequestLeases
 from cluster.messages import DecodeRequest, Delta, WorkerInfo, WorkerLoad
 from cluster.outlet import Outlet
@@ -63,8 +63,10 @@ class Worker(IndexMember):
         self.spec = spec
         self.name = spec.name
         tracing.configure(spec.tracing, spec.name)
+        # NOTE: a TP worker of a cluster hosts its ranks 1 .. n-1 in Ray actors of its placement group
+        ranks = tp_ranks.launcher(tp_ranks.RankHost.of(spec)) if spec.placement_group else None
         self.engine = LLMEngine(loaded or load_model(spec.model, device=spec.engine.device, dtype=spec.engine.dtype),
-                                spec.engine)
+                                spec.engine, launch_followers=ranks)
         self.engine.warm_up()  # NOTE: before the step-cost fit and the prefix-cache events exist
         for lora_name, lora_path in spec.lora_modules:  # NOTE: a bad adapter fails the start, naming it
             self.engine.load_lora(lora_name, lora_path)
@@ -200,8 +202,13 @@ class Worker(IndexMember):
         tp_group.end_process(self.name, error, self.engine.runner)
 
     def tp_follower_pids(self) -> list[int]:
-        """The pids of this worker's TP follower processes (ranks 1 .. n-1); empty at TP 1."""
+        """The pids of this worker's TP followers (ranks 1 .. n-1: Ray actors, or processes); empty at TP 1."""
         return tp_group.follower_pids(self.engine.runner)
+
+    def tp_ranks(self) -> list[tp_ranks.RankPlace]:
+        """Where this worker's TP rank actors run (ranks 1 .. n-1); empty at TP 1 or when they are processes."""
+        group = tp_group.followers(self.engine.runner)
+        return [] if group is None else tp_ranks.places(group)
 
     def debug_hang(self, seconds: float) -> threading.Event:
         """Fault injection (tests, `bench soak --hang-at`): the engine loop hangs for `seconds` (cluster/faults.py)."""

@@ -74,6 +74,7 @@ class WorkerActor:
         if self.worker.cores is not None:
             info["lent_steps"] = self.worker.cores.lent_steps  # steps run on idle peers' cores (cluster/cores.py)
         info["tp_follower_pids"] = self.worker.tp_follower_pids()  # ranks 1 .. n-1 of its TP group (empty at TP 1)
+        info["tp_ranks"] = self.worker.tp_ranks()  # ... where Ray placed them (cluster/tp_ranks.py RankPlace)
         return info
 
     async def load(self) -> WorkerLoad:

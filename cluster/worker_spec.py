@@ -40,6 +40,9 @@ class WorkerSpec:
     lend_cores: bool = False  # step on idle peers' cores too (the pool's lend_idle_cores)
     lend_min_tokens: int = LEND_MIN_PROMPT_TOKENS  # ... only for steps with this many prompt tokens left to compute
     lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, PEFT directory) loaded at start
+    # TP > 1: the id (hex) of the worker's placement group; its TP ranks 1 .. n-1 are Ray actors in bundles 1 .. n-1
+    # (cluster/tp_ranks.py). Empty: they are processes of the worker's (the engine's own launcher)
+    placement_group: str = ""
 
 
 def join_cores(spec: WorkerSpec) -> CoreShare | None:

@@ -32,6 +32,7 @@ from engine.kv_seam import KVSeam
 from engine.loader import LoadedModel
 from engine.lora.slots import LoRASlots
 from engine.output import OutputProcessor, RequestOutput
+from engine.parallel.launch import FollowerLauncher
 from engine.parallel.runner import make_runner
 from engine.pool_size import kv_cache_dtype, pool_size
 from engine.sampling_params import SamplingParams
@@ -46,7 +47,8 @@ from engine.structured_output import StructuredOutputs
 class LLMEngine(KVSeam):
     """One model replica with its paged KV cache, scheduler and runner (plain class; workers wrap it)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
+                 launch_followers: FollowerLauncher | None = None) -> None:
         self.config = config = config or EngineConfig()
         torch.set_num_threads(config.threads)
         self.model_config = mcfg = loaded.config
@@ -57,8 +59,10 @@ class LLMEngine(KVSeam):
         self.scope = cache_scope(mcfg.model_id, str(kv_dtype).removeprefix("torch."))
         size = pool_size(mcfg, config)
         model_len = size.model_len
-        # NOTE: TP > 1: rank 0's runner, which starts the group's other ranks (engine/parallel/)
-        self.runner = make_runner(mcfg, config, loaded.weights, size.num_blocks, model_len, max_blocks=size.usable)
+        # NOTE: TP > 1: rank 0's runner, which starts the group's other ranks (engine/parallel/) with
+        # `launch_followers` (a cluster's Ray actors), else as processes of this machine
+        self.runner = make_runner(mcfg, config, loaded.weights, size.num_blocks, model_len, max_blocks=size.usable,
+                                  launcher=launch_followers)
         num_blocks = self.runner.num_blocks
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -38,8 +38,9 @@ class PoolConfig(BaseModel):
 
     replicas: int = Field(default=1, ge=0, description="actors in the pool; 0 only for a pool the mode does not run")
     tensor_parallel_size: int = Field(
-        default=1, gt=0, description="ranks of each actor's engine (vLLM's name), one process each on the actor's "
-        "node; num_cpus, num_gpus and torch_threads are per rank (an actor of TP n reserves n times them)")
+        default=1, gt=0, description="ranks of each worker's engine (vLLM's name), one Ray actor each, all in the "
+        "worker's placement group on one node; num_cpus, num_gpus and torch_threads are per rank (a worker of TP n "
+        "reserves n times them)")
     num_cpus: float = Field(default=1.0, gt=0, description="Ray logical CPUs reserved per rank (per actor at TP 1)")
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved per rank (a fraction shares one GPU; "
                             "TP > 1 on cuda: 1)")
@@ -118,10 +119,10 @@ class PoolConfig(BaseModel):
         """What a TP group's engine (engine/parallel/runner.py) would refuse at actor start, refused here instead."""
         n = self.tensor_parallel_size
         if self.device == "cuda" and self.num_gpus != 1:
-            # NOTE: rank r computes on the actor's r-th GPU (engine/parallel/runner.py rank_device), and NCCL cannot
-            # put two ranks on one GPU: the actor asks Ray for exactly n whole GPUs
+            # NOTE: each rank's actor computes on the GPU of its bundle (cluster/tp_ranks.py), and NCCL cannot put
+            # two ranks on one GPU: each bundle asks Ray for exactly one whole GPU
             raise _RuleError("num_gpus", f"is per rank: tensor_parallel_size {n} on cuda needs num_gpus 1 (the "
-                                         f"actor reserves {n} GPUs of one node, one per rank), got {self.num_gpus:g}")
+                                         f"worker reserves {n} GPUs of one node, one per rank), got {self.num_gpus:g}")
         if self.device == "cuda" and self.num_kv_blocks is None and self.kv_cache_memory_gb is None:
             raise _RuleError("tensor_parallel_size", f"{n} on cuda: a TP group's KV pool is sized by num_kv_blocks "
                                                      "or kv_cache_memory_gb (per rank), not by gpu_memory_utilization "
@@ -131,8 +132,8 @@ class PoolConfig(BaseModel):
             raise _RuleError("lend_idle_cores", f"lends cores to one process: tensor_parallel_size {n} runs {n}")
 
     def ray_resources(self) -> dict[str, float]:
-        """What one actor of this pool reserves from Ray: num_cpus and num_gpus for each of its ranks, `resources`
-        once (they mark nodes, e.g. {prefill_node: 1})."""
+        """What one worker of this pool reserves from Ray (at TP n its placement group's n bundles): num_cpus and
+        num_gpus for each of its ranks, `resources` once (they mark nodes, e.g. {prefill_node: 1})."""
         n = self.tensor_parallel_size
         return {"CPU": self.num_cpus * n, "GPU": self.num_gpus * n, **self.resources}
 

@@ -8,7 +8,7 @@ the same way by default (`VLLM_CPU_OMP_THREADS_BIND=auto`) and keeps a core for 
 
 The plan (`plan_cores`), for a private Ray (`ray.address: local`: every worker runs on this node):
 1. the pools that say `auto` take cores from the top of this process's cores down, `torch_threads` per rank each
-   (a TP group's ranks, its spawned processes, share their worker's cores): decode
+   (a TP worker's rank actors share their worker's cores: cluster/tp_ranks.py): decode
    (and colocated) workers first (their steps set every stream's inter-token gap), then prefill workers; cores
    a pool lists itself are left to it;
 2. when the `auto` workers need more cores than are left, none of them is pinned (sharing cores by a plan would

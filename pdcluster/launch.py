@@ -3,14 +3,15 @@
 Life of a cluster started by `pdcluster serve`:
 1. Redis: the configured URL, or an embedded redis-server this process starts (and stops);
 2. Ray: a private local Ray (`ray.address: local`), or join a running one (`auto`, `host:port`);
-3. one Ray actor per worker, named `{pool}-{i}` in the configured namespace, sized from the pool's YAML;
+3. one Ray actor per worker, named `{pool}-{i}` in the configured namespace, sized from the pool's YAML (a TP n
+   worker: rank 0 of a placement group of n bundles on one node, which starts the other ranks' actors);
    each loads the model (and `lora.modules`) and answers `info()` when ready. The actors are detached: a router
    that crashes (or is killed) leaves them serving, and a later `serve` re-attaches to a running worker of that
    name (prefix cache and all) once it proves the same cluster token; one that cannot is replaced;
 4. while serving, `start_worker(role)` / `stop_worker(name)` add and remove one worker (router/scaling.py drives
    them: `pdcluster scale`);
-5. `stop()` closes the workers and kills the actors (unless `ray.keep_workers`), shuts down a Ray it started and
-   stops an embedded Redis.
+5. `stop()` closes the workers and kills the actors, TP workers' placement groups removed too (unless
+   `ray.keep_workers`), shuts down a Ray it started and stops an embedded Redis.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pdcluster import security
 from pdcluster.config import ClusterConfig
 from pdcluster.config_pool import PoolConfig
 from pdcluster.core_plan import CorePlan, plan_cores
-from pdcluster.launch_actors import check_resources, check_room, start_actor, worker_spec
+from pdcluster.launch_actors import check_resources, check_room, remove_placement, start_actor, worker_spec
 from pdcluster.redis_server import EmbeddedRedis, connect
 from router.policy import WorkerView
 from router.pools import WorkerHandle
@@ -211,7 +212,7 @@ class Cluster:
         check_resources(self.config, available)
 
     def stop_worker(self, name: str) -> None:
-        """Close one worker (it unregisters from the prefix index) and kill its actor."""
+        """Close one worker (it unregisters from the prefix index) and kill its actor (a TP worker's whole group)."""
         import ray
 
         actor = self.actors.pop(name, None)
@@ -223,6 +224,7 @@ class Cluster:
         except Exception as e:  # noqa: BLE001 - a dead or stuck worker is killed anyway
             log.info("closing %s: %s", name, e)
         ray.kill(actor, no_restart=True)
+        remove_placement(self.config, name)
 
     def _start_actor(self, role: Role, index: int, pool: PoolConfig, number: int = 0) -> None:
         cfg = self.config
@@ -270,8 +272,9 @@ class Cluster:
                 ray.get(closing, timeout=10)
             except Exception as e:  # noqa: BLE001 - a dead or stuck worker is killed below anyway
                 log.info("closing workers: %s", e)
-            for a in self.actors.values():
+            for name, a in self.actors.items():
                 ray.kill(a, no_restart=True)
+                remove_placement(self.config, name)
         self.actors.clear()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()

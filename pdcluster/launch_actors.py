@@ -1,5 +1,6 @@
 """How one worker actor is made: its `WorkerSpec` from the config, its process's environment, the Ray options it
-starts with, and the checks that Ray has room for the pools (pdcluster/launch.py starts, adopts and stops them)."""
+starts with (a TP worker: its placement group), and the checks that Ray has room for the pools (pdcluster/launch.py
+starts, adopts and stops them)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pdcluster.config import ClusterConfig
 from pdcluster.config_pool import PoolConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PLACEMENT_TIMEOUT_S = 120.0  # how long a TP worker's placement group may wait for a node with room for all its ranks
 
 
 def worker_env(torch_threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -61,22 +63,62 @@ def worker_spec(cfg: ClusterConfig, role: Role, index: int, pool: PoolConfig, nu
 
 def start_actor(cfg: ClusterConfig, pool: PoolConfig, spec: WorkerSpec) -> Any:
     """Start the named, detached Ray actor of `spec` (it loads the model; `info()` answers once it is ready)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     from decode_workers.actor import DecodeActor
     from prefill_workers.actor import PrefillActor
 
     cls = PrefillActor if spec.role is Role.PREFILL else DecodeActor
-    # NOTE: one actor holds every rank of its TP group (the followers are its child processes, on its node):
-    # it reserves their CPUs and GPUs, and CUDA_VISIBLE_DEVICES then lists the n GPUs, rank r on the r-th
-    res = pool.ray_resources()
+    # NOTE: as Ray Serve places replicas: a pool's workers on as many nodes as can take them, so losing a node loses
+    # as few of them as possible
+    strategy: Any = "SPREAD"
+    if pool.tensor_parallel_size > 1:
+        # NOTE: a TP n worker is n actors of one placement group: this one is rank 0 (bundle 0), and it starts ranks
+        # 1 .. n-1 in the other bundles (cluster/tp_ranks.py); each rank reserves its own CPUs and GPU
+        pg = place_ranks(cfg, pool, spec.name)
+        spec = dataclasses.replace(spec, placement_group=pg.id.hex())
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     return cls.options(  # type: ignore[union-attr]
-        name=spec.name, namespace=cfg.ray.namespace, num_cpus=res["CPU"], num_gpus=res["GPU"],
+        name=spec.name, namespace=cfg.ray.namespace, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
         resources=dict(pool.resources) or None, max_restarts=pool.max_restarts,
         # NOTE: detached: a worker outlives the router that started it (a crash, `kill -9`, keep_workers)
-        lifetime="detached",
-        # NOTE: as Ray Serve places replicas: a pool's workers on as many nodes as can take them, so losing
-        # a node loses as few of them as possible
-        scheduling_strategy="SPREAD",
+        lifetime="detached", scheduling_strategy=strategy,
         runtime_env={"env_vars": worker_env(pool.torch_threads, pool.env_vars)}).remote(spec)
+
+
+def placement_name(cfg: ClusterConfig, worker: str) -> str:
+    """The name of worker `worker`'s placement group (TP > 1): the namespace in it, as a driver's own may differ."""
+    return f"{cfg.ray.namespace}/{worker}-tp"
+
+
+def place_ranks(cfg: ClusterConfig, pool: PoolConfig, worker: str) -> Any:
+    """A ready placement group for one TP worker of `pool`: a bundle per rank, all on one node (STRICT_PACK),
+    detached as the worker is; Overloaded when Ray finds no node for it within PLACEMENT_TIMEOUT_S."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from router.errors import Overloaded
+
+    remove_placement(cfg, worker)  # NOTE: a leftover of a worker killed without it (a replaced or crashed one)
+    rank = {k: v for k, v in {"CPU": pool.num_cpus, "GPU": pool.num_gpus}.items() if v > 0}
+    # NOTE: the pool's custom resources mark nodes (e.g. {prefill_node: 1}): once per worker, on rank 0's bundle
+    bundles = [{**rank, **pool.resources}] + [dict(rank) for _ in range(pool.tensor_parallel_size - 1)]
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=placement_name(cfg, worker), lifetime="detached")
+    if not pg.wait(PLACEMENT_TIMEOUT_S):
+        remove_placement_group(pg)
+        raise Overloaded(f"the Ray cluster has no node with room for worker {worker}: its {pool.tensor_parallel_size} "
+                         f"ranks need {', '.join(f'{k} {v:g}' for k, v in rank.items())} each on one node (waited "
+                         f"{PLACEMENT_TIMEOUT_S:.0f} s); add nodes of its type or lower the other pool")
+    return pg
+
+
+def remove_placement(cfg: ClusterConfig, worker: str) -> None:
+    """Remove worker `worker`'s placement group, if it has one (a TP worker stopped for good; its ranks go too)."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:
+        remove_placement_group(get_placement_group(placement_name(cfg, worker)))
+    except ValueError:  # NOTE: none: TP 1, or already removed
+        pass
 
 
 def check_resources(config: ClusterConfig, available: dict[str, float]) -> None:
@@ -84,7 +126,7 @@ def check_resources(config: ClusterConfig, available: dict[str, float]) -> None:
     need: dict[str, float] = {}
     parts: dict[str, list[str]] = {}
     for role, pool in config.pools().items():
-        for key, per in pool.ray_resources().items():  # NOTE: per actor: all ranks of its TP group
+        for key, per in pool.ray_resources().items():  # NOTE: per worker: all ranks of its TP group
             if per > 0:
                 need[key] = need.get(key, 0.0) + per * pool.replicas
                 parts.setdefault(key, []).append(f"{role}: {pool.replicas} x {per:g}")
@@ -92,7 +134,7 @@ def check_resources(config: ClusterConfig, available: dict[str, float]) -> None:
         if total > available.get(key, 0.0) + 1e-9:
             raise security.SetupError(
                 f"the pools need {total:g} {key} ({', '.join(parts[key])}) but the Ray cluster has "
-                f"{available.get(key, 0.0):g}: lower the replicas or the per-actor {key} of a pool, or give Ray "
+                f"{available.get(key, 0.0):g}: lower the replicas or the per-rank {key} of a pool, or give Ray "
                 "more (ray.num_cpus)")
 
 
@@ -100,7 +142,7 @@ def check_room(role: Role, pool: PoolConfig, free: dict[str, float]) -> None:
     """RESOURCE_EXHAUSTED when no node has room for one more actor of `pool` (Ray would wait for one forever)."""
     from router.errors import Overloaded
 
-    need = pool.ray_resources()  # NOTE: a TP n worker reserves n ranks' CPUs and GPUs
+    need = pool.ray_resources()  # NOTE: a TP n worker reserves n ranks' CPUs and GPUs (its placement group)
     short = {k: v for k, v in need.items() if v > 0 and free.get(k, 0.0) + 1e-9 < v}
     if short:
         raise Overloaded(f"the Ray cluster has no room for another {role} worker: it needs "

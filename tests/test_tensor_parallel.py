@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel import check_tp, rank_config, shard_weights
 from engine.parallel.follower import CopyBlock, StepMessage, Stop
 from engine.parallel.group import MESSAGE_BYTES, Rendezvous, RowParallel, TPGroup, serve_store
-from engine.parallel.launch import TPGroupError
+from engine.parallel.launch import FollowerGroup, Followers, TPGroupError
 from engine.parallel.runner import TPModelRunner
 from engine.quality import sequence_logits
 from tests.helpers import generate_ids, random_prompts, run_to_completion
@@ -177,6 +177,30 @@ def test_forked_choices_copy_their_block_on_every_rank(models: dict[str, LoadedM
         eng.add_request("fork", prompt, params)
         outs.append({rid: out.token_ids for rid, out in run_to_completion(eng).items()})
     assert outs[0] == outs[1] and set(outs[0]) == {"fork", "fork-1"}
+
+
+def test_the_engine_starts_its_followers_with_the_launcher_it_is_given(models: dict[str, LoadedModel]) -> None:
+    """The seam a cluster hosts its ranks through (Ray actors: cluster/tp_ranks.py); here the process launcher."""
+    started: list[list[str]] = []
+
+    def launch(rdv: Rendezvous, cfg: Any, rank_cfgs: list[EngineConfig], shards: list[dict[str, torch.Tensor]],
+               num_blocks: int, max_model_len: int, /) -> FollowerGroup:
+        started.append([c.device for c in rank_cfgs])
+        return Followers(rdv, cfg, rank_cfgs, shards, num_blocks, max_model_len)
+
+    loaded = models["gqa-8q-4kv"]
+    prompts = random_prompts(2, [9, 30], vocab=loaded.config.vocab_size, seed=11)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    group = LLMEngine(loaded, EngineConfig(num_blocks=64, num_threads=1, tensor_parallel_size=2),
+                      launch_followers=launch)
+    try:
+        assert isinstance(group.runner, TPModelRunner) and started == [["cpu"]]
+        assert len(group.runner.followers.pids()) == 1
+        ours = generate_ids(group, prompts, params)
+    finally:
+        group.close()
+    ref_engine = engine(loaded, 1)
+    assert_same_or_near_tie(ref_engine, prompts, generate_ids(ref_engine, prompts, params), ours)
 
 
 def test_what_reads_one_processs_model_refuses_a_group(tp2: LLMEngine) -> None:

@@ -6,7 +6,8 @@ decode workers of TP 2. Every fresh prompt crosses the prefill → decode hand-o
 worker), and the tokens must equal one TP 1 engine's (the tiny model's logits are far apart: float32 sums in another
 order pick the same greedy token). In the second layout a follower rank of the decode worker holding the streams
 is SIGKILLed mid-stream: the worker ends (a TP group is one worker), its streams finish on the other one with no
-token lost or repeated, and Ray restarts it as a fresh group.
+token lost or repeated, and Ray restarts it as a fresh group. The followers are Ray actors of their worker's
+placement group (one node), and a stopped cluster leaves no placement group behind.
 """
 
 from __future__ import annotations
@@ -43,7 +44,23 @@ def cluster(request, ray_session):
                                    slo_itl_ms=None, max_predicted_ttft_ms=600_000)
     yield request.param, c, server
     server.close()
+    # a TP worker stopped for good (what a scale-down does once it drained) takes its placement group with it; so
+    # does a stopped cluster
+    from ray.util import placement_group_table
+
+    from pdcluster.launch_actors import placement_name
+
+    def states(name: str) -> list[str]:
+        return [t["state"] for t in placement_group_table().values() if t["name"] == placement_name(c.config, name)]
+
+    tp_worker = f"decode-{decode_replicas - 1}" if decode_tp > 1 else "prefill-0"
+    assert states(tp_worker) == ["CREATED"]
+    c.stop_worker(tp_worker)
+    assert states(tp_worker) == ["REMOVED"]
     c.stop()
+    left = [t for t in placement_group_table().values() if t["name"].startswith(f"test-tp-{request.param}/")]
+    assert len(left) == decode_replicas * (decode_tp > 1) + (prefill_tp > 1), left
+    assert all(t["state"] == "REMOVED" for t in left), left
 
 
 def prompts(tag: str, n: int, repeat: int = 1) -> list[str]:
@@ -94,6 +111,7 @@ def test_a_dead_follower_rank_takes_its_worker_out_and_the_streams_fail_over(clu
         assert running[victim] > 0, running
         info = ray_session.get(c.actors[victim].process.remote(), timeout=30)
         (follower,) = info["tp_follower_pids"]
+        first = rank_actor(c, victim, info)
         os.kill(follower, signal.SIGKILL)
         results = fut.result(timeout=300)
     for (ids, last), ref in zip(results, want):
@@ -104,6 +122,8 @@ def test_a_dead_follower_rank_takes_its_worker_out_and_the_streams_fail_over(clu
     assert wait_for(lambda: epoch(c, victim) > old[victim], 120)
     info = ray_session.get(c.actors[victim].process.remote(), timeout=60)
     assert len(info["tp_follower_pids"]) == 1 and info["tp_follower_pids"] != [follower]
+    # ... a fresh follower actor in the same placement group; the old one is dead, not restarted
+    assert rank_actor(c, victim, info) != first and gcs_actor(first)["State"] == "DEAD"
     # an idle worker whose rank dies goes too, without waiting for a request to find out
     restarted = epoch(c, victim)
     os.kill(info["tp_follower_pids"][0], signal.SIGKILL)
@@ -113,3 +133,49 @@ def test_a_dead_follower_rank_takes_its_worker_out_and_the_streams_fail_over(clu
 def epoch(c, name: str) -> int:
     """`name`'s epoch in the prefix index (-1 while it is not registered)."""
     return max((w.epoch for w in c.index().workers() if w.name == name), default=-1)
+
+
+def test_a_tp_worker_no_node_can_hold_is_refused_and_leaves_no_placement_group(ray_session, monkeypatch):
+    from ray.util import placement_group_table
+
+    from pdcluster import launch_actors
+    from pdcluster.config import ClusterConfig
+    from router.errors import Overloaded
+
+    config = ClusterConfig.from_yaml("deploy/local.yaml")
+    config.ray.namespace = "test-tp-no-room"
+    config.prefill.tensor_parallel_size, config.prefill.num_cpus = 2, 5.0  # NOTE: 10 CPUs; the test Ray has 8
+    monkeypatch.setattr(launch_actors, "PLACEMENT_TIMEOUT_S", 1.0)
+    with pytest.raises(Overloaded, match="worker prefill-0: its 2 ranks need CPU 5 each on one node"):
+        launch_actors.place_ranks(config, config.prefill, "prefill-0")
+    tables = [t for t in placement_group_table().values() if t["name"] == "test-tp-no-room/prefill-0-tp"]
+    assert tables and all(t["state"] == "REMOVED" for t in tables)
+
+
+def gcs_actor(actor_id: str) -> dict:
+    """Ray's own record of an actor (the GCS's actor table; the state API needs the dashboard, off in tests)."""
+    from ray._private.state import actors
+
+    return actors(actor_id=actor_id)
+
+
+def rank_actor(c, name: str, info: dict) -> str:
+    """The actor id of worker `name`'s one follower, checked to be a Ray actor in bundle 1 of the worker's placement
+    group, owned by the worker, on the worker's node."""
+    from ray.util import get_placement_group, placement_group_table
+
+    from pdcluster.launch_actors import placement_name
+
+    (place,) = info["tp_ranks"]
+    pg = get_placement_group(placement_name(c.config, name))
+    table = placement_group_table(pg)
+    worker = gcs_actor(c.actors[name]._actor_id.hex())
+    node = worker["Address"]["NodeID"]
+    assert (table["strategy"], table["state"], len(table["bundles"])) == ("STRICT_PACK", "CREATED", 2)
+    assert set(table["bundles_to_node_id"].values()) == {node}
+    assert (place.rank, place.pid, place.placement_group, place.node_id) == (1, info["tp_follower_pids"][0],
+                                                                             pg.id.hex(), node)
+    rank = gcs_actor(place.actor_id)
+    assert rank["ActorClassName"].endswith("TPRank") and rank["State"] == "ALIVE" and rank["Pid"] == place.pid
+    assert not rank["IsDetached"] and rank["OwnerAddress"]["Port"] == worker["Address"]["Port"]
+    return str(place.actor_id)

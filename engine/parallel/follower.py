@@ -1,14 +1,15 @@
 """Ranks 1 .. n-1 of a TP group: a plain class that computes the steps rank 0 broadcasts, and its process entry.
 
 Life of a follower:
-1. its host (here a spawned process, `follower_main`; next, a Ray actor of the group's placement group) builds a
-   `ModelRunner` on the rank's shard of the weights and its own KV pool shard (`rank_runner`), reports it built;
+1. its host (a spawned process, `follower_main`, or in a cluster a Ray actor of the worker's placement group,
+   cluster/tp_ranks.py) builds a `ModelRunner` on the rank's shard of the weights and its own KV pool shard
+   (`build_follower`), reports it built;
 2. joins the group (`TPGroup`), which wraps the model's o and down projections with the all-reduce;
 3. `TPFollower.run` takes one message per step from rank 0 (`StepMessage`: the step's flat inputs and block tables;
    `CopyBlock`; `Stop`) and computes it: the same forward as rank 0, whose all-reduces it meets, no logits, no
    sampling, no scheduling (rank 0's block manager decides every block; the tables arrive with the step);
-4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop; a follower whose parent process (rank 0's)
-   is gone ends itself too (`watch_parent`), whatever it is doing.
+4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop; a follower process whose parent (rank 0's)
+   is gone ends itself too (`watch_parent`), whatever it is doing (a rank actor dies with its owner, rank 0).
 Beside it, a thread answers the KV hand-off's reads and writes of the rank's pool (`kv.KVService`).
 """
 
@@ -135,22 +136,17 @@ def watch_parent(rank: int) -> threading.Thread:
     return t
 
 
-def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int,
-                  max_model_len: int, conn: Connection) -> None:
-    """A follower process: take its shard from `conn`, build, report ("built" or the traceback) on `conn`, join the
-    group, run."""
-    watch_parent(rank)
-    try:
-        shard: dict[str, torch.Tensor] = conn.recv()
-        if engine_cfg.device.startswith("cuda"):
-            torch.cuda.set_device(engine_cfg.device)  # NOTE: NCCL binds a rank to the current device
-        runner = rank_runner(cfg, engine_cfg, shard, num_blocks, max_model_len)
-        del shard
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
-    conn.send(("built", ""))
-    conn.close()
+def build_follower(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, torch.Tensor], num_blocks: int,
+                   max_model_len: int) -> ModelRunner:
+    """Step 1 of a follower's life, in its host: the rank's runner on its shard (on its device)."""
+    if engine_cfg.device.startswith("cuda"):
+        torch.cuda.set_device(engine_cfg.device)  # NOTE: NCCL binds a rank to the current device
+    return rank_runner(cfg, engine_cfg, shard, num_blocks, max_model_len)
+
+
+def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, runner: ModelRunner) -> None:
+    """Steps 2-4 of a follower's life: join the group, answer KV reads and writes beside the steps, run the steps
+    until `Stop` (a failed collective raises)."""
     group = TPGroup(rank, rdv, runner.device)
     parallelize(runner.model, group)
     kv = KVService(runner, group, cfg)  # NOTE: the KV hand-off's reads and writes, beside the steps
@@ -159,3 +155,20 @@ def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: Engi
     # NOTE: rank 0 stopped the KV thread first (`TPModelRunner.close`); a process that ends while that thread is still
     # inside a gloo call aborts in the group's destructor
     kv.thread.join(10.0)
+
+
+def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int,
+                  max_model_len: int, conn: Connection) -> None:
+    """A follower process: take its shard from `conn`, build, report ("built" or the traceback) on `conn`, join the
+    group, run."""
+    watch_parent(rank)
+    try:
+        shard: dict[str, torch.Tensor] = conn.recv()
+        runner = build_follower(cfg, engine_cfg, shard, num_blocks, max_model_len)
+        del shard
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    conn.send(("built", ""))
+    conn.close()
+    serve_follower(rank, rdv, cfg, runner)

@@ -1,8 +1,14 @@
-"""The follower processes of a TP group on this machine: start, wait until built, report the dead, stop.
+"""How a TP group's followers (ranks 1 .. n-1) are started: the seam (`FollowerLauncher` → `FollowerGroup`) and
+its default, processes of this machine (`Followers`).
+
+The seam is vLLM's `distributed_executor_backend` ("mp" or "ray"): rank 0 (`TPModelRunner`) takes a launcher, and
+needs of the group it gets only these: wait until every rank built its runner, name the dead, stop them. The
+engine's own launcher, `Followers`, spawns processes (the Python API, `pdcluster bench engine`); a cluster's worker
+passes its own, which hosts each rank in a Ray actor of the worker's placement group (cluster/tp_ranks.py).
 
 NOTE: spawned, not forked (a fork of a process with torch's thread pools can deadlock). Each follower gets its
 shard through a pipe: torch's multiprocessing moves CPU tensors into shared memory, so a shard is written once and
-not pickled byte by byte. The next phase hosts each rank in a Ray actor instead and loads its shard there.
+not pickled byte by byte.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -25,6 +32,32 @@ from engine.parallel.group import Rendezvous
 
 class TPGroupError(EngineError):
     """A rank of a tensor-parallel group failed (died, or its collective broke): the whole group is out."""
+
+
+class FollowerGroup(Protocol):
+    """Ranks 1 .. n-1 of a TP group as rank 0 sees them, however they were started."""
+
+    def wait_built(self, timeout_s: float) -> None:
+        """Return once every rank has built its runner; TPGroupError naming the rank if one failed or died."""
+
+    def dead(self, grace_s: float = 0.0) -> list[str]:
+        """'rank r (pid p): how it ended' for every rank no longer running (waiting up to `grace_s` for one)."""
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the ranks to leave (after a Stop), then kill the ones still running."""
+
+    def kill(self) -> None:
+        """End every rank still running, at once."""
+
+    def pids(self) -> list[int]:
+        """The ranks' process ids, rank 1 first (those known so far)."""
+
+
+class FollowerLauncher(Protocol):
+    """Starts ranks 1 .. n-1 of a group (`rank_cfgs[i]` and `shards[i]` are rank i + 1's); the caller joins them."""
+
+    def __call__(self, rdv: Rendezvous, cfg: ModelConfig, rank_cfgs: list[EngineConfig],
+                 shards: list[dict[str, torch.Tensor]], num_blocks: int, max_model_len: int, /) -> FollowerGroup: ...
 
 
 @dataclass
@@ -49,7 +82,7 @@ def describe_exit(code: int | None) -> str:
 
 
 class Followers:
-    """Ranks 1 .. n-1 as processes of this machine."""
+    """Ranks 1 .. n-1 as processes of this machine (the engine's own `FollowerLauncher`)."""
 
     def __init__(self, rdv: Rendezvous, cfg: ModelConfig, rank_cfgs: list[EngineConfig],
                  shards: list[dict[str, torch.Tensor]], num_blocks: int, max_model_len: int) -> None:
@@ -109,3 +142,7 @@ class Followers:
             if f.process.is_alive() and f.process.pid is not None:
                 os.kill(f.process.pid, signal.SIGKILL)
             f.process.join(5.0)
+
+    def pids(self) -> list[int]:
+        """The followers' process ids, rank 1 first."""
+        return [f.process.pid for f in self.procs if f.process.pid is not None]

@@ -20,7 +20,7 @@ from engine.model_runner import ModelRunner, Step
 from engine.parallel.follower import CopyBlock, StepMessage, Stop, rank_engine_config
 from engine.parallel.group import TPGroup, parallelize, serve_store
 from engine.parallel.kv import KVChannelClosed, KVGather
-from engine.parallel.launch import Followers, TPGroupError
+from engine.parallel.launch import FollowerGroup, FollowerLauncher, Followers, TPGroupError
 from engine.parallel.shard import FIELD, check_tp, rank_config, shard_weights
 from engine.scheduler import ScheduledBatch
 
@@ -28,7 +28,10 @@ BUILD_TIMEOUT_S = 600.0  # a follower's load of its shard (weights packed for th
 
 
 def rank_device(engine_cfg: EngineConfig, rank: int) -> str:
-    """Rank `rank`'s device: the CPU for every rank, or the rank-th GPU from the engine's own on CUDA."""
+    """Rank `rank`'s device: the CPU for every rank, or the rank-th GPU from the engine's own on CUDA.
+
+    NOTE: as rank 0's process sees the GPUs. A launcher whose ranks see only their own GPU (Ray actors: cuda:0 in
+    each) sets each rank's device itself (cluster/tp_ranks.py)."""
     dev = engine_cfg.resolved_device()
     return "cpu" if dev.type == "cpu" else f"cuda:{(dev.index or 0) + rank}"
 
@@ -52,7 +55,8 @@ class TPModelRunner(ModelRunner):
     """
 
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
-                 num_blocks: int | None, max_model_len: int, *, max_blocks: int | None = None) -> None:
+                 num_blocks: int | None, max_model_len: int, *, max_blocks: int | None = None,
+                 launcher: FollowerLauncher | None = None) -> None:
         n = engine_cfg.tensor_parallel_size
         check_tp(cfg, n)
         if num_blocks is None:
@@ -62,7 +66,8 @@ class TPModelRunner(ModelRunner):
         cfgs = [rank_engine_config(engine_cfg, rank_device(engine_cfg, r), threads) for r in range(n)]
         store, rdv = serve_store(n)
         shards = [shard_weights(cfg, weights, r, n, with_head=False) for r in range(1, n)]
-        followers = Followers(rdv, cfg, cfgs[1:], shards, num_blocks, max_model_len)
+        # NOTE: processes of this machine unless the caller hosts the ranks itself (a cluster: Ray actors)
+        followers: FollowerGroup = (launcher or Followers)(rdv, cfg, cfgs[1:], shards, num_blocks, max_model_len)
         try:
             torch.set_num_threads(threads)
             super().__init__(rank_config(cfg, n), cfgs[0], shard_weights(cfg, weights, 0, n), num_blocks,
@@ -171,8 +176,11 @@ class TPModelRunner(ModelRunner):
 
 
 def make_runner(cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
-                num_blocks: int | None, max_model_len: int, *, max_blocks: int | None = None) -> ModelRunner:
-    """The engine's runner: a plain ModelRunner for TP 1 (unchanged: no group, no all-reduce), else rank 0's."""
+                num_blocks: int | None, max_model_len: int, *, max_blocks: int | None = None,
+                launcher: FollowerLauncher | None = None) -> ModelRunner:
+    """The engine's runner: a plain ModelRunner for TP 1 (unchanged: no group, no all-reduce), else rank 0's (its
+    followers started by `launcher`, processes of this machine by default)."""
     if engine_cfg.tensor_parallel_size == 1:
         return ModelRunner(cfg, engine_cfg, weights, num_blocks, max_model_len, max_blocks=max_blocks)
-    return TPModelRunner(cfg, engine_cfg, weights, num_blocks, max_model_len, max_blocks=max_blocks)
+    return TPModelRunner(cfg, engine_cfg, weights, num_blocks, max_model_len, max_blocks=max_blocks,
+                         launcher=launcher)
