@@ -277,15 +277,17 @@ def test_the_committed_plans_load_with_the_sizes_their_header_states(path):
 
 
 def test_a_plan_of_multi_gpu_workers_writes_tp_pools_of_the_profiles_model():
+    h200 = hardware.roofline_profile("h200", "llama-3.1-70b", 8)
     text = plan_yaml.render("deploy/gpu-cluster.yaml", "disaggregated", {"prefill": 3, "decode": 2}, ["planned"], 8,
-                            model="random:llama-3.1-70b")
+                            model="random:llama-3.1-70b", gpu_memory_gb=h200.gpu_memory_gb)
     cfg = ClusterConfig.from_yaml_text(text)
     assert cfg.model == "random:llama-3.1-70b"
     for pool in (cfg.prefill, cfg.decode):
         assert (pool.tensor_parallel_size, pool.num_gpus, pool.device, pool.resolved_dtype) == (8, 1, "cuda",
                                                                                                "bfloat16")
         assert pool.kv_cache_memory_gb is not None  # NOTE: a TP group's pool is not sized by gpu_memory_utilization
-    assert "8 GPUs of 80 GB" in text and "NVLink" in text and "5 such nodes" in text
+    assert "8 GPUs of 141 GB" in text and "NVLink" in text and "5 such nodes" in text  # NOTE: the profile's GPU
+    assert "Ray actors of one placement group" in text
     # one GPU per worker: the template's shape, model and comments as they were
     one = plan_yaml.render("deploy/gpu-cluster.yaml", "disaggregated", {"prefill": 3, "decode": 2}, ["planned"], 1)
     assert "tensor_parallel_size" not in one and ClusterConfig.from_yaml_text(one).model.startswith("/models/")

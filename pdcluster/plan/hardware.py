@@ -33,6 +33,7 @@ class Gpu:
     name: str
     bf16_tflops: float  # dense, no sparsity
     hbm_tb_s: float
+    memory_gb: float  # HBM per GPU
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
 
 
-H100 = Gpu("H100-SXM", 989.0, 3.35)
-H200 = Gpu("H200-SXM", 989.0, 4.8)
+H100 = Gpu("H100-SXM", 989.0, 3.35, 80.0)
+H200 = Gpu("H200-SXM", 989.0, 4.8, 141.0)
 GPUS = {"h100": H100, "h200": H200}
 
 MODELS = {
@@ -120,7 +121,7 @@ def roofline_profile(gpu: str, model: str = "llama-3.1-8b", tp: int | None = Non
         hardware=f"{g.name} x{tp}" if tp > 1 else g.name, model=m.name, threads=1, gpus_per_worker=tp,
         estimated=True, source=f"roofline from published specs: {g.bf16_tflops:g} TFLOP/s dense bf16, "
                                f"{g.hbm_tb_s:g} TB/s HBM per GPU",
-        step=step, transfer=transfer, kv_bytes_per_token=m.kv_bytes_per_token,
+        step=step, transfer=transfer, kv_bytes_per_token=m.kv_bytes_per_token, gpu_memory_gb=g.memory_gb,
         notes=[f"ESTIMATED, not measured: MFU {MFU:.0%}, attention {ATTN_EFF:.0%} of peak, {BW_EFF:.0%} of HBM "
                f"bandwidth, {STEP_OVERHEAD_S * 1e3:g} ms per step",
                *([f"tensor parallel {tp}, predicted from its parts: one GPU computes {r.num_heads} of {m.num_heads} "

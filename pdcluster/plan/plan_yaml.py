@@ -72,17 +72,19 @@ def copy_section(text: str, src: str, dst: str) -> str:
     return text.rstrip("\n") + "\n\n" + "\n".join([head, *body]) + "\n"
 
 
-def tp_header(tp: int, workers: int) -> list[str]:
-    """What the nodes of a plan whose workers are TP groups of `tp` GPUs must offer (header lines)."""
+def tp_header(tp: int, workers: int, gpu_memory_gb: float | None = None) -> list[str]:
+    """What the nodes of a plan whose workers are TP groups of `tp` GPUs (of `gpu_memory_gb` each, when the profile
+    says) must offer (header lines)."""
+    gpus = f"{tp} GPUs" + (f" of {gpu_memory_gb:g} GB" if gpu_memory_gb else "")
     return [f"Each worker is one engine over {tp} GPUs (tensor_parallel_size {tp}; num_cpus, num_gpus and",
-            f"torch_threads are per rank). Its {tp} ranks are processes of one node: a node needs {tp} GPUs of 80 GB",
-            f"linked by NVLink (an H100/H200 SXM node) and {tp} x num_cpus CPUs, and holds one worker: {workers} "
-            "such nodes in all."]
+            f"torch_threads are per rank). Its {tp} ranks are Ray actors of one placement group (STRICT_PACK: one",
+            f"node): a node needs {gpus} linked by NVLink (an H100/H200 SXM node) and {tp} x num_cpus CPUs,",
+            f"and holds one worker: {workers} such nodes in all."]
 
 
 def render(template: str, mode: str, replicas: dict[str, int], header: list[str],
            gpus_per_worker: int | None = None, router: dict[str, float] | None = None,
-           model: str | None = None) -> str:
+           model: str | None = None, gpu_memory_gb: float | None = None) -> str:
     """The template with `mode`, each pool's replicas and the `router` settings given set, and `header` as leading
     comment lines. `gpus_per_worker` > 1 (a GPU template): each worker a TP group of that many ranks, one GPU
     each, running `model` (e.g. random:llama-3.1-70b; None keeps the template's)."""
@@ -109,7 +111,7 @@ def render(template: str, mode: str, replicas: dict[str, int], header: list[str]
     for key, value in (router or {}).items():
         text = set_pool_field(text, "router", key, value)
     if tp > 1:
-        header = [*header, "", *tp_header(tp, sum(replicas.values()))]
+        header = [*header, "", *tp_header(tp, sum(replicas.values()), gpu_memory_gb)]
     text = "".join(f"# {line}\n" if line else "#\n" for line in header) + "#\n" + text
     ClusterConfig.from_yaml_text(text, "<planned>")  # NOTE: raises ConfigError naming the field if it broke
     return text

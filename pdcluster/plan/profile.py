@@ -109,6 +109,8 @@ class Profile(BaseModel):
     step: StepModel
     transfer: TransferModel
     kv_bytes_per_token: int = Field(gt=0)
+    gpu_memory_gb: float | None = Field(default=None, gt=0, description="memory of one GPU (a plan's node "
+                                        "requirements); null: not stated (CPU profiles)")
     fit: FitStats | None = None
     notes: list[str] = Field(default_factory=list)
 

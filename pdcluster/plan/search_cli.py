@@ -107,7 +107,8 @@ def run_search(args: argparse.Namespace, profile: Profile, overheads: Callable[[
         replicas = {"colocated": plan.decode} if chosen == "colocated" else {"prefill": plan.prefill,
                                                                               "decode": plan.decode}
         text = plan_yaml.render(template, chosen, replicas, header(profile, wl, slo, best, same, fewest, chosen),
-                                profile.gpus_per_worker, router=targets, model=planned_model(profile))
+                                profile.gpus_per_worker, router=targets, model=planned_model(profile),
+                                gpu_memory_gb=profile.gpu_memory_gb)
         loaded = plan_yaml.write(args.yaml, text)
         log(f"wrote {args.yaml}: loads as {loaded.mode} with "
             + ", ".join(f"{p.replicas} {role}" for role, p in loaded.pools().items()))
