@@ -149,7 +149,8 @@ class LoRAStep:
         """Each output chunk's delta: h_t [G, P * r, L] → [G, C, L, W], chunk c from its part's r rows of h_t."""
         g, _, n = h_t.shape
         _, c, r, w = b_c.shape
-        hc = h_t.view(g, -1, r, n).index_select(1, chunks).view(g * c, r, n)  # [G * C, r, L]
+        hc = h_t.view(g * c, r, n) if h_t.shape[1] == c * r else \
+            h_t.view(g, -1, r, n).index_select(1, chunks).view(g * c, r, n)  # [G * C, r, L]; a chunk per part: a view
         return torch.bmm(hc.transpose(1, 2), b_c.view(g * c, r, w)).view(g, c, n, w)
 
 
