@@ -69,7 +69,8 @@ class Router:
         self.settings = settings
         self.pools = WorkerPools(workers, settings.policy(workers[0].info.block_size))
         self.info = self.pools.info
-        self.adapters = Adapters(self.info.loras)  # NOTE: every worker loads the same adapters (router/lora.py)
+        # NOTE: every worker loads the same adapters, but a fresh process lacks the run-time ones for a while
+        self.adapters = Adapters(self.info.loras, self.pools.missing)  # router/lora.py
         self.pools.on_new_process.append(self.adapters.restore)
         self.index = index  # cluster.prefix_index.PrefixIndex, or None without Redis
         self.metrics = metrics or RouterMetrics(model_name=settings.model)
@@ -151,7 +152,7 @@ class Router:
             queued = tracing.start("queue", parent)
             try:
                 matched = await self._lookup(req.token_ids, self.adapters.key(req.params.lora))
-                route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched)
+                route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched, req.params.lora)
             finally:
                 tracing.end(queued)
             self.metrics.placed(route.why or "prefill_pool")

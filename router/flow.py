@@ -122,7 +122,7 @@ class RequestRun:
                 self.attempt_id = self._new_attempt_id()
                 if isinstance(unwrap(e), TransferError):  # the decode side may be what failed: pick another too
                     self._move_decode(exclude={self.decode_worker.name})
-                self.prefill_worker = self.pools.pick_prefill(self.prompt_len, exclude=tried)
+                self.prefill_worker = self.pools.pick_prefill(self.prompt_len, tried, self.request.params.lora)
                 if self.prefill_worker is None:
                     self.timeline.prefill_skipped, self.timeline.prefill_worker = True, ""
                     return None
@@ -300,7 +300,8 @@ class RequestRun:
     def _move_decode(self, exclude: set[str]) -> None:
         """Another decode worker for the run (the same one when there is no other)."""
         params = self.request.params
-        self.decode_worker = self.pools.pick_decode(self.prompt_len, params.max_tokens, exclude) or self.decode_worker
+        self.decode_worker = (self.pools.pick_decode(self.prompt_len, params.max_tokens, exclude, params.lora)
+                              or self.decode_worker)
         self.timeline.decode_worker = self.decode_worker.name
 
     def _new_attempt_id(self) -> str:

@@ -7,7 +7,9 @@
    function and key the workers hash with), so no adapter's request is routed to another's cached prefix;
 4. `load` and `unload` (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) change every worker, all or none;
 5. a worker process that joins later (a scale-up, or Ray's restart of a dead one) loads the YAML's adapters by itself
-   at start; `restore` gives it the ones loaded at run time (until it has, its requests of those adapters fail).
+   at start (a bad one fails its start); `restore` gives it the ones loaded at run time. Until it has one (or for
+   good, if its load fails there) the worker is listed in `missing` (WorkerPools.missing), and requests of that
+   adapter are routed to the workers that have it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ LOAD_TIMEOUT_S = 60.0  # a worker's load of one adapter (reading its files) at m
 class Adapters:
     """The adapters every worker has loaded: name → block-hash key (the key changes with the adapter's files)."""
 
-    def __init__(self, keys: dict[str, str]) -> None:
+    def __init__(self, keys: dict[str, str], missing: dict[str, set[str]] | None = None) -> None:
         self.keys = dict(keys)
+        # NOTE: worker → the adapters of `keys` it lacks; shared with WorkerPools, which routes around them
+        self.missing: dict[str, set[str]] = {} if missing is None else missing
         self.paths: dict[str, str] = {}  # adapters loaded at run time → their directory (`restore` reloads them)
         self.sources: dict[str, str] = {}  # the YAML's adapters → their directory (set by whoever knows the config)
         self.base_names: set[str] = set()  # other names of the base model (http.served_model_name for gRPC too)
@@ -72,6 +76,7 @@ class Adapters:
         async with self._changing:
             if name in self.keys:
                 raise InvalidRequestError("lora_name", f"an adapter named {name!r} is already loaded")
+            workers = list(workers)
             actors = [w.actor for w in workers]
             answers = await asyncio.gather(*(_call(a.load_lora, name, path) for a in actors))
             keys = {key for key, _ in answers if key}
@@ -83,6 +88,7 @@ class Adapters:
                 raise InvalidRequestError("lora_path", "; ".join(refused) or "the workers loaded different files "
                                           f"for {name!r} (each worker reads {path} on its own node)")
             self.keys[name], self.paths[name] = keys.pop(), path
+            self._holds(name, [w.name for w in workers])
             log.info("LoRA adapter %s loaded from %s on %d workers", name, path, len(actors))
 
     async def unload(self, workers: Iterable[Any], name: str) -> None:
@@ -102,16 +108,26 @@ class Adapters:
                 if path is not None:
                     self.paths[name] = path
                 source = path or self.sources.get(name)
-                if source is not None:
-                    await asyncio.gather(*(_call(w.actor.load_lora, name, source)
-                                           for w, (_, why) in zip(workers, answers) if not why))
+                let_go = [w for w, (_, why) in zip(workers, answers) if not why]
+                again = [("", "no directory to load it from")] * len(let_go) if source is None else \
+                    await asyncio.gather(*(_call(w.actor.load_lora, name, source) for w in let_go))
+                for w, (got, why) in zip(let_go, again):
+                    if got != key:  # NOTE: not resident there any more: routed around (WorkerPools.missing)
+                        self.missing.setdefault(w.name, set()).add(name)
+                        log.error("%s: LoRA adapter %s could not be loaded again: %s", w.name, name,
+                                  why or "other files")
                 raise InvalidRequestError("lora_name", "; ".join(refused))
+            for lacking in self.missing.values():
+                lacking.discard(name)
             log.info("LoRA adapter %s unloaded", name)
 
     def restore(self, worker: Any) -> None:
         """A fresh worker process (joined or restarted): load the adapters loaded at run time onto it, in the background
         (WorkerPools.on_new_process; called on the router's event loop)."""
+        # NOTE: at once, before any request is routed to it: it lacks them until each load answers
+        self.missing.pop(worker.name, None)
         if self.paths:
+            self.missing[worker.name] = set(self.paths)
             task = asyncio.get_running_loop().create_task(self._restore(worker, dict(self.paths)))
             self._restoring.add(task)
             task.add_done_callback(self._restoring.discard)
@@ -128,6 +144,13 @@ class Adapters:
                           name, path)
             elif why and "already loaded" not in why:  # NOTE: a new epoch of the same process already has it
                 log.error("%s: cannot load LoRA adapter %s (loaded at run time) again: %s", worker.name, name, why)
+            else:
+                self.missing.get(worker.name, set()).discard(name)
+
+    def _holds(self, name: str, workers: Iterable[str]) -> None:
+        """`workers` have adapter `name` resident now."""
+        for worker in workers:
+            self.missing.get(worker, set()).discard(name)
 
 
 async def _call(method: Any, *args: str) -> tuple[str, str]:

@@ -7,6 +7,10 @@ Only workers that are up are picked: live (a fresh heartbeat and an answered pin
 their circuit breaker (router/breaker.py) since a request failed there (`mark_failed`). When no decode worker is up,
 the pick falls back to every one (the request then fails or probes, rather than being refused here); when no
 prefill worker is up, the decode worker prefills.
+A request with a LoRA adapter is only given workers that have it resident: `missing` names, per worker, the adapters
+it lacks (router/lora.py: a fresh process until the run-time adapters are loaded onto it again, or one that failed
+to load them). With no decode worker holding it the pick falls back as above (the worker then refuses the request
+naming the adapter); with no prefill worker holding it the decode worker prefills.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class WorkerPools:
         self.metrics: RouterMetrics | None = None  # the router's, once it set them
         self.removed: dict[str, WorkerHandle] = {}  # retired workers: runs that still name one find its handle
         self.on_new_process: list[Callable[[WorkerHandle], None]] = []  # a worker joined or restarted (a fresh one)
+        self.missing: dict[str, set[str]] = {}  # worker → LoRA adapters it lacks (router/lora.py)
 
     def __getitem__(self, name: str) -> WorkerHandle:
         return self.by_name[name] if name in self.by_name else self.removed[name]
@@ -114,17 +119,25 @@ class WorkerPools:
         """Live and not shut out by its breaker."""
         return (self.live is None or name in self.live) and self.breakers[name].available(now)
 
-    def _up(self, workers: list[WorkerHandle], exclude: Collection[str] = ()) -> list[WorkerHandle]:
+    def _up(self, workers: list[WorkerHandle], exclude: Collection[str] = (), lora: str | None = None
+            ) -> list[WorkerHandle]:
         now = time.monotonic()
-        return [w for w in workers if w.name not in exclude and self.is_up(w.name, now)]
+        return [w for w in self.holding(workers, lora) if w.name not in exclude and self.is_up(w.name, now)]
+
+    def holding(self, workers: list[WorkerHandle], lora: str | None) -> list[WorkerHandle]:
+        """The workers that have adapter `lora` resident (all of them for the base model)."""
+        if lora is None or not self.missing:
+            return workers
+        return [w for w in workers if lora not in self.missing.get(w.name, ())]
 
     # ---- picking -------------------------------------------------------------------------------------------
-    def route(self, prompt_len: int, max_tokens: int, matched: dict[str, int]) -> Route:
-        """The first choice for a request; `matched` is how many leading prompt blocks each worker caches."""
+    def route(self, prompt_len: int, max_tokens: int, matched: dict[str, int], lora: str | None = None) -> Route:
+        """The first choice for a request (with adapter `lora`, None: the base model); `matched` is how many leading
+        prompt blocks each worker caches."""
         # NOTE: with no decode worker up the request still goes to one (it fails with UNAVAILABLE, or probes one
         # that came back), instead of being refused before any worker was tried
-        decode = self._up(self.decode) or self.decode
-        route = self.policy.route(prompt_len, max_tokens, matched, [w.view for w in self._up(self.prefill)],
+        decode = self._up(self.decode, lora=lora) or self._up(self.decode) or self.decode
+        route = self.policy.route(prompt_len, max_tokens, matched, [w.view for w in self._up(self.prefill, lora=lora)],
                                   [w.view for w in decode])
         now = time.monotonic()
         for name in (route.prefill, route.decode):
@@ -132,18 +145,20 @@ class WorkerPools:
                 self.breakers[name].picked(now)
         return route
 
-    def pick_prefill(self, prompt_len: int, exclude: set[str]) -> WorkerHandle | None:
+    def pick_prefill(self, prompt_len: int, exclude: set[str], lora: str | None = None) -> WorkerHandle | None:
         """Another prefill worker for a failed attempt (load-based; None when every one up was tried)."""
-        views = [w.view for w in self._up(self.prefill, exclude)]
+        views = [w.view for w in self._up(self.prefill, exclude, lora)]
         if not views:
             return None
         pick = self.by_name[self.policy.pick_prefill(prompt_len, views).name]
         self.breakers[pick.name].picked()
         return pick
 
-    def pick_decode(self, prompt_len: int, max_tokens: int, exclude: set[str]) -> WorkerHandle | None:
+    def pick_decode(self, prompt_len: int, max_tokens: int, exclude: set[str], lora: str | None = None
+                    ) -> WorkerHandle | None:
         """Another decode worker after a failure, one that is up if any (None when there is no other)."""
-        views = [w.view for w in self._up(self.decode, exclude) or [w for w in self.decode if w.name not in exclude]]
+        views = [w.view for w in self._up(self.decode, exclude, lora) or self._up(self.decode, exclude)
+                 or [w for w in self.decode if w.name not in exclude]]
         if not views:
             return None
         pick = self.by_name[self.policy.pick_decode(prompt_len, max_tokens, {}, views).name]

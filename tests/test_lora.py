@@ -17,7 +17,7 @@ import torch
 from engine import EngineConfig, InvalidRequestError, LLMEngine
 from engine.lora import LoRALoadError
 from tests.helpers import generate_ids, greedy, make_engine, random_prompts
-from tests.lora_adapters import make_adapter, merged_model, module_shape, rewrite
+from tests.lora_adapters import ALL_TARGETS, make_adapter, merged_model, module_shape, rewrite
 
 PROMPTS = random_prompts(8, [5, 17, 33, 9], vocab=49152, seed=3)
 TOKENS = 12
@@ -193,28 +193,37 @@ def test_requests_and_slots_are_checked(tiny, tmp_path) -> None:
     (["c", "a", None, "c", "b"], [30, 1, 1, 1, 1], "loop"),  # a prefill beside decodes: a matmul pair each
     (["b", None], [5, 7], "slices"),  # one adapter, its rows together: slices of x and y, no gather
 ])
-def test_every_cpu_path_adds_each_row_s_own_delta(tiny, tmp_path, names, counts, path) -> None:
+@pytest.mark.parametrize("linear", ["down", "qkv", "gate_up"])  # NOTE: q/k/v and gate/up: B.T in output chunks
+def test_every_cpu_path_adds_each_row_s_own_delta(tiny, tmp_path, names, counts, path, linear) -> None:
+    from engine.lora.adapter import part_sizes
+
     engine = lora_engine(tiny)
+    # NOTE: "b" leaves out q and gate (the first part of a fused linear) and "c" k/o/up: each chunk is its own part's
+    some = {"b": ("k_proj", "v_proj", "o_proj", "up_proj", "down_proj"), "c": ("q_proj", "v_proj", "gate_proj")}
     for i, name in enumerate("abc"):
-        engine.load_lora(name, make_adapter(str(tmp_path / name), tiny, rank=4 * (i + 1), seed=20 + i))
+        engine.load_lora(name, make_adapter(str(tmp_path / name), tiny, rank=4 * (i + 1), seed=20 + i,
+                                            targets=some.get(name, ALL_TARGETS)))
     slots = engine.lora
     assert slots is not None
     g = torch.Generator().manual_seed(1)
     t = sum(counts)
-    x, y = torch.randn(t, 160, generator=g), torch.randn(t, 64, generator=g)  # down: 160 → 64
+    parts = part_sizes(tiny.config)[linear]
+    x = torch.randn(t, parts[0][1], generator=g)  # [T, in]
+    y = torch.randn(t, sum(out for out, _ in parts), generator=g)  # [T, out]
     want = y.clone()
     row = 0
     for name, n in zip(names, counts):
         if name is not None:
-            pair = slots.get(name).layers[1]["down"]
-            want[row:row + n] += x[row:row + n] @ pair.a.T @ pair.b.T
+            pair = slots.get(name).layers[1].get(linear)
+            if pair is not None:
+                want[row:row + n] += x[row:row + n] @ pair.a.T @ pair.b.T
         row += n
     slots.begin(names, counts)
     step = slots.step
     assert step is not None
     assert path == ("span" if step.span else "batched" if step.batched is not None else
                     "slices" if step.contiguous else "loop")
-    step.add_delta(x, y, 1, "down")
+    step.add_delta(x, y, 1, linear)
     slots.end()
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)
 

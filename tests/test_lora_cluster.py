@@ -2,10 +2,11 @@
 every request across the prefill -> decode handoff.
 
 What a user of vLLM's multi-LoRA serving would check: an adapter named by `model` (HTTP and gRPC) gives the greedy
-tokens the engine gives alone with that adapter; a prompt cached under one adapter is never hit by another's
-request; /v1/models lists the adapters with the base as `parent`; an unknown model is 404 / NOT_FOUND; adapters
-load and unload at run time behind the admin key, a bad one refused naming what is wrong while the cluster serves on;
-a decode worker killed mid-stream, and the streams still end in the adapter's tokens.
+tokens the engine gives alone with that adapter and the model with the adapter merged in (8 requests of the base and
+three adapters at once); a prompt cached under one adapter is never hit by another's request; /v1/models lists the
+adapters with the base as `parent`; an unknown model is 404 / NOT_FOUND; adapters load and unload at run time behind
+the admin key, a bad one refused naming what is wrong while the cluster serves on; a decode worker killed mid-stream,
+and the streams (the base and three adapters) still end in their own tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from engine.block_hash import hash_prompt_blocks
 from router.openai_api import start_http
 from router.v1 import inference_pb2 as pb
 from tests.helpers import generate_ids, greedy, make_engine, random_prompts, start_test_cluster
-from tests.lora_adapters import make_adapter
+from tests.lora_adapters import make_adapter, merged_model
 
 pytestmark = pytest.mark.slow
 NS = "test-lora"
@@ -40,7 +41,7 @@ USER, ADMIN = "user-key", "admin-key"
 def adapters(tiny, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("adapters")
     return {name: make_adapter(str(root / name), tiny, rank=8, seed=seed)
-            for name, seed in (("sql", 1), ("chat", 2), ("late", 3))}
+            for name, seed in (("sql", 1), ("chat", 2), ("late", 3), ("math", 4))}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,8 @@ def front(ray_session, adapters):
         config.model = "tiny"
         config.decode.replicas, config.decode.max_restarts = 2, 1  # NOTE: a stream fails over to the other one
         config.transfer.transport = "grpc"
-        config.lora.modules = {"sql": adapters["sql"], "chat": adapters["chat"]}
-        config.lora.max_loras = 3  # NOTE: a slot left for the adapter loaded at run time
+        config.lora.modules = {name: adapters[name] for name in ("sql", "chat", "math")}
+        config.lora.max_loras = 4  # NOTE: a slot left for the adapter loaded at run time
         config.router.max_predicted_ttft_ms = 600_000  # NOTE: admission is not what this tests (a busy machine)
 
     # NOTE: every request crosses the handoff: no prefix skip, no SLO rule that has a decode worker prefill
@@ -73,7 +74,7 @@ def front(ray_session, adapters):
 @pytest.fixture(scope="module")
 def engine(tiny, adapters):
     """The reference: one engine alone with the same adapters."""
-    e = make_engine(tiny, max_loras=3, max_lora_rank=16, num_blocks=256)
+    e = make_engine(tiny, max_loras=4, max_lora_rank=16, num_blocks=256)
     for name, path in adapters.items():
         e.load_lora(name, path)
     return e
@@ -110,15 +111,22 @@ def test_models_lists_the_adapters_with_the_base_as_parent(front):
     assert cards["sql"] == "tiny" and cards["chat"] == "tiny"
 
 
-def test_adapter_tokens_through_the_handoff_equal_the_engine_alone(front, engine):
+def test_adapter_tokens_through_the_handoff_equal_the_merged_model_in_one_mixed_batch(front, engine, tiny, adapters):
     server, client, _, _ = front
-    prompts = random_prompts(3, [21, 40, 7], seed=101)  # NOTE: fresh: no worker has any of them cached
-    for prompt, model in zip(prompts, ("sql", "chat", "tiny")):
-        ids, cached, timeline = complete(client, model, prompt)
+    # NOTE: 8 fresh prompts (no worker caches any), the base model and three adapters, sent at once: the decode
+    # workers run them in shared steps, each request across the prefill -> decode handoff
+    models = ["tiny", "sql", "chat", "math"] * 2
+    prompts = random_prompts(len(models), [21, 40, 7, 33], seed=101)
+    with ThreadPoolExecutor(len(models)) as pool:
+        results = list(pool.map(lambda job: complete(client, *job), zip(models, prompts)))
+    merged = {m: make_engine(merged_model(tiny, adapters[m]), num_blocks=256) for m in ("sql", "chat", "math")}
+    for (ids, _, timeline), prompt, model in zip(results, prompts, models):
         assert timeline["prefill_worker"] == "prefill-0" and timeline["decode_worker"].startswith("decode-")
         assert ids == alone(engine, prompt, None if model == "tiny" else model), model
+        if model != "tiny":  # NOTE: float32, token-exact: the adapter merged into the base weights says the same
+            assert ids == generate_ids(merged[model], [prompt], greedy(TOKENS))[0], model
     # NOTE: the adapters change the tokens (else the test above could not tell them apart)
-    assert alone(engine, prompts[0], "sql") != alone(engine, prompts[0], None)
+    assert len({tuple(alone(engine, prompts[0], m)) for m in (None, "sql", "chat", "math")}) == 4
     # gRPC: GenerateRequest.model names the adapter the same way
     prompt = random_prompts(1, [30], seed=102)[0]
     req = pb.GenerateRequest(request_id="lora-grpc-1", prompt_token_ids=prompt, model="chat",
@@ -177,9 +185,10 @@ def test_adapters_load_and_unload_at_run_time_behind_the_admin_key(front, engine
 
 def test_a_decode_worker_killed_mid_stream_finishes_with_the_adapters_tokens(front, engine, ray_session):
     server, _, _, c = front
-    models = ["sql", "chat", "sql", "chat"]
+    models = ["sql", "chat", "math", "tiny"]
     prompts = random_prompts(len(models), [12, 25, 18, 9], seed=105)
-    want = [generate_ids(engine, [p], dataclasses.replace(greedy(LONG), lora=m))[0] for p, m in zip(prompts, models)]
+    want = [generate_ids(engine, [p], dataclasses.replace(greedy(LONG), lora=None if m == "tiny" else m))[0]
+            for p, m in zip(prompts, models)]
     stub, started = server.stub(), threading.Event()
     failovers = server.router.metrics.registry.get_sample_value("pdcluster_failovers_total", {"kind": "decode"}) or 0
 

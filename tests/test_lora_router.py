@@ -1,6 +1,7 @@
 """The router's LoRA adapters (router/lora.py) over real workers in-process (the tiny model, no Ray: each actor's
 methods are called directly): a `model` resolves to an adapter or NOT_FOUND, a load reaches every worker or none, an
-adapter in use is not unloaded, and a fresh worker process gets the adapters loaded at run time."""
+adapter in use is not unloaded, a fresh worker process gets the adapters loaded at run time, and a worker that lacks
+an adapter (a fresh one until then, or one whose load failed) is not picked for its requests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cluster.messages import Role, WorkerLoad
 from cluster.worker import WorkerSpec
 from cluster.worker_actor import WorkerActor
 from decode_workers.worker import DecodeWorker
@@ -18,6 +20,9 @@ from engine import EngineConfig, InvalidRequestError
 from prefill_workers.worker import PrefillWorker
 from router.errors import ModelNotFound
 from router.lora import Adapters
+from router.policy import WorkerView
+from router.pools import WorkerHandle, WorkerPools
+from router.settings import RouterSettings
 from tests.helpers import greedy
 from tests.lora_adapters import make_adapter
 
@@ -134,3 +139,50 @@ def test_workers_export_vllms_lora_requests_info(workers, tiny):
         assert "lora_requests_info" not in generate_latest(plain.metrics.registry).decode()
     finally:
         plain.close()
+
+
+def pooled(worker: Any, **load: int) -> WorkerHandle:
+    """A real worker as the router's pools hold it (its actor called directly), with a chosen load."""
+    info = worker.info()
+    return WorkerHandle(worker.name, Role(info.role), Direct(worker), info,
+                        WorkerView(worker.name, 1000, 8, load=WorkerLoad(free_blocks=1000, **load)))
+
+
+def test_a_worker_lacking_an_adapter_is_never_picked_for_it(workers, paths, tiny):
+    p, d = workers
+    # NOTE: decode-0 is busy: on load alone every request would go to a fresh, idle decode worker
+    pools = WorkerPools([pooled(p), pooled(d, running=4)], RouterSettings(model="tiny", mode="disaggregated")
+                        .policy(16))
+    adapters = Adapters(p.info().loras, pools.missing)
+    pools.on_new_process.append(adapters.restore)
+    # NOTE: one slot, taken by the YAML's adapter: the run-time one cannot be loaded there (slots full)
+    full = DecodeWorker(WorkerSpec("decode-1", "decode", "tiny", dataclasses.replace(CFG, max_loras=1),
+                                   lora_modules=(("small", paths["small"]),)), tiny)
+    roomy = DecodeWorker(WorkerSpec("decode-2", "decode", "tiny", CFG, lora_modules=(("small", paths["small"]),)),
+                         tiny)
+
+    def decode_for(lora: str | None) -> set[str]:
+        return {pools.route(100, 8, {}, lora).decode for _ in range(4)}
+
+    async def scenario() -> None:
+        await adapters.load(pools.by_name.values(), "run", paths["small"], "tiny")
+        pools.add(pooled(full))
+        # NOTE: at once, before its load answers: a fresh process has only the YAML's adapters
+        assert pools.missing["decode-1"] == {"run"}
+        assert decode_for("run") == {"decode-0"} and decode_for("small") == decode_for(None) == {"decode-1"}
+        await adapters.restored()
+        assert full.engine.lora_names() == ["small"] and pools.missing["decode-1"] == {"run"}  # its load failed
+        assert decode_for("run") == {"decode-0"} and decode_for(None) == {"decode-1"}
+        got = pools.pick_decode(100, 8, set(), "run")
+        assert got is not None and got.name == "decode-0"
+        pools.add(pooled(roomy))
+        await adapters.restored()
+        assert roomy.engine.lora_names() == ["small", "run"] and not pools.missing["decode-2"]
+        assert "decode-2" in decode_for("run") and "decode-1" not in decode_for("run")
+        await adapters.unload(pools.by_name.values(), "run")
+        assert not any(pools.missing.values())
+    try:
+        asyncio.run(scenario())
+    finally:
+        full.close()
+        roomy.close()

@@ -69,6 +69,26 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
         pieces = list(stream)
         assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
         assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens > 0
+        # tool calling on the shipped config, as it stands (its template and parser; tests/test_tool_calls_cluster.py
+        # has the 20 of 20): a forced call validates against its schema, unary and streamed; a bad input is a 400
+        import jsonschema
+        from openai import BadRequestError
+
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+        ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": tools,
+               "max_tokens": 60, "temperature": 0}
+        called = oa.chat.completions.create(tool_choice="required", **ask).choices[0]  # type: ignore[arg-type]
+        assert called.finish_reason == "tool_calls" and called.message.tool_calls
+        jsonschema.validate(json.loads(called.message.tool_calls[0].function.arguments), schema)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        deltas = [c.choices[0] for c in oa.chat.completions.create(tool_choice=named, stream=True, **ask) if c.choices]
+        assert deltas[-1].finish_reason == "tool_calls"
+        arguments = "".join(t.function.arguments or "" for c in deltas for t in c.delta.tool_calls or [])
+        jsonschema.validate(json.loads(arguments), schema)
+        with pytest.raises(BadRequestError) as refused:
+            oa.chat.completions.create(tool_choice={"type": "function", "function": {"name": "nope"}}, **ask)
+        assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
         status = cli("status", "--addr", addr)
         assert status.returncode == 0 and "prefill-0" in status.stdout and "decode-0" in status.stdout
         gen = cli("generate", "--addr", addr, "--json", "--max-tokens", "8", "The capital of France is")

@@ -40,8 +40,17 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "book_table", "description": "Book a table at the restaurant",
                                            "parameters": BOOKING}}]
+# NOTE: 20 different questions: each of the 20 fresh prompts of a forced-call test is its own (and a timestamp)
 QUESTIONS = ["What is the weather in Paris?", "Book a table for four on Friday.", "Is it raining in Oslo?",
-             "I need a table for 2 people this weekend.", "How cold is it in Montreal today?"]
+             "I need a table for 2 people this weekend.", "How cold is it in Montreal today?",
+             "Reserve dinner for six on Saturday.", "Should I take an umbrella in London?",
+             "Can we get a table for 3 on Sunday?", "What's the temperature in Tokyo in fahrenheit?",
+             "Table for one tonight, Friday, please.", "Is it sunny in Madrid right now?",
+             "We are eight people, any room on Saturday?", "Tell me the forecast for Cairo.",
+             "Book for twelve guests on Sunday evening.", "How windy is it in Chicago?",
+             "A table for two on Friday night.", "Weather report for Sydney, in celsius.",
+             "Find us seats for five people on Saturday.", "Is it snowing in Helsinki?",
+             "Make a booking for seven on Sunday lunch."]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,10 @@ def front(ray_session):
         config.decode.replicas = 2  # NOTE: the failover test kills one mid-stream
         config.router.max_predicted_ttft_ms = 600_000  # NOTE: admission is not what this tests (a busy CI machine)
 
-    # NOTE: every request crosses the handoff: no prefix skip, and no SLO rule that has a decode worker prefill
+    # NOTE: every request crosses the handoff: no prefix skip, and no SLO rule that has a decode worker prefill.
+    # With the shipped rules (skip_prefill_max_uncached_tokens 64) a fresh question, a few tokens after the tools'
+    # preamble the decode worker caches, would be prefilled by the decode worker itself: no handoff to test.
+    # The shipped config as it stands (no edit) is served by `pdcluster serve` in tests/test_serve.py.
     c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0, skip_prefill_max_uncached_tokens=0,
                                    slo_itl_ms=None)
 
@@ -112,7 +124,7 @@ def test_forced_calls_validate_in_20_of_20_fresh_prompts_unary_and_streamed(fron
 
     def one(job: tuple[int, bool]) -> tuple[str | None, list[dict[str, Any]], str | None, dict[str, Any]]:
         i, stream = job
-        return ask(client, stream, messages=[{"role": "user", "content": fresh(QUESTIONS[i % len(QUESTIONS)])}],
+        return ask(client, stream, messages=[{"role": "user", "content": fresh(QUESTIONS[i])}],
                    tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=200,
                    temperature=0.8, seed=i)
 

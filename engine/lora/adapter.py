@@ -45,6 +45,7 @@ class LoRAPair:
 
     a: torch.Tensor  # [R, in], R = the sum of the targeted parts' ranks
     b: torch.Tensor  # [out, R], block-diagonal over the parts (zeros where a part is not targeted)
+    ranks: tuple[tuple[int, int], ...] = ()  # (part index, its rank) of each targeted part, in R's order
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: t
             b_full[offsets[index]: offsets[index] + b.shape[0], col: col + b.shape[1]] = b.float() * scale
             col += b.shape[1]
         a_cat = torch.cat([a.float() for a in a_parts])
-        layers[layer][linear] = LoRAPair(a_cat.to(device, dtype).contiguous(), b_full.to(device, dtype).contiguous())
+        layers[layer][linear] = LoRAPair(a_cat.to(device, dtype).contiguous(), b_full.to(device, dtype).contiguous(),
+                                         tuple((index, b.shape[1]) for index, b in b_blocks))
     digest = hashlib.sha256()
     for p in (config_path, weights_path):
         with open(p, "rb") as fh:

@@ -8,7 +8,9 @@ segment padded to the longest); others get one small matmul pair per adapter pre
 over rows). With the Triton backend (CUDA): one launch of the shrink and one of the expand kernel for all segments
 (engine/lora/sgmv.py).
 NOTE: op count is what costs on the CPU at decode sizes (~120 wrapped linears a step in a 30-layer model): the loop
-takes 2 + 2G ops per linear for G adapters, the batched path 2-7 whatever G is.
+takes 2 + 2G ops per linear for G adapters, the batched path 2-7 whatever G is. Past that, the bytes of the stacks
+read per step: the batched path's expand reads B.T in output chunks (engine/lora/slots.py), never the zeros of the
+fused q/k/v and gate/up's block-diagonal B.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 
 from engine.lora.adapter import LoRAAdapter
 
-Stacks = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, linear) → A.T [S, in, R], B.T [S, R, out]
+# (layer, linear) → A.T [S, in, R], B.T [S, R, out] (kernels) or [S, C, r, W] (CPU: engine/lora/slots.py)
+Stacks = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class StepHolder(Protocol):
@@ -33,8 +36,11 @@ class LoRAStep:
     """The segments of one step: adapter rows sorted by adapter, with each segment's adapter and slot."""
 
     def __init__(self, adapters: Sequence[LoRAAdapter | None], slots: Sequence[int], counts: Sequence[int],
-                 device: torch.device, stacks: Stacks, num_slots: int, kernel: bool = False) -> None:
-        # adapters/slots/counts: per sequence of the batch, its adapter (None: the base), slot and rows this step
+                 device: torch.device, stacks: Stacks, num_slots: int, kernel: bool = False,
+                 chunks: dict[str, torch.Tensor | None] | None = None) -> None:
+        # adapters/slots/counts: per sequence of the batch, its adapter (None: the base), slot and rows this step;
+        # chunks: per linear, the part of each chunk of the CPU stacks' B.T (engine/lora/slots.py; None: one part)
+        self.chunks = chunks or {}
         by_slot: dict[int, list[tuple[int, int]]] = {}
         owner: dict[int, LoRAAdapter] = {}
         start = 0
@@ -91,7 +97,7 @@ class LoRAStep:
             add_lora(x, y, a, b, self.rows, *self.device_meta, self.max_len)
             return
         if self.batched is not None:
-            self._add_batched(x, y, *self.stacks(layer, linear))
+            self._add_batched(x, y, *self.stacks(layer, linear), self.chunks.get(linear))
             return
         if self.contiguous:
             for (start, end), (_, _, adapter) in zip(self.row_slices, self.segments):
@@ -107,26 +113,45 @@ class LoRAStep:
                 torch.mm(torch.mm(xs[start:end], pair.a.t()), pair.b.t(), out=delta[start:end])
         y.index_put_((self.rows,), delta, accumulate=True)
 
-    def _add_batched(self, x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
-        """The CPU's batched path: a_t [S, in, R] and b_t [S, R, out] (the slots' stacks), one bmm pair for all."""
+    def _add_batched(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b_c: torch.Tensor,
+                     chunks: torch.Tensor | None) -> None:
+        """The CPU's batched path: a [S, P * r, in] and b_c [S, C, r, W] (the slots' stacks, B.T in output chunks
+        of W columns; `chunks` [C]: each chunk's part, None for one part), one bmm pair for all segments."""
         assert self.batched is not None
         padded, mask, gather = self.batched
         if gather is not None:
-            a_t, b_t = a_t.index_select(0, gather), b_t.index_select(0, gather)
-        shape = (len(self.segments), self.max_len, x.shape[1])
-        if self.span is not None:
-            start, end = self.span
+            a, b_c = a.index_select(0, gather), b_c.index_select(0, gather)
+        g, n, (_, c, r, w) = len(self.segments), self.max_len, b_c.shape
+        span = self.span
+        xs = x[span[0]:span[1]] if span is not None else x.index_select(0, padded)
+        # NOTE: A @ x.T rather than x @ A.T: with a few rows per segment, MKL streams A's rows about 1.5x faster
+        h_t = torch.bmm(a, xs.view(g, n, x.shape[1]).transpose(1, 2))  # [G, P * r, L]
+        if span is not None and chunks is None:
             # NOTE: baddbmm_ adds into y's rows in the matmul itself: two ops per linear in a decode step
-            y[start:end].view(shape[0], shape[1], y.shape[1]).baddbmm_(torch.bmm(x[start:end].view(shape), a_t), b_t)
+            y[span[0]:span[1]].view(g, n, w).baddbmm_(h_t.transpose(1, 2), b_c.view(g, r, w))
+        elif span is not None and chunks is not None:
+            y[span[0]:span[1]].view(g, n, c, w).add_(self._expand(h_t, b_c, chunks).transpose(1, 2))
+        if span is not None:
             return
-        xs = x.index_select(0, padded).view(shape)  # [G, L, in]
-        delta = torch.bmm(torch.bmm(xs, a_t), b_t).view(-1, y.shape[1])  # [G * L, out]
+        if chunks is None:
+            delta = torch.bmm(h_t.transpose(1, 2), b_c.view(g, r, w)).view(-1, w)  # [G * L, out]
+        else:
+            delta = self._expand(h_t, b_c, chunks).transpose(1, 2).reshape(g * n, c * w)
         if mask is not None:
             delta.mul_(mask)
         # NOTE: index_put_ rather than index_add_: in profiles of the LoRA bench on our shared 2-core machine,
         # index_add_ took most of the LoRA time whenever the machine was loaded; index_put_ is faster alone too
         # (4.5 against 7.1 us at [8, 960])
         y.index_put_((padded,), delta, accumulate=True)
+
+    @staticmethod
+    def _expand(h_t: torch.Tensor, b_c: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        """Each output chunk's delta: h_t [G, P * r, L] → [G, C, L, W], chunk c from its part's r rows of h_t."""
+        g, _, n = h_t.shape
+        _, c, r, w = b_c.shape
+        hc = h_t.view(g * c, r, n) if h_t.shape[1] == c * r else \
+            h_t.view(g, -1, r, n).index_select(1, chunks).view(g * c, r, n)  # [G * C, r, L]; a chunk per part: a view
+        return torch.bmm(hc.transpose(1, 2), b_c.view(g * c, r, w)).view(g, c, n, w)
 
 
 class LoRALinear:

@@ -1,21 +1,27 @@
 """The adapters resident in one engine (at most `max_loras`), and the wrapping of the model's linears.
 
 An adapter is loaded into a free slot and stays until unloaded (an adapter in use by a request cannot be). Each
-(layer, linear) also has the slots' weights stacked, transposed as the batched matmuls read them: A.T
-[max_loras, in, R] and B.T [max_loras, R, out], R the linear's parts times max_lora_rank (for the Triton kernels
-rounded up to a power of two, at least 16), zeros past an adapter's own rank, so a batched matmul or a kernel indexes
-a slot with no per-adapter shapes.
+(layer, linear) also has the slots' weights stacked, transposed as the batched matmuls read them, zeros past an
+adapter's own rank, so a batched matmul or a kernel indexes a slot with no per-adapter shapes:
+- for the Triton kernels, A.T [max_loras, in, R] and B.T [max_loras, R, out] (block-diagonal over a fused linear's
+  parts), R the parts' ranks rounded up to a power of two (at least 16);
+- on the CPU, A [max_loras, P * max_lora_rank, in] (part p's rows from p * max_lora_rank) and B.T in chunks
+  [max_loras, C, max_lora_rank, W]: the linear's output cut into C chunks of W columns (the parts' widths' gcd), each
+  chunk holding only its own part's rows (`chunks`: the part of each chunk).
+NOTE: the block-diagonal B.T of q/k/v and gate/up is half to two thirds zeros; read per step by a decode batch's
+expand, those zeros were about a third of the bytes (the cost, at decode sizes) of the LoRA work in a step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.lora.adapter import LINEARS, LoRAAdapter, LoRALoadError, load_adapter, part_sizes
+from engine.lora.adapter import LINEARS, LoRAAdapter, LoRALoadError, LoRAPair, load_adapter, part_sizes
 from engine.lora.batch import LoRALinear, LoRAStep
 from engine.scheduler import ScheduledBatch
 
@@ -34,14 +40,21 @@ class LoRASlots:
         # (the model's call signature stays the base model's), cleared by `end`
         self.step: LoRAStep | None = None
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in range(cfg.num_layers):
-            for linear, parts in part_sizes(cfg).items():
-                width = len(parts) * max_rank
+        self.chunks: dict[str, torch.Tensor | None] = {}  # CPU: per linear, each output chunk's part (None: one part)
+        for linear, parts in part_sizes(cfg).items():
+            width = math.gcd(*(o for o, _ in parts))
+            owners = [p for p, (o, _) in enumerate(parts) for _ in range(o // width)]
+            self.chunks[linear] = None if len(parts) == 1 else torch.tensor(owners, device=device)
+            out, inp = sum(o for o, _ in parts), parts[0][1]
+            for layer in range(cfg.num_layers):
                 if kernel:
-                    width = max(16, 1 << (width - 1).bit_length())  # NOTE: tl.arange's power of two, tl.dot's least
-                out, inp = sum(o for o, _ in parts), parts[0][1]
-                self._stacks[(layer, linear)] = (torch.zeros(max_loras, inp, width, dtype=dtype, device=device),
-                                                 torch.zeros(max_loras, width, out, dtype=dtype, device=device))
+                    r = max(16, 1 << (len(parts) * max_rank - 1).bit_length())  # NOTE: tl.arange's power of two
+                    b = torch.zeros(max_loras, r, out, dtype=dtype, device=device)
+                    a = torch.zeros(max_loras, inp, r, dtype=dtype, device=device)
+                else:
+                    a = torch.zeros(max_loras, len(parts) * max_rank, inp, dtype=dtype, device=device)
+                    b = torch.zeros(max_loras, len(owners), max_rank, width, dtype=dtype, device=device)
+                self._stacks[(layer, linear)] = (a, b)
 
     def wrap(self, layers: Sequence[object]) -> None:
         """Put a LoRALinear around each of the decoder layers' four linears."""
@@ -65,11 +78,25 @@ class LoRASlots:
             a_stack[slot].zero_()
             b_stack[slot].zero_()
             pair = adapter.layers[layer].get(linear)
-            if pair is not None:
+            if pair is not None and self.kernel:
                 r = pair.a.shape[0]
                 a_stack[slot, :, :r] = pair.a.T
                 b_stack[slot, :r] = pair.b.T
+            elif pair is not None:
+                self._fill_chunks(pair, linear, a_stack[slot], b_stack[slot])
         return adapter
+
+    def _fill_chunks(self, pair: LoRAPair, linear: str, a: torch.Tensor, b_c: torch.Tensor) -> None:
+        """One slot of a CPU stack: a [P * max_rank, in] and b_c [C, max_rank, W] from the adapter's pair."""
+        width, chunks = b_c.shape[2], self.chunks[linear]
+        owners = [0] if chunks is None else chunks.tolist()
+        row = 0
+        for part, r in pair.ranks:
+            a[part * self.max_rank: part * self.max_rank + r] = pair.a[row: row + r]
+            for c, owner in enumerate(owners):
+                if owner == part:
+                    b_c[c, :r] = pair.b[c * width: (c + 1) * width, row: row + r].T
+            row += r
 
     def unload(self, name: str, users: Sequence[str]) -> None:
         """Free an adapter's slot; refused (naming `lora_name`) while requests `users` run with it."""
@@ -98,7 +125,8 @@ class LoRASlots:
         return sorted(self.by_name, key=lambda n: self.by_name[n][0])
 
     def stacks(self, layer: int, linear: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots' stacked weights of one linear: A.T [S, in, R], B.T [S, R, out]."""
+        """The slots' stacked weights of one linear: A.T [S, in, R] and B.T [S, R, out] (kernels), or A
+        [S, P * max_rank, in] and B.T in chunks [S, C, max_rank, W] (CPU)."""
         return self._stacks[(layer, linear)]
 
     def order(self, batch: ScheduledBatch) -> ScheduledBatch:
@@ -122,7 +150,7 @@ class LoRASlots:
             entries = [None if n is None else self.by_name[n] for n in names]
             self.step = LoRAStep([None if e is None else e[1] for e in entries],
                                  [-1 if e is None else e[0] for e in entries], counts, self.device, self.stacks,
-                                 self.max_loras, self.kernel)
+                                 self.max_loras, self.kernel, self.chunks)
 
     def end(self) -> None:
         self.step = None

@@ -1,7 +1,8 @@
 """`pdcluster bench engine`, LoRA case: one decode step of a batch of 8 with 4 adapters of rank 16 (two rows each,
-interleaved: the grouped path with its gather and scatter) against the base model's step, on an engine without LoRA
-and on the LoRA engine with base rows only (what turning LoRA on costs a step that uses none); interleaved rounds,
-medians, ratios to the base engine's step. Issue 41's goal: the adapter step within 1.3x of the base step on the CPU.
+interleaved in the batch; the engine groups them, engine/lora/slots.py `order`, so each linear's delta is one bmm
+pair over a slice) against the base model's step, on an engine without LoRA and on the LoRA engine with base rows
+only (what turning LoRA on costs a step that uses none); interleaved rounds, medians, ratios to the base engine's
+step. Issue 41's goal: the adapter step within 1.3x of the base step on the CPU.
 
 The adapters are random PEFT directories written here (q/k/v/o and gate/up/down of every layer, alpha 32).
 """
