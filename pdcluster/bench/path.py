@@ -12,7 +12,8 @@ For each model it runs, in one process and on the same prompts (fresh random tok
    its Ray driver and everything else `serve` runs in that process);
 5. where one stream's time per token goes: the decode worker's own engine steps over the 1-stream runs (its
    `pdcluster_engine_step_seconds` summary), beside the engine alone's steps on the same kind of prompts; what is
-   left of the time per token is the path's (relay, the worker's loop, the client).
+   left of the time per token is the path's (relay, the worker's loop, the client). The prefill worker's own step
+   over the TTFT requests (one step each) sits beside their first tokens the same way.
 The ratios (cluster / engine) are what carries over to a GPU: the path's own cost next to the engine's step.
 """
 
@@ -113,30 +114,32 @@ Stream = Callable[[str, list[int], int], Awaitable[Timed]]
 
 
 async def through_cluster(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                          pid: int, steps_url: str) -> dict[str, Any]:
-    """The same cases as `engine_alone`, as a client of `addr` sees them (`steps_url`: the decode worker's
-    /metrics)."""
+                          pid: int, steps: tuple[str, str]) -> dict[str, Any]:
+    """The same cases as `engine_alone`, as a client of `addr` sees them (`steps`: the prefill and the decode
+    worker's /metrics)."""
     try:
-        return await _cases(stream, addr, prompts, args, pid, steps_url)
+        return await _cases(stream, addr, prompts, args, pid, steps)
     finally:
         await close_all()
 
 
 async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                 pid: int, steps_url: str) -> dict[str, Any]:
+                 pid: int, steps: tuple[str, str]) -> dict[str, Any]:
     await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
     ttft, parts = [], []
+    prefill0 = await asyncio.to_thread(worker_steps, steps[0])
     for p in prompts[2:2 + args.ttft_requests]:
         timed = await stream(addr, p, TTFT_TOKENS)
         ttft.append(timed.ttft_s)
         parts.append(timed.timeline)
         await asyncio.sleep(0.2)  # NOTE: idle between requests: the heartbeats show the workers idle again
+    prefill1 = await asyncio.to_thread(worker_steps, steps[0])
     itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
-    ones, steps0 = [], await asyncio.to_thread(worker_steps, steps_url)
+    ones, steps0 = [], await asyncio.to_thread(worker_steps, steps[1])
     for p in _one_prompts(prompts, args.one_rounds):
         t = time.perf_counter()
         ones.append((await stream(addr, p, args.stream_tokens), time.perf_counter() - t))
-    steps1 = await asyncio.to_thread(worker_steps, steps_url)
+    steps1 = await asyncio.to_thread(worker_steps, steps[1])
     # NOTE: the router's CPU at idle (heartbeat reads, pings, lease renewals) over a few seconds, taken out of the
     # run's figure for the net one: what relaying the tokens cost
     cpu0, t = _cpu_s(pid), time.perf_counter()
@@ -155,6 +158,8 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     return {"ttft_ms_p50": _ms(statistics.median(ttft)), **timeline, "itl_ms_p50": _ms(statistics.median(itl)),
             "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": relayed / many_s,
             "worker_step_ms_mean_1": _ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),
+            # NOTE: one step per TTFT request there (a prompt within the step budget): its prefill, as the worker ran it
+            "prefill_worker_step_ms_mean": _ms((prefill1[1] - prefill0[1]) / max(1, prefill1[0] - prefill0[0])),
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
             "router_idle_cpu": idle_rate}
@@ -202,13 +207,13 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: worker i of the cluster (pools in order: prefill, then decode) serves its /metrics on base + i
     cfg.metrics.workers, cfg.metrics.worker_host = True, "127.0.0.1"
     cfg.metrics.worker_port = base = cluster_proc.free_port(cfg.prefill.replicas + cfg.decode.replicas)
-    steps_url = f"http://127.0.0.1:{base + cfg.prefill.replicas}/metrics"  # decode-0
+    steps = (f"http://127.0.0.1:{base}/metrics", f"http://127.0.0.1:{base + cfg.prefill.replicas}/metrics")
     with cluster_proc.serving_endpoints(cfg, f"path-{model}") as ep:
         for front in fronts:
             log(BENCH, f"{model}: through the cluster over {front}")
             addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
             result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"]),
-                                                        steps_url))
+                                                        steps))
     eng = result["engine"]
     for front in fronts:
         r = result[front]
@@ -235,14 +240,14 @@ def format_table(f: dict[str, Any]) -> str:
                          f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) |")
     lines += ["", "Where the first token's time goes (p50 ms; the router's timeline of the same requests):", "",
               "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
-              "| prefill |", "|" + "---|" * 7]
+              "| prefill | prefill worker's step |", "|" + "---|" * 8]
     for model, r in f["models"].items():
         for front in (k for k in r if k != "engine"):
             c = r[front]
             if "router_first_token_ms_p50" in c:
                 lines.append(f"| {model} | {front} | {r['engine']['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
                              f"{c['router_first_token_ms_p50']:.1f} | {c['router_queue_ms_p50']:.1f} | "
-                             f"{c['router_prefill_ms_p50']:.1f} |")
+                             f"{c['router_prefill_ms_p50']:.1f} | {c.get('prefill_worker_step_ms_mean', 0):.1f} |")
     lines += ["", "One stream, ms per token: the decode worker's own engine step (mean over the 1-stream runs) and "
               "the rest (relay, the worker's loop, the client):", "",
               "| model | front | engine alone: step | through the cluster: per token | decode worker's step | rest |",
