@@ -16,7 +16,6 @@ prefilled elsewhere: `reserve_kv` → `write_kv_blocks` (as blocks arrive) → `
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -26,11 +25,12 @@ from engine.block_hash import cache_scope
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.inputs import InputProcessor
 from engine.kv_export import KVLayout
 from engine.kv_import import KVImporter, KVReservation
 from engine.kv_seam import KVSeam
 from engine.loader import LoadedModel
-from engine.lora.slots import LoRASlots
+from engine.lora.slots import LoRASlots, adapter_key, slots_of
 from engine.output import OutputProcessor, RequestOutput
 from engine.parallel.launch import FollowerLauncher
 from engine.parallel.runner import make_runner
@@ -38,7 +38,7 @@ from engine.pool_size import kv_cache_dtype, pool_size
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode import NgramProposer
+from engine.spec_decode import NgramProposer, propose_drafts
 from engine.stats import EngineStats
 from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputs
@@ -74,6 +74,8 @@ class LLMEngine(KVSeam):
             self.lora = LoRASlots(mcfg, config.max_loras, config.max_lora_rank, config.torch_dtype,
                                   self.runner.device, kernel=self.runner.attn_backend == "triton")
             self.lora.wrap(self.runner.model.layers)
+        self.inputs = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, config.block_size,
+                                     self.scope)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
@@ -108,25 +110,10 @@ class LLMEngine(KVSeam):
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
         self._check_unused(request_id)
-        token_ids = self.tokenize(prompt, request_id)
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab})", request_id)
-        if output_token_ids:
-            self.tokenize([*token_ids, *output_token_ids], request_id)  # the same vocabulary and length checks
-            if len(output_token_ids) >= params.max_tokens:
-                raise InvalidRequestError("output_token_ids", f"holds {len(output_token_ids)} tokens: nothing is "
-                                          f"left of max_tokens={params.max_tokens}", request_id)
-        if params.n > 1 and output_token_ids:
-            raise InvalidRequestError("n", "a resumed request continues one choice (n = 1)", request_id)
-        key = self.lora_key(params.lora, request_id)
-        seq = Sequence(request_id, token_ids, params, self.config.block_size, self.scope, key)
-        seq.token_ids.extend(output_token_ids)  # NOTE: like a preempted sequence: output kept, KV recomputed
-        if params.n > 1:  # NOTE: choices 1 .. n-1 fork from this one once its prompt is computed (`_fork`)
-            self._forks[request_id] = [
-                Sequence(f"{request_id}-{i}", token_ids, dataclasses.replace(
-                    params, n=1, seed=((params.seed or 0) + i) % 2**64, prompt_logprobs=None),
-                    self.config.block_size, self.scope, key) for i in range(1, params.n)]
+        seq, forks = self.inputs.sequences(request_id, prompt, params, self.lora_key(params.lora, request_id),
+                                           output_token_ids)
+        if forks:  # NOTE: choices 1 .. n-1 fork from this one once its prompt is computed (`_fork`)
+            self._forks[request_id] = forks
         self.outputs.start(seq, sent_chars)
         self._seqs[request_id] = seq
         self.structured.admit(seq, self.scheduler.add)  # NOTE: parked until its grammar is compiled, if it has one
@@ -145,28 +132,7 @@ class LLMEngine(KVSeam):
 
     def tokenize(self, prompt: str | Seq[int], request_id: str | None = None) -> list[int]:
         """Token ids of a prompt (text or ids), checked against the vocabulary and the context length."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty", request_id)
-            token_ids = self.tokenizer.encode(prompt)
-            field = "prompt"
-        else:
-            try:
-                token_ids = list(prompt)  # type: ignore[arg-type]  # a non-iterable raises TypeError, mapped below
-            except TypeError:
-                raise InvalidRequestError("prompt", "must be a string or a list of token ids, got "
-                                          f"{type(prompt).__name__}", request_id) from None
-            field = "prompt_token_ids"
-            vocab = self.model_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})", request_id)
-        if not token_ids:
-            raise InvalidRequestError(field, "must not be empty", request_id)
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                field, f"is {len(token_ids)} tokens; this engine takes at most {self.max_model_len - 1} "
-                "(max_model_len minus one generated token)", request_id)
-        return token_ids
+        return self.inputs.tokenize(prompt, request_id)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks; unknown ids are ignored.
@@ -207,7 +173,7 @@ class LLMEngine(KVSeam):
         """Run one batch; return an output for every request that got a new token (or finished)."""
         results = self._release_grammars() if self.structured.num_parked else []
         if self.proposer is not None:
-            self._propose(self.proposer)
+            propose_drafts(self.proposer, self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             self.structured.wait(0.01)  # NOTE: only grammars being compiled are left (no-op otherwise)
@@ -232,7 +198,7 @@ class LLMEngine(KVSeam):
             if seq.num_output_tokens == 0:
                 self._prompt_tokens += seq.num_prompt_tokens
                 self._cached_tokens += seq.num_cached_tokens
-            out = self._append(seq, tokens)
+            out = self.outputs.append(seq, tokens, self.structured.accept)
             children = self._forks.pop(seq.request_id, None) if self._forks else None
             if children:
                 self._fork(seq, children)
@@ -252,29 +218,19 @@ class LLMEngine(KVSeam):
     def load_lora(self, name: str, path: str) -> None:
         """Load the PEFT adapter at `path` as `name` (requests choose it with SamplingParams.lora); a bad adapter
         is refused with LoRALoadError naming what is wrong, and the engine serves on as before."""
-        self._lora_slots().load(name, path)
+        slots_of(self.lora).load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Free adapter `name`'s slot; refused while a request uses it (its cached blocks age out as others do)."""
-        self._lora_slots().unload(name, [s.request_id for s in self._seqs.values() if s.params.lora == name])
+        slots_of(self.lora).unload(name, [s.request_id for s in self._seqs.values() if s.params.lora == name])
 
     def lora_names(self) -> list[str]:
         """The names of the loaded adapters."""
         return [] if self.lora is None else self.lora.names()
 
-    def _lora_slots(self) -> LoRASlots:
-        if self.lora is None:
-            raise InvalidRequestError("max_loras", "is 0: this engine serves no LoRA adapters")
-        return self.lora
-
     def lora_key(self, name: str | None, request_id: str) -> str:
         """The block-hash extra key of a request's adapter ("" for the base model); unknown names refused."""
-        if name is None:
-            return ""
-        if self.lora is None:
-            raise InvalidRequestError("lora", f"adapter {name!r} asked for, but this engine serves no adapters "
-                                              "(max_loras is 0)", request_id)
-        return self.lora.get(name, request_id).key
+        return adapter_key(self.lora, name, request_id)
 
     def _same_next(self, batch: ScheduledBatch) -> bool:
         """Whether the next step is likely this batch one token on (a graphed decode step then launches it early:
@@ -300,36 +256,6 @@ class LLMEngine(KVSeam):
             self.runner.copy_block(*cow)
             child.num_cached_tokens = child.num_computed_tokens
             self.structured.admit(child, self.scheduler.add_running)  # NOTE: its own matcher (a grammar's, if any)
-
-    def _propose(self, proposer: NgramProposer) -> None:
-        """Draft tokens for every decoding sequence, within its max_tokens and the context length."""
-        for seq in self.scheduler.running:
-            # NOTE: drafts are verified outside the sampler's pipeline: requests that use more than temperature and
-            # top-k/top-p decode one token at a time; drafts are not checked by a grammar either
-            if seq.num_pending_tokens == 1 and seq.grammar is None and not _needs_sampler(seq.params):
-                room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
-                seq.spec_token_ids = proposer.propose(seq.token_ids, room)
-
-    def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
-        """Append new tokens one at a time through the stop checks; those after a stop are dropped."""
-        outs = []
-        for tok in tokens:
-            seq.token_ids.append(tok)
-            self.structured.accept(seq, tok)
-            outs.append(self.outputs.process(seq, tok))
-            if outs[-1].finished:
-                break
-        if seq.new_logprobs:
-            outs[0].new_logprobs, seq.new_logprobs = seq.new_logprobs, []
-        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(outs):  # the first output
-            outs[0].prompt_logprobs = seq.prompt_logprobs or [None]
-        if len(outs) == 1:
-            return outs[0]
-        last = outs[-1]
-        return dataclasses.replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
-                                   new_text="".join(o.new_text for o in outs),
-                                   new_logprobs=[lp for o in outs for lp in o.new_logprobs],
-                                   prompt_logprobs=outs[0].prompt_logprobs)
 
     def _release_grammars(self) -> list[RequestOutput]:
         """Schedule the parked sequences whose grammar is compiled; one that cannot follow its grammar ends (abort)."""
@@ -374,9 +300,3 @@ class LLMEngine(KVSeam):
                            self._prompt_tokens, self._cached_tokens, self._computed_tokens,
                            self.scheduler.num_preemptions, self._spec_drafted, self._spec_accepted,
                            len(self.scheduler.paused))
-
-
-
-def _needs_sampler(p: SamplingParams) -> bool:
-    """Whether a request uses the sampler's pipeline beyond temperature and top-k/top-p (no speculative drafts)."""
-    return p.has_penalties or bool(p.logit_bias) or p.min_p > 0.0 or p.logprobs is not None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.logprobs import TokenLogprobs
@@ -74,6 +75,28 @@ class OutputProcessor:
 
     def forget(self, seq: Sequence) -> None:
         self._streams.pop(seq.request_id, None)
+
+    def append(self, seq: Sequence, tokens: list[int], accept: Callable[[Sequence, int], None]) -> RequestOutput:
+        """Append a step's new tokens to `seq` one at a time through the stop checks (`accept`: the grammar's, per
+        token); those after a stop are dropped. One output for them all."""
+        outs = []
+        for tok in tokens:
+            seq.token_ids.append(tok)
+            accept(seq, tok)
+            outs.append(self.process(seq, tok))
+            if outs[-1].finished:
+                break
+        if seq.new_logprobs:
+            outs[0].new_logprobs, seq.new_logprobs = seq.new_logprobs, []
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(outs):  # the first output
+            outs[0].prompt_logprobs = seq.prompt_logprobs or [None]
+        if len(outs) == 1:
+            return outs[0]
+        last = outs[-1]
+        return dataclasses.replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+                                   new_text="".join(o.new_text for o in outs),
+                                   new_logprobs=[lp for o in outs for lp in o.new_logprobs],
+                                   prompt_logprobs=outs[0].prompt_logprobs)
 
     def process(self, seq: Sequence, token: int) -> RequestOutput:
         """Account for `token` (already appended to `seq`); decide whether the request is finished."""

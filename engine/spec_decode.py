@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
 from engine.config import SpeculativeConfig
 from engine.sampler import filtered_probs, race, step_seed
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 
 class NgramProposer:
@@ -42,6 +45,21 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return ids[start : start + k].tolist()
         return []
+
+
+def propose_drafts(proposer: NgramProposer, running: Iterable[Sequence], max_model_len: int) -> None:
+    """Draft tokens for every decoding sequence of `running`, within its max_tokens and the context length."""
+    for seq in running:
+        # NOTE: drafts are verified outside the sampler's pipeline: requests that use more than temperature and
+        # top-k/top-p decode one token at a time; drafts are not checked by a grammar either
+        if seq.num_pending_tokens == 1 and seq.grammar is None and not _needs_sampler(seq.params):
+            room = min(seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - len(seq))
+            seq.spec_token_ids = proposer.propose(seq.token_ids, room)
+
+
+def _needs_sampler(p: SamplingParams) -> bool:
+    """Whether a request uses the sampler's pipeline beyond temperature and top-k/top-p (no speculative drafts)."""
+    return p.has_penalties or bool(p.logit_bias) or p.min_p > 0.0 or p.logprobs is not None
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, output_index: int) -> list[int]:

@@ -154,3 +154,20 @@ class LoRASlots:
 
     def end(self) -> None:
         self.step = None
+
+
+def slots_of(lora: LoRASlots | None) -> LoRASlots:
+    """An engine's adapter slots; InvalidRequestError naming `max_loras` for an engine without any."""
+    if lora is None:
+        raise InvalidRequestError("max_loras", "is 0: this engine serves no LoRA adapters")
+    return lora
+
+
+def adapter_key(lora: LoRASlots | None, name: str | None, request_id: str) -> str:
+    """The block-hash extra key of adapter `name` ("" for the base model); unknown names refused naming `lora`."""
+    if name is None:
+        return ""
+    if lora is None:
+        raise InvalidRequestError("lora", f"adapter {name!r} asked for, but this engine serves no adapters "
+                                          "(max_loras is 0)", request_id)
+    return lora.get(name, request_id).key
