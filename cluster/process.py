@@ -66,3 +66,12 @@ def node_address(host: str) -> str:
     import ray.util
 
     return str(ray.util.get_node_ip_address())
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this node (Linux /proc; a zombie, dead but not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

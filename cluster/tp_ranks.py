@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cluster.process import pid_alive
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.follower import build_follower, serve_follower
 from engine.parallel.group import Rendezvous
@@ -132,15 +133,6 @@ def rank_actor_class() -> Any:
     return ray.remote(TPRank)
 
 
-def alive(pid: int) -> bool:
-    """Whether `pid` runs on this node (a zombie, dead but not reaped yet, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 class RayRanks:
     """Ranks 1 .. n-1 as Ray actors in bundles 1 .. n-1 of the worker's placement group (a `FollowerGroup`)."""
 
@@ -198,7 +190,7 @@ class RayRanks:
         node's. A pid reused by a new process within one check would be missed; rank 0's next collective fails."""
         deadline = time.monotonic() + grace_s
         while True:
-            gone = [p for p in self.places.values() if not alive(p.pid)]
+            gone = [p for p in self.places.values() if not pid_alive(p.pid)]
             if gone or time.monotonic() >= deadline:
                 return [f"rank {p.rank} (pid {p.pid}, a Ray actor): its process ended" for p in gone]
             time.sleep(0.01)
@@ -214,7 +206,7 @@ class RayRanks:
     def kill(self) -> None:
         """SIGKILL every built rank's process (at once: rank 0 may end its own next), and ray.kill every actor."""
         for p in self.places.values():
-            if alive(p.pid):
+            if pid_alive(p.pid):
                 try:
                     os.kill(p.pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from cluster.process import pid_alive
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loop import EngineLoop
 from engine.output import RequestOutput
@@ -22,15 +23,6 @@ from engine.parallel.launch import TPGroupError
 from tests.helpers import random_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not reaped yet, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_a_dead_rank_reaches_on_fatal_and_no_request_hears_abort(tiny) -> None:
@@ -93,14 +85,14 @@ def test_a_follower_leaves_when_its_rank_0_process_is_sigkilled(tmp_path, where:
     try:
         assert proc.stdout is not None
         pids += [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 1 and alive(pids[0])
+        assert len(pids) == 1 and pid_alive(pids[0])
         proc.kill()  # NOTE: SIGKILL: no finalizer of rank 0 runs, nothing stops its followers
         proc.wait(10)
         deadline = time.monotonic() + 10
-        while alive(pids[0]) and time.monotonic() < deadline:
+        while pid_alive(pids[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(pids[0]), "the follower outlived its rank 0"
+        assert not pid_alive(pids[0]), "the follower outlived its rank 0"
     finally:
         proc.kill()
-        for pid in filter(alive, pids):  # NOTE: a failed check leaves no follower behind
+        for pid in filter(pid_alive, pids):  # NOTE: a failed check leaves no follower behind
             os.kill(pid, signal.SIGKILL)
