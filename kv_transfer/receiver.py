@@ -60,7 +60,7 @@ class KVReceiver:
         # transport hooks (torch): set up on handshake, tear down on failure
         self.on_prepare: Callable[[PrepareRequest, Inbound], TorchRendezvous | NixlTarget | None] | None = None
         self.transport = ""  # the transport whose hooks are set ("torch", "nixl")
-        self.on_watch: Callable[[str], Callable[[], None]] | None = None  # nixl: a sender's Watch opens (→ its end)
+        self.on_watch: Callable[[str, str], Callable[[], None]] | None = None  # nixl: (agent, gRPC peer) → its end
         self.on_fail: Callable[[Inbound], None] | None = None
         self.on_commit: Callable[[], None] | None = None  # nixl: the commit came, the last layers are due
         # NOTE: the decode worker starts decoding the moment a transfer settles (DONE or FAILED), not when the

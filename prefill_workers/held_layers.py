@@ -4,10 +4,12 @@ NOTE: the handshake (the decode worker reserves blocks between two of its steps)
 the issue of a first token's path asks: the handshake no longer comes before the prompt joins the batch. A layer
 written before the handshake answers cannot be sent (the decode side's block ids and the blocks it already caches
 are not known yet), so it waits here with a mark of when it was written (a GPU event); the prompt's blocks are
-pinned meanwhile (the request may leave the engine at its first token, before the answer). `flush`, between two
-steps once the handshake answered, sends the held layers' blocks past the cached ones and the first token's commit,
-and lets the pins go (the sender pins what it sends). Only senders that read the KV pool themselves (nixl) hold
-layers; copying transports (grpc, torch) copy inside the forward pass and keep the handshake first.
+pinned meanwhile (the request may leave the engine at its first token, before the answer). `flush` sends the held
+layers' blocks past the cached ones and the first token's commit, and lets the pins go (the sender pins what it
+sends): from the engine thread inside the forward pass, at the first layer after the answer came (so the rest of the
+prompt's layers go out as they are computed), or between two steps when the answer came after the prefill. Only
+senders that read the KV pool themselves (nixl) hold layers; copying transports (grpc, torch) copy inside the
+forward pass and keep the handshake first.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class HeldLayers:
         self.layers.append((layer, sender.layer_mark()))
 
     def flush(self, engine: LLMEngine, sender: KVSender, cached_blocks: int) -> None:
-        """(between steps, the handshake answered) send what waited; from now on layers go straight out."""
+        """(the handshake answered; inside a forward pass or between steps) send what waited; from now on layers go
+        straight out. Again after that: nothing left to send."""
         self.waiting = False
         for layer, mark in self.layers:
             sender.send_blocks(layer, self.blocks[cached_blocks:], ready=mark)

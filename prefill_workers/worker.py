@@ -4,8 +4,9 @@ Life of a request on a prefill worker (each step is a method of `PrefillRun`, in
 1. `handshake`: the decode worker's KV endpoint reserves blocks and says how many leading blocks it already
    caches; only the rest will be sent;
 2. `join_batch`: the prompt joins this engine's batch (chunked prefill under the token budget, prefix cache hits
-   skipped); during the step that completes it, each layer's KV is handed to the sender as soon as it is written
-   (`on_layer`), and moves while the next layers compute;
+   skipped), overlapping the handshake; each layer's KV is handed to the sender as soon as it is written
+   (`on_layer`), and moves while the next layers compute, once the handshake has answered: layers written before
+   that wait for it (prefill_workers/held_layers.py), on the host until the step's end;
 3. `first_token`: the first token is sampled (`on_output`): the sender commits it (the decode worker can take the
    request) and the request leaves this engine (its blocks stay in the prefix cache);
 4. `hand_off`: once the decode worker confirmed the KV, the result (first token, timings, bytes sent) goes back;
@@ -22,7 +23,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
 from cluster import tracing
 from cluster.delta_server import take_relay
@@ -39,6 +39,7 @@ from kv_transfer.pool import KVPool
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferError, TransferState
 from prefill_workers.held_layers import HeldLayers
+from prefill_workers.observe import FirstToken, observe
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +105,6 @@ class PrefillWorker(Worker):
             sender.abort(reason)
 
 
-@dataclass
-class FirstToken:
-    """What the step that completed the prompt produced, and when (monotonic; queue and prefill in ms)."""
-
-    output: RequestOutput
-    at: float
-    queue_ms: float
-    prefill_ms: float
-
-
 class PrefillRun:
     """One request on a prefill worker, through the four steps of the module's life cycle."""
 
@@ -129,6 +120,8 @@ class PrefillRun:
                                                      extra_keys=engine.lora_key(req.params.lora, self.request_id)),
                                   sender_id=worker.name, pool=self._pool(engine), lora=req.params.lora or "")
         self.cached_blocks = 0  # leading blocks the decode worker caches: not sent
+        self.prepared = False  # the handshake answered (`cached_blocks` is known)
+        self.device_computes = engine.config.device != "cpu"  # the forward pass runs on a GPU, not this host's cores
         aio = asyncio.get_running_loop()
         self._first: asyncio.Future[FirstToken] = aio.create_future()
         # NOTE: over the delta channel the first token leaves from the engine thread, in the step's frame
@@ -152,7 +145,11 @@ class PrefillRun:
 
     # ---- 1. handshake ------------------------------------------------------------------------------------
     async def handshake(self) -> None:
-        self.cached_blocks = await asyncio.to_thread(self.sender.prepare)
+        await asyncio.to_thread(self._prepare)
+
+    def _prepare(self) -> None:  # a thread of the event loop's pool
+        self.cached_blocks = self.sender.prepare()
+        self.prepared = True  # NOTE: read by the engine thread (`on_layer`): held layers may go from now on
 
     async def handshake_and_join(self) -> None:
         """Steps 1 and 2: one after the other, or at once where layers can wait for the handshake."""
@@ -214,9 +211,16 @@ class PrefillRun:
         """Inside the forward pass: copy this layer's blocks out and hand them to the sender (or, to a sender that
         reads the KV pool itself, their block ids)."""
         engine = self.worker.engine
-        if self.held is not None and self.held.waiting:  # NOTE: the handshake has not answered yet
-            self.held.hold(engine, self.request_id, len(self.tokens), layer, self.sender)
-            return
+        if self.held is not None and self.held.waiting:
+            if not (self.prepared and self.device_computes):  # NOTE: the handshake has not answered yet (or see below)
+                self.held.hold(engine, self.request_id, len(self.tokens), layer, self.sender)
+                return
+            # NOTE: it answered during this forward pass: what waited goes now and this layer after it. Left to the
+            # step's end (`answered`), a prompt of one step sends all its layers after the last one is computed.
+            # On a GPU only: on the host the sender's work per layer shares the prefill's core and GIL, and cost
+            # more than it saved (SmolLM2, 75 tokens, deploy/local.yaml: first token +23 ms, the first decode gap
+            # -8 ms; BENCHMARKS.md, the request path)
+            self.held.flush(engine, self.sender, self.cached_blocks)
         if self.sender.reads_pool:
             self.sender.send_blocks(layer, engine.kv_block_ids(self.request_id, self.cached_blocks, len(self.tokens)))
             return
@@ -236,7 +240,7 @@ class PrefillRun:
             else:
                 self.sender.commit(out.new_token_ids, out.num_cached_tokens)
             self.worker.loop.release(self.request_id)  # NOTE: decoding goes on elsewhere; blocks stay cached
-        first = FirstToken(out, now, queue_ms, prefill_ms)
+        first = FirstToken(out, now, queue_ms, prefill_ms, self.arrived, len(self.tokens))
         if self._relay is not None and not out.finished:
             self._relay.send_at_step_end(self.result(first, handed_off=False), self._outlet)
             self.relayed = True
@@ -260,31 +264,11 @@ class PrefillRun:
         out, sender = first.output, self.sender
         transfer_ms = max(0.0, (sender.finished_at - first.at) * 1e3) if handed_off and not out.finished else 0.0
         if handed_off:
-            self._observe(first, transfer_ms)
+            observe(self.worker, self.req, first, sender, transfer_ms)
         return PrefillResult(self.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                              out.text, len(self.tokens), out.num_cached_tokens, first.queue_ms, first.prefill_ms,
                              transfer_ms, sender.num_blocks if not out.finished else 0, sender.bytes_sent,
                              out.new_logprobs, out.prompt_logprobs, handed_off=handed_off)
-
-    def _observe(self, first: FirstToken, transfer_ms: float) -> None:
-        """This worker's log line, metrics and the queue / prefill spans of the request (monotonic clock times)."""
-        out, sender = first.output, self.sender
-        log.debug("prefilled %d tokens (%d cached) in %.0f ms after %.0f ms queued; sent %d blocks (%d bytes) to %s, "
-                  "%.1f ms after the first token", len(self.tokens), out.num_cached_tokens, first.prefill_ms,
-                  first.queue_ms, sender.num_blocks, sender.bytes_sent, self.req.decode_address, transfer_ms)
-        metrics = self.worker.metrics
-        metrics.generation.inc(len(first.output.new_token_ids))
-        if not first.output.finished:
-            metrics.transfer.observe(transfer_ms / 1e3)
-        if tracing.enabled():
-            now, now_ns = time.monotonic(), time.time_ns()
-            started = self.arrived + first.queue_ms / 1e3
-            tracing.record("queue", self.req.traceparent, tracing.wall_ns(self.arrived, now, now_ns),
-                           tracing.wall_ns(started, now, now_ns))
-            tracing.record("prefill", self.req.traceparent, tracing.wall_ns(started, now, now_ns),
-                           tracing.wall_ns(first.at, now, now_ns), **{"pdcluster.prompt_tokens": len(self.tokens),
-                                                                      "pdcluster.cached_tokens":
-                                                                          first.output.num_cached_tokens})
 
 
 def _set(fut: asyncio.Future[FirstToken], value: FirstToken) -> None:

@@ -114,7 +114,7 @@ class KVTransferService:
         ended = threading.Event()
         if not context.add_callback(ended.set):
             return  # NOTE: the call already ended
-        release = self.receiver.on_watch(request.agent)
+        release = self.receiver.on_watch(request.agent, context.peer())
         try:
             yield pb.WatchResponse()
             ended.wait()  # NOTE: one server thread per sender process, for the life of the pair
