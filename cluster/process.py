@@ -7,6 +7,7 @@ starts its threads, so every thread the process ever has runs with them.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 
@@ -48,6 +49,29 @@ def process_info() -> dict[str, object]:
     _each_thread(lambda tid: nices.add(os.getpriority(os.PRIO_PROCESS, tid)))
     return {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "nice": sorted(nices),
             "torch_threads": torch.get_num_threads()}
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of this process's live threads, summed by name: a Python thread's own name, else the
+    kernel's (Ray's, gRPC's, OpenMP's threads). Linux /proc (the scheduler's nanoseconds); {} elsewhere."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+                seconds = int(f.read().split()[0]) / 1e9
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):  # NOTE: the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + seconds
+    return out
 
 
 def rss_bytes() -> int:

@@ -20,6 +20,9 @@ would scrape a vLLM pod; the router's /metrics keeps the cluster view. The worke
 |                                      |           | requests (comma-separated); value: the scrape time   |
 | `pdcluster_kv_transfer_seconds`      | histogram | prefill workers: first token → KV confirmed          |
 | `pdcluster_engine_step_seconds`      | summary   | the engine's steps: how many, and their seconds      |
+| `pdcluster_worker_thread_cpu_seconds`| gauge     | label `thread`: CPU seconds of this worker's live     |
+|                                      |           | threads by name (the engine's loop, the KV threads,  |
+|                                      |           | Ray's), read at scrape time (Linux)                  |
 
 Every series has the label `model_name` (the served model's name), as vLLM's.
 """
@@ -37,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cluster.messages import WorkerLoad
+from cluster.process import thread_cpu_s
 
 log = logging.getLogger(__name__)
 # NOTE: priors until a worker measured its own steps (SmolLM2-135M, one CPU thread, order of magnitude): the router
@@ -101,6 +105,22 @@ class LinearCost:
         return steps * self.base_s + tokens * self.per_token_s
 
 
+class _ThreadCpuCollector(Collector):
+    """Where this worker's CPU goes, thread by thread (`pdcluster bench path` reads it around its requests).
+
+    NOTE: a gauge, not a counter: a thread that ends takes its seconds with it."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Any]:
+        g = GaugeMetricFamily("pdcluster_worker_thread_cpu_seconds", "CPU seconds of this worker's live threads, "
+                              "by thread name.", labels=["model_name", "thread"])
+        for name, seconds in sorted(thread_cpu_s().items()):
+            g.add_metric([self.model_name, name], seconds)
+        yield g
+
+
 class _LoadCollector(Collector):
     """The heartbeat numbers, read at scrape time (no copy of the engine's counters to keep in sync)."""
 
@@ -148,6 +168,7 @@ class WorkerMetrics:
                  adapters: Callable[[], tuple[int, list[str], list[str]]] | None = None) -> None:
         self.registry = r = CollectorRegistry()
         r.register(_LoadCollector(model_name, load))
+        r.register(_ThreadCpuCollector(model_name))
         if adapters is not None:  # NOTE: only where the engine has LoRA slots, as vLLM with --enable-lora
             r.register(_LoRACollector(adapters))
         m = ("model_name",)

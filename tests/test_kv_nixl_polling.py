@@ -12,8 +12,16 @@ import socket
 
 import pytest
 
-from kv_transfer.transports.nixl_receiver import (BACKOFF_S, BURST_S, FAST_POLL_S, HURRY_S, LOCAL_POLL_S,
-                                                  SLOW_POLL_S, NixlEndpoint, on_this_host)
+from kv_transfer.transports.nixl_receiver import (
+    BACKOFF_S,
+    BURST_S,
+    FAST_POLL_S,
+    HURRY_S,
+    LOCAL_POLL_S,
+    SLOW_POLL_S,
+    NixlEndpoint,
+    on_this_host,
+)
 
 
 @pytest.mark.parametrize("peer", ["ipv4:127.0.0.1:50051", "ipv6:[::1]:50051", "ipv6:%5B::1%5D:50051",

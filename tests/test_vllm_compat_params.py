@@ -6,6 +6,8 @@ The same bodies run against a cluster in tests/test_vllm_compat.py; here each ru
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -208,7 +210,7 @@ def test_worker_metrics_read_the_heartbeat_load():
 
 def test_worker_metrics_count_the_engines_steps_and_bench_path_reads_them():
     from pdcluster.bench.cluster_proc import free_port
-    from pdcluster.bench.path import worker_steps
+    from pdcluster.bench.path_clients import thread_ms, worker_steps, worker_threads
 
     m = WorkerMetrics("tiny", lambda: WorkerLoad())
     port = m.serve("127.0.0.1", free_port())
@@ -219,5 +221,26 @@ def test_worker_metrics_count_the_engines_steps_and_bench_path_reads_them():
             m.step.observe(took)
         steps, seconds = worker_steps(url)
         assert steps == 3 and abs(seconds - 0.01) < 1e-9
+        # NOTE: each thread's CPU by its Python name: one that computes 0.1 s of its own CPU time shows that much
+        before = worker_threads(url)
+        assert "MainThread" in before and "busy-for-the-test" not in before
+        done = threading.Event()
+        busy = threading.Thread(target=_compute_then_wait, args=(0.1, done), name="busy-for-the-test")
+        busy.start()
+        try:
+            deadline = time.monotonic() + 60  # NOTE: a bound for a hang, not a speed check
+            while (now := worker_threads(url)).get("busy-for-the-test", 0.0) < 0.1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            done.set()
+            busy.join()
+        assert thread_ms(before, now, 2)["busy-for-the-test"] >= 50.0  # ms per request, over 2 requests
     finally:
         m.close()
+
+
+def _compute_then_wait(cpu_s: float, done: threading.Event) -> None:
+    """Compute until this thread has used `cpu_s` of CPU time (whatever the machine's load), then wait."""
+    while time.thread_time() < cpu_s:
+        sum(range(1000))
+    done.wait(60)

@@ -25,17 +25,26 @@ import os
 import random
 import statistics
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdcluster.bench import cluster_proc
-from pdcluster.bench.path_clients import TIMELINE_PARTS, Timed, close_all, grpc_stream, http_stream
+from pdcluster.bench.path_clients import (
+    TIMELINE_PARTS,
+    Timed,
+    close_all,
+    grpc_stream,
+    http_stream,
+    thread_ms,
+    worker_steps,
+    worker_threads,
+)
 from pdcluster.bench.report import emit, log, machine
 
 BENCH = "path"
 TTFT_TOKENS = 8  # tokens of each TTFT request
 IDLE_S = 3.0  # the router's idle CPU is measured over this long
+TOP_THREADS = 6  # threads per worker in the table of where the workers' CPU went
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,12 +137,14 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
     ttft, parts = [], []
     prefill0 = await asyncio.to_thread(worker_steps, steps[0])
+    threads0 = [await asyncio.to_thread(worker_threads, url) for url in steps]
     for p in prompts[2:2 + args.ttft_requests]:
         timed = await stream(addr, p, TTFT_TOKENS)
         ttft.append(timed.ttft_s)
         parts.append(timed.timeline)
         await asyncio.sleep(0.2)  # NOTE: idle between requests: the heartbeats show the workers idle again
     prefill1 = await asyncio.to_thread(worker_steps, steps[0])
+    threads1 = [await asyncio.to_thread(worker_threads, url) for url in steps]
     itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
     ones, steps0 = [], await asyncio.to_thread(worker_steps, steps[1])
     for p in _one_prompts(prompts, args.one_rounds):
@@ -160,21 +171,12 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
             "worker_step_ms_mean_1": _ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),
             # NOTE: one step per TTFT request there (a prompt within the step budget): its prefill, as the worker ran it
             "prefill_worker_step_ms_mean": _ms((prefill1[1] - prefill0[1]) / max(1, prefill1[0] - prefill0[0])),
+            # NOTE: where each worker's CPU went over those requests (a hand-off each), by thread: ms per request
+            "threads_ms_per_request": {role: thread_ms(threads0[i], threads1[i], args.ttft_requests)
+                                       for i, role in enumerate(("prefill", "decode"))},
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
             "router_idle_cpu": idle_rate}
-
-
-def worker_steps(url: str) -> tuple[float, float]:
-    """(steps, seconds) so far of a worker's engine, from its /metrics (`pdcluster_engine_step_seconds`)."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    got = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in ("pdcluster_engine_step_seconds_count", "pdcluster_engine_step_seconds_sum"):
-            got[name.rsplit("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
-    return got.get("count", 0.0), got.get("sum", 0.0)
 
 
 def _cpu_s(pid: int) -> float:
@@ -258,6 +260,13 @@ def format_table(f: dict[str, Any]) -> str:
             if "worker_step_ms_mean_1" in c:
                 lines.append(f"| {model} | {front} | {r['engine']['step_ms_mean_1']:.3f} | {per_token:.3f} | "
                              f"{c['worker_step_ms_mean_1']:.3f} | {per_token - c['worker_step_ms_mean_1']:.3f} |")
+    lines += ["", f"The workers' CPU per request of the TTFT case (ms, the {TOP_THREADS} busiest threads of each; "
+              "a hand-off each):", "", "| model | front | worker | threads |", "|---|---|---|---|"]
+    for model, r in f["models"].items():
+        for front in (k for k in r if k != "engine"):
+            for role, ms in r[front].get("threads_ms_per_request", {}).items():
+                busiest = ", ".join(f"{name} {v:.2f}" for name, v in list(ms.items())[:TOP_THREADS])
+                lines.append(f"| {model} | {front} | {role} | {busiest} |")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""The two streaming clients of `pdcluster bench path`: OpenAI HTTP (SSE) and gRPC, timing every token's arrival.
+"""The clients of `pdcluster bench path`: OpenAI HTTP (SSE) and gRPC, timing every token's arrival; workers' /metrics.
 
 A chunk that carries k tokens counts as k arrivals at the same moment: a gap of 0 for all but its first token
 (`return_token_ids` on HTTP, `token_ids` on gRPC say how many it carries), so merged chunks show in ITL as they
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -112,3 +113,37 @@ async def close_all() -> None:
         await channel.close()
     _sessions.clear()
     _stubs.clear()
+
+
+# ---- the workers' own /metrics --------------------------------------------------------------------------------
+def worker_steps(url: str) -> tuple[float, float]:
+    """(steps, seconds) so far of a worker's engine, from its /metrics (`pdcluster_engine_step_seconds`)."""
+    got = {}
+    for line in _scrape(url).splitlines():
+        name = line.split("{", 1)[0]
+        if name in ("pdcluster_engine_step_seconds_count", "pdcluster_engine_step_seconds_sum"):
+            got[name.rsplit("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
+    return got.get("count", 0.0), got.get("sum", 0.0)
+
+
+def worker_threads(url: str) -> dict[str, float]:
+    """CPU seconds so far of a worker's threads by name, from its /metrics (`pdcluster_worker_thread_cpu_seconds`)."""
+    got = {}
+    for line in _scrape(url).splitlines():
+        if line.startswith("pdcluster_worker_thread_cpu_seconds{"):
+            labels, value = line.rsplit(" ", 1)
+            name = labels.split('thread="', 1)[1].rsplit('"', 1)[0]
+            got[name] = float(value)
+    return got
+
+
+def thread_ms(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """Each thread's CPU ms per request between two `worker_threads` reads (busiest first; threads that were
+    not there before count from zero)."""
+    ms = {name: (after[name] - before.get(name, 0.0)) * 1e3 / max(1, n) for name in after}
+    return {name: round(v, 2) for name, v in sorted(ms.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
