@@ -217,9 +217,9 @@ class PrefillRun:
                 return
             # NOTE: it answered during this forward pass: what waited goes now and this layer after it. Left to the
             # step's end (`answered`), a prompt of one step sends all its layers after the last one is computed.
-            # On a GPU only: on the host the sender's work per layer shares the prefill's core and GIL, and cost
-            # more than it saved (SmolLM2, 75 tokens, deploy/local.yaml: first token +23 ms, the first decode gap
-            # -8 ms; BENCHMARKS.md, the request path)
+            # On a GPU only: on the host the sender's work per layer shares the prefill's core and GIL, and it
+            # delayed the first token by more than it shortened the first decode gap (BENCHMARKS.md, the request
+            # path, session 13)
             self.held.flush(engine, self.sender, self.cached_blocks)
         if self.sender.reads_pool:
             self.sender.send_blocks(layer, engine.kv_block_ids(self.request_id, self.cached_blocks, len(self.tokens)))

@@ -17,9 +17,9 @@ A sender on this host (its Watch comes from a local address) writes with UCX's o
 processes, cuda_ipc between GPUs): its bytes land without a poll here, and only its notifications wait for one, so
 while none has come for `BURST_S` the thread polls every `LOCAL_POLL_S`, fast again as soon as one comes (a sender
 posts its layers in a burst after a prefill on the host) and from its commit (`_hurry`) on. Polled at
-`FAST_POLL_S` throughout, a decode worker's notification thread woke ~430 times and took ~10 ms of the decode
-core per SmolLM2 hand-off of a 75-token prompt (it polled through the whole ~0.1 s prefill), time taken from
-the steps of every stream that worker decodes meanwhile.
+`FAST_POLL_S` throughout, a decode worker's notification thread took ~10 ms of the decode core per SmolLM2
+hand-off of a 75-token prompt (it polled through the whole prefill; 3.7 ms after: `pdcluster bench path`'s thread
+table, BENCHMARKS.md), time taken from the steps of every stream that worker decodes meanwhile.
 """
 
 from __future__ import annotations
