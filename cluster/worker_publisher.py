@@ -147,6 +147,8 @@ class IndexMember:
                 if not self._try_register():
                     continue
                 self._resync = True  # NOTE: the whole cache goes to the index (events drained meanwhile are lost)
+            if not self._publish_due(last_beat, beaten):
+                continue
             with self.loop.between_steps:
                 stored, removed = self.engine.block_manager.pool.drain_events()
                 if self._resync:
@@ -177,6 +179,18 @@ class IndexMember:
             failing = self._resync = False
             if beat:
                 last_beat, beaten = now, members
+
+    def _publish_due(self, last_beat: float, beaten: tuple[int, int, int]) -> bool:
+        """Whether this round has anything for Redis, read without the engine's lock (lengths and a flag the engine
+        thread sets; the round takes the lock only then).
+
+        NOTE: the lock is handed over between two steps, the engine waiting meanwhile: taken 20 times a second for
+        nothing, on an idle worker and through most rounds of a slow model's decode."""
+        if self._resync or self._hits[0] or self.engine.block_manager.pool.has_events():
+            return True
+        s = self.engine.stats()
+        return (time.monotonic() - last_beat >= HEARTBEAT_INTERVAL_S
+                or (s.num_waiting, s.num_running, s.num_reserved) != beaten)
 
     def _publish(self, stored: Seq[BlockHash], removed: Seq[BlockHash], hits: list[int], *, beat: bool) -> None:
         assert self.index is not None

@@ -107,6 +107,10 @@ class BlockPool:
         if self._events is None:
             self._events = {}
 
+    def has_events(self) -> bool:
+        """Whether `drain_events` has anything (a read any thread may make without the engine's lock)."""
+        return bool(self._events)
+
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """Hashes stored and evicted since the last drain (net of each other); needs `enable_events` first."""
         if self._events is None:
