@@ -6,7 +6,8 @@
 2. registers the worker if it is not yet (Redis was down at start: retried with backoff, then the whole cache is
    resynced);
 3. sends the prefix cache's stored/evicted block events, the prefix-hit counts and, at least every
-   HEARTBEAT_INTERVAL_S and at once when requests joined or left the batch, a heartbeat with the load;
+   HEARTBEAT_INTERVAL_S and at once when requests joined or left the batch, a heartbeat with the load (a round
+   with none of these, checked without the engine's lock, takes no lock: `_publish_due`);
 4. on a Redis outage logs once, keeps the hit counts and resyncs under a new epoch when Redis is back; a newer
    incarnation of the worker (same name, higher epoch) makes this one stop writing (`Superseded`).
 """
