@@ -155,12 +155,9 @@ class IndexMember:
                 if self._resync:
                     stored, removed = self.engine.block_manager.pool.cached_hashes(), []
                 hits, self._hits = self._hits, [0, 0]
-                s = self.engine.stats()
-                members = (s.num_waiting, s.num_running, s.num_reserved)
+                members = self._members()
             now = time.monotonic()
-            # NOTE: a beat at least every HEARTBEAT_INTERVAL_S, and at once (within PUBLISH_INTERVAL_S) when requests
-            # joined or left the batch: routers (and anyone reading the index) see a new load without waiting
-            beat = now - last_beat >= HEARTBEAT_INTERVAL_S or members != beaten
+            beat = _beat_due(now, last_beat, members, beaten)
             try:
                 self._publish(stored, removed, hits, beat=beat)
             except Superseded as e:
@@ -189,9 +186,12 @@ class IndexMember:
         nothing, on an idle worker and through most rounds of a slow model's decode."""
         if self._resync or self._hits[0] or self.engine.block_manager.pool.has_events():
             return True
+        return _beat_due(time.monotonic(), last_beat, self._members(), beaten)
+
+    def _members(self) -> tuple[int, int, int]:
+        """The batch's membership a heartbeat reports: waiting, running and reserved requests."""
         s = self.engine.stats()
-        return (time.monotonic() - last_beat >= HEARTBEAT_INTERVAL_S
-                or (s.num_waiting, s.num_running, s.num_reserved) != beaten)
+        return s.num_waiting, s.num_running, s.num_reserved
 
     def _publish(self, stored: Seq[BlockHash], removed: Seq[BlockHash], hits: list[int], *, beat: bool) -> None:
         assert self.index is not None
@@ -218,3 +218,9 @@ class IndexMember:
         if epoch is None:
             raise Superseded(f"a newer incarnation of {self.name} registered after our epoch {self.epoch}")
         self.epoch = epoch
+
+
+def _beat_due(now: float, last_beat: float, members: tuple[int, int, int], beaten: tuple[int, int, int]) -> bool:
+    """A heartbeat at least every HEARTBEAT_INTERVAL_S, and at once (within PUBLISH_INTERVAL_S) when requests joined
+    or left the batch: routers (and anyone reading the index) see a new load without waiting."""
+    return now - last_beat >= HEARTBEAT_INTERVAL_S or members != beaten

@@ -112,9 +112,13 @@ def place_ranks(cfg: ClusterConfig, pool: PoolConfig, worker: str) -> Any:
 
 
 def remove_placement(cfg: ClusterConfig, worker: str) -> None:
-    """Remove worker `worker`'s placement group, if it has one (a TP worker stopped for good; its ranks go too)."""
+    """Remove worker `worker`'s placement group, if it has one (a TP worker stopped for good; its ranks go too).
+    A worker of a TP 1 pool has none: no lookup in Ray's GCS for it."""
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
+    pool = cfg.pools().get(Role(worker.rsplit("-", 1)[0]))
+    if pool is None or pool.tensor_parallel_size == 1:
+        return
     try:
         remove_placement_group(get_placement_group(placement_name(cfg, worker)))
     except ValueError:  # NOTE: none: TP 1, or already removed

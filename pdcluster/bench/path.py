@@ -123,34 +123,34 @@ Stream = Callable[[str, list[int], int], Awaitable[Timed]]
 
 
 async def through_cluster(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                          pid: int, steps: tuple[str, str]) -> dict[str, Any]:
-    """The same cases as `engine_alone`, as a client of `addr` sees them (`steps`: the prefill and the decode
-    worker's /metrics)."""
+                          pid: int, metrics: tuple[str, str]) -> dict[str, Any]:
+    """The same cases as `engine_alone`, as a client of `addr` sees them (`metrics`: the prefill and the decode
+    worker's /metrics URLs)."""
     try:
-        return await _cases(stream, addr, prompts, args, pid, steps)
+        return await _cases(stream, addr, prompts, args, pid, metrics)
     finally:
         await close_all()
 
 
 async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                 pid: int, steps: tuple[str, str]) -> dict[str, Any]:
+                 pid: int, metrics: tuple[str, str]) -> dict[str, Any]:
     await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
     ttft, parts = [], []
-    prefill0 = await asyncio.to_thread(worker_steps, steps[0])
-    threads0 = [await asyncio.to_thread(worker_threads, url) for url in steps]
+    prefill0 = await asyncio.to_thread(worker_steps, metrics[0])
+    threads0 = [await asyncio.to_thread(worker_threads, url) for url in metrics]
     for p in prompts[2:2 + args.ttft_requests]:
         timed = await stream(addr, p, TTFT_TOKENS)
         ttft.append(timed.ttft_s)
         parts.append(timed.timeline)
         await asyncio.sleep(0.2)  # NOTE: idle between requests: the heartbeats show the workers idle again
-    prefill1 = await asyncio.to_thread(worker_steps, steps[0])
-    threads1 = [await asyncio.to_thread(worker_threads, url) for url in steps]
+    prefill1 = await asyncio.to_thread(worker_steps, metrics[0])
+    threads1 = [await asyncio.to_thread(worker_threads, url) for url in metrics]
     itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
-    ones, steps0 = [], await asyncio.to_thread(worker_steps, steps[1])
+    ones, steps0 = [], await asyncio.to_thread(worker_steps, metrics[1])
     for p in _one_prompts(prompts, args.one_rounds):
         t = time.perf_counter()
         ones.append((await stream(addr, p, args.stream_tokens), time.perf_counter() - t))
-    steps1 = await asyncio.to_thread(worker_steps, steps[1])
+    steps1 = await asyncio.to_thread(worker_steps, metrics[1])
     # NOTE: the router's CPU at idle (heartbeat reads, pings, lease renewals) over a few seconds, taken out of the
     # run's figure for the net one: what relaying the tokens cost
     cpu0, t = _cpu_s(pid), time.perf_counter()
@@ -209,13 +209,13 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: worker i of the cluster (pools in order: prefill, then decode) serves its /metrics on base + i
     cfg.metrics.workers, cfg.metrics.worker_host = True, "127.0.0.1"
     cfg.metrics.worker_port = base = cluster_proc.free_port(cfg.prefill.replicas + cfg.decode.replicas)
-    steps = (f"http://127.0.0.1:{base}/metrics", f"http://127.0.0.1:{base + cfg.prefill.replicas}/metrics")
+    metrics = (f"http://127.0.0.1:{base}/metrics", f"http://127.0.0.1:{base + cfg.prefill.replicas}/metrics")
     with cluster_proc.serving_endpoints(cfg, f"path-{model}") as ep:
         for front in fronts:
             log(BENCH, f"{model}: through the cluster over {front}")
             addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
             result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"]),
-                                                        steps))
+                                                        metrics))
     eng = result["engine"]
     for front in fronts:
         r = result[front]
