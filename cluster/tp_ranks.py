@@ -82,7 +82,7 @@ class TPRank:
     """One follower rank in a Ray actor's process: builds its runner at once, runs the follower loop on a thread."""
 
     def __init__(self, rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig,
-                 shard: dict[str, torch.Tensor], num_blocks: int, max_model_len: int, host: RankHost) -> None:
+                 shard: dict[str, torch.Tensor], num_blocks: int | None, max_model_len: int, host: RankHost) -> None:
         from cluster import logs
         from cluster.process import pin_cpus, set_nice
 
@@ -137,7 +137,7 @@ class RayRanks:
     """Ranks 1 .. n-1 as Ray actors in bundles 1 .. n-1 of the worker's placement group (a `FollowerGroup`)."""
 
     def __init__(self, host: RankHost, rdv: Rendezvous, cfg: ModelConfig, rank_cfgs: list[EngineConfig],
-                 shards: list[dict[str, torch.Tensor]], num_blocks: int, max_model_len: int) -> None:
+                 shards: list[dict[str, torch.Tensor]], num_blocks: int | None, max_model_len: int) -> None:
         import ray
         from ray.util.placement_group import PlacementGroup
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -233,7 +233,7 @@ def launcher(host: RankHost) -> FollowerLauncher:
     """The engine's follower launcher for a worker whose ranks are Ray actors of `host`'s placement group."""
 
     def launch(rdv: Rendezvous, cfg: ModelConfig, rank_cfgs: list[EngineConfig],
-               shards: list[dict[str, torch.Tensor]], num_blocks: int, max_model_len: int, /) -> FollowerGroup:
+               shards: list[dict[str, torch.Tensor]], num_blocks: int | None, max_model_len: int, /) -> FollowerGroup:
         return RayRanks(host, rdv, cfg, rank_cfgs, shards, num_blocks, max_model_len)
 
     return launch

@@ -123,10 +123,6 @@ class PoolConfig(BaseModel):
             # two ranks on one GPU: each bundle asks Ray for exactly one whole GPU
             raise _RuleError("num_gpus", f"is per rank: tensor_parallel_size {n} on cuda needs num_gpus 1 (the "
                                          f"worker reserves {n} GPUs of one node, one per rank), got {self.num_gpus:g}")
-        if self.device == "cuda" and self.num_kv_blocks is None and self.kv_cache_memory_gb is None:
-            raise _RuleError("tensor_parallel_size", f"{n} on cuda: a TP group's KV pool is sized by num_kv_blocks "
-                                                     "or kv_cache_memory_gb (per rank), not by gpu_memory_utilization "
-                                                     "yet: set one of them")
         if self.lend_idle_cores:
             # NOTE: the borrowed threads would be rank 0's only; its peers would wait for it at every all-reduce
             raise _RuleError("lend_idle_cores", f"lends cores to one process: tensor_parallel_size {n} runs {n}")

@@ -189,9 +189,6 @@ BAD = {
     "tp zero": (lines("decode:", "  tensor_parallel_size: 0"), "decode.tensor_parallel_size", 2, ["greater than 0"]),
     "tp with lora": (lines("model: tiny", "lora: {max_loras: 2}", "decode:", "  tensor_parallel_size: 2"),
                      "decode.tensor_parallel_size", 4, ["LoRA", "tensor_parallel_size 1"]),
-    "tp on cuda sized by utilization": (lines("model: tiny", "prefill:", "  device: cuda", "  num_gpus: 1",
-                                              "  tensor_parallel_size: 2"),
-                                        "prefill.tensor_parallel_size", 5, ["num_kv_blocks or kv_cache_memory_gb"]),
     "tp on cuda with gpus per actor": (lines("model: tiny", "prefill:", "  device: cuda", "  num_gpus: 2",
                                              "  kv_cache_memory_gb: 1", "  tensor_parallel_size: 2"),
                                        "prefill.num_gpus", 4, ["per rank", "num_gpus 1"]),
@@ -210,6 +207,16 @@ def test_bad_yaml_names_the_field_and_the_line(text, path, line, words):
     assert message.startswith(f"deploy/x.yaml:{line}: " + (f"{path}: " if path else ""))
     for word in words:
         assert word in message
+
+
+def test_a_tp_pool_on_cuda_may_be_sized_by_gpu_memory_utilization():
+    # NOTE: each rank profiles its own GPU and the group takes the smallest pool (engine/parallel/follower.py)
+    cfg = ClusterConfig.from_yaml_text(lines("model: tiny", "prefill:", "  device: cuda", "  num_gpus: 1",
+                                             "  tensor_parallel_size: 2", "  gpu_memory_utilization: 0.8",
+                                             "decode:", "  device: cuda", "  num_gpus: 1"))
+    engine_cfg = cfg.prefill.engine_config()
+    assert (engine_cfg.tensor_parallel_size, engine_cfg.gpu_memory_utilization) == (2, 0.8)
+    assert engine_cfg.num_blocks is None and engine_cfg.kv_cache_memory_gb is None
 
 
 def test_several_errors_are_one_config_error_listing_each_on_its_own_line_in_file_order():

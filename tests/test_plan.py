@@ -285,7 +285,7 @@ def test_a_plan_of_multi_gpu_workers_writes_tp_pools_of_the_profiles_model():
     for pool in (cfg.prefill, cfg.decode):
         assert (pool.tensor_parallel_size, pool.num_gpus, pool.device, pool.resolved_dtype) == (8, 1, "cuda",
                                                                                                "bfloat16")
-        assert pool.kv_cache_memory_gb is not None  # NOTE: a TP group's pool is not sized by gpu_memory_utilization
+        assert pool.kv_cache_memory_gb is not None  # NOTE: the pool the plan's prediction assumed
     assert "8 GPUs of 141 GB" in text and "NVLink" in text and "5 such nodes" in text  # NOTE: the profile's GPU
     assert "Ray actors of one placement group" in text
     # one GPU per worker: the template's shape, model and comments as they were

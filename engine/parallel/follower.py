@@ -61,13 +61,13 @@ class Stop:
 
 def rank_engine_config(engine_cfg: EngineConfig, device: str, threads: int) -> EngineConfig:
     """The engine settings one rank's runner is built with: its device and threads, eager (see TPModelRunner)."""
-    return dataclasses.replace(engine_cfg, device=device, num_threads=threads, enforce_eager=True,
-                               gpu_memory_utilization=None)
+    return dataclasses.replace(engine_cfg, device=device, num_threads=threads, enforce_eager=True)
 
 
-def rank_runner(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, torch.Tensor], num_blocks: int,
+def rank_runner(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, torch.Tensor], num_blocks: int | None,
                 max_model_len: int) -> ModelRunner:
-    """A plain runner over one rank's shard: the rank's heads and MLP width, its KV heads' pool."""
+    """A plain runner over one rank's shard: the rank's heads and MLP width, its KV heads' pool (`num_blocks` None
+    on CUDA: sized by gpu_memory_utilization on this rank's GPU, then agreed with the others: `agree_pool`)."""
     torch.set_num_threads(engine_cfg.threads)
     return ModelRunner(rank_config(cfg, engine_cfg.tensor_parallel_size), engine_cfg, shard, num_blocks,
                        max_model_len)
@@ -136,7 +136,26 @@ def watch_parent(rank: int) -> threading.Thread:
     return t
 
 
-def build_follower(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, torch.Tensor], num_blocks: int,
+def agree_pool(runner: ModelRunner, group: TPGroup) -> None:
+    """Every rank's pool at the smallest rank's block count (a collective: each rank calls it once, right after it
+    joined the group).
+
+    NOTE: with `num_blocks` or `kv_cache_memory_gb` set the counts are equal already; by gpu_memory_utilization each
+    rank profiled its own GPU (rank 0's peak holds the LM head, the followers' do not; another process may hold some
+    of one GPU), and block i of a sequence must exist on every rank."""
+    num_blocks = group.min(runner.num_blocks)
+    if num_blocks == runner.num_blocks:
+        return
+    # NOTE: no request has used the pool yet, and a rank's runner is eager (no decode graphs sized by it)
+    assert runner.graphs is None
+    del runner.kv, runner.kv_caches
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()  # NOTE: the larger pool's memory goes back before the smaller one is taken
+    runner.num_blocks = runner.spare_block = num_blocks
+    runner._allocate_kv(num_blocks + 1)
+
+
+def build_follower(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, torch.Tensor], num_blocks: int | None,
                    max_model_len: int) -> ModelRunner:
     """Step 1 of a follower's life, in its host: the rank's runner on its shard (on its device)."""
     if engine_cfg.device.startswith("cuda"):
@@ -148,6 +167,7 @@ def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, runner: ModelRu
     """Steps 2-4 of a follower's life: join the group, answer KV reads and writes beside the steps, run the steps
     until `Stop` (a failed collective raises)."""
     group = TPGroup(rank, rdv, runner.device)
+    agree_pool(runner, group)
     parallelize(runner.model, group)
     kv = KVService(runner, group, cfg)  # NOTE: the KV hand-off's reads and writes, beside the steps
     kv.start()
@@ -157,7 +177,7 @@ def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, runner: ModelRu
     kv.thread.join(10.0)
 
 
-def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int,
+def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int | None,
                   max_model_len: int, conn: Connection) -> None:
     """A follower process: take its shard from `conn`, build, report ("built" or the traceback) on `conn`, join the
     group, run."""

@@ -92,6 +92,14 @@ class TPGroup:
         """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled, on the step channel."""
         return broadcast_object(self.cpu, self.rank, obj)
 
+    def min(self, value: int) -> int:
+        """The smallest of the ranks' `value`s, on every rank (a collective of the step channel: all ranks call it)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # NOTE: torch's stubs type it RedOpType
+        self.cpu.allreduce([t], opts).wait()
+        return int(t.item())
+
 
 def broadcast_object(pg: Any, rank: int, obj: object = None) -> Any:
     """Rank 0's `obj` on every rank of the gloo group `pg` (rank 0 passes it, the others get it), pickled.

@@ -57,7 +57,8 @@ class FollowerLauncher(Protocol):
     """Starts ranks 1 .. n-1 of a group (`rank_cfgs[i]` and `shards[i]` are rank i + 1's); the caller joins them."""
 
     def __call__(self, rdv: Rendezvous, cfg: ModelConfig, rank_cfgs: list[EngineConfig],
-                 shards: list[dict[str, torch.Tensor]], num_blocks: int, max_model_len: int, /) -> FollowerGroup: ...
+                 shards: list[dict[str, torch.Tensor]], num_blocks: int | None, max_model_len: int,
+                 /) -> FollowerGroup: ...
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Followers:
     """Ranks 1 .. n-1 as processes of this machine (the engine's own `FollowerLauncher`)."""
 
     def __init__(self, rdv: Rendezvous, cfg: ModelConfig, rank_cfgs: list[EngineConfig],
-                 shards: list[dict[str, torch.Tensor]], num_blocks: int, max_model_len: int) -> None:
+                 shards: list[dict[str, torch.Tensor]], num_blocks: int | None, max_model_len: int) -> None:
         ctx = mp.get_context("spawn")
         self.rdv = rdv
         self.procs: list[Follower] = []

@@ -15,13 +15,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, Step
-from engine.parallel.follower import CopyBlock, StepMessage, Stop, rank_engine_config
+from engine.parallel.follower import CopyBlock, StepMessage, Stop, agree_pool, rank_engine_config
 from engine.parallel.group import TPGroup, parallelize, serve_store
 from engine.parallel.kv import KVChannelClosed, KVGather
 from engine.parallel.launch import FollowerGroup, FollowerLauncher, Followers, TPGroupError
-from engine.parallel.shard import FIELD, check_tp, rank_config, shard_weights
+from engine.parallel.shard import check_tp, rank_config, shard_weights
 from engine.scheduler import ScheduledBatch
 
 BUILD_TIMEOUT_S = 600.0  # a follower's load of its shard (weights packed for the kernel)
@@ -47,8 +46,9 @@ class TPModelRunner(ModelRunner):
     """The runner of a TP n engine (n > 1): starts the n - 1 followers, computes rank 0's part of each step.
 
     NOTE: CUDA graphs are off (every rank eager: a graph would have to be captured on every rank in step, the
-    all-reduces inside it); the KV pool is sized by `num_blocks` or `kv_cache_memory_gb` per rank, not by a
-    profiling pass (the followers would have to run it in step too). The KV hand-off sees the full model's layout
+    all-reduces inside it); the KV pool is sized per rank (`num_blocks`, `kv_cache_memory_gb`, or on CUDA
+    gpu_memory_utilization, each rank profiling its own GPU before the group forms), then every rank takes the
+    smallest count (`agree_pool`). The KV hand-off sees the full model's layout
     (all KV heads, as a TP 1 engine has them): `read_blocks` gathers every rank's heads through rank 0 and
     `write_blocks` sends each rank its heads, on the group's own KV channel (engine/parallel/kv.py), so a prefill
     group of any TP size hands its KV to a decode engine of any other.
@@ -59,9 +59,6 @@ class TPModelRunner(ModelRunner):
                  launcher: FollowerLauncher | None = None) -> None:
         n = engine_cfg.tensor_parallel_size
         check_tp(cfg, n)
-        if num_blocks is None:
-            raise InvalidRequestError(FIELD, f"{n}: a TP group's KV pool is sized by num_blocks or "
-                                      "kv_cache_memory_gb (per rank), not by gpu_memory_utilization yet")
         threads = rank_threads(engine_cfg)
         cfgs = [rank_engine_config(engine_cfg, rank_device(engine_cfg, r), threads) for r in range(n)]
         store, rdv = serve_store(n)
@@ -77,6 +74,7 @@ class TPModelRunner(ModelRunner):
             # on the sender's side while the receiver still reads them
             del shards
             self.group = TPGroup(0, rdv, self.device, store)
+            agree_pool(self, self.group)
         except BaseException:
             followers.kill()
             raise

@@ -104,8 +104,8 @@ def render(template: str, mode: str, replicas: dict[str, int], header: list[str]
             text = set_pool_field(text, pool, "num_gpus", 1, "per rank: the worker reserves "
                                                              f"{tp} GPUs of one node")
             text = set_pool_field(text, pool, "tensor_parallel_size", tp, f"one engine over {tp} GPUs")
-            text = set_pool_field(text, pool, "kv_cache_memory_gb", KEEP, "KV cache per rank (a TP group's pool is "
-                                                                            "not sized by gpu_memory_utilization)")
+            text = set_pool_field(text, pool, "kv_cache_memory_gb", KEEP, "KV cache per rank, as planned (null: "
+                                                                            "by gpu_memory_utilization)")
             text = set_pool_field(text, pool, "num_cpus", KEEP, "Ray CPUs per rank")
             text = set_pool_field(text, pool, "torch_threads", KEEP, "per rank")
     for key, value in (router or {}).items():
