@@ -209,16 +209,6 @@ def test_bad_yaml_names_the_field_and_the_line(text, path, line, words):
         assert word in message
 
 
-def test_a_tp_pool_on_cuda_may_be_sized_by_gpu_memory_utilization():
-    # NOTE: each rank profiles its own GPU and the group takes the smallest pool (engine/parallel/follower.py)
-    cfg = ClusterConfig.from_yaml_text(lines("model: tiny", "prefill:", "  device: cuda", "  num_gpus: 1",
-                                             "  tensor_parallel_size: 2", "  gpu_memory_utilization: 0.8",
-                                             "decode:", "  device: cuda", "  num_gpus: 1"))
-    engine_cfg = cfg.prefill.engine_config()
-    assert (engine_cfg.tensor_parallel_size, engine_cfg.gpu_memory_utilization) == (2, 0.8)
-    assert engine_cfg.num_blocks is None and engine_cfg.kv_cache_memory_gb is None
-
-
 def test_several_errors_are_one_config_error_listing_each_on_its_own_line_in_file_order():
     text = lines("router:", "  port: -5", "prefill:", "  replicas: -1", "  bogus: 1")
     with pytest.raises(ConfigError) as info:

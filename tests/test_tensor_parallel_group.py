@@ -1,0 +1,92 @@
+"""A TP group's own channels (engine/parallel/group.py): the step messages rank 0 broadcasts, and the pool size the
+ranks agree on (gloo on the CPU; no engine).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any
+
+import torch
+
+from engine import EngineConfig
+from engine.loader import LoadedModel, tiny_model
+from engine.model_runner import ModelRunner
+from engine.parallel import rank_config, shard_weights
+from engine.parallel.follower import CopyBlock, StepMessage, Stop, agree_pool
+from engine.parallel.group import MESSAGE_BYTES, Rendezvous, TPGroup, serve_store
+from pdcluster.config import ClusterConfig
+from tests.test_tensor_parallel import LAYOUTS
+
+
+def _receive(rdv: Rendezvous, n: int, out: Any) -> None:
+    out.put("started")
+    group = TPGroup(1, rdv, torch.device("cpu"))
+    out.put([group.broadcast_object() for _ in range(n)])
+
+
+def test_step_messages_of_any_size_reach_the_followers_after_any_idle_time() -> None:
+    import time
+
+    import torch.multiprocessing as mp
+
+    # NOTE: one broadcast up to MESSAGE_BYTES, a second for the rest of a longer one (a long prompt's step)
+    fits = next(k for k in range(MESSAGE_BYTES - 64, MESSAGE_BYTES)  # a string whose pickle fills the first one
+                if len(pickle.dumps("x" * k, protocol=pickle.HIGHEST_PROTOCOL)) == MESSAGE_BYTES - 8)
+    messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), [0], [9000], [list(range(600))]),
+                "x" * fits, "x" * (fits + 1)]
+    ctx = mp.get_context("spawn")
+    store, rdv = serve_store(2, timeout_s=3.0)  # NOTE: the collectives' bound; idling longer is no failure
+    out = ctx.Queue()
+    child = ctx.Process(target=_receive, args=(rdv, len(messages), out), daemon=True)
+    child.start()
+    try:
+        assert out.get(timeout=60) == "started"  # NOTE: the rendezvous is then within the 3 s
+        group = TPGroup(0, rdv, torch.device("cpu"), store)
+        time.sleep(4.0)  # an engine with nothing to do: the follower waits for its next step
+        for m in messages:
+            group.broadcast_object(m)
+        assert out.get(timeout=60) == messages  # NOTE: a guard against a hang, not a timing
+    finally:
+        child.join(10)
+
+
+def test_ranks_that_sized_their_pools_apart_all_take_the_smallest() -> None:
+    """gpu_memory_utilization under TP: each rank sizes its pool on its own GPU, then the group agrees on the
+    smallest count (block i of a sequence is block i on every rank). Here two ranks of one process, on threads."""
+    loaded: LoadedModel = tiny_model(**LAYOUTS["gqa-8q-4kv"])
+    ecfg = EngineConfig(num_threads=1, tensor_parallel_size=2)
+    runners = [ModelRunner(rank_config(loaded.config, 2), ecfg,
+                           shard_weights(loaded.config, loaded.weights, rank, 2, with_head=rank == 0), blocks, 64)
+               for rank, blocks in ((0, 40), (1, 25))]
+    runners[0].kv[0, 0, 24].fill_(1.0)
+    store, rdv = serve_store(2, timeout_s=30.0)
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        try:
+            agree_pool(runners[rank], TPGroup(rank, rdv, torch.device("cpu"), store if rank == 0 else None))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for r in runners:
+        assert (r.num_blocks, r.spare_block, r.kv.shape[2]) == (25, 25, 26)  # NOTE: and the spare block
+        assert len(r.kv_caches) == loaded.config.num_layers and r.kv_caches[0][0].shape[0] == 26
+    assert float(runners[0].kv.abs().sum()) == 0.0  # a new pool: nothing of the old one carried over
+
+
+def test_a_tp_pool_on_cuda_may_be_sized_by_gpu_memory_utilization() -> None:
+    # NOTE: each rank profiles its own GPU and the group takes the smallest pool (the test above)
+    cfg = ClusterConfig.from_yaml_text("model: tiny\nprefill:\n  device: cuda\n  num_gpus: 1\n"
+                                       "  tensor_parallel_size: 2\n  gpu_memory_utilization: 0.8\n"
+                                       "decode:\n  device: cuda\n  num_gpus: 1\n")
+    engine_cfg = cfg.prefill.engine_config()
+    assert (engine_cfg.tensor_parallel_size, engine_cfg.gpu_memory_utilization) == (2, 0.8)
+    assert engine_cfg.num_blocks is None and engine_cfg.kv_cache_memory_gb is None
