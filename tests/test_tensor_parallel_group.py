@@ -1,13 +1,18 @@
-"""A TP group's own channels (engine/parallel/group.py): the step messages rank 0 broadcasts, and the pool size the
-ranks agree on (gloo on the CPU; no engine).
+"""A TP group's own channels (engine/parallel/group.py): the step messages rank 0 broadcasts, the pool size the
+ranks agree on, and the all-reduce through shared memory (engine/parallel/shm_allreduce.py; gloo on the CPU; no
+engine).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from engine import EngineConfig
@@ -16,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel import rank_config, shard_weights
 from engine.parallel.follower import CopyBlock, StepMessage, Stop, agree_pool
 from engine.parallel.group import MESSAGE_BYTES, Rendezvous, TPGroup, serve_store
+from engine.parallel.shm_allreduce import SLOT_BYTES, ShmAllReduce
 from pdcluster.config import ClusterConfig
 from tests.test_tensor_parallel import LAYOUTS
 
@@ -90,3 +96,95 @@ def test_a_tp_pool_on_cuda_may_be_sized_by_gpu_memory_utilization() -> None:
     engine_cfg = cfg.prefill.engine_config()
     assert (engine_cfg.tensor_parallel_size, engine_cfg.gpu_memory_utilization) == (2, 0.8)
     assert engine_cfg.num_blocks is None and engine_cfg.kv_cache_memory_gb is None
+
+
+def on_threads(n: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> list[Any]:
+    """`fn(rank)` for ranks 0 .. n-1 at once, one thread each; their results (an exception is raised here)."""
+    out: list[Any] = [None] * n
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - raised below
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads)
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_shared_memory_all_reduce_gives_every_rank_the_sum_in_one_order(n: int) -> None:
+    store, rdv = serve_store(n, timeout_s=30.0)
+    shm_files = set(os.listdir("/dev/shm"))
+    # NOTE: sizes that alternate the two sets of slots, a bfloat16 one, and one past a slot (gloo takes it)
+    shapes = [(3, 5), (1, 64), (257, 33), (2, 7), (SLOT_BYTES // 4 + 1,)]
+
+    def rank_sums(rank: int) -> list[torch.Tensor]:
+        group = TPGroup(rank, rdv, torch.device("cpu"), store if rank == 0 else None)
+        assert group.shm is not None
+        sums = []
+        for i, shape in enumerate(shapes * 3):
+            dtype = torch.bfloat16 if i % 5 == 3 else torch.float32
+            t = inputs(i, shape, dtype)[rank].clone()
+            group.all_reduce(t)
+            sums.append(t)
+        group.close()
+        return sums
+
+    def inputs(i: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(i)
+        return [torch.randn(shape, generator=gen).to(dtype) for _ in range(n)]
+
+    results = on_threads(n, rank_sums)
+    for i, shape in enumerate(shapes * 3):
+        dtype = torch.bfloat16 if i % 5 == 3 else torch.float32
+        xs = inputs(i, shape, dtype)
+        want = xs[0].clone()
+        for x in xs[1:]:
+            want += x  # NOTE: rank order, as the shared memory sums
+        for r in range(n):
+            assert torch.equal(results[r][i], results[0][i])  # every rank holds the same values
+        torch.testing.assert_close(results[0][i], want, rtol=1e-6, atol=1e-6)
+    assert set(os.listdir("/dev/shm")) <= shm_files  # NOTE: unlinked once every rank mapped it
+
+
+def _join_and_leave(rdv: Rendezvous) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(rdv.host, rdv.port, rdv.size, False, timeout=datetime.timedelta(seconds=rdv.timeout_s))
+    ShmAllReduce.join(1, rdv.size, store, rdv.timeout_s)  # NOTE: then this process ends: a rank that died
+
+
+def test_a_rank_that_died_fails_the_shared_memory_all_reduce_at_once() -> None:
+    import torch.multiprocessing as mp
+
+    store, rdv = serve_store(2, timeout_s=30.0)
+    child = mp.get_context("spawn").Process(target=_join_and_leave, args=(rdv,), daemon=True)
+    child.start()
+    shm = ShmAllReduce.join(0, 2, store, 30.0)
+    assert shm is not None
+    child.join(60)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died"):
+        shm.all_reduce(torch.ones(4))
+    assert time.monotonic() - start < 5.0  # NOTE: a guard against waiting for the group's 30 s, not a timing
+    shm.close()
+
+
+def test_gloo_can_be_chosen_for_the_all_reduce(monkeypatch) -> None:
+    monkeypatch.setenv("PDCLUSTER_TP_ALLREDUCE", "gloo")
+    store, rdv = serve_store(2, timeout_s=30.0)
+    groups = on_threads(2, lambda rank: TPGroup(rank, rdv, torch.device("cpu"), store if rank == 0 else None))
+    assert all(g.shm is None for g in groups)
+    sums = on_threads(2, lambda rank: (t := torch.full((3,), float(rank + 1)), groups[rank].all_reduce(t), t)[2])
+    assert all(torch.equal(t, torch.full((3,), 3.0)) for t in sums)

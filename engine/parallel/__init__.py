@@ -3,7 +3,8 @@
 1. `LLMEngine` builds rank 0's runner (`runner.TPModelRunner`), which shards the weights (`shard.py`, Megatron
    style), starts ranks 1 .. n-1 with their shards through the launcher it is given (`launch.py`: spawned
    processes by default; a cluster's worker hosts them in Ray actors), and joins the group with them (`group.py`:
-   gloo on the CPU, NCCL on CUDA for the activations; gloo on the CPU for the step messages);
+   NCCL on CUDA for the activations, shared memory on the CPU (`shm_allreduce.py`; gloo for a tensor past its
+   slots); gloo on the CPU for the step messages);
 2. each step, rank 0 schedules as a TP 1 engine does, broadcasts the step (`follower.StepMessage`: flat ids,
    per-sequence starts and counts, block tables) and runs its forward; every rank runs the same
    forward on its heads and MLP columns, with an all-reduce after each o and down projection;

@@ -171,7 +171,10 @@ def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, runner: ModelRu
     parallelize(runner.model, group)
     kv = KVService(runner, group, cfg)  # NOTE: the KV hand-off's reads and writes, beside the steps
     kv.start()
-    TPFollower(runner, group).run()
+    try:
+        TPFollower(runner, group).run()
+    finally:
+        group.close()
     # NOTE: rank 0 stopped the KV thread first (`TPModelRunner.close`); a process that ends while that thread is still
     # inside a gloo call aborts in the group's destructor
     kv.thread.join(10.0)

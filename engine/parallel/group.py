@@ -3,9 +3,10 @@
 NOTE: the process groups are standalone objects over a TCPStore (torch.distributed's ProcessGroupGloo /
 ProcessGroupNCCL), not torch.distributed's global default group: a process may hold several groups (tests, a
 bench comparing sizes) and nothing global has to be torn down between them. Two groups per rank, as vLLM keeps
-them: the device group (NCCL on CUDA, gloo on the CPU) all-reduces activations; a gloo group on the CPU carries the
-step messages from rank 0, so a step's control never goes through (and never syncs) the GPU. A third, gloo on the
-CPU, carries the KV hand-off's reads and writes (engine/parallel/kv.py), which run beside the steps.
+them: the device group (NCCL on CUDA, gloo on the CPU) all-reduces activations (on the CPU through shared memory
+instead when they fit: shm_allreduce.py); a gloo group on the CPU carries the step messages from rank 0, so a
+step's control never goes through (and never syncs) the GPU. A third, gloo on the CPU, carries the KV hand-off's
+reads and writes (engine/parallel/kv.py), which run beside the steps.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from engine.linear import Int8Linear, PackedLinear
+from engine.parallel.shm_allreduce import ShmAllReduce
+from engine.parallel.shm_allreduce import wanted as shm_wanted
 
 # NOTE: a bound on every collective of a step: a peer that hangs without closing its sockets (a stopped process)
 # fails the group after this long instead of blocking it forever; a dead one (closed sockets) fails it at once.
@@ -79,18 +82,31 @@ class TPGroup:
             self.dev: Any = nccl(dist.PrefixStore("dev/", self.store), rank, rdv.size)
         else:
             self.dev = gloo(dist.PrefixStore("dev/", self.store), rank, rdv.size, timeout)
+        # NOTE: after the gloo groups, whose constructors wait for every rank: the shared memory's rendezvous then
+        # finds them all there
+        self.shm = ShmAllReduce.join(rank, rdv.size, self.store, rdv.timeout_s) if shm_wanted(device) else None
         self.stats = AllReduceStats()
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum `t` over the ranks, in place (every rank ends with the same values)."""
+        """Sum `t` over the ranks, in place (every rank ends with the same values): through shared memory on the
+        CPU (engine/parallel/shm_allreduce.py) when it fits a slot, else on the device group."""
         start = time.perf_counter()
-        self.dev.allreduce([t]).wait()
+        if self.shm is not None and self.shm.fits(t):
+            self.shm.all_reduce(t)
+        else:
+            self.dev.allreduce([t]).wait()
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
 
     def broadcast_object(self, obj: object = None) -> Any:
         """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled, on the step channel."""
         return broadcast_object(self.cpu, self.rank, obj)
+
+    def close(self) -> None:
+        """Let the shared memory go (the process groups go with the object)."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
     def min(self, value: int) -> int:
         """The smallest of the ranks' `value`s, on every rank (a collective of the step channel: all ranks call it)."""

@@ -170,6 +170,7 @@ class TPModelRunner(ModelRunner):
                 self._failed(e)
         self.failure = self.failure or TPGroupError("the tensor-parallel group is closed")
         self.followers.join(10.0)
+        self.group.close()
         self._closer.detach()
 
 
