@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import platform
+import sys
 import time
 import uuid
 from typing import Any
@@ -50,11 +51,14 @@ def wanted(device: torch.device) -> bool:
     choice = os.environ.get(ENV, "shm")
     if choice not in ("shm", "gloo"):
         raise ValueError(f"{ENV} must be 'shm' or 'gloo', got {choice!r}")
-    return device.type == "cpu" and choice == "shm" and platform.machine().lower() in X86
+    return (device.type == "cpu" and choice == "shm" and platform.machine().lower() in X86
+            and sys.platform.startswith("linux"))  # NOTE: /dev/shm and posix_fallocate
 
 
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, a rank that died and waits for its parent's wait, does not)."""
+    if pid <= 0:
+        return True  # NOTE: not written yet: the rank is attaching
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
@@ -118,13 +122,15 @@ class ShmAllReduce:
         self.data = torch.frombuffer(self._map, dtype=torch.uint8, offset=header).view(2, size, slot_bytes)
         self.calls = 0
         store.add("shm/attached", 1)
-        if rank == 0:
-            deadline = time.monotonic() + timeout_s
-            while store.add("shm/attached", 0) < size:  # NOTE: every rank mapped it: the name can go
-                if time.monotonic() > deadline:
+        # NOTE: every rank waits for all (each one's pid is in the header before any call), then rank 0 unlinks
+        deadline = time.monotonic() + timeout_s
+        while store.add("shm/attached", 0) < size:
+            if time.monotonic() > deadline:
+                if rank == 0:
                     os.unlink(path)
-                    raise RuntimeError(f"shm all-reduce: {size} ranks did not all attach within {timeout_s:.0f} s")
-                time.sleep(0.001)
+                raise RuntimeError(f"shm all-reduce: {size} ranks did not all attach within {timeout_s:.0f} s")
+            time.sleep(0.001)
+        if rank == 0:
             os.unlink(path)
 
     def fits(self, t: torch.Tensor) -> bool:
