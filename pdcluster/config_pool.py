@@ -54,7 +54,8 @@ class PoolConfig(BaseModel):
         "pinned")
     nice: int | None = Field(
         default=None, ge=-20, le=19, description="CPU priority of the actor's process (Linux nice: lower runs first; "
-        "below the current value needs CAP_SYS_NICE); null: as Ray started it")
+        "below the current value needs CAP_SYS_NICE); null: as Ray started it (0 in the private Ray of "
+        "`pdcluster serve`, Ray's 15 in one started by `ray start`)")
     env_vars: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
         default_factory=dict, description="environment of the actor's process on top of the launcher's, e.g. "
         "{GOMP_SPINCOUNT: '0'}; OMP_NUM_THREADS comes from torch_threads")

@@ -50,6 +50,9 @@ def use_ray_token() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
+WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's own setting of its workers' nice value (15 unless set)
+
+
 class Cluster:
     """The Redis, Ray and worker actors of one config; `start()` then `handles()`, and `stop()` at the end."""
 
@@ -95,6 +98,11 @@ class Cluster:
                                       "log_to_driver": True}
             if cfg.ray.address == "local":
                 kwargs["num_cpus"] = cfg.ray.num_cpus
+                if WORKER_NICENESS_ENV not in os.environ:
+                    # NOTE: Ray starts its workers at nice 15, below the router, Redis and any client (nice 0): on
+                    # shared cores those preempted the engines. At 0, as vLLM's processes run; a pool's `nice` still
+                    # ranks the pools (raising it needs no privilege). A Ray the user started keeps its own setting.
+                    kwargs["_system_config"] = {"worker_niceness": 0}
             ray.init(address=cfg.ray.address, **kwargs)
             self._started_ray = True
         self._check_resources(ray.cluster_resources())

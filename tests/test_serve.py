@@ -115,10 +115,12 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
         again = stub.Generate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2)), timeout=60)
         assert again.usage.completion_tokens == 2  # the extra router's exit left the cluster serving
         family = psutil.Process(proc.pid).children(recursive=True)  # the workers exist by now too
+        actors = {role: next(p for p in family if f"{role}Actor" in " ".join(p.cmdline()))
+                  for role in ("Prefill", "Decode")}
+        if "RAY_worker_niceness" not in os.environ:  # NOTE: the engines run at the router's priority, not Ray's 15
+            assert [a.nice() for a in actors.values()] == [psutil.Process(proc.pid).nice()] * 2
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) >= 2:  # NOTE: deploy/local.yaml's cpu_affinity auto (pdcluster/core_plan.py)
-            actors = {role: next(p for p in family if f"{role}Actor" in " ".join(p.cmdline()))
-                      for role in ("Prefill", "Decode")}
             assert actors["Decode"].cpu_affinity() == cores[-1:] and actors["Prefill"].cpu_affinity() == cores[-2:-1]
             assert psutil.Process(proc.pid).cpu_affinity() == cores[:-1]  # the router keeps off the decode core
         proc.send_signal(signal.SIGTERM)
