@@ -73,6 +73,10 @@ def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float 
         endpoints["pid"] = str(proc.pid)
         log("serve", f"{label}: cluster up at {endpoints['grpc']} ({config.mode}, routing {config.router.routing})")
         yield endpoints
+    except BaseException:
+        # NOTE: a benchmark that failed mid-run (a client error, a cut connection): what the cluster said last
+        log("serve", f"{label}: the run failed; the cluster's last log lines:\n" + "".join(tail[-20:]))
+        raise
     finally:
         _stop(proc)
         os.unlink(f.name)

@@ -30,6 +30,11 @@ from pdcluster.bench.workloads import Workload
 
 FILLER_TOKEN = 1000  # an ordinary token of SmolLM2's vocabulary, for answers whose ids the server did not return
 
+# NOTE: a client's idle connections go before the server's keep-alive timeout (5 s, as uvicorn's, vLLM's and the
+# router's: router/http_limits.py): one reused just as the server closes it fails its request (ServerDisconnected;
+# aiohttp does not retry a POST)
+KEEPALIVE_S = 2.0
+
 
 def completions_url(base_url: str) -> str:
     """`http://HOST:PORT/v1` (or with a trailing slash, or the full endpoint) → the completions endpoint."""
@@ -144,7 +149,7 @@ async def run_workload_openai(base_url: str, workload: Workload,
     model = model or await served_model(base_url, api_key)
     headers = _headers(api_key)
     # NOTE: limit=0: no cap on open connections (aiohttp's default 100 would queue requests in the client).
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
 
         async def send(rec: RequestRecord, prompt: list[int], t_run: float) -> list[int]:

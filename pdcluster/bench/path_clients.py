@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import grpc
 
+from pdcluster.bench.openai_client import KEEPALIVE_S
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
 
@@ -48,7 +49,8 @@ async def http_stream(addr: str, prompt: list[int], max_tokens: int) -> Timed:
     session = _sessions.get(addr)
     if session is None or session.closed:
         session = _sessions[addr] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=600))
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     r, t0 = Timed(), time.perf_counter()
