@@ -11,7 +11,7 @@ this 2-core machine, twice per layer (BENCHMARKS.md, tensor parallelism), so a C
    every counter reached s, then sums the slots in rank order into the tensor: every rank computes the same sum,
    in the same order, so they end with equal values, as after gloo's;
 3. the set used by call s was last read by call s - 2, which every rank has finished once every counter reached
-   s - 1: a rank waits for that before it writes, so one wait per call is enough;
+   s - 1: a rank checks that before it writes (it nearly always holds already), so the sets need no second barrier;
 4. a wait spins for a moment (ranks on cores of their own arrive within microseconds), then yields the core (more
    ranks than cores), and from time to time checks that the peers it waits for are alive: a dead rank fails the
    call at once with RuntimeError, as a closed gloo socket would, and one that does not arrive within the group's
