@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 
 def _each_thread(apply: Callable[[int], None]) -> None:
-    """`apply(tid)` to every thread of this process; a thread that ends meanwhile is skipped."""
+    """`apply(tid)` to every thread of this process; a thread that ends meanwhile is skipped (its syscalls raise
+    ProcessLookupError, its /proc files FileNotFoundError)."""
     for tid in os.listdir("/proc/self/task"):
         try:
             apply(int(tid))
-        except ProcessLookupError:
+        except (ProcessLookupError, FileNotFoundError):
             pass
 
 
@@ -55,22 +56,21 @@ def thread_cpu_s() -> dict[str, float]:
     """CPU seconds so far of this process's live threads, summed by name: a Python thread's own name, else the
     kernel's (Ray's, gRPC's, OpenMP's threads). Linux /proc (the scheduler's nanoseconds); {} elsewhere."""
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return {}
     out: dict[str, float] = {}
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
-                seconds = int(f.read().split()[0]) / 1e9
-            name = names.get(int(tid))
-            if name is None:
-                with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
-                    name = f.read().strip()
-        except (OSError, ValueError, IndexError):  # NOTE: the thread ended meanwhile
-            continue
+
+    def add(tid: int) -> None:
+        with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+            seconds = int(f.read().split()[0]) / 1e9
+        name = names.get(tid)
+        if name is None:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                name = f.read().strip()
         out[name] = out.get(name, 0.0) + seconds
+
+    try:
+        _each_thread(add)
+    except OSError:
+        return {}  # NOTE: no /proc (not Linux)
     return out
 
 

@@ -120,11 +120,16 @@ def on_threads(n: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> lis
     return out
 
 
+def tp_files() -> set[str]:
+    """The shared-memory files of TP groups on this host (engine/parallel/shm_allreduce.py names them)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith("pdcluster-tp-")}
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_shared_memory_all_reduce_gives_every_rank_the_sum_in_one_order(n: int) -> None:
     store, rdv = serve_store(n, timeout_s=30.0)
-    shm_files = set(os.listdir("/dev/shm"))
     # NOTE: sizes that alternate the two sets of slots, a bfloat16 one, and one past a slot (gloo takes it)
+    before = tp_files()
     shapes = [(3, 5), (1, 64), (257, 33), (2, 7), (SLOT_BYTES // 4 + 1,)]
 
     def rank_sums(rank: int) -> list[torch.Tensor]:
@@ -153,7 +158,7 @@ def test_the_shared_memory_all_reduce_gives_every_rank_the_sum_in_one_order(n: i
         for r in range(n):
             assert torch.equal(results[r][i], results[0][i])  # every rank holds the same values
         torch.testing.assert_close(results[0][i], want, rtol=1e-6, atol=1e-6)
-    assert set(os.listdir("/dev/shm")) <= shm_files  # NOTE: unlinked once every rank mapped it
+    assert tp_files() <= before  # NOTE: unlinked once every rank mapped it
 
 
 def _join_and_leave(rdv: Rendezvous) -> None:

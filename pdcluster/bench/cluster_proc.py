@@ -59,11 +59,10 @@ def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float 
         _kernel_built()  # NOTE: the CPU attention kernel; GPU pools never load it (a GPU image may lack a compiler)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdc-bench-", delete=False) as f:
         yaml.safe_dump(config.model_dump(mode="json"), f, sort_keys=False)
-    # NOTE: RAY_worker_niceness=0: Ray starts its workers at nice 15 by default, so the router process (nice 0, not
-    # pinned) and anything else on the machine preempt the workers on their cores; a benchmark compares servers at
-    # the same priority (vLLM's processes run at 0).
+    # NOTE: the workers' nice value is serve's own (0 in its private Ray, as vLLM's processes run: pdcluster/launch.py);
+    # a RAY_worker_niceness in this environment reaches it and wins
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness=os.environ.get("RAY_worker_niceness", "0"))
+               RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.Popen([sys.executable, "-m", "pdcluster", "serve", "--config", f.name], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tail: list[str] = []
