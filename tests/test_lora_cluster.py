@@ -27,7 +27,7 @@ import pytest
 from engine.block_hash import hash_prompt_blocks
 from router.openai_api import start_http
 from router.v1 import inference_pb2 as pb
-from tests.helpers import generate_ids, greedy, make_engine, random_prompts, start_test_cluster
+from tests.helpers import generate_ids, greedy, make_engine, random_prompts, start_test_cluster, wait_for
 from tests.lora_adapters import make_adapter, merged_model
 
 pytestmark = pytest.mark.slow
@@ -144,9 +144,14 @@ def test_a_prompt_cached_under_one_adapter_is_not_hit_by_another(front, engine):
     # the prefix index (Redis) holds the blocks under the adapter's key: the router's lookup under another
     # adapter's key (or the base model's) matches nothing, so it never routes to them as a cache hit either
     router = server.router
-    matched = {m: router.index.lookup(hash_prompt_blocks(prompt, router.info.block_size, router.info.scope,
-                                                         extra_keys=router.adapters.key(m)))
-               for m in ("sql", "chat", None)}
+
+    def lookup(model: str | None) -> dict[str, int]:
+        return router.index.lookup(hash_prompt_blocks(prompt, router.info.block_size, router.info.scope,
+                                                      extra_keys=router.adapters.key(model)))
+
+    # NOTE: the workers publish their new blocks every 50 ms (cluster/worker_publisher.py): wait for the sql ones
+    wait_for(lambda: bool(lookup("sql")), timeout=10.0)
+    matched = {m: lookup(m) for m in ("sql", "chat", None)}
     assert matched["sql"] and not matched["chat"] and not matched[None], matched
     for model in ("chat", "tiny"):
         ids, cached, _ = complete(client, model, prompt)
