@@ -97,7 +97,8 @@ def test_after_the_fuzzing_every_worker_is_alive_idle_and_serving(fuzzed):
     assert sum(SEEN.values()) >= N_RAW + N_FIELDS  # the two fuzz tests above ran first (module order)
     assert SEEN["INVALID_ARGUMENT"] > 0 and SEEN["OK"] > 0
     stub = server.stub()
-    r = stub.Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=3)), timeout=60)
+    r = stub.Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)),
+                      timeout=60)
     assert r.usage.completion_tokens == 3
     import time
 

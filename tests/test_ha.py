@@ -74,8 +74,8 @@ def outage() -> Iterator[tuple[subprocess.Popen[str], dict[str, str], float]]:
         del os.environ["PDC_FAULT_REDIS_RESTART_DELAY_S"]
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(endpoints["grpc"]))
-        first = stub.Generate(pb.GenerateRequest(prompt="Redis is", sampling=pb.SamplingParams(max_tokens=4)),
-                              timeout=120)
+        first = stub.Generate(pb.GenerateRequest(prompt="Redis is", sampling=pb.SamplingParams(
+            max_tokens=4, ignore_eos=True)), timeout=120)
         assert first.usage.completion_tokens == 4
         redis = _find(proc, "redis-server")
         redis.send_signal(signal.SIGKILL)
@@ -235,7 +235,7 @@ def test_a_router_killed_with_8_streams_in_flight_frees_every_block_and_a_new_se
                 while served is None and time.monotonic() < deadline:
                     try:
                         served = extra_stub.Generate(pb.GenerateRequest(prompt="Again", sampling=pb.SamplingParams(
-                            max_tokens=4)), timeout=30)
+                            max_tokens=4, ignore_eos=True)), timeout=30)
                     except grpc.RpcError:
                         time.sleep(0.5)
                 assert served is not None and served.usage.completion_tokens == 4

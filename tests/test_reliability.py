@@ -172,6 +172,6 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once(cluster):
         settings.max_predicted_ttft_ms = limit
         for v in views:
             v.pending_tokens -= 10**9
-    ok = server.stub().Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4)),
-                                timeout=30)
+    ok = server.stub().Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(
+        max_tokens=4, ignore_eos=True)), timeout=30)
     assert ok.usage.completion_tokens == 4

@@ -164,7 +164,8 @@ def test_a_short_prompt_is_prefilled_by_the_decode_worker_only_while_the_prefill
 
         def generate(prompt: str, max_tokens: int = 2) -> pb.GenerateResponse:
             req = pb.GenerateRequest(request_id=f"s-{time.monotonic_ns()}", prompt=prompt,
-                                     sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0))
+                                     sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                ignore_eos=True))
             return stub.Generate(req, timeout=300)
 
         def short(tag: str) -> pb.GenerateResponse:

@@ -112,7 +112,8 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
         finally:
             second.send_signal(signal.SIGTERM)
             assert second.wait(timeout=60) == 0
-        again = stub.Generate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2)), timeout=60)
+        again = stub.Generate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(
+            max_tokens=2, ignore_eos=True)), timeout=60)
         assert again.usage.completion_tokens == 2  # the extra router's exit left the cluster serving
         family = psutil.Process(proc.pid).children(recursive=True)  # the workers exist by now too
         actors = {role: next(p for p in family if f"{role}Actor" in " ".join(p.cmdline()))
