@@ -34,12 +34,15 @@ def test_a_tensor_parallel_worker_is_predicted_from_its_parts():
     one = hardware.roofline_profile("h100", "llama-3.1-70b", 1)
     r = m.rank_shape(8)  # one GPU's part, as engine/parallel/shard.py cuts it: 1 KV head each
     assert (r.num_heads, r.num_kv_heads, r.intermediate_size) == (8, 1, 3584)
-    # batch-1 decode: one GPU reads its shard and rank 0 the whole LM head, plus 2 all-reduces per layer
-    read = (r.layer_params + m.head_params) * 2 / (3.35e12 * hardware.BW_EFF)
+    # batch-1 decode: each GPU reads its shard and an eighth of the LM head, plus 2 all-reduces per layer and the
+    # logits' gather on rank 0
+    read = (r.layer_params + m.head_params / 8) * 2 / (3.35e12 * hardware.BW_EFF)
     assert prof.step.decode_time(1, 1) == pytest.approx(
-        hardware.STEP_OVERHEAD_S + 2 * 80 * hardware.ALLREDUCE_S + read, rel=0.02)
-    # per token: an eighth of the matmuls plus the all-reduces' bytes; the head's logits are not split
+        hardware.STEP_OVERHEAD_S + (2 * 80 + 1) * hardware.ALLREDUCE_S + read, rel=0.02)
+    # per token: an eighth of the matmuls plus the all-reduces' bytes
     allreduce_tok = 2 * 80 * 8192 * 2 * (2 * 7 / 8) / (hardware.NVLINK_GB_S * 1e9)
     assert prof.step.c_tok_s == pytest.approx(one.step.c_tok_s * r.layer_params / m.layer_params + allreduce_tok)
-    assert prof.step.c_seq_s == one.step.c_seq_s
+    # per sampled row: an eighth of the head's matmul, plus 7/8 of its logits' bf16 bytes to rank 0 over NVLink
+    gather = 128256 * 2 * 7 / 8 / (hardware.NVLINK_GB_S * 1e9)
+    assert prof.step.c_seq_s == pytest.approx(one.step.c_seq_s / 8 + gather)
     assert prof.estimated and any("predicted from its parts" in n for n in prof.notes)

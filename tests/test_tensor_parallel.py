@@ -31,7 +31,10 @@ NEAR_TIE = 1e-3  # top-2 logit gap under which float32 sums in another order may
 N_TOKENS = 32
 LAYOUTS = {"gqa-8q-4kv": dict(num_heads=8, num_kv_heads=4, head_dim=8), "tiny-4q-2kv": {},
            # NOTE: Llama's attention_bias: q/k/v biases split with their rows, o's added once (rank 0's)
-           "biased": dict(num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True, attention_out_bias=True)}
+           "biased": dict(num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True, attention_out_bias=True),
+           # NOTE: a tied LM head cut from the embedding, over a vocabulary no TP size here divides (the last rank's
+           # slice is short, padded for the gather)
+           "tied-odd-vocab": dict(tie_word_embeddings=True, vocab_size=49155)}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def tp2(models: dict[str, LoadedModel]) -> Iterator[LLMEngine]:
 
 
 # ---- shards (no processes) --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout,tp", [("gqa-8q-4kv", 2), ("gqa-8q-4kv", 4), ("tiny-4q-2kv", 4)])
+@pytest.mark.parametrize("layout,tp", [("gqa-8q-4kv", 2), ("gqa-8q-4kv", 4), ("tiny-4q-2kv", 4),
+                                       ("tied-odd-vocab", 4)])
 def test_shards_put_back_together_are_the_weights(models: dict[str, LoadedModel], layout: str, tp: int) -> None:
     loaded = models[layout]
     cfg, w = loaded.config, loaded.weights
@@ -72,9 +76,11 @@ def test_shards_put_back_together_are_the_weights(models: dict[str, LoadedModel]
             for r, s in enumerate(shards):
                 head = r * local.num_heads // group
                 assert torch.equal(s[p + name], w[p + name][head * kv_rows : (head + 1) * kv_rows])
-    assert all(s["lm_head.weight"] is w["lm_head.weight"] for s in shards)  # replicated, not copied
-    # a follower never computes logits: a one-row stand-in for the untied head
-    assert shard_weights(cfg, w, 1, tp, with_head=False)["lm_head.weight"].shape == (1, cfg.hidden_size)
+    # the LM head by vocabulary rows (a tied one cut from the embedding), the embedding replicated (not copied)
+    head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+    assert torch.equal(torch.cat([s["lm_head.weight"] for s in shards]), head)
+    assert all(s["model.embed_tokens.weight"] is w["model.embed_tokens.weight"] for s in shards)
+    assert not local.tie_word_embeddings
 
 
 def test_tp_sizes_the_model_cannot_split_are_refused_naming_the_field() -> None:
@@ -110,8 +116,9 @@ def assert_same_or_near_tie(ref_engine: LLMEngine, prompts: list[list[int]], ref
         assert gap < NEAR_TIE, f"diverged at token {j} with top-2 gap {gap:.2e}: TP 1 {a} vs TP {b}"
 
 
-@pytest.mark.parametrize("layout,tp", [("gqa-8q-4kv", 2), ("gqa-8q-4kv", 4), ("tiny-4q-2kv", 4), ("biased", 2)],
-                         ids=["tp2", "tp4", "tp4-kv-replicated", "tp2-biases"])
+@pytest.mark.parametrize("layout,tp", [("gqa-8q-4kv", 2), ("gqa-8q-4kv", 4), ("tiny-4q-2kv", 4), ("biased", 2),
+                                       ("tied-odd-vocab", 2)],
+                         ids=["tp2", "tp4", "tp4-kv-replicated", "tp2-biases", "tp2-tied-head-odd-vocab"])
 def test_greedy_tokens_equal_tp1(models: dict[str, LoadedModel], layout: str, tp: int) -> None:
     loaded = models[layout]
     prompts = random_prompts(8, [5, 17, 33, 48, 9, 64, 21, 40], vocab=loaded.config.vocab_size, seed=tp)
@@ -129,6 +136,31 @@ def test_greedy_tokens_equal_tp1(models: dict[str, LoadedModel], layout: str, tp
         group.close()
     assert_same_or_near_tie(ref_engine, prompts, ref, ours)
     assert_same_or_near_tie(ref_engine, longer, generate_ids(ref_engine, longer, params, prefix="again"), cached)
+
+
+def test_logprobs_of_the_gathered_logits_equal_tp1(models: dict[str, LoadedModel]) -> None:
+    """Rank 0 samples from logits gathered from every rank's vocabulary columns: sampled and prompt logprobs (a
+    70-token prompt's rows pass a shared-memory slot: gloo's gather) equal TP 1's, for a tied head over an odd
+    vocabulary too."""
+    for layout in ("gqa-8q-4kv", "tied-odd-vocab"):
+        loaded = models[layout]
+        prompt = random_prompts(1, [70], vocab=loaded.config.vocab_size, seed=3)[0]
+        params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+        outs = []
+        for tp in (1, 2):
+            eng = engine(loaded, tp)
+            try:
+                eng.add_request("lp", prompt, params)
+                steps = [o for _ in range(50) if eng.has_unfinished_requests() for o in eng.step()]
+            finally:
+                eng.close()
+            outs.append(([lp for o in steps for lp in o.new_logprobs], steps[0].prompt_logprobs))
+        (ref_lps, ref_plp), (lps, plp) = outs
+        assert [lp.token_id for lp in lps] == [lp.token_id for lp in ref_lps] and len(lps) == 4
+        assert ref_plp is not None and plp is not None and len(plp) == len(ref_plp) == len(prompt)
+        for a, b in [*zip(ref_lps, lps), *zip(ref_plp[1:], plp[1:])]:
+            assert a is not None and b is not None and a.token_id == b.token_id
+            assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def test_speculative_drafts_are_verified_on_every_rank(models: dict[str, LoadedModel]) -> None:

@@ -40,7 +40,7 @@ def test_step_messages_of_any_size_reach_the_followers_after_any_idle_time() -> 
     # NOTE: one broadcast up to MESSAGE_BYTES, a second for the rest of a longer one (a long prompt's step)
     fits = next(k for k in range(MESSAGE_BYTES - 64, MESSAGE_BYTES)  # a string whose pickle fills the first one
                 if len(pickle.dumps("x" * k, protocol=pickle.HIGHEST_PROTOCOL)) == MESSAGE_BYTES - 8)
-    messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), [0], [9000], [list(range(600))]),
+    messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), [0], [9000], [list(range(600))], [8999]),
                 "x" * fits, "x" * (fits + 1)]
     ctx = mp.get_context("spawn")
     store, rdv = serve_store(2, timeout_s=3.0)  # NOTE: the collectives' bound; idling longer is no failure
@@ -64,7 +64,7 @@ def test_ranks_that_sized_their_pools_apart_all_take_the_smallest() -> None:
     loaded: LoadedModel = tiny_model(**LAYOUTS["gqa-8q-4kv"])
     ecfg = EngineConfig(num_threads=1, tensor_parallel_size=2)
     runners = [ModelRunner(rank_config(loaded.config, 2), ecfg,
-                           shard_weights(loaded.config, loaded.weights, rank, 2, with_head=rank == 0), blocks, 64)
+                           shard_weights(loaded.config, loaded.weights, rank, 2), blocks, 64)
                for rank, blocks in ((0, 40), (1, 25))]
     runners[0].kv[0, 0, 24].fill_(1.0)
     store, rdv = serve_store(2, timeout_s=30.0)
@@ -161,6 +161,35 @@ def test_the_shared_memory_all_reduce_gives_every_rank_the_sum_in_one_order(n: i
     assert tp_files() <= before  # NOTE: unlinked once every rank mapped it
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_rank_0_gathers_every_ranks_logits_columns_in_rank_order(n: int) -> None:
+    """The LM head split by vocabulary rows: each rank's [N, its rows] logits, side by side on rank 0, interleaved
+    with all-reduces (they share the shared memory's slots), the last one past a slot (gloo's gather)."""
+    store, rdv = serve_store(n, timeout_s=30.0)
+    widths = [5] * (n - 1) + [3]  # NOTE: the last rank's vocabulary slice is short (padded for the gather)
+    rows = [1, 4, 7, SLOT_BYTES // (4 * 5) + 1]
+
+    def part(i: int, rank: int) -> torch.Tensor:
+        return torch.randn(rows[i % len(rows)], widths[rank], generator=torch.Generator().manual_seed(10 * i + rank))
+
+    def gathered(rank: int) -> list[torch.Tensor | None]:
+        group = TPGroup(rank, rdv, torch.device("cpu"), store if rank == 0 else None)
+        assert group.shm is not None
+        out = []
+        for i in range(2 * len(rows)):
+            out.append(group.gather_columns(part(i, rank), widths))
+            x = torch.ones(3)
+            group.all_reduce(x)
+            assert torch.equal(x, torch.full((3,), float(n)))
+        group.close()
+        return out
+
+    results = on_threads(n, gathered)
+    for i in range(2 * len(rows)):
+        assert torch.equal(results[0][i], torch.cat([part(i, r) for r in range(n)], dim=1))
+        assert all(results[r][i] is None for r in range(1, n))
+
+
 def _join_and_leave(rdv: Rendezvous) -> None:
     import datetime
 
@@ -193,3 +222,5 @@ def test_gloo_can_be_chosen_for_the_all_reduce(monkeypatch) -> None:
     assert all(g.shm is None for g in groups)
     sums = on_threads(2, lambda rank: (t := torch.full((3,), float(rank + 1)), groups[rank].all_reduce(t), t)[2])
     assert all(torch.equal(t, torch.full((3,), 3.0)) for t in sums)
+    logits = on_threads(2, lambda rank: groups[rank].gather_columns(torch.full((2, 2 - rank), float(rank)), [2, 1]))
+    assert torch.equal(logits[0], torch.tensor([[0.0, 0.0, 1.0]] * 2)) and logits[1] is None

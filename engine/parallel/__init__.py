@@ -8,7 +8,9 @@
 2. each step, rank 0 schedules as a TP 1 engine does, broadcasts the step (`follower.StepMessage`: flat ids,
    per-sequence starts and counts, block tables) and runs its forward; every rank runs the same
    forward on its heads and MLP columns, with an all-reduce after each o and down projection;
-3. rank 0 alone computes logits and samples; the followers wait for the next message (`follower.TPFollower`);
+3. every rank computes its vocabulary columns of the logits of the rows that sample (the LM head split by rows),
+   gathered on rank 0 (`group.VocabParallelHead`), which alone samples; the followers wait for the next message
+   (`follower.TPFollower`);
 4. the KV hand-off sees one engine with the full model's KV heads (`LLMEngine.kv_layout`, as TP 1 has them), so
    prefill on TP a hands off to decode on TP b for any a, b: rank 0's `read_blocks` gathers each layer's heads
    from the ranks and `write_blocks` sends each rank its heads (`kv.py`, on a third group, beside the steps);
@@ -21,12 +23,14 @@ Choices (why):
   the scheduler's sequences (prompts, sampling params, grammar state that followers never use) or the built metadata
   (a dozen tensors per step, backend specific, on the GPU under CUDA). Full block tables are sent each step; deltas
   are a later saving.
-- embedding and LM head are replicated. The embedding's lookup reads T rows: a vocabulary split would cost an
-  all-reduce of [T, d] per step for no compute saved. The head runs on rank 0 only: its full logits feed the
-  sampler (grammar masks, penalties, logprobs) without a gather of [N, vocab] per step; followers get a one-row
-  stand-in (an untied head; a tied one is the embedding they need anyway). The cost: rank 0 computes the whole head
-  (2 x vocab x d FLOPs per sampled row) while the followers wait; a vocab-split head with a gather to rank 0 would
-  divide it (a 70B model's head is 2.1 GB of bf16 read per step).
+- the embedding is replicated: its lookup reads T rows, and a vocabulary split would cost an all-reduce of [T, d]
+  per step for no compute saved.
+- the LM head is split by vocabulary rows (vLLM's ParallelLMHead; a tied head's rows cut from the embedding): each
+  rank computes and reads 1/n of it, then rank 0 gathers the [N, vocab/n] parts (the sampler, grammar masks,
+  penalties and logprobs read full rows on rank 0 only, so a gather, not an all-gather). Replicated on rank 0 alone,
+  a 70B model's head is 2.1 GB of bf16 read per step while the followers wait, and 2.1 GB less KV pool on every
+  rank (the ranks take the smallest pool). The gather costs a collective per step that samples: through the shared
+  memory's slots on the CPU, NCCL on CUDA.
 - TP 1 takes none of this: `make_runner` returns the plain ModelRunner (no wrapper, no all-reduce, no copy).
 """
 

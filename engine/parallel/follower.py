@@ -4,10 +4,12 @@ Life of a follower:
 1. its host (a spawned process, `follower_main`, or in a cluster a Ray actor of the worker's placement group,
    cluster/tp_ranks.py) builds a `ModelRunner` on the rank's shard of the weights and its own KV pool shard
    (`build_follower`), reports it built;
-2. joins the group (`TPGroup`), which wraps the model's o and down projections with the all-reduce;
+2. joins the group (`TPGroup`), which wraps the model's o and down projections with the all-reduce and its LM head
+   with the logits' gather (`parallelize`);
 3. `TPFollower.run` takes one message per step from rank 0 (`StepMessage`: the step's flat inputs and block tables;
-   `CopyBlock`; `Stop`) and computes it: the same forward as rank 0, whose all-reduces it meets, no logits, no
-   sampling, no scheduling (rank 0's block manager decides every block; the tables arrive with the step);
+   `CopyBlock`; `Stop`) and computes it: the same forward as rank 0, whose all-reduces it meets, its columns of
+   the logits for rank 0's gather, no sampling, no scheduling (rank 0's block manager decides every block; the
+   tables arrive with the step);
 4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop; a follower process whose parent (rank 0's)
    is gone ends itself too (`watch_parent`), whatever it is doing (a rank actor dies with its owner, rank 0).
 Beside it, a thread answers the KV hand-off's reads and writes of the rank's pool (`kv.KVService`).
@@ -44,6 +46,7 @@ class StepMessage:
     starts: list[int]  # per sequence: tokens computed before this step (its positions follow on)
     num_new: list[int]  # per sequence: tokens this step computes
     tables: list[list[int]]  # per sequence: its block table (rank 0's block manager's)
+    rows: list[int]  # flat indices that need logits (each rank computes its vocabulary columns of them)
 
 
 @dataclass(slots=True)
@@ -96,8 +99,10 @@ class TPFollower:
                                            cascade=r.attn_cascade, prefill=r.attn_prefill, backend=r.attn_backend,
                                            device=r.device)
             positions = [p for start, n in zip(msg.starts, msg.num_new) for p in range(start, start + n)]
-            ids, pos = r.to_device(msg.input_ids, positions)
-            r.model(ids, pos, r.kv_caches, meta)  # [T, d] hidden states: rank 0 alone computes logits
+            ids, pos, rows = r.to_device(msg.input_ids, positions, msg.rows)
+            hidden = r.model(ids, pos, r.kv_caches, meta)  # [T, d]
+            if msg.rows:  # NOTE: this rank's vocabulary columns, for rank 0's gather; rank 0 alone samples
+                r.model.logits(hidden.index_select(0, rows))
         self.steps += 1
         return True
 
@@ -141,8 +146,8 @@ def agree_pool(runner: ModelRunner, group: TPGroup) -> None:
     joined the group).
 
     NOTE: with `num_blocks` or `kv_cache_memory_gb` set the counts are equal already; by gpu_memory_utilization each
-    rank profiled its own GPU (rank 0's peak holds the LM head, the followers' do not; another process may hold some
-    of one GPU), and block i of a sequence must exist on every rank."""
+    rank profiled its own GPU (another process may hold some of one GPU), and block i of a sequence must exist on
+    every rank."""
     num_blocks = group.min(runner.num_blocks)
     if num_blocks == runner.num_blocks:
         return

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine.linear import Int8Linear, PackedLinear
+from engine.parallel.shard import vocab_rows
 from engine.parallel.shm_allreduce import ShmAllReduce
 from engine.parallel.shm_allreduce import wanted as shm_wanted
 
@@ -44,7 +45,8 @@ class Rendezvous:
 
 @dataclass
 class AllReduceStats:
-    """Wall time this rank spent in the all-reduces of row-parallel layers (waiting for slower ranks included).
+    """Wall time this rank spent in the all-reduces of row-parallel layers, or in the logits' gathers (waiting for
+    slower ranks included).
 
     NOTE: on the CPU (gloo) the call returns when the sum is done: this is the all-reduce's time. On CUDA (NCCL) it
     returns once the all-reduce is queued on the stream: the figure is then launch time, not GPU time.
@@ -86,6 +88,7 @@ class TPGroup:
         # finds them all there
         self.shm = ShmAllReduce.join(rank, rdv.size, self.store, rdv.timeout_s) if shm_wanted(device) else None
         self.stats = AllReduceStats()
+        self.gathers = AllReduceStats()  # the LM head's logits gathered on rank 0 (`gather_columns`), one per step
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place (every rank ends with the same values): through shared memory on the
@@ -97,6 +100,29 @@ class TPGroup:
             self.dev.allreduce([t]).wait()
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
+
+    def gather_columns(self, part: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank 0: every rank's `part` ([N, widths[r]], rank order) side by side, [N, sum(widths)]; the others:
+        None (a collective: every rank calls it with its part).
+
+        NOTE: the parts travel padded to the widest (the last rank's may be narrower), so every rank sends the same
+        shape: through shared memory on the CPU when that fits a slot, else a gather on the device group."""
+        start = time.perf_counter()
+        width = max(widths)
+        if part.shape[1] < width:
+            part = torch.nn.functional.pad(part, (0, width - part.shape[1]))
+        part = part.contiguous()
+        if self.shm is not None and self.shm.fits(part):
+            parts = self.shm.gather(part)
+        else:
+            parts = [torch.empty_like(part) for _ in range(self.size)] if self.rank == 0 else None
+            opts = dist.GatherOptions()
+            opts.rootRank = 0
+            self.dev.gather([parts] if parts is not None else [], [part], opts).wait()
+        out = None if parts is None else torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+        self.gathers.seconds += time.perf_counter() - start
+        self.gathers.calls += 1
+        return out
 
     def broadcast_object(self, obj: object = None) -> Any:
         """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled, on the step channel."""
@@ -160,10 +186,28 @@ class RowParallel:
         return y
 
 
+class VocabParallelHead:
+    """The LM head split by vocabulary rows: this rank's columns of the logits, gathered on rank 0.
+
+    Rank 0 gets [N, vocab] (what the sampler, grammar masks, penalties and logprobs read); a follower gets its own
+    columns back, which it drops (it computes them only for rank 0's gather)."""
+
+    def __init__(self, linear: PackedLinear | Int8Linear, group: TPGroup, vocab: int) -> None:
+        self.linear, self.group = linear, group
+        self.widths = [len(vocab_rows(vocab, r, group.size)) for r in range(group.size)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] → rank 0: [N, vocab]; others: [N, their rows]
+        part = self.linear(x)
+        full = self.group.gather_columns(part, self.widths)
+        return part if full is None else full
+
+
 def parallelize(model: Any, group: TPGroup) -> None:
-    """Make a rank's LlamaModel (built on its shard) row parallel: an all-reduce after every o and down projection.
+    """Make a rank's LlamaModel (built on its shard) tensor parallel: an all-reduce after every o and down
+    projection, the LM head's logits gathered on rank 0.
 
     NOTE: the only change a rank's model needs; a TP 1 engine never calls this (no all-reduce, no wrapper)."""
     for layer in model.layers:
         layer.o = RowParallel(layer.o, group)
         layer.down = RowParallel(layer.down, group)
+    model.lm_head = VocabParallelHead(model.lm_head, group, model.cfg.vocab_size)

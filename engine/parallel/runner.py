@@ -2,7 +2,8 @@
 
 The engine above it (scheduler, block manager, sampler, outputs) is unchanged and sees one runner: rank 0's block
 manager decides every block of every rank's pool (the pools have the same block count, and block i of a sequence
-is block i on every rank, holding that rank's KV heads); rank 0 alone computes logits and samples.
+is block i on every rank, holding that rank's KV heads); rank 0 alone samples, from the logits it gathers from
+every rank's vocabulary columns.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner, Step
+from engine.model_runner import ModelRunner
 from engine.parallel.follower import CopyBlock, StepMessage, Stop, agree_pool, rank_engine_config
 from engine.parallel.group import TPGroup, parallelize, serve_store
 from engine.parallel.kv import KVChannelClosed, KVGather
 from engine.parallel.launch import FollowerGroup, FollowerLauncher, Followers, TPGroupError
 from engine.parallel.shard import check_tp, rank_config, shard_weights
 from engine.scheduler import ScheduledBatch
+from engine.step import Step, layout
 
 BUILD_TIMEOUT_S = 600.0  # a follower's load of its shard (weights packed for the kernel)
 
@@ -62,7 +64,7 @@ class TPModelRunner(ModelRunner):
         threads = rank_threads(engine_cfg)
         cfgs = [rank_engine_config(engine_cfg, rank_device(engine_cfg, r), threads) for r in range(n)]
         store, rdv = serve_store(n)
-        shards = [shard_weights(cfg, weights, r, n, with_head=False) for r in range(1, n)]
+        shards = [shard_weights(cfg, weights, r, n) for r in range(1, n)]
         # NOTE: processes of this machine unless the caller hosts the ranks itself (a cluster: Ray actors)
         followers: FollowerGroup = (launcher or Followers)(rdv, cfg, cfgs[1:], shards, num_blocks, max_model_len)
         try:
@@ -100,15 +102,10 @@ class TPModelRunner(ModelRunner):
         NOTE: sent before rank 0 builds its own metadata, so the followers build theirs meanwhile (sent after, they
         would reach the first all-reduce one metadata build behind rank 0, and rank 0 would wait that long there).
         """
-        ids: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # NOTE: ModelRunner.prepare's flat ids, drafts last
-            start = seq.num_computed_tokens
-            ids.extend([*seq.token_ids[start : start + n], *seq.spec_token_ids])
-        self._send(StepMessage(ids, [s.num_computed_tokens for s in batch.seqs], list(batch.num_new_tokens),
-                               [list(s.block_table) for s in batch.seqs]))
-        step = super().prepare(batch, graphed=False)
-        assert step.input_ids == ids, "the followers' step message differs from rank 0's step"
-        return step
+        step = layout(batch)
+        self._send(StepMessage(step.input_ids, step.starts, list(batch.num_new_tokens),
+                               [list(s.block_table) for s in batch.seqs], step.rows))
+        return self.build(batch, step, graphed=False)
 
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None,
                 lookahead: bool = False) -> list[list[int]]:

@@ -9,7 +9,10 @@ the unchanged `LlamaModel` runs on a rank's config (`rank_config`: its heads and
   layer (engine/parallel/group.py `RowParallel`); o's bias is added once (rank 0's; zeros elsewhere);
 - KV heads: KVH/n per rank when n divides KVH; when n > KVH each KV head is replicated on the n/KVH ranks whose
   query heads read it;
-- the embedding, the norms and the LM head are replicated (see engine/parallel/__init__.py for why).
+- the LM head is split by vocabulary rows (`vocab_rows`: ceil(V/n) per rank, the last one short): each rank
+  computes its columns of the logits, gathered on rank 0 (engine/parallel/group.py `VocabParallelHead`); a tied
+  head's rows are cut from the embedding;
+- the embedding and the norms are replicated (see engine/parallel/__init__.py for why).
 """
 
 from __future__ import annotations
@@ -44,8 +47,17 @@ def rank_config(cfg: ModelConfig, n: int) -> ModelConfig:
     if n == 1:
         return cfg
     check_tp(cfg, n)
+    # NOTE: untied: a rank's head is its own slice of the vocabulary (`shard_weights`), not the embedding it looks
+    # ids up in
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(1, cfg.num_kv_heads // n),
-                               intermediate_size=cfg.intermediate_size // n)
+                               intermediate_size=cfg.intermediate_size // n, tie_word_embeddings=False)
+
+
+def vocab_rows(vocab: int, rank: int, n: int) -> range:
+    """The LM head rows (vocabulary ids) rank `rank` of TP n computes logits for: ceil(V/n) each, the last rank's
+    fewer when n does not divide V."""
+    chunk = -(-vocab // n)
+    return range(min(vocab, rank * chunk), min(vocab, (rank + 1) * chunk))
 
 
 def kv_heads_of(cfg: ModelConfig, rank: int, n: int) -> range:
@@ -63,11 +75,11 @@ def _rows(t: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
     return t[heads.start * head_dim : heads.stop * head_dim].contiguous()
 
 
-def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, n: int,
-                  with_head: bool = True) -> dict[str, torch.Tensor]:
+def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
+                  n: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s shard of `weights` (HF names, full model) for TP n: new tensors for the split ones, the
-    replicated ones as they are (no copy). `with_head=False` (a follower, which never computes logits): an untied LM
-    head becomes a one-row stand-in, so the unchanged LlamaModel builds without a copy of the whole head."""
+    replicated ones as they are (no copy); `lm_head.weight` is always there (n > 1), tied or not: the rank's
+    vocabulary rows (`vocab_rows`)."""
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is not in a group of {n}")
     check_tp(cfg, n)
@@ -91,8 +103,15 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
             out[name] = w[cols].contiguous()  # [I/n, d_model]
         elif part == "down_proj":
             out[name] = w[:, cols].contiguous()  # [d_model, I/n]
-        elif name == "lm_head.weight" and not with_head:
-            out[name] = w[:1].clone()  # [1, d_model]
-        else:  # embedding, norms, LM head: replicated
+        elif name == "lm_head.weight":
+            out[name] = w[_span(vocab_rows(cfg.vocab_size, rank, n))].contiguous()  # [ceil(V/n) or fewer, d_model]
+        else:  # embedding, norms: replicated
             out[name] = w
+    if n > 1 and cfg.tie_word_embeddings:
+        out["lm_head.weight"] = weights["model.embed_tokens.weight"][
+            _span(vocab_rows(cfg.vocab_size, rank, n))].contiguous()
     return out
+
+
+def _span(r: range) -> slice:
+    return slice(r.start, r.stop)

@@ -151,6 +151,23 @@ class ShmAllReduce:
         for r in range(1, self.size):
             out.add_(slots[r])
 
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's `t` (same shape and dtype on each; `fits(t)`), in rank order; the others: None.
+
+        NOTE: rank 0's list is views of the slots, good until its next call (a follower writes that set again
+        only once rank 0's counter shows the call after this one): use them before. A follower waits for nobody
+        here (nothing to read), as a gather needs."""
+        self.calls += 1
+        s = self.calls
+        slots = self.data[s % 2, :, : t.numel() * t.element_size()].view(t.dtype)
+        self._wait(s - 1)
+        slots[self.rank].copy_(t.view(-1))
+        self.counters[self.rank] = s
+        if self.rank:
+            return None
+        self._wait(s)
+        return [slots[r].view(t.shape) for r in range(self.size)]
+
     def _wait(self, s: int) -> None:
         """Until every rank's counter reached `s` (a dead or missing rank raises RuntimeError)."""
         counters = self.counters

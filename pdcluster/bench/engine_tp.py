@@ -4,7 +4,8 @@ and the all-reduce share of the TP N step.
 Cases, each timed on both engines in interleaved rounds (median kept, so load from other processes falls on both):
 prefill of one --prefill-len prompt alone (the step's time: one step takes the whole prompt), and one decode step at
 each of --tp-batches over --decode-prompt-len prompts, greedy. The all-reduce share is rank 0's wall time inside the
-row-parallel all-reduces over the step's (2 per layer; waiting for a slower rank counts, since the step waits too).
+row-parallel all-reduces over the step's (2 per layer; waiting for a slower rank counts, since the step waits too);
+the gather share, inside the gather of the LM head's logits on rank 0 (each rank computes its vocabulary columns).
 Threads: --threads is the machine's share for the engine; TP 1 gets all of it, each of the N ranks 1/N (at least 1),
 so both engines use the same cores. On a CPU of 2 cores shared with other work the figures say what the group costs
 (messages, all-reduces, duplicated host work), not what TP gains on GPUs.
@@ -47,12 +48,13 @@ class _Engine:
         self.count = 0
         self.allreduce_s = 0.0  # over the timed steps only
         self.allreduce_calls = 0
+        self.gather_s = 0.0
         self.timed_s = 0.0
 
-    def _clock(self) -> tuple[float, int]:
-        """Rank 0's all-reduce seconds and calls so far."""
+    def _clock(self) -> tuple[float, int, float]:
+        """Rank 0's all-reduce seconds and calls so far, and its logits-gather seconds."""
         group = getattr(self.engine.runner, "group", None)
-        return (0.0, 0) if group is None else (group.stats.seconds, group.stats.calls)
+        return (0.0, 0, 0.0) if group is None else (group.stats.seconds, group.stats.calls, group.gathers.seconds)
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
         from engine import SamplingParams
@@ -64,12 +66,14 @@ class _Engine:
     def steps(self, steps: int) -> float:
         """Seconds per step over the next `steps` steps, whose all-reduce time goes on this engine's clock; then the
         engine runs until nothing is left (untimed)."""
-        (ar_s, ar_calls), start = self._clock(), time.perf_counter()
+        (ar_s, ar_calls, g_s), start = self._clock(), time.perf_counter()
         for _ in range(steps):
             self.engine.step()
         elapsed = time.perf_counter() - start
-        self.allreduce_s += self._clock()[0] - ar_s
-        self.allreduce_calls += self._clock()[1] - ar_calls
+        now = self._clock()
+        self.allreduce_s += now[0] - ar_s
+        self.allreduce_calls += now[1] - ar_calls
+        self.gather_s += now[2] - g_s
         self.timed_s += elapsed
         while self.engine.has_unfinished_requests():
             self.engine.step()
@@ -111,7 +115,7 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
         for case, fn in case_fns.items():
             log("engine", f"TP 1 vs TP {n}: {case}")
             for e in engines.values():
-                e.allreduce_s = e.timed_s = 0.0
+                e.allreduce_s = e.timed_s = e.gather_s = 0.0
                 e.allreduce_calls = 0
             medians = interleaved_medians({tp: functools.partial(fn, e) for tp, e in engines.items()},
                                           args.tp_rounds)
@@ -119,7 +123,8 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
             rows[case] = {"tp1_ms": medians[1] * 1e3, f"tp{n}_ms": medians[n] * 1e3,
                           "speedup": medians[1] / medians[n],
                           "allreduce_share": tp_n.allreduce_s / tp_n.timed_s if n > 1 else 0.0,
-                          "allreduce_ms_per_call": tp_n.allreduce_s * 1e3 / max(1, tp_n.allreduce_calls)}
+                          "allreduce_ms_per_call": tp_n.allreduce_s * 1e3 / max(1, tp_n.allreduce_calls),
+                          "gather_share": tp_n.gather_s / tp_n.timed_s if n > 1 else 0.0}
     finally:
         for e in engines.values():
             e.engine.close()
@@ -137,8 +142,9 @@ def format_tp(r: dict[str, Any]) -> str:
              "interleaved rounds; "
              f"{r['allreduces_per_step']} all-reduces per step",
              f"{'case':28}{'TP 1 ms':>10}{f'TP {n} ms':>10}{'TP1/TPn':>9}{'all-reduce share':>18}"
-             f"{'ms per all-reduce':>19}"]
+             f"{'ms per all-reduce':>19}{'logits gather share':>21}"]
     for case, row in r["cases"].items():
         lines.append(f"{case:28}{row['tp1_ms']:10.2f}{row[f'tp{n}_ms']:10.2f}{row['speedup']:8.2f}x"
-                     f"{row['allreduce_share']:18.1%}{row['allreduce_ms_per_call']:19.3f}")
+                     f"{row['allreduce_share']:18.1%}{row['allreduce_ms_per_call']:19.3f}"
+                     f"{row['gather_share']:21.1%}")
     return "\n".join(lines)

@@ -12,9 +12,10 @@ The efficiencies are stated in each profile's notes; they are typical of vLLM/SG
 
 A tensor-parallel worker (TP n) is predicted from its parts as engine/parallel/ runs it, not by a flat efficiency:
 each GPU computes one rank's shard (`rank_shape`: H/n query heads, max(1, KVH/n) KV heads, MLP width I/n) at one
-GPU's FLOP/s and bandwidth; the LM head is replicated and rank 0 computes all of it (the samples' logits and its
-weight read are on the step's critical path); every layer adds two ring all-reduces of [T, hidden] (a latency in c0
-and 2(n-1)/n of the activations' bytes over NVLink per token in c_tok); a rank reads its own KV heads.
+GPU's FLOP/s and bandwidth; the LM head is split by vocabulary rows, each GPU computing and reading 1/n of it, and
+the sampled rows' logits are gathered on rank 0 (one collective's latency in c0, (n-1)/n of a row's logits over
+NVLink per sampled row in c_seq); every layer adds two ring all-reduces of [T, hidden] (a latency in c0 and 2(n-1)/n
+of the activations' bytes over NVLink per token in c_tok); a rank reads its own KV heads.
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ def roofline_profile(gpu: str, model: str = "llama-3.1-8b", tp: int | None = Non
     # NOTE: a ring all-reduce moves 2(n-1)/n of the [T, hidden] activations through each GPU's link, twice a layer
     allreduce_tok = 2 * m.num_layers * m.hidden_size * m.bytes_per_param * 2 * (tp - 1) / tp / (NVLINK_GB_S * 1e9)
     c_tok = 2 * r.layer_params / (flops * MFU) + allreduce_tok
-    weight_read = (r.layer_params + m.head_params) * m.bytes_per_param / bw  # NOTE: rank 0 reads the whole head
-    c_seq = 2 * m.head_params / (flops * MFU)
-    c0 = STEP_OVERHEAD_S + (2 * m.num_layers * ALLREDUCE_S if tp > 1 else 0.0)
+    head = m.head_params / tp  # NOTE: each rank's vocabulary rows (engine/parallel/shard.py `vocab_rows`)
+    weight_read = (r.layer_params + head) * m.bytes_per_param / bw
+    gather_row = m.vocab_size * m.bytes_per_param * (tp - 1) / tp / (NVLINK_GB_S * 1e9)  # a row's logits to rank 0
+    c_seq = 2 * head / (flops * MFU) + gather_row
+    c0 = STEP_OVERHEAD_S + ((2 * m.num_layers + 1) * ALLREDUCE_S if tp > 1 else 0.0)
     step = StepModel(c0_s=c0, c_tok_s=c_tok, knee_tokens=weight_read / c_tok, c_seq_s=c_seq,
                      c_dec_key_s=r.kv_bytes_per_token / bw,
                      c_pre_pair_s=4 * m.num_layers * r.num_heads * m.head_dim / (flops * ATTN_EFF),
@@ -125,12 +128,13 @@ def roofline_profile(gpu: str, model: str = "llama-3.1-8b", tp: int | None = Non
         notes=[f"ESTIMATED, not measured: MFU {MFU:.0%}, attention {ATTN_EFF:.0%} of peak, {BW_EFF:.0%} of HBM "
                f"bandwidth, {STEP_OVERHEAD_S * 1e3:g} ms per step",
                *([f"tensor parallel {tp}, predicted from its parts: one GPU computes {r.num_heads} of {m.num_heads} "
-                  f"heads, {r.num_kv_heads} KV head(s), MLP width {r.intermediate_size}; rank 0 the whole LM head; 2 "
-                  f"ring all-reduces per layer at {ALLREDUCE_S * 1e6:g} us + {NVLINK_GB_S:g} GB/s NVLink "
+                  f"heads, {r.num_kv_heads} KV head(s), MLP width {r.intermediate_size}, 1/{tp} of the LM head's "
+                  f"vocabulary (its logits gathered on rank 0); 2 ring all-reduces per layer at "
+                  f"{ALLREDUCE_S * 1e6:g} us + {NVLINK_GB_S:g} GB/s NVLink "
                   f"({allreduce_tok * 1e6:.2f} us per token)"] if tp > 1 else []),
                f"KV transfer {IB_GB_S:g} GB/s per GPU (400 Gb/s InfiniBand), {TRANSFER_LATENCY_S * 1e3:g} ms "
                f"per transfer, layer-wise", f"weights {(m.layer_params + m.head_params) * 2 / 1e9:.1f} GB bf16"
-               + (f" ({(r.layer_params + m.head_params) * 2 / 1e9:.1f} GB on rank 0: its shard and the LM head)"
+               + (f" ({(r.layer_params + head) * 2 / 1e9:.1f} GB per GPU: its shard and 1/{tp} of the LM head)"
                   if tp > 1 else "") + f"; batch-1 decode reads them once per step: {weight_read * 1e3:.2f} ms"])
 
 
