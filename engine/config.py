@@ -121,7 +121,7 @@ class EngineConfig:
     # CUDA only (vLLM's name): True runs every step eagerly; False captures decode-only steps as CUDA graphs.
     enforce_eager: bool = False
     # With CUDA graphs: launch the next decode step before this step's sampled ids reach the host, so the GPU never
-    # waits for the host's scheduling and output work between two steps (engine/model_runner.py, `Lookahead`; the
+    # waits for the host's scheduling and output work between two steps (engine/step.py, `Lookahead`; the
     # overlap vLLM's async scheduling and SGLang's overlap scheduler make). False: one step at a time.
     decode_lookahead: bool = True
     num_threads: int | None = None

@@ -234,7 +234,7 @@ class LLMEngine(KVSeam):
 
     def _same_next(self, batch: ScheduledBatch) -> bool:
         """Whether the next step is likely this batch one token on (a graphed decode step then launches it early:
-        model_runner.Lookahead, unless `decode_lookahead` is off): nothing waits or is parked, nothing is drafted,
+        engine/step.py Lookahead, unless `decode_lookahead` is off): nothing waits or is parked, nothing is drafted,
         every running sequence is in it."""
         return (self.config.decode_lookahead and self.runner.graphs is not None and self.proposer is None
                 and not self.scheduler.waiting and not self.structured.num_parked

@@ -109,7 +109,7 @@ def measure_device(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = max(batches) * -(-(ctx + n_dec) // bs) + -(-(n_pre + 1) // bs) + 16
     budget = max(n_pre + 1, 2048)
     figures: dict[str, Any] = {"decode": {}, "prefill": {}}
-    # NOTE: on CUDA also batch 1 with graphs one step at a time (no lookahead: model_runner.Lookahead), and eager
+    # NOTE: on CUDA also batch 1 with graphs one step at a time (no lookahead: engine/step.py Lookahead), and eager
     engines: dict[str, dict[str, bool]] = {"eager": {"enforce_eager": True}}
     if device.type == "cuda":
         engines = {"graphs": {}, "stepwise": {"decode_lookahead": False}, **engines}

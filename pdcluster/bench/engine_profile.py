@@ -104,7 +104,7 @@ def device_step(model: str, device: str) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
         return times
 
-    times = step_times()  # NOTE: as configured (the lookahead on: model_runner.Lookahead)
+    times = step_times()  # NOTE: as configured (the lookahead on: engine/step.py Lookahead)
     won = runner.lookahead_won
     engine.config.decode_lookahead = False
     engine.step()  # NOTE: the lookahead launched by the last step is taken here
