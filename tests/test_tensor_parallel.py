@@ -268,6 +268,7 @@ def test_the_tp_bench_reports_step_times_and_the_all_reduce_share(tmp_path) -> N
     r = json.loads(out.read_text())
     assert r["tensor_parallel_size"] == 2 and r["allreduces_per_step"] == 2 * tiny_model_config().num_layers
     assert r["allreduce"] == "shm"  # NOTE: CPU ranks of one host (engine/parallel/shm_allreduce.py)
+    assert r["step_messages"] == "pipe"  # NOTE: engine/parallel/step_channel.py
     assert set(r["cases"]) == {"prefill 32", "decode step, batch 1", "decode step, batch 2"}
     for row in r["cases"].values():
         assert row["tp1_ms"] > 0 and row["tp2_ms"] > 0 and 0 < row["allreduce_share"] < 1

@@ -32,10 +32,13 @@ def _receive(rdv: Rendezvous, n: int, out: Any) -> None:
     out.put([group.broadcast_object() for _ in range(n)])
 
 
-def test_step_messages_of_any_size_reach_the_followers_after_any_idle_time() -> None:
+@pytest.mark.parametrize("channel", ["pipe", "gloo"])
+def test_step_messages_of_any_size_reach_the_followers_after_any_idle_time(channel: str, monkeypatch) -> None:
     import time
 
     import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PDCLUSTER_TP_STEP_CHANNEL", channel)  # NOTE: the spawned follower inherits it
 
     # NOTE: one broadcast up to MESSAGE_BYTES, a second for the rest of a longer one (a long prompt's step)
     fits = next(k for k in range(MESSAGE_BYTES - 64, MESSAGE_BYTES)  # a string whose pickle fills the first one
@@ -50,6 +53,7 @@ def test_step_messages_of_any_size_reach_the_followers_after_any_idle_time() -> 
     try:
         assert out.get(timeout=60) == "started"  # NOTE: the rendezvous is then within the 3 s
         group = TPGroup(0, rdv, torch.device("cpu"), store)
+        assert (group.steps is not None) == (channel == "pipe")
         time.sleep(4.0)  # an engine with nothing to do: the follower waits for its next step
         for m in messages:
             group.broadcast_object(m)
@@ -188,6 +192,30 @@ def test_rank_0_gathers_every_ranks_logits_columns_in_rank_order(n: int) -> None
     for i in range(2 * len(rows)):
         assert torch.equal(results[0][i], torch.cat([part(i, r) for r in range(n)], dim=1))
         assert all(results[r][i] is None for r in range(1, n))
+
+
+@pytest.mark.parametrize("leaves", [0, 1])
+def test_a_rank_that_left_fails_the_step_pipes_at_once(leaves: int) -> None:
+    """Rank 0 gone: a follower's wait for the next step ends with RuntimeError (end of file); a follower gone: rank
+    0's next step message fails (a closed pipe). A dead process closes its ends as `close` does here."""
+    store, rdv = serve_store(3, timeout_s=30.0)
+    before = tp_files()
+    groups = on_threads(3, lambda rank: TPGroup(rank, rdv, torch.device("cpu"), store if rank == 0 else None))
+    assert all(g.steps is not None for g in groups) and tp_files() <= before  # NOTE: the FIFOs' names are gone
+    groups[0].broadcast_object("step 1")
+    assert [groups[r].broadcast_object() for r in (1, 2)] == ["step 1", "step 1"]
+    groups[leaves].close()
+    start = time.monotonic()
+    if leaves == 0:
+        for r in (1, 2):
+            with pytest.raises(RuntimeError, match="rank 0 is gone"):
+                groups[r].broadcast_object()
+    else:
+        with pytest.raises(RuntimeError, match="rank 1 is gone"):
+            groups[0].broadcast_object("step 2")
+    assert time.monotonic() - start < 5.0  # NOTE: a guard against waiting for the group's 30 s, not a timing
+    for g in groups:
+        g.close()
 
 
 def _join_and_leave(rdv: Rendezvous) -> None:

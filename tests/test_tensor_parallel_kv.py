@@ -145,15 +145,16 @@ def test_a_group_takes_kv_from_a_receiver_thread_while_it_steps(models: dict[str
         read: Layers = []
         group.add_request("read", c, greedy(1))
         group.watch_layers("read", lambda layer: read.append(group.read_kv_layer("read", layer)))
-        steps = 0
+        steps, busy_steps, out = 0, 0, {}
         while writer.is_alive():
-            group.step()
+            busy_steps += group.has_unfinished_requests()
+            out |= {o.request_id: o for o in group.step() if o.finished}  # NOTE: "busy" may end meanwhile
             steps += 1
         writer.join()
         group.commit_kv("moved", first, greedy(N_TOKENS))  # NOTE: a commit runs between steps (the engine lock)
-        print(f"{steps} steps while the writer wrote")
-        assert len(read) == loaded.config.num_layers
-        out = run_to_completion(group)
+        print(f"{steps} steps while the writer wrote, {busy_steps} of them with requests")
+        assert len(read) == loaded.config.num_layers and busy_steps > 1
+        out |= run_to_completion(group)
     finally:
         group.close()
     assert_same_or_near_tie(ref_engine, [a, b], ref, [out["moved"].token_ids, out["busy"].token_ids])

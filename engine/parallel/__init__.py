@@ -4,7 +4,7 @@
    style), starts ranks 1 .. n-1 with their shards through the launcher it is given (`launch.py`: spawned
    processes by default; a cluster's worker hosts them in Ray actors), and joins the group with them (`group.py`:
    NCCL on CUDA for the activations, shared memory on the CPU (`shm_allreduce.py`; gloo for a tensor past its
-   slots); gloo on the CPU for the step messages);
+   slots); a pipe per follower for the step messages (`step_channel.py`; gloo where there are no FIFOs));
 2. each step, rank 0 schedules as a TP 1 engine does, broadcasts the step (`follower.StepMessage`: flat ids,
    per-sequence starts and counts, block tables) and runs its forward; every rank runs the same
    forward on its heads and MLP columns, with an all-reduce after each o and down projection;
@@ -18,11 +18,12 @@
    KV read or write; `LLMEngine.close` stops the followers.
 
 Choices (why):
-- the step message is the step's lists of ints, pickled once and broadcast (one collective, `TPGroup.broadcast_object`)
-  before rank 0 builds its own metadata: followers rebuild theirs with the same host code meanwhile. Cheaper than
-  the scheduler's sequences (prompts, sampling params, grammar state that followers never use) or the built metadata
-  (a dozen tensors per step, backend specific, on the GPU under CUDA). Full block tables are sent each step; deltas
-  are a later saving.
+- the step message is the step's lists of ints, pickled once and written to each follower's pipe
+  (`TPGroup.broadcast_object`; a gloo broadcast costs ~0.2 ms of thread hand-offs and TCP per step, a pipe a
+  write and a wake-up) before rank 0 builds its own metadata: followers rebuild theirs with the same host code
+  meanwhile. Cheaper than the scheduler's sequences (prompts, sampling params, grammar state that followers never
+  use) or the built metadata (a dozen tensors per step, backend specific, on the GPU under CUDA). Full block
+  tables are sent each step; deltas are a later saving.
 - the embedding is replicated: its lookup reads T rows, and a vocabulary split would cost an all-reduce of [T, d]
   per step for no compute saved.
 - the LM head is split by vocabulary rows (vLLM's ParallelLMHead; a tied head's rows cut from the embedding): each

@@ -4,9 +4,10 @@ NOTE: the process groups are standalone objects over a TCPStore (torch.distribut
 ProcessGroupNCCL), not torch.distributed's global default group: a process may hold several groups (tests, a
 bench comparing sizes) and nothing global has to be torn down between them. Two groups per rank, as vLLM keeps
 them: the device group (NCCL on CUDA, gloo on the CPU) all-reduces activations (on the CPU through shared memory
-instead when they fit: shm_allreduce.py); a gloo group on the CPU carries the step messages from rank 0, so a
-step's control never goes through (and never syncs) the GPU. A third, gloo on the CPU, carries the KV hand-off's
-reads and writes (engine/parallel/kv.py), which run beside the steps.
+instead when they fit: shm_allreduce.py); a gloo group on the CPU carries the step messages from rank 0 where the
+followers' pipes (step_channel.py) cannot, so a step's control never goes through (and never syncs) the GPU. A
+third, gloo on the CPU, carries the KV hand-off's reads and writes (engine/parallel/kv.py), which run beside the
+steps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from engine.linear import Int8Linear, PackedLinear
 from engine.parallel.shard import vocab_rows
 from engine.parallel.shm_allreduce import ShmAllReduce
 from engine.parallel.shm_allreduce import wanted as shm_wanted
+from engine.parallel.step_channel import StepChannel
+from engine.parallel.step_channel import wanted as pipes_wanted
 
 # NOTE: a bound on every collective of a step: a peer that hangs without closing its sockets (a stopped process)
 # fails the group after this long instead of blocking it forever; a dead one (closed sockets) fails it at once.
@@ -87,6 +90,9 @@ class TPGroup:
         # NOTE: after the gloo groups, whose constructors wait for every rank: the shared memory's rendezvous then
         # finds them all there
         self.shm = ShmAllReduce.join(rank, rdv.size, self.store, rdv.timeout_s) if shm_wanted(device) else None
+        # NOTE: the step messages through a pipe per follower where it can (engine/parallel/step_channel.py), else on
+        # the CPU group
+        self.steps = StepChannel.join(rank, rdv.size, self.store, rdv.timeout_s) if pipes_wanted() else None
         self.stats = AllReduceStats()
         self.gathers = AllReduceStats()  # the LM head's logits gathered on rank 0 (`gather_columns`), one per step
 
@@ -125,14 +131,23 @@ class TPGroup:
         return out
 
     def broadcast_object(self, obj: object = None) -> Any:
-        """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled, on the step channel."""
-        return broadcast_object(self.cpu, self.rank, obj)
+        """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled, on the step channel: the
+        followers' pipes, or the CPU group's broadcast."""
+        if self.steps is None:
+            return broadcast_object(self.cpu, self.rank, obj)
+        if self.rank:
+            return self.steps.recv()
+        self.steps.send(obj)
+        return obj
 
     def close(self) -> None:
-        """Let the shared memory go (the process groups go with the object)."""
+        """Let the shared memory and the step pipes go (the process groups go with the object)."""
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.steps is not None:
+            self.steps.close()
+            self.steps = None
 
     def min(self, value: int) -> int:
         """The smallest of the ranks' `value`s, on every rank (a collective of the step channel: all ranks call it)."""

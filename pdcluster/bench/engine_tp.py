@@ -26,6 +26,7 @@ from pdcluster.bench.report import log, machine
 
 DEFAULT_OUT = "results/bench_engine_tp.json"
 ALLREDUCE = {"shm": "shared memory", "gloo": "gloo"}
+STEPS = {"pipe": "a pipe per follower", "gloo": "gloo"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +110,7 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     group = getattr(engines[n].engine.runner, "group", None)
     allreduce = "shm" if group is not None and group.shm is not None else "gloo"  # engine/parallel/shm_allreduce.py
+    steps = "pipe" if group is not None and group.steps is not None else "gloo"  # engine/parallel/step_channel.py
     try:
         case_fns: dict[str, Callable[[_Engine], float]] = {f"prefill {args.prefill_len}": prefill}
         case_fns |= {f"decode step, batch {b}": functools.partial(decode, batch=b) for b in batches}
@@ -132,13 +134,14 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": cfg.name, "model_id": cfg.model_id, "dtype": "float32", "tensor_parallel_size": n,
             "threads": args.threads, "threads_per_rank": max(1, args.threads // n), "machine": machine(),
             "heads": {"q": cfg.num_heads, "kv": cfg.num_kv_heads}, "allreduces_per_step": 2 * cfg.num_layers,
-            "rounds": args.tp_rounds, "allreduce": allreduce, "cases": rows}
+            "rounds": args.tp_rounds, "allreduce": allreduce, "step_messages": steps, "cases": rows}
 
 
 def format_tp(r: dict[str, Any]) -> str:
     n = r["tensor_parallel_size"]
     lines = [f"model {r['model']} ({r['model_id']}), fp32, TP 1 on {r['threads']} threads vs TP {n} on "
-             f"{r['threads_per_rank']} per rank (all-reduce: {ALLREDUCE[r['allreduce']]}), median of {r['rounds']} "
+             f"{r['threads_per_rank']} per rank (all-reduce: {ALLREDUCE[r['allreduce']]}, step messages: "
+             f"{STEPS[r['step_messages']]}), median of {r['rounds']} "
              "interleaved rounds; "
              f"{r['allreduces_per_step']} all-reduces per step",
              f"{'case':28}{'TP 1 ms':>10}{f'TP {n} ms':>10}{'TP1/TPn':>9}{'all-reduce share':>18}"
