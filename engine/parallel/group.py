@@ -93,6 +93,10 @@ class TPGroup:
         # NOTE: the step messages through a pipe per follower where it can (engine/parallel/step_channel.py), else on
         # the CPU group
         self.steps = StepChannel.join(rank, rdv.size, self.store, rdv.timeout_s) if pipes_wanted() else None
+        # NOTE: and the KV hand-off's requests to the followers' KV threads (engine/parallel/kv.py), on pipes of their
+        # own (its data goes over the `kv` group)
+        self.kv_requests = (StepChannel.join(rank, rdv.size, self.store, rdv.timeout_s, name="kv")
+                            if pipes_wanted() else None)
         self.stats = AllReduceStats()
         self.gathers = AllReduceStats()  # the LM head's logits gathered on rank 0 (`gather_columns`), one per step
 
@@ -140,14 +144,25 @@ class TPGroup:
         self.steps.send(obj)
         return obj
 
+    def kv_request(self, obj: object = None) -> Any:
+        """Rank 0's KV request (`obj`) on every rank, as `broadcast_object` does for steps: the KV threads' pipes,
+        or the `kv` group's broadcast."""
+        if self.kv_requests is None:
+            return broadcast_object(self.kv, self.rank, obj)
+        if self.rank:
+            return self.kv_requests.recv()
+        self.kv_requests.send(obj)
+        return obj
+
     def close(self) -> None:
-        """Let the shared memory and the step pipes go (the process groups go with the object)."""
+        """Let the shared memory and the pipes go (the process groups go with the object)."""
         if self.shm is not None:
             self.shm.close()
             self.shm = None
-        if self.steps is not None:
-            self.steps.close()
-            self.steps = None
+        for channel in (self.steps, self.kv_requests):
+            if channel is not None:
+                channel.close()
+        self.steps = self.kv_requests = None
 
     def min(self, value: int) -> int:
         """The smallest of the ranks' `value`s, on every rank (a collective of the step channel: all ranks call it)."""

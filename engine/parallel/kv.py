@@ -4,7 +4,8 @@ Each rank's pool holds its KV heads (`shard.kv_heads_of`) of every block; a peer
 sees one engine with all the model's KV heads (its `kv_layout`), so prefill TP a → decode TP b needs nothing of the
 transports. Rank 0 (`KVGather`) answers the seam's `read_blocks` / `write_blocks` by talking to a service thread on
 each follower (`KVService`), on the group's KV channel (`TPGroup.kv`, gloo on the CPU):
-1. rank 0 broadcasts the request (`ReadKV` or `WriteKV`: layer, K/V, block ids) to every follower's KV thread;
+1. rank 0 sends the request (`ReadKV` or `WriteKV`: layer, K/V, block ids) to every follower's KV thread (a pipe
+   each, `TPGroup.kv_request`; gloo's broadcast where there are none);
 2. a read: each follower holding a KV head no lower rank holds sends its K and V of the blocks (one tensor,
    [2, n, rows, h, D]); rank 0 puts every head in model order (replicated heads taken once, from the first rank
    holding them);
@@ -42,7 +43,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.parallel.group import TPGroup, broadcast_object
+from engine.parallel.group import TPGroup
 from engine.parallel.shard import kv_heads_of
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class KVGather:
             self._check_open()
             if r.device.type == "cuda":
                 torch.cuda.synchronize(r.device)  # NOTE: see the module's docstring (every rank wrote the layer)
-            broadcast_object(self.group.kv, 0, ReadKV(layer, list(block_ids)))
+            self.group.kv_request(ReadKV(layer, list(block_ids)))
             bufs = {rank: self._buffer((2, n), heads) for rank, heads in self.sources.items() if rank}
             works = [self.group.kv.recv([buf], rank, TAG_READ) for rank, buf in bufs.items()]
             own_k, own_v = ModelRunner.read_blocks(r, layer, block_ids)  # [n, rows, h0, D] each, meanwhile
@@ -141,7 +142,7 @@ class KVGather:
         acks = {rank: torch.zeros(1, dtype=torch.uint8) for rank in slices}
         with self.lock:
             self._check_open()
-            broadcast_object(self.group.kv, 0, WriteKV(layer, which, list(block_ids)))
+            self.group.kv_request(WriteKV(layer, which, list(block_ids)))
             works = [self.group.kv.send([t], rank, TAG_WRITE) for rank, t in slices.items()]
             works += [self.group.kv.recv([t], rank, TAG_ACK) for rank, t in acks.items()]
             ModelRunner.write_blocks(r, layer, which, block_ids, kv[:, :, _sl(self.heads[0])])  # meanwhile
@@ -157,7 +158,7 @@ class KVGather:
         with self.lock:
             if not self.stopped:
                 self.stopped = True
-                broadcast_object(self.group.kv, 0, StopKV())
+                self.group.kv_request(StopKV())
 
 
 class KVService:
@@ -197,7 +198,7 @@ class KVService:
         """Answer requests until `StopKV`; a failure (rank 0 gone, or a bug) ends the process: the group is out."""
         msg: Any = None
         try:
-            while self.handle(msg := broadcast_object(self.group.kv, self.group.rank)):
+            while self.handle(msg := self.group.kv_request()):
                 pass
         except BaseException:
             log.error("TP rank %d: the KV thread failed on %r:\n%s", self.group.rank, msg, traceback.format_exc())

@@ -53,11 +53,12 @@ class StepChannel:
         self.rank, self.size, self.fds, self.timeout_s = rank, size, fds, timeout_s  # rank 0: one per follower
 
     @classmethod
-    def join(cls, rank: int, size: int, store: Any, timeout_s: float) -> StepChannel | None:
-        """Every rank's end (a collective over `store`; RuntimeError when a rank does not come within `timeout_s`);
-        None on every rank when rank 0 could not make the FIFOs (the group's steps go over gloo then, as logged)."""
+    def join(cls, rank: int, size: int, store: Any, timeout_s: float, name: str = "steps") -> StepChannel | None:
+        """Every rank's end of the channel `name` (a collective over `store`; RuntimeError when a rank does not come
+        within `timeout_s`); None on every rank when rank 0 could not make the FIFOs (the messages go over gloo
+        then, as logged)."""
         if rank == 0:
-            base = f"/dev/shm/pdcluster-tp-steps-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            base = f"/dev/shm/pdcluster-tp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             paths = [f"{base}-{r}" for r in range(1, size)]
             try:
                 for p in paths:
@@ -66,25 +67,25 @@ class StepChannel:
                 for p in paths:
                     if os.path.exists(p):
                         os.unlink(p)
-                log.warning("TP step messages over gloo: no FIFO for them (%s)", e)
-                store.set("steps/path", "")
+                log.warning("TP %s messages over gloo: no FIFO for them (%s)", name, e)
+                store.set(f"{name}/path", "")
                 return None
             try:
-                store.set("steps/path", base)
-                _wait_count(store, "steps/attached", size - 1, timeout_s)
+                store.set(f"{name}/path", base)
+                _wait_count(store, f"{name}/attached", size - 1, timeout_s)
                 # NOTE: every reader is open, so these opens do not block; non-blocking writes, bounded by `send`
                 fds = [os.open(p, os.O_WRONLY | os.O_NONBLOCK) for p in paths]
             finally:
                 for p in paths:
                     os.unlink(p)
-            store.set("steps/open", "1")
+            store.set(f"{name}/open", "1")
             return cls(0, size, fds, timeout_s)
-        base = store.get("steps/path").decode()
+        base = store.get(f"{name}/path").decode()
         if not base:
             return None
         fd = os.open(f"{base}-{rank}", os.O_RDONLY | os.O_NONBLOCK)
-        store.add("steps/attached", 1)
-        store.get("steps/open")  # NOTE: waits for rank 0's writers (a read before them would see end-of-file)
+        store.add(f"{name}/attached", 1)
+        store.get(f"{name}/open")  # NOTE: waits for rank 0's writers (a read before them would see end-of-file)
         os.set_blocking(fd, True)
         return cls(rank, size, [fd], timeout_s)
 

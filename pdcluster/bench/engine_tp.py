@@ -2,8 +2,10 @@
 and the all-reduce share of the TP N step.
 
 Cases, each timed on both engines in interleaved rounds (median kept, so load from other processes falls on both):
-prefill of one --prefill-len prompt alone (the step's time: one step takes the whole prompt), and one decode step at
-each of --tp-batches over --decode-prompt-len prompts, greedy. The all-reduce share is rank 0's wall time inside the
+prefill of one --prefill-len prompt alone (the step's time: one step takes the whole prompt), one decode step at
+each of --tp-batches over --decode-prompt-len prompts, greedy, and the KV hand-off's reads and writes of a
+--prefill-len prompt's blocks, every layer (what a TP group adds to its sender and receiver: the heads gathered and
+scattered through rank 0, engine/parallel/kv.py). The all-reduce share is rank 0's wall time inside the
 row-parallel all-reduces over the step's (2 per layer; waiting for a slower rank counts, since the step waits too);
 the gather share, inside the gather of the LM head's logits on rank 0 (each rank computes its vocabulary columns).
 Threads: --threads is the machine's share for the engine; TP 1 gets all of it, each of the N ranks 1/N (at least 1),
@@ -107,6 +109,24 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
         e.engine.step()  # the prompts
         return e.steps(steps)
 
+    def kv_blocks(e: _Engine, op: str) -> float:
+        """Every layer's K and V of a --prefill-len prompt's blocks, read (`read_blocks`) or written (`write_blocks`)
+        in the full model's layout, as the KV hand-off's sender and receiver do: TP n gathers and scatters the heads
+        through rank 0. (Free blocks of an idle engine: what they hold does not matter.)"""
+        runner = e.engine.runner
+        blocks = list(range(-(-args.prefill_len // e.engine.config.block_size)))
+        k, v = runner.read_blocks(0, blocks)
+        start = time.perf_counter()
+        for layer in range(loaded.config.num_layers):
+            if op == "read":
+                runner.read_blocks(layer, blocks)
+            else:
+                runner.write_blocks(layer, 0, blocks, k)
+                runner.write_blocks(layer, 1, blocks, v)
+        elapsed = time.perf_counter() - start
+        e.timed_s += elapsed
+        return elapsed
+
     rows: dict[str, dict[str, Any]] = {}
     group = getattr(engines[n].engine.runner, "group", None)
     allreduce = "shm" if group is not None and group.shm is not None else "gloo"  # engine/parallel/shm_allreduce.py
@@ -114,6 +134,8 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
     try:
         case_fns: dict[str, Callable[[_Engine], float]] = {f"prefill {args.prefill_len}": prefill}
         case_fns |= {f"decode step, batch {b}": functools.partial(decode, batch=b) for b in batches}
+        case_fns |= {f"KV {op} {args.prefill_len} tokens": functools.partial(kv_blocks, op=op)
+                     for op in ("read", "write")}
         for case, fn in case_fns.items():
             log("engine", f"TP 1 vs TP {n}: {case}")
             for e in engines.values():
