@@ -179,10 +179,11 @@ def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, runner: ModelRu
     try:
         TPFollower(runner, group).run()
     finally:
+        # NOTE: rank 0 stops the KV thread before the steps (`TPModelRunner.close`: StopKV, then Stop), but on its
+        # own pipe: the thread may not have read it yet. It leaves before the group closes under it (its pipe, and
+        # the gloo group whose destructor aborts a process still inside one of its calls)
+        kv.thread.join(10.0)
         group.close()
-    # NOTE: rank 0 stopped the KV thread first (`TPModelRunner.close`); a process that ends while that thread is still
-    # inside a gloo call aborts in the group's destructor
-    kv.thread.join(10.0)
 
 
 def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig, num_blocks: int | None,

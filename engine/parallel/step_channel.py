@@ -91,6 +91,8 @@ class StepChannel:
 
     def send(self, obj: object) -> None:
         """Rank 0: `obj` to every follower (RuntimeError if one is gone, or hung past the timeout)."""
+        if not self.fds and self.size > 1:
+            raise RuntimeError("TP step channel: closed")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         frame = memoryview(len(data).to_bytes(HEADER, "little") + data)
         for r, fd in enumerate(self.fds, start=1):
@@ -118,9 +120,11 @@ class StepChannel:
         return pickle.loads(self._read(length))
 
     def _read(self, n: int) -> bytes:
-        parts: list[bytes] = []
+        if not self.fds:
+            raise RuntimeError("TP step channel: closed")
+        fd, parts = self.fds[0], []
         while n:
-            part = os.read(self.fds[0], n)
+            part = os.read(fd, n)
             if not part:
                 raise RuntimeError("TP step channel: rank 0 is gone (its pipe is closed)")
             parts.append(part)
