@@ -59,12 +59,15 @@ def thread_cpu_s() -> dict[str, float]:
     out: dict[str, float] = {}
 
     def add(tid: int) -> None:
-        with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
-            seconds = int(f.read().split()[0]) / 1e9
-        name = names.get(tid)
-        if name is None:
-            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
-                name = f.read().strip()
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+                seconds = int(f.read().split()[0]) / 1e9
+            name = names.get(tid)
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):  # NOTE: one thread's files unreadable: skip it, keep the others
+            return
         out[name] = out.get(name, 0.0) + seconds
 
     try:

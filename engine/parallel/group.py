@@ -47,7 +47,7 @@ class Rendezvous:
 
 
 @dataclass
-class AllReduceStats:
+class CollectiveStats:
     """Wall time this rank spent in the all-reduces of row-parallel layers, or in the logits' gathers (waiting for
     slower ranks included).
 
@@ -97,8 +97,8 @@ class TPGroup:
         # own (its data goes over the `kv` group)
         self.kv_requests = (StepChannel.join(rank, rdv.size, self.store, rdv.timeout_s, name="kv")
                             if pipes_wanted() else None)
-        self.stats = AllReduceStats()
-        self.gathers = AllReduceStats()  # the LM head's logits gathered on rank 0 (`gather_columns`), one per step
+        self.stats = CollectiveStats()
+        self.gathers = CollectiveStats()  # the LM head's logits gathered on rank 0 (`gather_columns`), one per step
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place (every rank ends with the same values): through shared memory on the
@@ -137,21 +137,19 @@ class TPGroup:
     def broadcast_object(self, obj: object = None) -> Any:
         """Rank 0's `obj` on every rank (rank 0 passes it, the others get it), pickled, on the step channel: the
         followers' pipes, or the CPU group's broadcast."""
-        if self.steps is None:
-            return broadcast_object(self.cpu, self.rank, obj)
-        if self.rank:
-            return self.steps.recv()
-        self.steps.send(obj)
-        return obj
+        return self._from_rank_0(self.steps, self.cpu, obj)
 
     def kv_request(self, obj: object = None) -> Any:
         """Rank 0's KV request (`obj`) on every rank, as `broadcast_object` does for steps: the KV threads' pipes,
         or the `kv` group's broadcast."""
-        if self.kv_requests is None:
-            return broadcast_object(self.kv, self.rank, obj)
+        return self._from_rank_0(self.kv_requests, self.kv, obj)
+
+    def _from_rank_0(self, pipes: StepChannel | None, pg: Any, obj: object) -> Any:
+        if pipes is None:
+            return broadcast_object(pg, self.rank, obj)
         if self.rank:
-            return self.kv_requests.recv()
-        self.kv_requests.send(obj)
+            return pipes.recv()
+        pipes.send(obj)
         return obj
 
     def close(self) -> None:

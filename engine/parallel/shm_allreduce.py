@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.parallel.store import wait_count
+
 log = logging.getLogger(__name__)
 SLOT_BYTES = 4 << 20  # per rank and set: [T, d] float32 up to 1M values (SmolLM2's 1,024-token prefill is 2.4 MB)
 LINE = 64  # bytes per counter (one cache line each: no false sharing between ranks)
@@ -123,15 +125,11 @@ class ShmAllReduce:
         self.calls = 0
         store.add("shm/attached", 1)
         # NOTE: every rank waits for all (each one's pid is in the header before any call), then rank 0 unlinks
-        deadline = time.monotonic() + timeout_s
-        while store.add("shm/attached", 0) < size:
-            if time.monotonic() > deadline:
-                if rank == 0:
-                    os.unlink(path)
-                raise RuntimeError(f"shm all-reduce: {size} ranks did not all attach within {timeout_s:.0f} s")
-            time.sleep(0.001)
-        if rank == 0:
-            os.unlink(path)
+        try:
+            wait_count(store, "shm/attached", size, timeout_s, f"shm all-reduce: {size} ranks did not all attach")
+        finally:
+            if rank == 0:
+                os.unlink(path)
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.is_contiguous() and t.device.type == "cpu" and t.numel() * t.element_size() <= self.slot_bytes

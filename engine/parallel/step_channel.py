@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import Any
 
+from engine.parallel.store import wait_count
+
 log = logging.getLogger(__name__)
 ENV = "PDCLUSTER_TP_STEP_CHANNEL"  # "gloo": step messages over gloo's broadcast instead
 HEADER = 8  # bytes of a frame's length
@@ -72,7 +74,8 @@ class StepChannel:
                 return None
             try:
                 store.set(f"{name}/path", base)
-                _wait_count(store, f"{name}/attached", size - 1, timeout_s)
+                wait_count(store, f"{name}/attached", size - 1, timeout_s,
+                           f"TP {name} channel: {size - 1} followers did not all open their pipes")
                 # NOTE: every reader is open, so these opens do not block; non-blocking writes, bounded by `send`
                 fds = [os.open(p, os.O_WRONLY | os.O_NONBLOCK) for p in paths]
             finally:
@@ -91,7 +94,7 @@ class StepChannel:
 
     def send(self, obj: object) -> None:
         """Rank 0: `obj` to every follower (RuntimeError if one is gone, or hung past the timeout)."""
-        if not self.fds and self.size > 1:
+        if not self.fds:
             raise RuntimeError("TP step channel: closed")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         frame = memoryview(len(data).to_bytes(HEADER, "little") + data)
@@ -140,11 +143,3 @@ class StepChannel:
                 pass
         self.fds = []
 
-
-def _wait_count(store: Any, key: str, want: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < want:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"TP step channel: {want} followers did not all open their pipes within "
-                               f"{timeout_s:.0f} s")
-        time.sleep(0.001)
