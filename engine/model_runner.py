@@ -97,8 +97,12 @@ class ModelRunner:
         cfg = self.cfg
         rows = kv_block_rows(self.block_size, self.kv_dtype)
         shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = host_memory.zeros(shape, self.kv_dtype, self.device)  # huge pages on the host (host_memory.py)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        self.use_kv(host_memory.zeros(shape, self.kv_dtype, self.device))  # huge pages on the host (host_memory.py)
+
+    def use_kv(self, kv: torch.Tensor) -> None:
+        """`kv` as the pool ([layers, 2, blocks, rows, KVH, D]), and its per-layer K and V views the model reads."""
+        self.kv = kv
+        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
 
     def on_device(self) -> contextlib.AbstractContextManager[Any]:
         """The runner's GPU as the calling thread's current device (Triton launches and graph captures go to the

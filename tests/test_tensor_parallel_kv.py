@@ -57,12 +57,16 @@ def reserve(eng: LLMEngine, rid: str, prompt: list[int], layout: KVLayout) -> KV
     return eng.reserve_kv(rid, layout, prompt, len(prompt), hashes)
 
 
-def write(eng: LLMEngine, res: KVReservation, layers: Layers, rounds: int = 1) -> None:
-    """What a decode worker's receiver does with the layers as they arrive (`rounds` times over: a longer write)."""
-    for _ in range(rounds):
+def write(eng: LLMEngine, res: KVReservation, layers: Layers, until: threading.Event | None = None) -> int:
+    """What a decode worker's receiver does with the layers as they arrive (over and over until `until` is set: a
+    longer write); how many times it wrote them."""
+    rounds = 0
+    while rounds == 0 or (until is not None and not until.is_set()):
         for i, (k, v) in enumerate(layers):
             eng.write_kv_blocks(res, i, 0, 0, k)
             eng.write_kv_blocks(res, i, 1, 0, v)
+        rounds += 1
+    return rounds
 
 
 def import_kv(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], layers: Layers, layout: KVLayout) -> None:
@@ -100,11 +104,16 @@ def test_prefill_on_one_tp_size_decodes_on_another_as_one_tp1_engine(models: dic
     assert_same_or_near_tie(ref_engine, prompts, ref, moved)
 
 
-def test_the_local_transport_carries_kv_from_a_group_to_a_group_unchanged(models: dict[str, LoadedModel]) -> None:
+@pytest.mark.parametrize("path", ["shared", "threads"])
+def test_the_local_transport_carries_kv_from_a_group_to_a_group_unchanged(models: dict[str, LoadedModel], path: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """TP 2 → TP 2 through a transport as the workers run it (a sender fed from inside the forward, the receiver's
-    endpoint writing): the transport sees one engine with all the model's KV heads on either side."""
+    endpoint writing): the transport sees one engine with all the model's KV heads on either side. Rank 0 reads and
+    writes the follower's heads in its pool mapped from /dev/shm ("shared", the CPU's default: nothing is left
+    there), or through the follower's KV thread ("threads", as on CUDA)."""
     from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState
 
+    monkeypatch.setenv("PDCLUSTER_TP_KV", path)
     loaded = models["gqa-8q-4kv"]
     cfg = loaded.config
     prompt = random_prompts(1, [45], vocab=cfg.vocab_size, seed=21)[0]  # 2 full blocks + 13 tokens
@@ -113,6 +122,10 @@ def test_the_local_transport_carries_kv_from_a_group_to_a_group_unchanged(models
     src = engine(loaded, 2)
     ep = ReceiverEndpoint(engine(loaded, 2), TransferConfig(transport="local"), local_name="tp-kv-local")
     try:
+        for group in (src, ep.receiver.engine):
+            pools = group.runner.kv_gather.pools
+            assert (sorted(pools) == [1]) if path == "shared" else pools is None
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("pdcluster-tp-kv-")]
         sender = open_kv_sender("local", ep.address, src, "x", prompt)
         prefill_layerwise(src, sender, prompt, greedy(1))
         assert sender.wait(30) is TransferState.DONE, sender.error
@@ -140,20 +153,21 @@ def test_a_group_takes_kv_from_a_receiver_thread_while_it_steps(models: dict[str
         group.add_request("busy", b, greedy(N_TOKENS))
         group.step()
         res = reserve(group, "moved", a, group.kv_layout)
-        writer = threading.Thread(target=write, args=(group, res, layers, 8))  # NOTE: 8 rounds: several steps long
+        until, rounds = threading.Event(), []
+        writer = threading.Thread(target=lambda: rounds.append(write(group, res, layers, until)))
         writer.start()
         read: Layers = []
         group.add_request("read", c, greedy(1))
         group.watch_layers("read", lambda layer: read.append(group.read_kv_layer("read", layer)))
-        steps, busy_steps, out = 0, 0, {}
-        while writer.is_alive():
-            busy_steps += group.has_unfinished_requests()
-            out |= {o.request_id: o for o in group.step() if o.finished}  # NOTE: "busy" may end meanwhile
-            steps += 1
+        out = {}
+        for _ in range(4):  # NOTE: steps with requests ("busy" decodes 32 tokens) while the writer writes
+            assert group.has_unfinished_requests()
+            out |= {o.request_id: o for o in group.step() if o.finished}
+        until.set()
         writer.join()
         group.commit_kv("moved", first, greedy(N_TOKENS))  # NOTE: a commit runs between steps (the engine lock)
-        print(f"{steps} steps while the writer wrote, {busy_steps} of them with requests")
-        assert len(read) == loaded.config.num_layers and busy_steps > 1
+        print(f"the writer wrote the layers {rounds[0]} times over 4 steps")
+        assert len(read) == loaded.config.num_layers and rounds[0] > 1
         out |= run_to_completion(group)
     finally:
         group.close()
@@ -198,6 +212,7 @@ def test_a_kv_read_or_write_after_a_rank_died_fails_the_group(models: dict[str, 
         pid = runner.followers.procs[0].process.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
+        runner.followers.procs[0].process.join(10)  # NOTE: it died (a shared pool's read would not notice the signal)
         start = time.monotonic()
         with pytest.raises(TPGroupError, match=rf"group of 2 failed: rank 1 \(pid {pid}\): killed by SIGKILL"):
             runner.read_blocks(0, [0, 1])

@@ -34,6 +34,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel.group import Rendezvous, TPGroup, parallelize
 from engine.parallel.kv import KVService
 from engine.parallel.shard import rank_config
+from engine.parallel.shared_pool import share_pool
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, runner: ModelRu
     until `Stop` (a failed collective raises)."""
     group = TPGroup(rank, rdv, runner.device)
     agree_pool(runner, group)
+    share_pool(runner, group)  # NOTE: rank 0 then reads and writes its KV heads in place (CPU)
     parallelize(runner.model, group)
     kv = KVService(runner, group, cfg)  # NOTE: the KV hand-off's reads and writes, beside the steps
     kv.start()

@@ -72,7 +72,7 @@ class TPGroup:
 
     def __init__(self, rank: int, rdv: Rendezvous, device: torch.device, store: dist.TCPStore | None = None) -> None:
         timeout = datetime.timedelta(seconds=rdv.timeout_s)
-        self.rank, self.size, self.device = rank, rdv.size, device
+        self.rank, self.size, self.device, self.timeout_s = rank, rdv.size, device, rdv.timeout_s
         # NOTE: rank 0 passes the store it serves (`serve_store`); the others connect to it
         self.store = store or dist.TCPStore(rdv.host, rdv.port, rdv.size, False, timeout=timeout)
         # NOTE: typed Any: torch's stubs lack the backends' (store, rank, size, timeout) constructors and methods

@@ -2,27 +2,34 @@
 
 Each rank's pool holds its KV heads (`shard.kv_heads_of`) of every block; a peer engine, whatever its own TP size,
 sees one engine with all the model's KV heads (its `kv_layout`), so prefill TP a → decode TP b needs nothing of the
-transports. Rank 0 (`KVGather`) answers the seam's `read_blocks` / `write_blocks` by talking to a service thread on
-each follower (`KVService`), on the group's KV channel (`TPGroup.kv`, gloo on the CPU):
-1. rank 0 sends the request (`ReadKV` or `WriteKV`: layer, K/V, block ids) to every follower's KV thread (a pipe
-   each, `TPGroup.kv_request`; gloo's broadcast where there are none);
-2. a read: each follower holding a KV head no lower rank holds sends its K and V of the blocks (one tensor,
-   [2, n, rows, h, D]); rank 0 puts every head in model order (replicated heads taken once, from the first rank
-   holding them);
-3. a write: rank 0 sends each follower its heads' slice (replicas each get theirs), writes its own meanwhile, and
-   waits for every follower's acknowledgement (the blocks are written before the seam's commit can schedule them);
-4. `StopKV` ends a KV thread (`TPModelRunner.close`, before the step channel's `Stop`); a follower whose KV thread
-   fails exits, so rank 0's next read or write fails at once (closed sockets), not after the group's timeout.
+transports. Rank 0 (`KVGather`) answers the seam's `read_blocks` / `write_blocks` one of two ways:
+- **in place** (CPU groups, the default: engine/parallel/shared_pool.py): the followers' pools live in shared
+  memory that rank 0 maps, so a read copies each rank's heads out of that rank's pool and a write copies each rank's
+  heads into it, with no message to the follower (the transport's bytes go straight between the wire and the pool
+  of the rank that owns them);
+- **through the followers' KV threads** (CUDA, and PDCLUSTER_TP_KV=threads or a /dev/shm too small for the pools),
+  on the group's KV channel (`TPGroup.kv`, gloo on the CPU):
+  1. rank 0 sends the request (`ReadKV` or `WriteKV`: layer, K/V, block ids) to every follower's KV thread (a pipe
+     each, `TPGroup.kv_request`; gloo's broadcast where there are none);
+  2. a read: each follower holding a KV head no lower rank holds sends its K and V of the blocks (one tensor,
+     [2, n, rows, h, D]); rank 0 puts every head in model order (replicated heads taken once, from the first rank
+     holding them);
+  3. a write: rank 0 sends each follower its heads' slice (replicas each get theirs), writes its own meanwhile, and
+     waits for every follower's acknowledgement (the blocks are written before the seam's commit can schedule them);
+  4. `StopKV` ends a KV thread (`TPModelRunner.close`, before the step channel's `Stop`); a follower whose KV thread
+     fails exits, so rank 0's next read or write fails at once (closed sockets), not after the group's timeout.
 
 Choices (why):
-- its own group, not the step channel: reads come from inside a forward (rank 0's thread, while the followers'
-  main threads wait in the next all-reduce) and writes from receiver threads while the engine steps; on one group
-  they would interleave with the steps' collectives. A lock on rank 0 serializes the KV group's users.
+- the threads' own group, not the step channel: reads come from inside a forward (rank 0's thread, while the
+  followers' main threads wait in the next all-reduce) and writes from receiver threads while the engine steps; on
+  one group they would interleave with the steps' collectives. A lock on rank 0 serializes the KV group's users (the
+  in-place path needs none: reads and writes touch other blocks).
 - point-to-point sends, not gather/scatter: a replicated head (n > KVH) is then read from one rank only.
-- cost: every byte of a layer's K and V but rank 0's share goes through rank 0 (a read: (1 - 1/min(n, KVH)) of
-  2 x blocks x rows x KVH x D x itemsize per layer; a write: each follower's slice, replicas included), over TCP on
-  this machine, through host memory on CUDA (gloo is CPU only). A transport reading each rank's pool itself (one
-  stream per rank) would skip that hop; it would also make the peer see TP sizes, which this keeps away from it.
+- cost through the threads: every byte of a layer's K and V but rank 0's share goes through rank 0 (a read:
+  (1 - 1/min(n, KVH)) of 2 x blocks x rows x KVH x D x itemsize per layer; a write: each follower's slice, replicas
+  included), over TCP on the CPU, through host memory on CUDA (gloo is CPU only). In place it is one copy per rank's
+  share (BENCHMARKS.md, tensor parallelism: a 512-token SmolLM2 prompt at TP 3, read 15.1 → 3.8 ms, write
+  50.4 → 4.1 ms, against 1.6 and 3.0 at TP 1).
 - int8 KV is sliced the same way: each head's per-block scale sits in that head's own column of the scale row.
 - on CUDA, rank 0 synchronizes its device before asking for a layer: its all-reduce of that layer completed, so
   every rank's GPU ran that layer's KV write (stream order before its share of the all-reduce), even where a
@@ -97,11 +104,13 @@ def _sl(heads: range) -> slice:
 class KVGather:
     """Rank 0's side: a full-layout read or write of some blocks of one layer, over every rank's pool."""
 
-    def __init__(self, runner: ModelRunner, group: TPGroup, cfg: ModelConfig) -> None:
+    def __init__(self, runner: ModelRunner, group: TPGroup, cfg: ModelConfig,
+                 pools: dict[int, torch.Tensor] | None = None) -> None:
         self.runner, self.group, self.cfg = runner, group, cfg  # `cfg`: the full model's
         n = group.size
         self.heads = [kv_heads_of(cfg, r, n) for r in range(n)]
         self.sources = read_sources(cfg, n)
+        self.pools = pools  # the followers' pools mapped here (shared_pool.py), else None: through their KV threads
         self.lock = threading.Lock()  # NOTE: reads (engine thread) and writes (receiver threads) may overlap
         self.stopped = False  # under `lock`: the followers' KV threads have left
 
@@ -114,6 +123,8 @@ class KVGather:
     def read(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `block_ids` in `layer` with every KV head: each [n, rows, KVH, D], on rank 0's device."""
         r, n = self.runner, len(block_ids)
+        if self.pools is not None:
+            return self._read_shared(layer, block_ids)  # NOTE: no lock (see `_shared`)
         with self.lock:
             self._check_open()
             if r.device.type == "cuda":
@@ -137,6 +148,8 @@ class KVGather:
     def write(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """Store K (which=0) or V (1) of every head, [n, rows, KVH, D], into `block_ids` of `layer` on every rank."""
         r = self.runner
+        if self.pools is not None:
+            return self._write_shared(layer, which, block_ids, kv)
         host = kv.to("cpu", r.kv_dtype)
         slices = {rank: host[:, :, _sl(self.heads[rank])].contiguous() for rank in range(1, self.group.size)}
         acks = {rank: torch.zeros(1, dtype=torch.uint8) for rank in slices}
@@ -149,6 +162,33 @@ class KVGather:
             for w in works:
                 w.wait()
 
+    def _read_shared(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` from the pools: each source rank's K and V heads copied out of its pool in one indexing."""
+        r = self.runner
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        kv = torch.empty(2, len(block_ids), r.kv.shape[3], self.cfg.num_kv_heads, self.cfg.head_dim, dtype=r.kv_dtype)
+        pools = self._shared()
+        for rank, heads in self.sources.items():
+            kv[:, :, :, _sl(heads)] = (pools[rank] if rank else r.kv)[layer, :, idx]  # [2, n, rows, h, D]
+        return kv[0], kv[1]
+
+    def _write_shared(self, layer: int, which: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """`write` into the pools: each rank's heads (replicas too) into its own pool."""
+        r = self.runner
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        kv = kv.to(r.device, r.kv_dtype)
+        pools = self._shared()
+        for rank, heads in enumerate(self.heads):
+            (pools[rank] if rank else r.kv)[layer, which].index_copy_(0, idx, kv[:, :, _sl(heads)])
+
+    def _shared(self) -> dict[int, torch.Tensor]:
+        """The followers' mapped pools, held for one read or write (no lock: reads and writes touch other blocks,
+        and `stop` only drops the group's own reference; KVChannelClosed after it)."""
+        pools = self.pools
+        self._check_open()
+        assert pools is not None
+        return pools
+
     def _check_open(self) -> None:
         if self.stopped:
             raise KVChannelClosed("the tensor-parallel group's KV channel is closed")
@@ -158,6 +198,7 @@ class KVGather:
         with self.lock:
             if not self.stopped:
                 self.stopped = True
+                self.pools = {} if self.pools is not None else None  # NOTE: the mappings go with the last view
                 self.group.kv_request(StopKV())
 
 

@@ -22,6 +22,7 @@ from engine.parallel.group import TPGroup, parallelize, serve_store
 from engine.parallel.kv import KVChannelClosed, KVGather
 from engine.parallel.launch import FollowerGroup, FollowerLauncher, Followers, TPGroupError
 from engine.parallel.shard import check_tp, rank_config, shard_weights
+from engine.parallel.shared_pool import map_pools
 from engine.scheduler import ScheduledBatch
 from engine.step import Step, layout
 
@@ -51,9 +52,9 @@ class TPModelRunner(ModelRunner):
     all-reduces inside it); the KV pool is sized per rank (`num_blocks`, `kv_cache_memory_gb`, or on CUDA
     gpu_memory_utilization, each rank profiling its own GPU before the group forms), then every rank takes the
     smallest count (`agree_pool`). The KV hand-off sees the full model's layout
-    (all KV heads, as a TP 1 engine has them): `read_blocks` gathers every rank's heads through rank 0 and
-    `write_blocks` sends each rank its heads, on the group's own KV channel (engine/parallel/kv.py), so a prefill
-    group of any TP size hands its KV to a decode engine of any other.
+    (all KV heads, as a TP 1 engine has them): `read_blocks` takes every rank's heads and `write_blocks` gives each
+    rank its own, in the followers' pools mapped here on the CPU, else through their KV threads
+    (engine/parallel/kv.py), so a prefill group of any TP size hands its KV to a decode engine of any other.
     """
 
     def __init__(self, cfg: ModelConfig, engine_cfg: EngineConfig, weights: dict[str, torch.Tensor],
@@ -77,11 +78,12 @@ class TPModelRunner(ModelRunner):
             del shards
             self.group = TPGroup(0, rdv, self.device, store)
             agree_pool(self, self.group)
+            pools = map_pools(self, self.group)  # NOTE: the followers' pools, where they are shared (CPU)
         except BaseException:
             followers.kill()
             raise
         parallelize(self.model, self.group)
-        self.kv_gather = KVGather(self, self.group, cfg)
+        self.kv_gather = KVGather(self, self.group, cfg, pools)
         self.followers = followers
         self.full_config = cfg
         self.failure: TPGroupError | None = None
@@ -139,6 +141,9 @@ class TPModelRunner(ModelRunner):
         """A KV read or write: TPGroupError at once from a failed or closed group, or naming the rank that broke it."""
         if self.failure is not None:
             raise self.failure
+        if self.kv_gather.pools and (dead := self.followers.dead()):
+            # NOTE: a dead rank's pool mapped here still reads and writes: its pid says it is gone (a closed socket did)
+            raise self._failed(RuntimeError("; ".join(dead)))
         try:
             yield
         except KVChannelClosed as e:

@@ -4,9 +4,11 @@ and the all-reduce share of the TP N step.
 Cases, each timed on both engines in interleaved rounds (median kept, so load from other processes falls on both):
 prefill of one --prefill-len prompt alone (the step's time: one step takes the whole prompt), one decode step at
 each of --tp-batches over --decode-prompt-len prompts, greedy, and the KV hand-off's reads and writes of a
---prefill-len prompt's blocks, every layer (what a TP group adds to its sender and receiver: the heads gathered and
-scattered through rank 0, engine/parallel/kv.py). The all-reduce share is rank 0's wall time inside the
-row-parallel all-reduces over the step's (2 per layer; waiting for a slower rank counts, since the step waits too);
+--prefill-len prompt's blocks, every layer (what a TP group adds to its sender and receiver: every rank's heads
+copied out of and into its pool, mapped on rank 0 on the CPU, engine/parallel/shared_pool.py; through the followers'
+KV threads with PDCLUSTER_TP_KV=threads, as on CUDA: engine/parallel/kv.py). The all-reduce share is rank 0's wall
+time inside the row-parallel all-reduces over the step's (2 per layer; waiting for a slower rank counts, since the
+step waits too);
 the gather share, inside the gather of the LM head's logits on rank 0 (each rank computes its vocabulary columns).
 Threads: --threads is the machine's share for the engine; TP 1 gets all of it, each of the N ranks 1/N (at least 1),
 so both engines use the same cores. On a CPU of 2 cores shared with other work the figures say what the group costs
@@ -29,6 +31,7 @@ from pdcluster.bench.report import log, machine
 DEFAULT_OUT = "results/bench_engine_tp.json"
 ALLREDUCE = {"shm": "shared memory", "gloo": "gloo"}
 STEPS = {"pipe": "a pipe per follower", "gloo": "gloo"}
+KV_PATHS = {"shared": "the followers' pools mapped on rank 0", "threads": "the followers' KV threads"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,7 +115,7 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
     def kv_blocks(e: _Engine, op: str) -> float:
         """Every layer's K and V of a --prefill-len prompt's blocks, read (`read_blocks`) or written (`write_blocks`)
         in the full model's layout, as the KV hand-off's sender and receiver do: TP n gathers and scatters the heads
-        through rank 0. (Free blocks of an idle engine: what they hold does not matter.)"""
+        over its ranks' pools. (Free blocks of an idle engine: what they hold does not matter.)"""
         runner = e.engine.runner
         blocks = list(range(-(-args.prefill_len // e.engine.config.block_size)))
         k, v = runner.read_blocks(0, blocks)
@@ -131,6 +134,8 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
     group = getattr(engines[n].engine.runner, "group", None)
     allreduce = "shm" if group is not None and group.shm is not None else "gloo"  # engine/parallel/shm_allreduce.py
     steps = "pipe" if group is not None and group.steps is not None else "gloo"  # engine/parallel/step_channel.py
+    gather = getattr(engines[n].engine.runner, "kv_gather", None)
+    kv_path = "shared" if gather is not None and gather.pools else "threads"  # engine/parallel/shared_pool.py
     try:
         case_fns: dict[str, Callable[[_Engine], float]] = {f"prefill {args.prefill_len}": prefill}
         case_fns |= {f"decode step, batch {b}": functools.partial(decode, batch=b) for b in batches}
@@ -156,14 +161,16 @@ def measure_tp(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": cfg.name, "model_id": cfg.model_id, "dtype": "float32", "tensor_parallel_size": n,
             "threads": args.threads, "threads_per_rank": max(1, args.threads // n), "machine": machine(),
             "heads": {"q": cfg.num_heads, "kv": cfg.num_kv_heads}, "allreduces_per_step": 2 * cfg.num_layers,
-            "rounds": args.tp_rounds, "allreduce": allreduce, "step_messages": steps, "cases": rows}
+            "rounds": args.tp_rounds, "allreduce": allreduce, "step_messages": steps, "kv_path": kv_path,
+            "cases": rows}
 
 
 def format_tp(r: dict[str, Any]) -> str:
     n = r["tensor_parallel_size"]
     lines = [f"model {r['model']} ({r['model_id']}), fp32, TP 1 on {r['threads']} threads vs TP {n} on "
              f"{r['threads_per_rank']} per rank (all-reduce: {ALLREDUCE[r['allreduce']]}, step messages: "
-             f"{STEPS[r['step_messages']]}), median of {r['rounds']} "
+             f"{STEPS[r['step_messages']]}, KV hand-off: {KV_PATHS[r.get('kv_path', 'threads')]}), median of "
+             f"{r['rounds']} "
              "interleaved rounds; "
              f"{r['allreduces_per_step']} all-reduces per step",
              f"{'case':28}{'TP 1 ms':>10}{f'TP {n} ms':>10}{'TP1/TPn':>9}{'all-reduce share':>18}"
