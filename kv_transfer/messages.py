@@ -30,6 +30,7 @@ class PrepareRequest:
     nixl_known: str = ""  # nixl: the receiver agent whose metadata the sender already holds
     attempt_id: str = ""  # the sender's id of this handshake (an `Abort` naming it frees what it reserved)
     lora: str = ""  # the LoRA adapter the KV was computed with ("": the base model); the block hashes carry its key
+    nixl_shards: int = 1  # nixl: the pools the sender writes from, one per TP rank (the receiver's must match)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ class NixlTarget:
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
     block_ids: list[int]  # the reserved blocks after the cached ones, in order
+    shard_addrs: list[int] = field(default_factory=list)  # a TP group's pools of ranks 1 .. n-1 (kv_addr: rank 0's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The sending engine's KV pool, for transports that read blocks from it themselves (nixl) instead of copies."""
+"""The sending engine's KV pool (one tensor per TP rank), for transports that read blocks from it themselves (nixl)
+instead of copies."""
 
 from __future__ import annotations
 
@@ -12,19 +13,24 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 
 
-def pool_tensor(engine: LLMEngine) -> torch.Tensor:
-    """The engine's whole KV memory, [num_layers, 2, num_blocks, *block_shape], for a transport that moves blocks of
-    it itself (nixl); refused for a TP group, whose pool is split over its ranks' processes.
+def pool_tensors(engine: LLMEngine) -> list[torch.Tensor]:
+    """The engine's whole KV memory for a transport that moves blocks of it itself (nixl): one tensor per TP rank,
+    rank 0 first, each [num_layers, 2, num_blocks, *block_shape] holding that rank's KV heads (one at TP 1).
 
-    NOTE: rank 0's tensor holds only its own KV heads; the seam's copies (`read_kv_layer`, `write_kv_blocks`, which
-    every other transport uses) carry all of them (engine/parallel/kv.py). Per-rank registration is a later step.
+    NOTE: a TP group's followers' pools are reachable here where rank 0 maps them (a CPU group,
+    engine/parallel/shared_pool.py); elsewhere (CUDA, PDCLUSTER_TP_KV=threads) they are in other processes only, and
+    the transport must take the seam's copies (`read_kv_layer`, `write_kv_blocks`), as every other transport does.
     """
+    runner = engine.runner
     n = engine.config.tensor_parallel_size
-    if n > 1:
-        raise InvalidRequestError("tensor_parallel_size", f"{n}: the nixl transport reads and writes the KV pool "
-                                  "itself, and a TP group's is split over its ranks; use the grpc or torch transport")
-    kv: torch.Tensor = engine.runner.kv
-    return kv
+    if n == 1:
+        return [runner.kv]
+    pools = getattr(getattr(runner, "kv_gather", None), "pools", None)
+    if not pools:
+        raise InvalidRequestError("tensor_parallel_size", f"{n}: the nixl transport reads and writes each rank's KV "
+                                  "pool, which this group's rank 0 does not map (only CPU groups do); use the grpc or "
+                                  "torch transport")
+    return [runner.kv, *(pools[r] for r in range(1, n))]
 
 
 class KVPool:
@@ -40,9 +46,9 @@ class KVPool:
         self.engine_lock = engine_lock or threading.RLock()
 
     @property
-    def kv(self) -> torch.Tensor:
-        """[num_layers, 2, num_blocks, *block_shape]"""
-        return pool_tensor(self.engine)
+    def kvs(self) -> list[torch.Tensor]:
+        """One tensor per TP rank, rank 0 first: [num_layers, 2, num_blocks, *block_shape] each (`pool_tensors`)."""
+        return pool_tensors(self.engine)
 
     def block_ids(self, request_id: str, skip_blocks: int, num_tokens: int) -> list[int]:
         """Blocks holding the first `num_tokens` of a running request, after `skip_blocks` (the engine's thread)."""

@@ -24,7 +24,7 @@ def prepare_to_proto(req: PrepareRequest) -> pb.PrepareRequest:
                              num_prompt_tokens=req.num_prompt_tokens, block_hashes=req.block_hashes,
                              transport=req.transport, deadline_ms=req.deadline_ms, sender_id=req.sender_id,
                              nixl_agent=req.nixl_agent, nixl_known=req.nixl_known,
-                             attempt_id=req.attempt_id, lora=req.lora)
+                             attempt_id=req.attempt_id, lora=req.lora, nixl_shards=req.nixl_shards)
 
 
 def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
@@ -34,7 +34,8 @@ def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
         raise InvalidRequestError("layout", "is required", rid)
     return PrepareRequest(msg.request_id, layout_from_proto(msg.layout), list(msg.token_ids), msg.num_prompt_tokens,
                           list(msg.block_hashes), transport_from_proto(msg.transport, rid), msg.deadline_ms,
-                          msg.sender_id, msg.nixl_agent, msg.nixl_known, msg.attempt_id, msg.lora)
+                          msg.sender_id, msg.nixl_agent, msg.nixl_known, msg.attempt_id, msg.lora,
+                          max(1, msg.nixl_shards))
 
 
 def transport_from_proto(name: str, request_id: str | None) -> Transport:
@@ -53,7 +54,7 @@ def prepared_to_proto(resp: Prepared) -> pb.PrepareResponse:
     if (nx := resp.nixl) is not None:
         msg.nixl.CopyFrom(pb.NixlTarget(agent=nx.agent, metadata=nx.metadata, kv_addr=nx.kv_addr,
                                         pool_blocks=nx.pool_blocks, mem_type=nx.mem_type, device_id=nx.device_id,
-                                        block_ids=nx.block_ids))
+                                        block_ids=nx.block_ids, shard_addrs=nx.shard_addrs))
     return msg
 
 
@@ -63,7 +64,7 @@ def prepared_from_proto(msg: pb.PrepareResponse) -> Prepared:
              if msg.HasField("torch") else None)
     nx = msg.nixl
     nixl = (NixlTarget(nx.agent, bytes(nx.metadata), nx.kv_addr, nx.pool_blocks, nx.mem_type, nx.device_id,
-                       list(nx.block_ids)) if msg.HasField("nixl") else None)
+                       list(nx.block_ids), list(nx.shard_addrs)) if msg.HasField("nixl") else None)
     return Prepared(msg.transfer_id, msg.cached_blocks, msg.num_blocks, torch, nixl)
 
 

@@ -189,15 +189,15 @@ class TransferSection(BaseModel):
                              "use 'grpc', 'torch' or 'nixl'")
         return v
 
-    def transfer_config(self, device: str, tensor_parallel: bool = False) -> TransferConfig:
-        """The kv_transfer settings for workers of a pool on `device` ('cpu' or 'cuda'); `tensor_parallel`: a pool
-        of the cluster runs TP groups."""
+    def transfer_config(self, device: str, tp_sizes: frozenset[int] = frozenset({1})) -> TransferConfig:
+        """The kv_transfer settings for workers of a pool on `device` ('cpu' or 'cuda'); `tp_sizes`: the
+        tensor_parallel_size of every pool of the cluster."""
         from kv_transfer.state import TransferConfig
 
         # NOTE: only nccl sends from CUDA; gloo's send/recv take CPU tensors, so it stays on the CPU for any pool.
         torch_device = device if self.torch_backend == "nccl" else "cpu"
         transport = _usable(self.transport)
-        if transport == "nixl" and tensor_parallel:
+        if transport == "nixl" and tp_sizes != {1} and (len(tp_sizes) > 1 or device != "cpu"):
             transport = _copying(transport)
         return TransferConfig(transport=transport, deadline_s=self.deadline_s,
                               chunk_bytes=self.chunk_bytes, grpc_streams=self.grpc_streams,
@@ -220,15 +220,18 @@ def _usable(transport: str) -> Any:
 
 @functools.cache
 def _copying(transport: str) -> Any:
-    """grpc for a cluster with TP pools where `transport` (nixl) reads and writes KV pools directly, said once.
+    """grpc for a cluster with TP pools where `transport` (nixl) cannot write each rank's pool, said once.
 
-    NOTE: NIXL writes from the sender's pool tensor into the receiver's by block id, in a TP 1 layout: a TP group's
-    rank 0 pool holds only its own KV heads. A TP worker moves KV through the engine's copies instead (read_kv_layer
-    and write_kv_blocks gather and scatter the ranks' heads), on a transport that sends copies; every worker of the
-    cluster takes it, so a TP 1 sender never NIXL-writes into a TP receiver's pool (no per-peer negotiation yet).
+    NOTE: NIXL writes from each rank's pool into the same rank's of the receiver (engine/parallel/shared_pool.py:
+    rank 0 of a CPU group maps its followers' pools), so it needs one TP size for every pool, on the CPU. A group on
+    CUDA keeps its followers' pools in their own processes, and pools of different TP sizes split the KV heads
+    differently; such clusters move KV through the engine's copies (read_kv_layer and write_kv_blocks gather and
+    scatter the ranks' heads) on a transport that sends copies. Every worker of the cluster takes it, so a nixl
+    sender never meets a receiver of another layout (no per-peer negotiation).
     """
-    logging.getLogger(__name__).warning("transfer.transport: %s writes KV pools directly, which a tensor-parallel "
-                                        "pool's layout does not allow yet; KV moves over grpc", transport)
+    logging.getLogger(__name__).warning("transfer.transport: %s writes each TP rank's KV pool into the same rank's, "
+                                        "which needs one tensor_parallel_size for every pool, on the CPU; KV moves "
+                                        "over grpc", transport)
     return "grpc"
 
 

@@ -40,7 +40,7 @@ def worker_spec(cfg: ClusterConfig, role: Role, index: int, pool: PoolConfig, nu
                 redis_auth: RedisAuth, cluster_token: str, kv_tls: KVTls | None,
                 cpus: tuple[int, ...]) -> WorkerSpec:
     """The spec of worker `{role}-{index}`, the `number`-th actor this cluster started (its metrics port)."""
-    tp = any(p.tensor_parallel_size > 1 for p in cfg.pools().values())  # NOTE: nixl then gives way to grpc
+    tp = frozenset(p.tensor_parallel_size for p in cfg.pools().values())  # NOTE: nixl may give way to grpc
     transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device, tp),
                                    cluster_token=cluster_token, tls=kv_tls)
     # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL

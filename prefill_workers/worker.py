@@ -31,11 +31,12 @@ from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
 from cluster.request_stream import RequestStream
 from cluster.worker import Worker, WorkerSpec
 from engine.block_hash import hash_prompt_blocks
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.output import RequestOutput
 from kv_transfer.endpoint import open_sender
-from kv_transfer.pool import KVPool
+from kv_transfer.pool import KVPool, pool_tensors
 from kv_transfer.sender import KVSender
 from kv_transfer.state import TransferError, TransferState
 from prefill_workers.held_layers import HeldLayers
@@ -134,12 +135,12 @@ class PrefillRun:
         self._handshake: asyncio.Future[None] | None = None
 
     def _pool(self, engine: LLMEngine) -> KVPool | None:
-        """The engine's KV pool for a sender that reads it by block ids (nixl); None for a TP group.
-
-        NOTE: rank 0's pool of a TP group holds its own KV heads only: the sender takes the engine's copies
-        (read_kv_layer, which gathers every rank's heads), `reads_pool` being False without a pool.
-        """
-        if engine.config.tensor_parallel_size > 1:
+        """The engine's KV pool for a sender that reads it by block ids (nixl); None for a TP group whose rank 0
+        does not map its followers' pools (CUDA: the sender then takes the engine's copies, `read_kv_layer`, which
+        gathers every rank's heads, `reads_pool` being False without a pool)."""
+        try:
+            pool_tensors(engine)
+        except InvalidRequestError:
             return None
         return KVPool(engine, self.worker.loop.between_steps)
 

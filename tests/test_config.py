@@ -307,14 +307,18 @@ def test_transfer_config_sends_from_cuda_only_with_nccl(backend, device, expecte
     assert (tc.transport, tc.torch_backend, tc.torch_device) == ("torch", backend, expected)
 
 
-@pytest.mark.parametrize("transport,tp,expected", [("nixl", False, "nixl"), ("nixl", True, "grpc"),
-                                                   ("torch", True, "torch"), ("grpc", True, "grpc")])
-def test_a_cluster_with_tp_pools_moves_kv_by_copies(monkeypatch, transport, tp, expected):
+@pytest.mark.parametrize("transport,device,tp,expected", [
+    ("nixl", "cpu", {1}, "nixl"), ("nixl", "cpu", {2}, "nixl"), ("nixl", "cpu", {1, 2}, "grpc"),
+    ("nixl", "cuda", {2}, "grpc"), ("nixl", "cuda", {1}, "nixl"), ("torch", "cpu", {1, 2}, "torch"),
+    ("grpc", "cpu", {2}, "grpc")])
+def test_nixl_with_tp_pools_needs_one_tp_size_on_the_cpu(monkeypatch, transport, device, tp, expected):
+    """NIXL writes rank r's pool into rank r's (mapped on rank 0 of a CPU group): pools of one TP size on the CPU
+    keep it; other TP clusters move KV by the engine's copies, on grpc."""
     from pdcluster import config_sections
 
     # NOTE: as on a machine with NIXL installed (this one falls back to grpc anyway)
     monkeypatch.setattr(config_sections, "_usable", lambda t: t)
-    assert TransferSection(transport=transport).transfer_config("cpu", tensor_parallel=tp).transport == expected
+    assert TransferSection(transport=transport).transfer_config(device, frozenset(tp)).transport == expected
 
 
 # ---- pools that must agree --------------------------------------------------------------------------------------

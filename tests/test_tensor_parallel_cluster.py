@@ -1,13 +1,14 @@
 """Tensor-parallel pools through `pdcluster serve`: a TP group is one worker to the router, the index and the KV
 hand-off (deploy/local.yaml on the tiny random model, CPU, gloo).
 
-Two clusters, one per layout (module-scoped, parametrized): prefill TP 2 → decode TP 1, and prefill TP 1 → two
-decode workers of TP 2. Every fresh prompt crosses the prefill → decode hand-off (no SLO keeps it on the decode
-worker), and the tokens must equal one TP 1 engine's (the tiny model's logits are far apart: float32 sums in another
-order pick the same greedy token). In the second layout a follower rank of the decode worker holding the streams
-is SIGKILLed mid-stream: the worker ends (a TP group is one worker), its streams finish on the other one with no
-token lost or repeated, and Ray restarts it as a fresh group. The followers are Ray actors of their worker's
-placement group (one node), and a stopped cluster leaves no placement group behind.
+Three clusters, one per layout (module-scoped, parametrized): prefill TP 2 → decode TP 1, prefill TP 1 → two decode
+workers of TP 2 (both over grpc), and prefill TP 2 → decode TP 2 over nixl. Every fresh prompt crosses the prefill →
+decode hand-off (no SLO keeps it on the decode worker), and the tokens must equal one TP 1 engine's (the tiny
+model's logits are far apart: float32 sums in another order pick the same greedy token). In the second layout a
+follower rank of the decode worker holding the streams is SIGKILLed mid-stream: the worker ends (a TP group is one
+worker), its streams finish on the other one with no token lost or repeated, and Ray restarts it as a fresh group.
+The followers are Ray actors of their worker's placement group (one node), and a stopped cluster leaves no placement
+group behind.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from tests.helpers import greedy_reference, start_test_cluster, stream_greedy, w
 pytestmark = pytest.mark.slow
 TAIL = ("The ferry left the harbour at dawn, crossed the grey water under the gulls, and came back each evening "
         "with the tide. ")
-LAYOUTS = {"prefill-tp2-decode-tp1": (2, 1, 1), "prefill-tp1-decode-tp2": (1, 2, 2)}  # prefill TP, decode TP, replicas
+# prefill TP, decode TP, decode replicas; TP 2 -> TP 2 keeps local.yaml's nixl (each rank's pool into the same
+# rank's, engine/parallel/shared_pool.py), the others move KV over grpc (pdcluster/config_sections.py `_copying`)
+LAYOUTS = {"prefill-tp2-decode-tp1": (2, 1, 1), "prefill-tp1-decode-tp2": (1, 2, 2), "nixl-tp2-tp2": (2, 2, 1)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -226,15 +226,54 @@ def test_a_kv_read_or_write_after_a_rank_died_fails_the_group(models: dict[str, 
         group.close()
 
 
-def test_nixl_is_refused_for_a_group_and_a_closed_group_reads_nothing(models: dict[str, LoadedModel]) -> None:
+def test_nixl_is_refused_for_a_group_whose_pools_are_not_mapped_and_a_closed_group_reads_nothing(
+        models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
     from kv_transfer.pool import KVPool
 
+    monkeypatch.setenv("PDCLUSTER_TP_KV", "threads")  # NOTE: as on CUDA: the followers' pools are theirs alone
     group = engine(models["gqa-8q-4kv"], 2)
     try:
         with pytest.raises(InvalidRequestError, match="tensor_parallel_size: 2: the nixl transport reads") as e:
-            _ = KVPool(group).kv  # NOTE: rank 0's tensor holds its own KV heads only
+            _ = KVPool(group).kvs  # NOTE: rank 0's tensor holds its own KV heads only
         assert e.value.field == "tensor_parallel_size"
     finally:
         group.close()
     with pytest.raises(TPGroupError, match="closed"):  # NOTE: the followers' KV threads are gone: no wait
         group.runner.read_blocks(0, [0])
+
+
+@pytest.mark.parametrize("receiver_tp", [2, 1])
+def test_nixl_writes_each_ranks_pool_into_the_same_ranks(models: dict[str, LoadedModel], receiver_tp: int) -> None:
+    """NIXL between two TP 2 groups (CPU): each rank's KV heads go from its pool, mapped on the sender's rank 0,
+    straight into the receiver's same rank's pool, mapped on its rank 0 (one WRITE per layer over both ranks, one
+    check per rank); the decode continues one TP 1 engine's tokens. A receiver of another TP size refuses the
+    handshake, naming the field (its heads are split otherwise)."""
+    from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState
+
+    loaded = models["gqa-8q-4kv"]
+    cfg = loaded.config
+    prompt = random_prompts(1, [45], vocab=cfg.vocab_size, seed=23)[0]  # 2 full blocks + 13 tokens
+    ref_engine = engine(loaded, 1)
+    ref = generate_ids(ref_engine, [prompt], greedy(N_TOKENS))
+    src = engine(loaded, 2)
+    ep = ReceiverEndpoint(engine(loaded, receiver_tp), TransferConfig(transport="nixl"), local_name="tp-kv-nixl")
+    try:
+        sender = open_kv_sender("nixl", ep.address, src, "x", prompt)
+        assert sender.reads_pool and len(sender.pool.kvs) == 2
+        if receiver_tp == 1:
+            with pytest.raises(TransferError, match="nixl_shards: the sender writes from 2 TP ranks' pools into this "
+                                                    "receiver's 1") as e:
+                sender.prepare()
+            assert not e.value.retryable and ep.receiver.num_inflight == 0
+            return
+        prefill_layerwise(src, sender, prompt, greedy(1))
+        assert sender.wait(30) is TransferState.DONE, sender.error
+        full_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, every layer, fp32
+        assert sender.bytes_sent == 3 * full_block
+        ep.receiver.take("x", greedy(N_TOKENS))
+        moved = run_to_completion(ep.receiver.engine)["x"].token_ids
+    finally:
+        src.close()
+        ep.close()
+        ep.receiver.engine.close()
+    assert_same_or_near_tie(ref_engine, [prompt], ref, [moved])

@@ -20,7 +20,8 @@ import os
 import socket
 import threading
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -116,14 +117,20 @@ def run_descs(addr: int, num_blocks: int, block_nbytes: int, device: int, layer:
 
 @dataclass
 class Pool:
-    """A registered KV tensor [layers, 2, num_blocks, *block_shape] and its prepared local descriptor list."""
+    """A registered KV pool, one tensor per TP rank (rank 0 first; one at TP 1), each [layers, 2, num_blocks,
+    *block_shape] holding that rank's KV heads, and its prepared local descriptor list."""
 
-    kv: torch.Tensor
+    kvs: list[torch.Tensor]
     mem: str  # "DRAM" | "VRAM"
     device: int
     num_blocks: int
-    block_nbytes: int
-    dlist: Any  # prepared handle; descriptor (layer * 2 + kv) * num_blocks + block
+    block_nbytes: int  # per rank's block
+    dlist: Any  # prepared handle; descriptor ((rank * layers + layer) * 2 + kv) * num_blocks + block
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """Rank 0's tensor (the only one at TP 1)."""
+        return self.kvs[0]
 
 
 @dataclass
@@ -133,8 +140,8 @@ class Peer:
     name: str
     num_blocks: int
     dlist: Any  # prepared handle over the remote pool, indexed like `Pool.dlist`
-    addr: int = 0  # the remote pool's address, block size and memory (`Agent.write` describes runs of it)
-    block_nbytes: int = 0
+    addrs: list[int] = field(default_factory=list)  # the remote pool per rank, rank 0 first (`Agent.write` describes
+    block_nbytes: int = 0  # runs of them), its block size and memory
     mem: str = "DRAM"
     device: int = 0
 
@@ -156,24 +163,28 @@ class Agent:
     def metadata(self) -> bytes:
         return bytes(self.nixl.get_agent_metadata())
 
-    def pool(self, kv: torch.Tensor) -> Pool:
-        """`kv` registered with NIXL (once per tensor) with its local descriptor list."""
+    def pool(self, kv: torch.Tensor | list[torch.Tensor]) -> Pool:
+        """`kv` (a pool, or one per TP rank, rank 0 first) registered with NIXL (once per pool) with its local
+        descriptor list."""
+        kvs = [kv] if isinstance(kv, torch.Tensor) else list(kv)
         with self._lock:
-            pool = self._pools.get(kv.data_ptr())
+            pool = self._pools.get(kvs[0].data_ptr())
             if pool is None:
-                assert kv.is_contiguous() and kv.dim() >= 4 and kv.shape[1] == 2
-                mem, dev = mem_type(kv)
-                layers, _, n = kv.shape[:3]
-                block_nbytes = kv[0, 0, 0].numel() * kv.element_size()
-                self.nixl.register_memory([(kv.data_ptr(), kv.numel() * kv.element_size(), dev, "")], mem)
-                descs = block_descs(kv.data_ptr(), layers * 2, n, block_nbytes, dev)
-                pool = self._pools[kv.data_ptr()] = Pool(kv, mem, dev, n, block_nbytes,
-                                                         self.nixl.prep_xfer_dlist("", descs, mem))
+                for t in kvs:
+                    assert t.is_contiguous() and t.dim() >= 4 and t.shape == kvs[0].shape
+                mem, dev = mem_type(kvs[0])
+                layers, _, n = kvs[0].shape[:3]
+                block_nbytes = kvs[0][0, 0, 0].numel() * kvs[0].element_size()
+                self.nixl.register_memory([(t.data_ptr(), t.numel() * t.element_size(), dev, "") for t in kvs], mem)
+                descs = np.concatenate([block_descs(t.data_ptr(), layers * 2, n, block_nbytes, dev) for t in kvs])
+                pool = self._pools[kvs[0].data_ptr()] = Pool(kvs, mem, dev, n, block_nbytes,
+                                                             self.nixl.prep_xfer_dlist("", descs, mem))
             return pool
 
     def peer(self, name: str, metadata: bytes, addr: int, num_regions: int, num_blocks: int, block_nbytes: int,
-             mem: str, device: int) -> Peer:
-        """The remote agent `name`'s pool at `addr` (its metadata loaded once; `metadata` may be empty then)."""
+             mem: str, device: int, shard_addrs: Sequence[int] = ()) -> Peer:
+        """The remote agent `name`'s pool at `addr` (its ranks 1 .. n-1 at `shard_addrs`, for a TP group's pool; its
+        metadata loaded once: `metadata` may be empty then)."""
         with self._lock:
             peer = self._peers.get((name, addr))
             if peer is None:
@@ -184,21 +195,26 @@ class Agent:
                     loaded = self.nixl.add_remote_agent(metadata)
                     loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
                     assert loaded == name, (loaded, name)
-                descs = block_descs(addr, num_regions, num_blocks, block_nbytes, device)
+                addrs = [addr, *shard_addrs]
+                descs = np.concatenate([block_descs(a, num_regions, num_blocks, block_nbytes, device) for a in addrs])
                 peer = self._peers[(name, addr)] = Peer(name, num_blocks, self.nixl.prep_xfer_dlist(name, descs, mem),
-                                                        addr, block_nbytes, mem, device)
+                                                        addrs, block_nbytes, mem, device)
             return peer
 
     def write(self, pool: Pool, peer: Peer, layer: int, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
         """A WRITE (not yet posted) of one layer's K and V blocks `local` into the peer's blocks `remote`, with
-        `notif`: one descriptor per run of consecutive blocks on both sides.
+        `notif`: one descriptor per run of consecutive blocks on both sides, per rank (rank r's pool into the
+        peer's rank r's).
 
         NOTE: the prepared per-block lists would give UCX one copy per block (a 12 KiB block of SmolLM2's pool):
         7 GB/s against 10.6 for the same 94 MB in runs, in huge pages (BENCHMARKS.md, issue 30).
         """
+        assert len(pool.kvs) == len(peer.addrs), (len(pool.kvs), len(peer.addrs))
         ls, rs, n = runs(local, remote)
-        src = run_descs(pool.kv.data_ptr(), pool.num_blocks, pool.block_nbytes, pool.device, layer, ls, n)
-        dst = run_descs(peer.addr, peer.num_blocks, peer.block_nbytes, peer.device, layer, rs, n)
+        src = np.concatenate([run_descs(t.data_ptr(), pool.num_blocks, pool.block_nbytes, pool.device, layer, ls, n)
+                              for t in pool.kvs])
+        dst = np.concatenate([run_descs(a, peer.num_blocks, peer.block_nbytes, peer.device, layer, rs, n)
+                              for a in peer.addrs])
         nx = self.nixl
         return nx.initialize_xfer("WRITE", nx.get_xfer_descs(src, pool.mem), nx.get_xfer_descs(dst, peer.mem),
                                   peer.name, notif)

@@ -39,7 +39,7 @@ from engine.errors import InvalidRequestError
 from kv_transfer import payload
 from kv_transfer.inbound import Inbound
 from kv_transfer.messages import NixlTarget, PrepareRequest
-from kv_transfer.pool import pool_tensor
+from kv_transfer.pool import pool_tensors
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferConfig, TransferError, TransferState
 from kv_transfer.transports import nixl_agent
@@ -88,6 +88,17 @@ def layer_check(kv: torch.Tensor, block_ids: np.ndarray, place: str, enabled: bo
     return str(value)
 
 
+def layers_check(kvs: list[torch.Tensor], layer: int, which: int, block_ids: np.ndarray, place: str,
+                 enabled: bool = True, like: str | None = None) -> str:
+    """`layer_check` of K (which=0) or V (1) of `layer` over a pool of one tensor per TP rank: the ranks' checks
+    joined by "+" (rank r's place suffixed "/r"; one rank: `layer_check` itself), compared as a whole."""
+    likes = like.split("+") if like is not None else [None] * len(kvs)
+    if len(likes) != len(kvs):
+        return "ranks differ"  # NOTE: never equal to a sender's check: the transfer fails as corrupt
+    return "+".join(layer_check(kv[layer, which], block_ids, place if r == 0 else f"{place}/{r}", enabled, theirs)
+                    for r, (kv, theirs) in enumerate(zip(kvs, likes, strict=True)))
+
+
 def on_this_host(peer: str) -> bool:
     """Whether a gRPC peer address ("ipv4:10.0.0.5:5123", "ipv6:[::1]:5123", "unix:...") is on this host: an address
     a socket here can bind to. False when unsure (another network namespace on the same machine included)."""
@@ -131,7 +142,7 @@ class NixlEndpoint:
     def __init__(self, receiver: KVReceiver, config: TransferConfig) -> None:
         self.receiver, self.config = receiver, config
         self.agent = nixl_agent.agent()
-        self.pool = self.agent.pool(pool_tensor(receiver.engine))
+        self.pool = self.agent.pool(pool_tensors(receiver.engine))  # NOTE: a TP group's: one per rank
         self._watches: dict[str, _Watch] = {}  # sender agent → its open watch
         self._open: dict[str, tuple[Inbound, _Watch]] = {}  # transfer id → (transfer, its watch), until settled
         self._cond = threading.Condition()
@@ -181,6 +192,11 @@ class NixlEndpoint:
                                     retryable=True)
             if not req.nixl_agent:
                 raise InvalidRequestError("nixl_agent", "is required for transport nixl", req.request_id)
+            if req.nixl_shards != len(self.pool.kvs):
+                raise InvalidRequestError("nixl_shards", f"the sender writes from {req.nixl_shards} TP ranks' pools "
+                                          f"into this receiver's {len(self.pool.kvs)}: nixl moves rank r's KV heads "
+                                          "into rank r's pool, so both pools need one tensor_parallel_size",
+                                          req.request_id)
             w.transfers.add(t.transfer_id)
             self._open[t.transfer_id] = (t, w)
             if t.num_blocks:  # NOTE: with every block cached there is nothing to write (and no notification)
@@ -194,7 +210,8 @@ class NixlEndpoint:
             # UCX's streams, unordered with the engine's, so the sender learns their ids only once those have run
             torch.cuda.current_stream(pool.kv.device).synchronize()
         return NixlTarget(self.agent.name, b"" if req.nixl_known == self.agent.name else self.agent.metadata,
-                          pool.kv.data_ptr(), pool.num_blocks, pool.mem, pool.device, list(t.res.fresh_blocks))
+                          pool.kv.data_ptr(), pool.num_blocks, pool.mem, pool.device, list(t.res.fresh_blocks),
+                          [kv.data_ptr() for kv in pool.kvs[1:]])
 
     # ---- 4. notifications ---------------------------------------------------------------------------------------
     def _notifications(self) -> None:
@@ -266,13 +283,13 @@ class NixlEndpoint:
         # measured slower on the 2-core machine (BENCHMARKS.md): each end already keeps a core busy
         t = entry[0]
         ids = np.asarray(t.res.fresh_blocks, dtype=np.int64)
-        kv = self.pool.kv
+        kvs = self.pool.kvs
         bad = [which for which, theirs in ((0, check_k), (1, check_v))
-               if layer_check(kv[layer, which], ids, f"{tid}/{layer}/{which}", like=theirs) != theirs]
+               if layers_check(kvs, layer, which, ids, f"{tid}/{layer}/{which}", like=theirs) != theirs]
         if bad:
             self.receiver.fail(tid, f"checksum mismatch in layer {layer} {'KV'[bad[0]]} (nixl)", retryable=True)
         # NOTE: also for a failed transfer: this layer's write is no longer in flight (the fence counts layers)
-        all_landed = self.receiver.landed(t, layer, 0 if bad else 2 * len(ids) * self.pool.block_nbytes)
+        all_landed = self.receiver.landed(t, layer, 0 if bad else 2 * len(ids) * self.pool.block_nbytes * len(kvs))
         if all_landed and t.state is TransferState.FAILED:
             self.receiver.unfence(t)
 

@@ -41,7 +41,7 @@ from kv_transfer.state import TransferError
 from kv_transfer.transports import nixl_agent, nixl_links
 from kv_transfer.transports.grpc_transport import GrpcControl
 from kv_transfer.transports.nixl_agent import Peer, Pool
-from kv_transfer.transports.nixl_receiver import layer_check, receiver_side, unavailable
+from kv_transfer.transports.nixl_receiver import layers_check, receiver_side, unavailable
 
 __all__ = ["NixlKVSender", "receiver_side", "unavailable"]
 
@@ -110,8 +110,9 @@ class NixlKVSender(KVSender):
     # ---- handshake ----------------------------------------------------------------------------------------------
     def _prepare_request(self, req: PrepareRequest) -> PrepareRequest:
         nixl_links.link(self.control)
+        shards = len(self.pool.kvs) if self.pool is not None else 1
         return dataclasses.replace(req, nixl_agent=nixl_agent.agent().name,
-                                   nixl_known=nixl_links.known.get(self.control.address, ""))
+                                   nixl_known=nixl_links.known.get(self.control.address, ""), nixl_shards=shards)
 
     def _on_prepared(self, resp: Prepared) -> None:
         target = resp.nixl
@@ -119,7 +120,10 @@ class NixlKVSender(KVSender):
             raise TransferError("nixl: the receiver sent no target" if target is None
                                 else "nixl: the sender has no KV pool to read", self.request_id)
         agent = nixl_agent.agent()
-        self._pool = agent.pool(self.pool.kv)
+        self._pool = agent.pool(self.pool.kvs)
+        if len(target.shard_addrs) + 1 != len(self._pool.kvs):
+            raise TransferError(f"nixl: the receiver's pool has {len(target.shard_addrs) + 1} ranks, the sender's "
+                                f"{len(self._pool.kvs)}", self.request_id)
         if nixl_links.known.get(self.control.address) not in (None, target.agent):
             # NOTE: the receiver restarted (a new agent at the same address): forget the old one; the Watch the
             # handshake just used is the new process's already
@@ -127,7 +131,7 @@ class NixlKVSender(KVSender):
         layers = self.layout.num_layers
         try:
             self._peer = agent.peer(target.agent, target.metadata, target.kv_addr, layers * 2, target.pool_blocks,
-                                    self._pool.block_nbytes, target.mem_type, target.device_id)
+                                    self._pool.block_nbytes, target.mem_type, target.device_id, target.shard_addrs)
         except KeyError:
             nixl_links.known.pop(self.control.address, None)
             raise TransferError(f"nixl: no metadata for receiver agent {target.agent}", self.request_id,
@@ -144,7 +148,7 @@ class NixlKVSender(KVSender):
                                        "send_blocks", self.request_id))
 
     def layer_mark(self) -> object:
-        return layer_ready(self.pool.kv) if self.pool is not None else None
+        return layer_ready(self.pool.kvs[0]) if self.pool is not None else None
 
     def send_blocks(self, layer: int, block_ids: list[int], ready: object = None) -> None:
         if not self.state.finished and self.transfer_id:
@@ -247,9 +251,9 @@ class NixlKVSender(KVSender):
         assert self._pool is not None
         if layer.ready is not None:
             layer.ready.synchronize()  # NOTE: this thread only; the engine's stream goes on (`layer_ready`)
-        kv, src = self._pool.kv, np.asarray(layer.block_ids, dtype=np.int64)
-        k, v = (layer_check(kv[layer.index, which], src, f"{self.transfer_id}/{layer.index}/{which}",
-                            self.config.nixl_checksum) for which in (0, 1))
+        src = np.asarray(layer.block_ids, dtype=np.int64)
+        k, v = (layers_check(self._pool.kvs, layer.index, which, src, f"{self.transfer_id}/{layer.index}/{which}",
+                             self.config.nixl_checksum) for which in (0, 1))
         return k, v
 
     def _post(self, layer: PoolLayer, checks: tuple[str, str], pending: list[tuple[Any, int]]) -> None:
@@ -274,7 +278,7 @@ class NixlKVSender(KVSender):
             raise TransferError(f"nixl: write of layer {layer.index} to {peer.name} failed", self.request_id,
                                 retryable=True)
         pending.append((handle, layer.index))
-        self.bytes_sent += 2 * len(src) * pool.block_nbytes
+        self.bytes_sent += 2 * len(src) * pool.block_nbytes * len(pool.kvs)
 
     def _progress(self, pending: list[tuple[Any, int]]) -> None:
         """Drive NIXL once; completed writes leave `pending`; a failed one fails the transfer."""
