@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=int, default=TransferConfig.chunk_bytes, help="grpc: bytes per chunk")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="both ends' KV cache: the model's dtype, or int8 blocks with per-block-per-head scales")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="both ends' engines as TP groups of N ranks (the KV read from and written into every rank's "
+                        "pool; CPU s/GB then counts rank 0's process only)")
     p.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds each receiver process is watched idle, "
                    "its transport up (0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
@@ -168,7 +171,7 @@ def _child_nixl_tcp(args: argparse.Namespace, refs: dict[str, Any]) -> dict[str,
         cmd = [sys.executable, "-m", "pdcluster", "bench", "transfer", "--transports", "nixl", "--model", args.model,
                "--tokens", str(args.tokens), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
                "--overlap-repeat", "0", "--kv-cache-dtype", args.kv_cache_dtype, "--idle-s", str(args.idle_s),
-               "--out", out]
+               "--tensor-parallel-size", str(args.tensor_parallel_size), "--out", out]
         done = subprocess.run(cmd, env={**os.environ, "UCX_TLS": "tcp"}, stdout=subprocess.DEVNULL)
         if done.returncode != 0:
             raise BenchError(f"nixl-tcp: the child bench failed (exit {done.returncode})")
@@ -214,7 +217,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cfg = loaded.config
     n_blocks = -(-args.tokens // EngineConfig().block_size)
     num_blocks, max_batched = 2 * n_blocks + 8, max(2048, args.tokens)
-    sender = PrefillSender(loaded, args.tokens, num_blocks, args.kv_cache_dtype)
+    tp = args.tensor_parallel_size
+    sender = PrefillSender(loaded, args.tokens, num_blocks, args.kv_cache_dtype, tp)
     _log(f"prefill of the {args.tokens}-token payload prompt")
     t0 = time.perf_counter()
     payload = sender.payload()
@@ -236,8 +240,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = _child_nixl_tcp(args, refs)
             continue
         _log(f"{name}: starting the receiver")
-        peer: LocalPeer | Peer = (LocalPeer(loaded, num_blocks, max_batched, args.kv_cache_dtype) if name == "local"
-                     else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched, args.kv_cache_dtype))
+        peer: LocalPeer | Peer = (LocalPeer(loaded, num_blocks, max_batched, args.kv_cache_dtype, tp) if name == "local"
+                                  else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched,
+                                            args.kv_cache_dtype, tp, daemon=tp == 1))
         try:
             tc = TransferConfig(transport=name, deadline_s=DEADLINE_S,  # type: ignore[arg-type]
                                 grpc_streams=args.grpc_streams, chunk_bytes=args.chunk_bytes)
@@ -264,7 +269,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "block_size": sender.engine.config.block_size, "prefill_s": payload_prefill_s},
         "workload": {"repeat": args.repeat, "warmup": args.warmup, "overlap_repeat": args.overlap_repeat,
                      "prefill_threads": 1, "deadline_s": DEADLINE_S, "grpc_streams": args.grpc_streams,
-                     "chunk_bytes": args.chunk_bytes, "idle_s": args.idle_s},
+                     "chunk_bytes": args.chunk_bytes, "idle_s": args.idle_s, "tensor_parallel_size": tp},
         "references": refs, "transports": results, "overlap": overlap,
         "runtime_s": time.perf_counter() - t_start,
     }
@@ -274,7 +279,8 @@ def format_table(r: dict[str, Any]) -> str:
     p, w = r["payload"], r["workload"]
     lines = [f"KV payload: {r['model']} ({r['model_id']}), {p['tokens']} tokens = {p['num_blocks']} blocks x "
              f"{p['num_layers']} layers, {r['dtype']}: {p['bytes'] / 1e6:.1f} MB; best/median of {w['repeat']} "
-             f"after {w['warmup']} warm-up; {r['machine']['cores']} cores, torch {r['machine']['torch']}",
+             f"after {w['warmup']} warm-up; {r['machine']['cores']} cores, torch {r['machine']['torch']}"
+             + (f"; both ends TP {w['tensor_parallel_size']}" if w.get("tensor_parallel_size", 1) > 1 else ""),
              f"grpc: {w['grpc_streams']} streams, {w['chunk_bytes'] / 2**20:g} MiB chunks; CPU s/GB: CPU time of the "
              "sending / receiving process per GB (local: both in one process); idle %core: the receiver process's CPU "
              f"over {r['workload']['idle_s']:g} s with nothing sent; nixl-tcp: nixl with UCX_TLS=tcp (a child bench)",

@@ -93,23 +93,24 @@ def free_transfer(endpoint: ReceiverEndpoint, request_id: str, timeout: float = 
     return ("done", crc, free)
 
 
-def bench_engine_config(num_blocks: int, max_batched: int, kv_cache_dtype: str = "auto") -> Any:
-    """The engine settings of both ends of the bench: 1 thread, no prefix cache (every send moves every block)."""
+def bench_engine_config(num_blocks: int, max_batched: int, kv_cache_dtype: str = "auto", tp: int = 1) -> Any:
+    """The engine settings of both ends of the bench: 1 thread (per rank of a TP `tp` group), no prefix cache (every
+    send moves every block)."""
     from engine import EngineConfig
 
     return EngineConfig(num_blocks=num_blocks, num_threads=1, max_num_seqs=4, max_num_batched_tokens=max_batched,
-                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp)
 
 
 def kv_receiver(conn: Connection, transport: Transport, model: str, num_blocks: int, max_batched: int,
-                kv_cache_dtype: str = "auto") -> None:
+                kv_cache_dtype: str = "auto", tp: int = 1) -> None:
     """Process body: a decode-side engine with a ReceiverEndpoint of `transport`; frees each request it is sent."""
     from engine import LLMEngine
     from engine.loader import load_model
     from kv_transfer import ReceiverEndpoint, TransferConfig
 
     torch.set_num_threads(1)
-    engine = LLMEngine(load_model(model), bench_engine_config(num_blocks, max_batched, kv_cache_dtype))
+    engine = LLMEngine(load_model(model), bench_engine_config(num_blocks, max_batched, kv_cache_dtype, tp))
     endpoint = ReceiverEndpoint(engine, TransferConfig(transport=transport), local_name=f"bench-{os.getpid()}")
     conn.send(endpoint.address)
     try:
@@ -117,6 +118,7 @@ def kv_receiver(conn: Connection, transport: Transport, model: str, num_blocks: 
             conn.send(free_transfer(endpoint, request_id))
     finally:
         close_endpoint(endpoint)
+        engine.close()  # NOTE: a TP group's followers stop with it
 
 
 def close_endpoint(endpoint: ReceiverEndpoint) -> None:
@@ -161,11 +163,13 @@ def cma_sink(conn: Connection, nbytes: int) -> None:
 class Peer:
     """The bench's handle on a peer process: its address, one question at a time, and its end."""
 
-    def __init__(self, name: str, target: Callable[..., None], *args: Any, start_timeout: float = 120.0) -> None:
+    def __init__(self, name: str, target: Callable[..., None], *args: Any, start_timeout: float = 120.0,
+                 daemon: bool = True) -> None:
+        """`daemon=False` for a peer with processes of its own (a TP group's followers): `close` still ends it."""
         self.name = name
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True, name=f"bench-{name}")
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=daemon, name=f"bench-{name}")
         saved = {k: os.environ.get(k) for k in PEER_ENV}
         os.environ.update(PEER_ENV)  # the child's environment is the parent's at start()
         try:
@@ -216,11 +220,12 @@ class LocalPeer:
     name = "local"
     pid = None
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, max_batched: int, kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, max_batched: int, kv_cache_dtype: str = "auto",
+                 tp: int = 1) -> None:
         from engine import LLMEngine
         from kv_transfer import ReceiverEndpoint, TransferConfig
 
-        engine = LLMEngine(loaded, bench_engine_config(num_blocks, max_batched, kv_cache_dtype))
+        engine = LLMEngine(loaded, bench_engine_config(num_blocks, max_batched, kv_cache_dtype, tp))
         self.endpoint = ReceiverEndpoint(engine, TransferConfig(transport="local"), local_name="bench-local")
         self.address = self.endpoint.address
 
@@ -230,3 +235,4 @@ class LocalPeer:
 
     def close(self) -> None:
         close_endpoint(self.endpoint)
+        self.endpoint.receiver.engine.close()

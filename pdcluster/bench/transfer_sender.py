@@ -61,10 +61,11 @@ def cpu_since(start: tuple[float | None, float | None], pid: int | None) -> tupl
 class PrefillSender:
     """The prefill side: a 1-thread prefill engine, fresh random prompts, and timed sends to one peer."""
 
-    def __init__(self, loaded: LoadedModel, tokens: int, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, loaded: LoadedModel, tokens: int, num_blocks: int, kv_cache_dtype: str = "auto",
+                 tp: int = 1) -> None:
         from engine import LLMEngine
 
-        self.engine = LLMEngine(loaded, bench_engine_config(num_blocks, max(2048, tokens), kv_cache_dtype))
+        self.engine = LLMEngine(loaded, bench_engine_config(num_blocks, max(2048, tokens), kv_cache_dtype, tp))
         self.tokens = tokens
         self.sender_id = f"bench-{os.getpid()}"
         self._gen = torch.Generator().manual_seed(0)
