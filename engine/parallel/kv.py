@@ -7,7 +7,7 @@ transports. Rank 0 (`KVGather`) answers the seam's `read_blocks` / `write_blocks
   memory that rank 0 maps, so a read copies each rank's heads out of that rank's pool and a write copies each rank's
   heads into it, with no message to the follower (the transport's bytes go straight between the wire and the pool
   of the rank that owns them);
-- **through the followers' KV threads** (CUDA, and PDCLUSTER_TP_KV=threads or a /dev/shm too small for the pools),
+- **through the followers' KV threads** (CUDA, and PDCLUSTER_TP_KV=threads or memory that cannot be shared),
   on the group's KV channel (`TPGroup.kv`, gloo on the CPU):
   1. rank 0 sends the request (`ReadKV` or `WriteKV`: layer, K/V, block ids) to every follower's KV thread (a pipe
      each, `TPGroup.kv_request`; gloo's broadcast where there are none);

@@ -8,12 +8,14 @@ of the rank that owns them, and out of the pool of the rank that holds them, wit
 
 Set-up (a collective over the group's TCPStore, once the ranks agreed on the pool's size: `agree_pool`):
 1. rank 0 says whether the group shares its pools (`wanted`: CPU groups on Linux, unless PDCLUSTER_TP_KV=threads);
-2. each follower makes the file rank 0 named for it in /dev/shm, the size of its pool (its space taken up front: a
-   full tmpfs fails here, not with SIGBUS at a write), maps it as its pool in place of its private one (no request
-   has used it yet), and gives the pool's shape in the store (or none: it could not make the file);
-3. rank 0 maps every follower's file, says so, and unlinks them; so does each follower once told, or once its wait
-   fails (the mappings stay: nothing is left in /dev/shm unless both a follower and rank 0 die in the set-up). If
-   any follower gave no shape, rank 0 maps none and the whole group's hand-off goes through the followers' KV
+2. each follower makes an anonymous shared-memory file the size of its pool (`memfd_create`: no name anywhere, not
+   bounded by a container's small /dev/shm; its space taken up front, so a full memory fails here, not with SIGBUS
+   at a write), maps it as its pool in place of its private one (no request has used it yet), and gives its pid,
+   descriptor and the pool's shape in the store (or nothing: it could not make the file);
+3. rank 0 opens each follower's file through /proc/<pid>/fd/<fd> (the ranks of a group share a node and a user),
+   maps it, and says so; each follower then closes its descriptor. The memory lives as long as a mapping of it: it
+   goes with the last of the follower's process and rank 0's pools, however they end. If any follower gave nothing,
+   or rank 0 cannot open one, rank 0 maps none and the whole group's hand-off goes through the followers' KV
    threads (`kv.KVService`), as before.
 
 Why it is safe without a lock between the processes:
@@ -24,8 +26,10 @@ Why it is safe without a lock between the processes:
 - a follower that died leaves its mapping valid in rank 0: rank 0 checks its followers' pids before each read and
   write (`TPModelRunner`), which fails them as the closed sockets did.
 
-Not on CUDA: the same idea there is CUDA IPC handles of the followers' pools (device-to-device over NVLink); not
-built, as no machine with several GPUs was lent to run it. On CUDA the followers' KV threads carry the hand-off.
+Not on CUDA: the same idea there is CUDA IPC handles of the followers' pools (device to device over NVLink). Rank 0
+cannot open them as the ranks run now (each rank actor sees only its own GPU: Ray sets CUDA_VISIBLE_DEVICES per
+actor; vLLM makes every GPU of the node visible to each worker for this), and no machine with several GPUs was lent
+to build it on. On CUDA the followers' KV threads carry the hand-off.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import logging
 import math
 import os
 import sys
-import uuid
+from typing import Any
 
 import torch
 
@@ -56,62 +60,62 @@ def wanted(device: torch.device) -> bool:
 
 
 def share_pool(runner: ModelRunner, group: TPGroup) -> None:
-    """A follower's side: its pool in a /dev/shm file for rank 0 to map, when rank 0 wants it (a collective)."""
+    """A follower's side: its pool in an anonymous shared file for rank 0 to map, when rank 0 wants it (a
+    collective)."""
     store = group.store
-    base = store.get("kvpool/base").decode()
-    if not base:
+    if store.get("kvpool/wanted") != b"1":
         return
-    key, path = f"kvpool/{group.rank}", f"{base}-{group.rank}"
+    key = f"kvpool/{group.rank}"
     shape, dtype = tuple(runner.kv.shape), runner.kv.dtype
     try:
+        fd = os.memfd_create(f"pdcluster-tp-kv-{group.rank}", os.MFD_CLOEXEC)
+    except OSError as e:
+        return _without(store, key, group.rank, e)
+    try:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, math.prod(shape) * dtype.itemsize)
-            finally:
-                os.close(fd)
+            os.posix_fallocate(fd, 0, math.prod(shape) * dtype.itemsize)
         except OSError as e:
-            log.warning("TP rank %d: the KV hand-off goes through the KV threads: no shared memory for the pool "
-                        "(%s)", group.rank, e)
-            store.set(key, "")
-            return
+            return _without(store, key, group.rank, e)
         del runner.kv, runner.kv_caches  # NOTE: the private pool's memory goes back before the file's is touched
-        runner.use_kv(_map(path, shape, dtype))  # NOTE: the file's pages read as zeros, as the pool's did
-        store.set(key, json.dumps(shape))
+        runner.use_kv(_map(f"/proc/self/fd/{fd}", shape, dtype))  # NOTE: its pages read as zeros, as the pool's did
+        store.set(key, json.dumps({"pid": os.getpid(), "fd": fd, "shape": shape}))
         store.wait(["kvpool/mapped"], datetime.timedelta(seconds=group.timeout_s))
     finally:
-        _unlink(path)  # NOTE: rank 0 unlinks it too (whichever comes first): a rank killed here leaves nothing
+        os.close(fd)  # NOTE: the mappings keep the memory
 
 
 def map_pools(runner: ModelRunner, group: TPGroup) -> dict[int, torch.Tensor] | None:
     """Rank 0's side: every follower's pool (rank → its KV tensor, as its runner holds it), or None where the group
     does not share them (not `wanted`, or a follower could not) (a collective)."""
     store = group.store
-    if not wanted(runner.device):
-        store.set("kvpool/base", "")
+    want = wanted(runner.device)
+    store.set("kvpool/wanted", "1" if want else "0")
+    if not want:
         return None
-    base = f"/dev/shm/pdcluster-tp-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    store.set("kvpool/base", base)
     try:
-        shapes = {r: store.get(f"kvpool/{r}").decode() for r in range(1, group.size)}
-        if not all(shapes.values()):
+        specs = {r: store.get(f"kvpool/{r}").decode() for r in range(1, group.size)}
+        if not all(specs.values()):
             return None  # NOTE: that follower logged why
-        pools = {r: _map(f"{base}-{r}", tuple(json.loads(shape)), runner.kv.dtype) for r, shape in shapes.items()}
-        log.info("TP group of %d: the KV hand-off reads and writes the followers' pools in place (shared memory)",
-                 group.size)
-        return pools
+        pools = {}
+        for r, text in specs.items():
+            spec = json.loads(text)
+            pools[r] = _map(f"/proc/{spec['pid']}/fd/{spec['fd']}", tuple(spec["shape"]), runner.kv.dtype)
+    except OSError as e:
+        log.warning("TP group of %d: the KV hand-off goes through the KV threads: a follower's pool cannot be "
+                    "mapped here (%s)", group.size, e)
+        return None
     finally:
-        store.set("kvpool/mapped", "1")  # NOTE: always: the followers unlink their files once it is set
-        for r in range(1, group.size):
-            _unlink(f"{base}-{r}")
+        store.set("kvpool/mapped", "1")  # NOTE: always: the followers close their descriptors once it is set
+    log.info("TP group of %d: the KV hand-off reads and writes the followers' pools in place (shared memory)",
+             group.size)
+    return pools
+
+
+def _without(store: Any, key: str, rank: int, error: OSError) -> None:
+    log.warning("TP rank %d: the KV hand-off goes through the KV threads: no shared memory for the pool (%s)", rank,
+                error)
+    store.set(key, "")
 
 
 def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
