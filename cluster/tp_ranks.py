@@ -103,7 +103,7 @@ class TPRank:
         if self.engine_cfg.device.startswith("cuda"):
             torch.cuda.set_device(self.engine_cfg.device)
         try:
-            serve_follower(self.rank, self.rdv, self.cfg, self.runner)
+            serve_follower(self.rank, self.rdv, self.cfg, self.engine_cfg, self.runner)
         except BaseException:
             # NOTE: as a follower process would: its end is what rank 0 sees (a dead pid), not a silent actor
             log.exception("TP rank %d: the follower loop failed; ending this process", self.rank)

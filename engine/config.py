@@ -160,10 +160,6 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
             raise InvalidRequestError("tensor_parallel_size", f"must be a positive integer, got "
                                       f"{self.tensor_parallel_size!r}")
-        if self.max_loras and self.tensor_parallel_size > 1:
-            # NOTE: the adapters wrap rank 0's linears only: a follower's shard would compute without its deltas
-            raise InvalidRequestError("max_loras", "LoRA adapters are not served by a tensor-parallel engine yet "
-                                      f"(tensor_parallel_size {self.tensor_parallel_size}); use 0 or TP 1")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_cache_memory_gb is not None and self.gpu_memory_utilization is not None:

@@ -30,7 +30,7 @@ from engine.kv_export import KVLayout
 from engine.kv_import import KVImporter, KVReservation
 from engine.kv_seam import KVSeam
 from engine.loader import LoadedModel
-from engine.lora.slots import LoRASlots, adapter_key, slots_of
+from engine.lora.adapters_api import LoRAAdapters
 from engine.output import OutputProcessor, RequestOutput
 from engine.parallel.launch import FollowerLauncher
 from engine.parallel.runner import make_runner
@@ -44,7 +44,7 @@ from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputs
 
 
-class LLMEngine(KVSeam):
+class LLMEngine(LoRAAdapters, KVSeam):
     """One model replica with its paged KV cache, scheduler and runner (plain class; workers wrap it)."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
@@ -69,11 +69,7 @@ class LLMEngine(KVSeam):
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_order, StepBudget.of(config))
         self.runner.capture_graphs()
-        self.lora: LoRASlots | None = None  # the resident adapters (engine/lora/); None with max_loras = 0
-        if config.max_loras:
-            self.lora = LoRASlots(mcfg, config.max_loras, config.max_lora_rank, config.torch_dtype,
-                                  self.runner.device, kernel=self.runner.attn_backend == "triton")
-            self.lora.wrap(self.runner.model.layers)
+        self._make_lora(mcfg)  # NOTE: engine/lora/adapters_api.py
         self.inputs = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, config.block_size,
                                      self.scope)
         self.outputs = OutputProcessor(self.tokenizer, mcfg.eos_token_ids, self.max_model_len)
@@ -213,24 +209,6 @@ class LLMEngine(KVSeam):
                 self._spec_accepted += len(tokens) - 1
             results.append(out)
         return results
-
-    # ---- LoRA adapters (engine/lora/) ----------------------------------------------------------------------
-    def load_lora(self, name: str, path: str) -> None:
-        """Load the PEFT adapter at `path` as `name` (requests choose it with SamplingParams.lora); a bad adapter
-        is refused with LoRALoadError naming what is wrong, and the engine serves on as before."""
-        slots_of(self.lora).load(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        """Free adapter `name`'s slot; refused while a request uses it (its cached blocks age out as others do)."""
-        slots_of(self.lora).unload(name, [s.request_id for s in self._seqs.values() if s.params.lora == name])
-
-    def lora_names(self) -> list[str]:
-        """The names of the loaded adapters."""
-        return [] if self.lora is None else self.lora.names()
-
-    def lora_key(self, name: str | None, request_id: str) -> str:
-        """The block-hash extra key of a request's adapter ("" for the base model); unknown names refused."""
-        return adapter_key(self.lora, name, request_id)
 
     def _same_next(self, batch: ScheduledBatch) -> bool:
         """Whether the next step is likely this batch one token on (a graphed decode step then launches it early:

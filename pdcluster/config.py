@@ -122,19 +122,13 @@ class ClusterConfig(BaseModel):
         return self
 
     def _check_tensor_parallel(self, tp: dict[Role, int]) -> None:
-        """What a TP group's engine refuses at actor start, refused here: adapters, and a size the model's heads
-        cannot be split by (when the model's shape can be read here: an alias or a Hugging Face directory)."""
+        """What a TP group's engine refuses at actor start, refused here: a size the model's heads cannot be split
+        by (when the model's shape can be read here: an alias or a Hugging Face directory)."""
         # NOTE: imported here, and only for TP > 1: engine pulls in torch, which most config readers never need
         from engine.errors import EngineError
         from engine.loader import model_shape
         from engine.parallel import check_tp
 
-        for name, n in tp.items():
-            if self.lora.slots:
-                # NOTE: the engine refuses it naming max_loras (adapters wrap rank 0's linears only)
-                raise _RuleError(f"{name}.tensor_parallel_size", f"{n}: LoRA adapters (lora.modules, lora.max_loras) "
-                                                                 "are not served by a tensor-parallel worker yet: use "
-                                                                 "tensor_parallel_size 1, or no adapters")
         try:
             shape = model_shape(self.model)
         except EngineError as e:

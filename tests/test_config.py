@@ -187,8 +187,6 @@ BAD = {
     "tp of smollm2's 9 heads": (lines("model: smollm2", "decode:", "  tensor_parallel_size: 2"),
                                 "decode.tensor_parallel_size", 3, ["9 attention heads"]),
     "tp zero": (lines("decode:", "  tensor_parallel_size: 0"), "decode.tensor_parallel_size", 2, ["greater than 0"]),
-    "tp with lora": (lines("model: tiny", "lora: {max_loras: 2}", "decode:", "  tensor_parallel_size: 2"),
-                     "decode.tensor_parallel_size", 4, ["LoRA", "tensor_parallel_size 1"]),
     "tp on cuda with gpus per actor": (lines("model: tiny", "prefill:", "  device: cuda", "  num_gpus: 2",
                                              "  kv_cache_memory_gb: 1", "  tensor_parallel_size: 2"),
                                        "prefill.num_gpus", 4, ["per rank", "num_gpus 1"]),

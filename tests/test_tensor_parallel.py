@@ -91,8 +91,6 @@ def test_tp_sizes_the_model_cannot_split_are_refused_naming_the_field() -> None:
         assert e.value.field == "tensor_parallel_size"
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size: must be a positive integer"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(InvalidRequestError, match="max_loras: LoRA adapters are not served by a tensor-parallel"):
-        EngineConfig(tensor_parallel_size=2, max_loras=2)
 
 
 def test_tp1_keeps_the_plain_runner(models: dict[str, LoadedModel]) -> None:

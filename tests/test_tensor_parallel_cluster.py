@@ -8,11 +8,13 @@ model's logits are far apart: float32 sums in another order pick the same greedy
 follower rank of the decode worker holding the streams is SIGKILLed mid-stream: the worker ends (a TP group is one
 worker), its streams finish on the other one with no token lost or repeated, and Ray restarts it as a fresh group.
 The followers are Ray actors of their worker's placement group (one node), and a stopped cluster leaves no placement
-group behind.
+group behind. Every layout serves a LoRA adapter (each rank holding its share): its tokens across the hand-off equal
+one TP 1 engine's with the adapter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -22,7 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from router.v1 import inference_pb2 as pb
-from tests.helpers import greedy_reference, start_test_cluster, stream_greedy, wait_for
+from tests.helpers import (
+    generate_ids,
+    greedy,
+    greedy_reference,
+    make_engine,
+    start_test_cluster,
+    stream_greedy,
+    wait_for,
+)
+from tests.lora_adapters import make_adapter
 
 pytestmark = pytest.mark.slow
 TAIL = ("The ferry left the harbour at dawn, crossed the grey water under the gulls, and came back each evening "
@@ -32,14 +43,20 @@ TAIL = ("The ferry left the harbour at dawn, crossed the grey water under the gu
 LAYOUTS = {"prefill-tp2-decode-tp1": (2, 1, 1), "prefill-tp1-decode-tp2": (1, 2, 2), "nixl-tp2-tp2": (2, 2, 1)}
 
 
+@pytest.fixture(scope="module")
+def adapter(tiny, tmp_path_factory) -> str:
+    return make_adapter(str(tmp_path_factory.mktemp("tp-lora") / "sql"), tiny, rank=8, seed=5)
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def cluster(request, ray_session):
+def cluster(request, ray_session, adapter):
     prefill_tp, decode_tp, decode_replicas = LAYOUTS[request.param]
 
     def edit(config):
         config.model = "tiny"
         config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size = prefill_tp, decode_tp
         config.decode.replicas = decode_replicas
+        config.lora.modules, config.lora.max_loras = {"sql": adapter}, 2  # NOTE: engine/parallel/lora.py
         for pool in (config.prefill, config.decode):
             pool.num_cpus, pool.num_kv_blocks, pool.max_restarts = 0.5, 512, 2
 
@@ -97,6 +114,22 @@ def test_a_prefix_cached_by_a_tp_group_is_hit_by_the_next_request(cluster, tiny)
     for r, ids in zip(again, want):
         assert list(r.token_ids) == ids, layout
         assert r.usage.cached_prompt_tokens >= 4 * 16, (layout, r.usage, r.timeline)
+
+
+def test_an_adapter_on_tp_groups_gives_one_tp1_engines_tokens_across_the_handoff(cluster, tiny, adapter):
+    layout, c, server = cluster
+    sampling = pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    texts = prompts("lora", 2)
+    replies = [server.stub().Generate(pb.GenerateRequest(prompt=t, sampling=sampling, model="sql"), timeout=120)
+               for t in texts]
+    engine = make_engine(tiny, max_loras=1, max_lora_rank=8, num_blocks=256)
+    engine.load_lora("sql", adapter)
+    params = dataclasses.replace(greedy(16), lora="sql")
+    want = generate_ids(engine, [engine.tokenizer.encode(t) for t in texts], params)
+    for r, ids in zip(replies, want):
+        assert list(r.token_ids) == ids
+        assert not r.timeline.prefill_skipped and r.timeline.kv_blocks_sent > 0
+    assert want != greedy_reference(tiny, texts, 16)  # NOTE: the adapter changes what the model says
 
 
 @pytest.mark.parametrize("cluster", ["prefill-tp1-decode-tp2"], indirect=True)  # NOTE: two TP decode workers

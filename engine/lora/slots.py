@@ -15,7 +15,7 @@ expand, those zeros were about a third of the bytes (the cost, at decode sizes) 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,8 +30,13 @@ class LoRASlots:
     """Resident adapters by name and slot; `begin`/`end` bracket a step's forward pass."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device, kernel: bool = False) -> None:
+                 device: torch.device, kernel: bool = False,
+                 share: Callable[[LoRAAdapter], LoRAAdapter] | None = None, shape: ModelConfig | None = None) -> None:
+        """`cfg`: the model the adapters are read and checked against; `shape`: the architecture the wrapped linears
+        compute (a TP rank's, engine/parallel/shard.py `rank_config`; default `cfg`), and `share` cuts a loaded
+        adapter to it (engine/parallel/lora.py; default: whole)."""
         self.cfg, self.max_loras, self.max_rank, self.dtype, self.device = cfg, max_loras, max_rank, dtype, device
+        self.share = share or (lambda adapter: adapter)
         # NOTE: the Triton kernels where the runner uses the Triton backend (CUDA; the interpreter on the CPU in tests)
         self.kernel = kernel
         self.by_name: dict[str, tuple[int, LoRAAdapter]] = {}
@@ -41,7 +46,7 @@ class LoRASlots:
         self.step: LoRAStep | None = None
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.chunks: dict[str, torch.Tensor | None] = {}  # CPU: per linear, each output chunk's part (None: one part)
-        for linear, parts in part_sizes(cfg).items():
+        for linear, parts in part_sizes(shape or cfg).items():
             width = math.gcd(*(o for o, _ in parts))
             owners = [p for p, (o, _) in enumerate(parts) for _ in range(o // width)]
             self.chunks[linear] = None if len(parts) == 1 else torch.tensor(owners, device=device)
@@ -57,13 +62,21 @@ class LoRASlots:
                 self._stacks[(layer, linear)] = (a, b)
 
     def wrap(self, layers: Sequence[object]) -> None:
-        """Put a LoRALinear around each of the decoder layers' four linears."""
+        """Put a LoRALinear around each of the decoder layers' four linears (inside a TP rank's row-parallel
+        wrapper, so its partial delta joins the layer's all-reduce: engine/parallel/lora.py)."""
+        from engine.parallel.group import RowParallel
+
         for i, layer in enumerate(layers):
             for linear in LINEARS:
-                setattr(layer, linear, LoRALinear(getattr(layer, linear), self, i, linear))
+                base = getattr(layer, linear)
+                if isinstance(base, RowParallel):
+                    base.linear = LoRALinear(base.linear, self, i, linear)  # type: ignore[assignment]
+                else:
+                    setattr(layer, linear, LoRALinear(base, self, i, linear))
 
-    def load(self, name: str, path: str) -> LoRAAdapter:
-        """Load and check the adapter at `path` into a free slot; LoRALoadError naming what is wrong."""
+    def load(self, name: str, path: str) -> tuple[int, LoRAAdapter]:
+        """Load and check the adapter at `path` into a free slot: its slot and the adapter as read (whole; the slot
+        holds its `share`); LoRALoadError naming what is wrong."""
         if not isinstance(name, str) or not name:
             raise LoRALoadError("lora_name", "must be a non-empty string")
         if name in self.by_name:
@@ -72,7 +85,14 @@ class LoRASlots:
             raise LoRALoadError("max_loras", f"all {self.max_loras} adapter slots are taken "
                                              f"({sorted(self.by_name)}); unload one first")
         adapter = load_adapter(name, path, self.cfg, self.max_rank, self.dtype, self.device)
-        slot = self.free.pop()
+        slot = self.free[-1]
+        self.install(name, slot, self.share(adapter))
+        return slot, adapter
+
+    def install(self, name: str, slot: int, adapter: LoRAAdapter) -> None:
+        """Put an adapter already read and cut to this engine's linears into free `slot` (a TP follower: the share
+        rank 0 sent it, into the slot rank 0 chose)."""
+        self.free.remove(slot)
         self.by_name[name] = (slot, adapter)
         for (layer, linear), (a_stack, b_stack) in self._stacks.items():
             a_stack[slot].zero_()
@@ -84,7 +104,6 @@ class LoRASlots:
                 b_stack[slot, :r] = pair.b.T
             elif pair is not None:
                 self._fill_chunks(pair, linear, a_stack[slot], b_stack[slot])
-        return adapter
 
     def _fill_chunks(self, pair: LoRAPair, linear: str, a: torch.Tensor, b_c: torch.Tensor) -> None:
         """One slot of a CPU stack: a [P * max_rank, in] and b_c [C, max_rank, W] from the adapter's pair."""

@@ -30,9 +30,12 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.slots import LoRASlots, slots_of
 from engine.model_runner import ModelRunner
 from engine.parallel.group import Rendezvous, TPGroup, parallelize
 from engine.parallel.kv import KVService
+from engine.parallel.lora import adapter_to, follower_slots
 from engine.parallel.shard import rank_config
 from engine.parallel.shared_pool import share_pool
 
@@ -48,6 +51,7 @@ class StepMessage:
     num_new: list[int]  # per sequence: tokens this step computes
     tables: list[list[int]]  # per sequence: its block table (rank 0's block manager's)
     rows: list[int]  # flat indices that need logits (each rank computes its vocabulary columns of them)
+    loras: list[str | None]  # per sequence: its LoRA adapter (None: the base); empty when no sequence has one
 
 
 @dataclass(slots=True)
@@ -56,6 +60,22 @@ class CopyBlock:
 
     src: int
     dst: int
+
+
+@dataclass(slots=True)
+class LoadLoRA:
+    """Put this rank's share of adapter `name` into `slot` (engine/parallel/lora.py), as rank 0 loaded it."""
+
+    name: str
+    slot: int
+    adapter: LoRAAdapter  # whole, on the host (each rank cuts its own share)
+
+
+@dataclass(slots=True)
+class UnloadLoRA:
+    """Free adapter `name`'s slot, as rank 0 did."""
+
+    name: str
 
 
 @dataclass(slots=True)
@@ -80,12 +100,12 @@ def rank_runner(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, tor
 class TPFollower:
     """One follower rank: computes each step message on its shard (driven by `run`, or by `handle` per message)."""
 
-    def __init__(self, runner: ModelRunner, group: TPGroup) -> None:
-        self.runner, self.group = runner, group
+    def __init__(self, runner: ModelRunner, group: TPGroup, lora: LoRASlots | None = None) -> None:
+        self.runner, self.group, self.lora = runner, group, lora
         self.steps = 0
 
     @torch.inference_mode()
-    def handle(self, msg: StepMessage | CopyBlock | Stop) -> bool:
+    def handle(self, msg: StepMessage | CopyBlock | LoadLoRA | UnloadLoRA | Stop) -> bool:
         """Compute one message; False once it is `Stop`."""
         r = self.runner
         if isinstance(msg, Stop):
@@ -93,6 +113,25 @@ class TPFollower:
         if isinstance(msg, CopyBlock):
             r.copy_block(msg.src, msg.dst)
             return True
+        if isinstance(msg, LoadLoRA):  # NOTE: whole: this rank's share of it goes in
+            slots = slots_of(self.lora)
+            slots.install(msg.name, msg.slot, slots.share(adapter_to(msg.adapter, r.device)))
+            return True
+        if isinstance(msg, UnloadLoRA):
+            slots_of(self.lora).unload(msg.name, [])  # NOTE: rank 0 checked that no request uses it
+            return True
+        if msg.loras:
+            slots_of(self.lora).begin(msg.loras, msg.num_new)
+        try:
+            self._step(msg)
+        finally:
+            if self.lora is not None:
+                self.lora.end()
+        self.steps += 1
+        return True
+
+    def _step(self, msg: StepMessage) -> None:
+        r = self.runner
         # NOTE: the metadata is rebuilt here from the step's lists, with the same host code rank 0 ran: cheaper to
         # ship than its tensors (a dozen per step, backend-specific, on the device on CUDA)
         with r.on_device():
@@ -104,8 +143,6 @@ class TPFollower:
             hidden = r.model(ids, pos, r.kv_caches, meta)  # [T, d]
             if msg.rows:  # NOTE: this rank's vocabulary columns, for rank 0's gather; rank 0 alone samples
                 r.model.logits(hidden.index_select(0, rows))
-        self.steps += 1
-        return True
 
     def run(self) -> None:
         """Take rank 0's messages until `Stop`; a failed collective (rank 0 gone) ends it with an error logged."""
@@ -169,17 +206,19 @@ def build_follower(cfg: ModelConfig, engine_cfg: EngineConfig, shard: dict[str, 
     return rank_runner(cfg, engine_cfg, shard, num_blocks, max_model_len)
 
 
-def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, runner: ModelRunner) -> None:
+def serve_follower(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: EngineConfig,
+                   runner: ModelRunner) -> None:
     """Steps 2-4 of a follower's life: join the group, answer KV reads and writes beside the steps, run the steps
     until `Stop` (a failed collective raises)."""
     group = TPGroup(rank, rdv, runner.device)
     agree_pool(runner, group)
     share_pool(runner, group)  # NOTE: rank 0 then reads and writes its KV heads in place (CPU)
     parallelize(runner.model, group)
+    lora = follower_slots(cfg, engine_cfg, runner, rank, group.size)  # NOTE: after parallelize (see `wrap`)
     kv = KVService(runner, group, cfg)  # NOTE: the KV hand-off's reads and writes, beside the steps
     kv.start()
     try:
-        TPFollower(runner, group).run()
+        TPFollower(runner, group, lora).run()
     finally:
         # NOTE: rank 0 stops the KV thread before the steps (`TPModelRunner.close`: StopKV, then Stop), but on its
         # own pipe: the thread may not have read it yet. It leaves before the group closes under it (its pipe, and
@@ -202,4 +241,4 @@ def follower_main(rank: int, rdv: Rendezvous, cfg: ModelConfig, engine_cfg: Engi
         raise
     conn.send(("built", ""))
     conn.close()
-    serve_follower(rank, rdv, cfg, runner)
+    serve_follower(rank, rdv, cfg, engine_cfg, runner)

@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.lora.adapter import LoRAAdapter
 from engine.model_runner import ModelRunner
-from engine.parallel.follower import CopyBlock, StepMessage, Stop, agree_pool, rank_engine_config
+from engine.parallel.follower import CopyBlock, LoadLoRA, StepMessage, Stop, UnloadLoRA, agree_pool, rank_engine_config
 from engine.parallel.group import TPGroup, parallelize, serve_store
 from engine.parallel.kv import KVChannelClosed, KVGather
 from engine.parallel.launch import FollowerGroup, FollowerLauncher, Followers, TPGroupError
+from engine.parallel.lora import adapter_to
 from engine.parallel.shard import check_tp, rank_config, shard_weights
 from engine.parallel.shared_pool import map_pools
 from engine.scheduler import ScheduledBatch
@@ -90,7 +92,7 @@ class TPModelRunner(ModelRunner):
         self._closer = weakref.finalize(self, followers.kill)
 
     # ---- what the followers must mirror -------------------------------------------------------------
-    def _send(self, msg: StepMessage | CopyBlock | Stop) -> None:
+    def _send(self, msg: StepMessage | CopyBlock | LoadLoRA | UnloadLoRA | Stop) -> None:
         if self.failure is not None:
             raise self.failure
         try:
@@ -105,8 +107,10 @@ class TPModelRunner(ModelRunner):
         would reach the first all-reduce one metadata build behind rank 0, and rank 0 would wait that long there).
         """
         step = layout(batch)
+        loras = [s.params.lora for s in batch.seqs]
         self._send(StepMessage(step.input_ids, step.starts, list(batch.num_new_tokens),
-                               [list(s.block_table) for s in batch.seqs], step.rows))
+                               [list(s.block_table) for s in batch.seqs], step.rows,
+                               loras if any(n is not None for n in loras) else []))
         return self.build(batch, step, graphed=False)
 
     def execute(self, batch: ScheduledBatch, layer_hook: Callable[[int], None] | None = None,
@@ -122,6 +126,14 @@ class TPModelRunner(ModelRunner):
     def copy_block(self, src: int, dst: int) -> None:
         self._send(CopyBlock(src, dst))
         super().copy_block(src, dst)
+
+    def load_lora(self, name: str, slot: int, adapter: LoRAAdapter) -> None:
+        """Send the followers an adapter rank 0 just loaded into `slot`, whole and on the host: each puts its own
+        share of it in the same slot (engine/parallel/lora.py)."""
+        self._send(LoadLoRA(name, slot, adapter_to(adapter, torch.device("cpu"))))
+
+    def unload_lora(self, name: str) -> None:
+        self._send(UnloadLoRA(name))
 
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of `block_ids` in `layer` with every KV head, gathered from the ranks: each
