@@ -4,12 +4,13 @@ Life of a follower:
 1. its host (a spawned process, `follower_main`, or in a cluster a Ray actor of the worker's placement group,
    cluster/tp_ranks.py) builds a `ModelRunner` on the rank's shard of the weights and its own KV pool shard
    (`build_follower`), reports it built;
-2. joins the group (`TPGroup`), which wraps the model's o and down projections with the all-reduce and its LM head
-   with the logits' gather (`parallelize`);
-3. `TPFollower.run` takes one message per step from rank 0 (`StepMessage`: the step's flat inputs and block tables;
-   `CopyBlock`; `Stop`) and computes it: the same forward as rank 0, whose all-reduces it meets, its columns of
-   the logits for rank 0's gather, no sampling, no scheduling (rank 0's block manager decides every block; the
-   tables arrive with the step);
+2. joins the group (`TPGroup`), shares its KV pool with rank 0 on the CPU (`shared_pool.share_pool`), and wraps
+   the model's o and down projections with the all-reduce and its LM head with the logits' gather (`parallelize`),
+   then its linears with LoRA slots when the engine serves adapters (`lora.follower_slots`);
+3. `TPFollower.run` takes one message per step from rank 0 (`StepMessage`: the step's flat inputs, block tables and
+   adapters; `CopyBlock`; `LoadLoRA` / `UnloadLoRA`; `Stop`) and computes it: the same forward as rank 0, whose
+   all-reduces it meets, its columns of the logits for rank 0's gather, no sampling, no scheduling (rank 0's block
+   manager decides every block; the tables arrive with the step);
 4. a `Stop`, or a failed collective (rank 0 is gone), ends the loop; a follower process whose parent (rank 0's)
    is gone ends itself too (`watch_parent`), whatever it is doing (a rank actor dies with its owner, rank 0).
 Beside it, a thread answers the KV hand-off's reads and writes of the rank's pool (`kv.KVService`).
