@@ -43,7 +43,8 @@ def test_step_messages_of_any_size_reach_the_followers_after_any_idle_time(chann
     # NOTE: one broadcast up to MESSAGE_BYTES, a second for the rest of a longer one (a long prompt's step)
     fits = next(k for k in range(MESSAGE_BYTES - 64, MESSAGE_BYTES)  # a string whose pickle fills the first one
                 if len(pickle.dumps("x" * k, protocol=pickle.HIGHEST_PROTOCOL)) == MESSAGE_BYTES - 8)
-    messages = [Stop(), CopyBlock(3, 4), StepMessage(list(range(9000)), [0], [9000], [list(range(600))], [8999]),
+    messages = [Stop(), CopyBlock(3, 4),
+                StepMessage(list(range(9000)), [0], [9000], [list(range(600))], [8999], ["sql"]),
                 "x" * fits, "x" * (fits + 1)]
     ctx = mp.get_context("spawn")
     store, rdv = serve_store(2, timeout_s=3.0)  # NOTE: the collectives' bound; idling longer is no failure
