@@ -95,6 +95,15 @@ def node_address(host: str) -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def pidfd(pid: int) -> int | None:
+    """A descriptor of process `pid` that polls readable once it exited (Linux 5.3+), or None where there is none
+    (the process is gone already, another kernel or platform)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` runs on this node (Linux /proc; a zombie, dead but not reaped yet, does not)."""
     try:

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cluster.process import pid_alive
+from cluster.process import pid_alive, pidfd
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.follower import build_follower, serve_follower
 from engine.parallel.group import Rendezvous
@@ -147,6 +148,7 @@ class RayRanks:
         self.host = host
         self.actors: dict[int, Any] = {}
         self.places: dict[int, RankPlace] = {}  # known once the rank is built
+        self._pidfds: dict[int, int | None] = {}  # a pidfd per built rank (None: none to be had; /proc is read)
         for rank, (ecfg, shard) in enumerate(zip(rank_cfgs, shards), start=1):
             bundle = bundles[rank]
             # NOTE: through the object store, on the host: a CUDA shard would be pickled as rank 0's device
@@ -177,6 +179,7 @@ class RayRanks:
             except RayError as e:
                 raise TPGroupError(f"TP rank {rank} of {self.host.worker} failed to load its shard:\n{e}") from e
             self.places[rank] = place
+            self._pidfds[rank] = pidfd(place.pid)
             if place.node_id != ray.get_runtime_context().get_node_id():
                 # NOTE: `dead` watches pids of this node: a group spread over nodes would go unwatched
                 raise TPGroupError(f"TP rank {rank} of {self.host.worker} runs on node {place.node_id}, not rank 0's "
@@ -185,15 +188,25 @@ class RayRanks:
     def dead(self, grace_s: float = 0.0) -> list[str]:
         """'rank r (pid p): ...' for every built rank whose process is gone (waiting up to `grace_s` for one).
 
-        NOTE: by pid, every 50 ms at idle (cluster/tp_group.py): a read of /proc, no call through Ray. Rank 0 and
-        its ranks share a node (the placement group is STRICT_PACK; `wait_built` checks it), so the pids are this
-        node's. A pid reused by a new process within one check would be missed; rank 0's next collective fails."""
+        NOTE: by pid, every 50 ms at idle (cluster/tp_group.py) and before each KV read and write: a pidfd poll
+        (a read of /proc where there is no pidfd), no call through Ray. Rank 0 and its ranks share a node (the
+        placement group is STRICT_PACK; `wait_built` checks it), so the pids are this node's. A pidfd follows its
+        process, so a reused pid is no longer missed (it still is on the /proc fallback; rank 0's next collective
+        fails then)."""
         deadline = time.monotonic() + grace_s
         while True:
-            gone = [p for p in self.places.values() if not pid_alive(p.pid)]
+            gone = [p for p in self.places.values() if not self._alive(p)]
             if gone or time.monotonic() >= deadline:
                 return [f"rank {p.rank} (pid {p.pid}, a Ray actor): its process ended" for p in gone]
             time.sleep(0.01)
+
+    def _alive(self, place: RankPlace) -> bool:
+        # NOTE: `dead` runs before every KV read and write of the hand-off (engine/parallel/runner.py): one poll
+        # of the rank's pidfd (readable once it exited), not an open and read of its /proc file
+        fd = self._pidfds.get(place.rank)
+        if fd is None:
+            return pid_alive(place.pid)
+        return not select.select([fd], [], [], 0)[0]
 
     def join(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the ranks' loops to leave (after a Stop), then kill the actors."""
@@ -211,6 +224,10 @@ class RayRanks:
                     os.kill(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        for fd in self._pidfds.values():
+            if fd is not None:
+                os.close(fd)
+        self._pidfds = {r: None for r in self._pidfds}  # NOTE: /proc from now on (kill may be called again)
         try:
             import ray
 

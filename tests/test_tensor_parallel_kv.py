@@ -23,6 +23,7 @@ from engine.loader import LoadedModel, tiny_model
 from engine.parallel.kv import read_sources
 from engine.parallel.launch import TPGroupError
 from engine.parallel.runner import TPModelRunner
+from kv_transfer import KVSender, ReceiverEndpoint, TransferConfig, TransferError, TransferState
 from tests.helpers import generate_ids, greedy, open_kv_sender, prefill_layerwise, random_prompts, run_to_completion
 from tests.test_tensor_parallel import LAYOUTS, assert_same_or_near_tie
 
@@ -79,6 +80,19 @@ def decode(eng: LLMEngine, rid: str) -> list[int]:
     return run_to_completion(eng)[rid].token_ids
 
 
+def hand_off(src: LLMEngine, ep: ReceiverEndpoint, sender: KVSender, prompt: list[int]) -> list[int]:
+    """What the workers do with a 45-token prompt (2 full blocks + 13 tokens): prefill it on `src` handing each layer
+    to `sender` from inside the forward, wait until `ep`'s receiver holds every block (all the model's KV heads),
+    decode there; the tokens."""
+    cfg = src.model_config
+    prefill_layerwise(src, sender, prompt, greedy(1))
+    assert sender.wait(30) is TransferState.DONE, sender.error
+    full_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, every layer, fp32
+    assert sender.bytes_sent == 3 * full_block
+    ep.receiver.take(sender.request_id, greedy(N_TOKENS))
+    return decode(ep.receiver.engine, sender.request_id)
+
+
 @pytest.mark.parametrize("layout,src_tp,dst_tp", [("gqa-8q-4kv", 2, 1), ("gqa-8q-4kv", 1, 2), ("tiny-4q-2kv", 4, 2)],
                          ids=["tp2-to-tp1", "tp1-to-tp2", "tp4-kv-replicated-to-tp2"])
 def test_prefill_on_one_tp_size_decodes_on_another_as_one_tp1_engine(models: dict[str, LoadedModel], layout: str,
@@ -111,8 +125,6 @@ def test_the_local_transport_carries_kv_from_a_group_to_a_group_unchanged(models
     endpoint writing): the transport sees one engine with all the model's KV heads on either side. Rank 0 reads and
     writes the follower's heads in its pool mapped from shared memory ("shared", the CPU's default), or through the
     follower's KV thread ("threads", as on CUDA)."""
-    from kv_transfer import ReceiverEndpoint, TransferConfig, TransferState
-
     monkeypatch.setenv("PDCLUSTER_TP_KV", path)
     loaded = models["gqa-8q-4kv"]
     cfg = loaded.config
@@ -125,13 +137,7 @@ def test_the_local_transport_carries_kv_from_a_group_to_a_group_unchanged(models
         for group in (src, ep.receiver.engine):
             pools = group.runner.kv_gather.pools
             assert (sorted(pools) == [1]) if path == "shared" else pools is None
-        sender = open_kv_sender("local", ep.address, src, "x", prompt)
-        prefill_layerwise(src, sender, prompt, greedy(1))
-        assert sender.wait(30) is TransferState.DONE, sender.error
-        full_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, every layer, fp32
-        assert sender.bytes_sent == 3 * full_block
-        ep.receiver.take("x", greedy(N_TOKENS))
-        moved = run_to_completion(ep.receiver.engine)["x"].token_ids
+        moved = hand_off(src, ep, open_kv_sender("local", ep.address, src, "x", prompt), prompt)
     finally:
         src.close()
         ep.close()
@@ -247,8 +253,6 @@ def test_nixl_writes_each_ranks_pool_into_the_same_ranks(models: dict[str, Loade
     straight into the receiver's same rank's pool, mapped on its rank 0 (one WRITE per layer over both ranks, one
     check per rank); the decode continues one TP 1 engine's tokens. A receiver of another TP size refuses the
     handshake, naming the field (its heads are split otherwise)."""
-    from kv_transfer import ReceiverEndpoint, TransferConfig, TransferError, TransferState
-
     loaded = models["gqa-8q-4kv"]
     cfg = loaded.config
     prompt = random_prompts(1, [45], vocab=cfg.vocab_size, seed=23)[0]  # 2 full blocks + 13 tokens
@@ -265,12 +269,7 @@ def test_nixl_writes_each_ranks_pool_into_the_same_ranks(models: dict[str, Loade
                 sender.prepare()
             assert not e.value.retryable and ep.receiver.num_inflight == 0
             return
-        prefill_layerwise(src, sender, prompt, greedy(1))
-        assert sender.wait(30) is TransferState.DONE, sender.error
-        full_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, every layer, fp32
-        assert sender.bytes_sent == 3 * full_block
-        ep.receiver.take("x", greedy(N_TOKENS))
-        moved = run_to_completion(ep.receiver.engine)["x"].token_ids
+        moved = hand_off(src, ep, sender, prompt)
     finally:
         src.close()
         ep.close()

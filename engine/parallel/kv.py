@@ -28,8 +28,8 @@ Choices (why):
 - cost through the threads: every byte of a layer's K and V but rank 0's share goes through rank 0 (a read:
   (1 - 1/min(n, KVH)) of 2 x blocks x rows x KVH x D x itemsize per layer; a write: each follower's slice, replicas
   included), over TCP on the CPU, through host memory on CUDA (gloo is CPU only). In place it is one copy per rank's
-  share (BENCHMARKS.md, tensor parallelism: a 512-token SmolLM2 prompt at TP 3, read 15.1 → 3.8 ms, write
-  50.4 → 4.1 ms, against 1.6 and 3.0 at TP 1).
+  share (BENCHMARKS.md, tensor parallelism, session 16: a 512-token SmolLM2 prompt at TP 3, read 12.6-13.1 →
+  3.7-3.8 ms, write 56-58 → 4.0-4.1 ms, against 1.6-2.0 and 2.9 at TP 1).
 - int8 KV is sliced the same way: each head's per-block scale sits in that head's own column of the scale row.
 - on CUDA, rank 0 synchronizes its device before asking for a layer: its all-reduce of that layer completed, so
   every rank's GPU ran that layer's KV write (stream order before its share of the all-reduce), even where a
