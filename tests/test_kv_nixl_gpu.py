@@ -3,16 +3,24 @@
 Two processes on one GPU, each with a KV pool in VRAM shaped like the engine's ([layers, 2, blocks, 16, 3, 64] fp32,
 SmolLM2-135M's block): the sending process writes 128 blocks of every layer into the receiver's pool through the
 same agent code as the transport (pool registered once, descriptor lists prepared once, one WRITE per layer with a
-notification carrying the layer's device checks), UCX picking cuda_ipc. The receiver checks every layer. The
-figure printed is the second round's GB/s (the first pays the pair's first use; its figure is kept too) against a
-device-to-device copy of the same bytes in the sending process.
+notification carrying the layer's device checks, `Agent.write`'s one descriptor per run of blocks), UCX picking
+cuda_ipc. The receiver checks every layer. The figure printed is the second round's GB/s (the first pays the pair's
+first use; its figure is kept too, and a third round's with one descriptor per block) against a device-to-device
+copy of the same bytes in the sending process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import multiprocessing as mp
+import os
+import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -21,11 +29,17 @@ import torch
 from kv_transfer.transports import nixl_agent
 
 pytestmark = pytest.mark.gpu
+if torch.cuda.is_available():
+    # NOTE: UCX reads its log level when its library loads (NIXL's import, in `needs` below): the endpoints'
+    # lanes, as the figure's explanation, are logged at info level (never on a machine without CUDA: CI's suite)
+    os.environ.setdefault("UCX_LOG_LEVEL", "info")
+    os.environ.setdefault("UCX_PROTO_INFO", "y")  # NOTE: and the protocol each message size of a put takes
 needs = pytest.mark.skipif(not torch.cuda.is_available() or nixl_agent.unavailable() is not None,
                            reason="needs a CUDA GPU and NIXL")
 SHAPE = (30, 2, 256, 16, 3, 64)  # [layers, K/V, pool blocks, block_size, KVH, D]
 SENT = 128  # blocks per layer sent
-ROUNDS = 2  # the same blocks sent twice: the first round pays the pair's first use, the second is timed
+ROUNDS = 3  # the same blocks sent 3 times: the first pays the pair's first use, the second (in runs, as the
+# transport writes) is the figure, the third writes a descriptor per block (for comparison)
 
 
 def _ucx_lanes(path: str) -> list[str]:
@@ -33,16 +47,51 @@ def _ucx_lanes(path: str) -> list[str]:
     cfg#1 rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)` between two host pools on this project's
     CPU): what carried the bytes, cuda_ipc or a copy through the host."""
     try:
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             return [line.split("INFO", 1)[-1].strip()[:200] for line in f if "cfg#" in line][:8]
     except OSError as e:
         return [f"no UCX log: {e}"]
 
 
+def _put_protocols(path: str) -> list[str]:
+    """UCX_PROTO_INFO's tables of puts from or into GPU memory (the rows after each title: the message sizes and
+    the protocol and lane each takes, e.g. `0..inf | zero-copy | cuda_ipc/cuda`)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.rstrip() for line in f]
+    except OSError as e:
+        return [f"no UCX log: {e}"]
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        if "ucp_put" in line and "cuda" in line:
+            out += [row.split("]", 2)[-1].strip()[:160] for row in lines[i:i + 8] if "|" in row]
+    return out[:24]
+
+
+@contextlib.contextmanager
+def _stdout_to(path: str) -> Iterator[None]:
+    """This process's file descriptor 1 into `path` meanwhile: UCX prints its log there (UCX_LOG_FILE gave empty
+    files with NIXL's UCX build on the H200, 2026-11-30)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """UCX prints through C's buffered stdout: flushed into the file it goes to now, not the next one."""
+    ctypes.CDLL(None).fflush(None)
+
+
 def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
     try:
-        import os
-        import tempfile
 
         from kv_transfer.transports.nixl_receiver import layer_check
 
@@ -50,7 +99,8 @@ def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
         # explanation, go into the test's record
         log_path = os.path.join(tempfile.gettempdir(), f"pdc-ucx-{os.getpid()}.log")
         os.environ.setdefault("UCX_LOG_LEVEL", "info")
-        os.environ["UCX_LOG_FILE"] = log_path
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log_fd, 1)  # NOTE: this child's stdout: UCX prints there (`_stdout_to`)
         kv = torch.zeros(SHAPE, device="cuda")
         agent = nixl_agent.agent()
         pool = agent.pool(kv)
@@ -72,10 +122,38 @@ def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
                     torch.cuda.synchronize()
                     landed[layer] = (layer_check(kv[layer, 0], ids, f"{layer}/0", like=ck) == ck and
                                      layer_check(kv[layer, 1], ids, f"{layer}/1", like=cv) == cv)
+        _flush_c_stdio()
         conn.send(("landed", landed, _ucx_lanes(log_path)))
         conn.recv()
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+def _send_all(agent: nixl_agent.Agent, pool: nixl_agent.Pool, peer: nixl_agent.Peer, checks: list[list[str]],
+              src_ids: np.ndarray, dst_ids: np.ndarray, per_block: bool = False) -> float:
+    """One WRITE per layer (its notification carries the layer's checks); seconds until every one is done. As the
+    transport writes (`Agent.write`: one descriptor per run of blocks, K then V), or `per_block`: one descriptor per
+    block from the prepared lists (UCX then makes one copy per 12 KiB block)."""
+    nx = agent.nixl
+    t0 = time.perf_counter()
+    handles = []
+    for layer in range(SHAPE[0]):
+        notif = f"{layer}:{checks[layer][0]}:{checks[layer][1]}".encode()
+        if per_block:
+            base_l, base_r = layer * 2 * pool.num_blocks, layer * 2 * peer.num_blocks
+            local = np.concatenate([base_l + src_ids, base_l + pool.num_blocks + src_ids]).astype(np.int32)
+            remote = np.concatenate([base_r + dst_ids, base_r + peer.num_blocks + dst_ids]).astype(np.int32)
+            h = nx.make_prepped_xfer("WRITE", pool.dlist, local, peer.dlist, remote, notif)
+        else:
+            h = agent.write(pool, peer, layer, src_ids, dst_ids, notif)
+        assert nx.transfer(h) != "ERR"
+        handles.append(h)
+    for h in handles:
+        while (state := nx.check_xfer_state(h)) == "PROC":
+            pass
+        assert state == "DONE"
+        nx.release_xfer_handle(h)
+    return time.perf_counter() - t0
 
 
 @needs
@@ -92,37 +170,21 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property)
         assert msg[0] != "error", msg[1]
         name, metadata, addr, pool_blocks, block_nbytes, device = msg
         src = torch.randn(SHAPE, device="cuda")
-        agent = nixl_agent.agent()
-        pool = agent.pool(src)
-        peer = agent.peer(name, metadata, addr, SHAPE[0] * 2, pool_blocks, block_nbytes, "VRAM", device)
         src_ids, dst_ids = np.arange(SENT, dtype=np.int64), np.arange(SENT, 2 * SENT, dtype=np.int64)
-        nbytes = SHAPE[0] * 2 * SENT * block_nbytes
-        nx = agent.nixl
         checks = [[layer_check(src[layer, w], src_ids, f"{layer}/{w}") for w in (0, 1)] for layer in range(SHAPE[0])]
-
-        def send_all() -> float:
-            """One WRITE per layer (its notification carries the layer's checks); seconds until every one is done."""
-            t0 = time.perf_counter()
-            handles = []
-            for layer in range(SHAPE[0]):
-                base_l, base_r = layer * 2 * pool.num_blocks, layer * 2 * peer.num_blocks
-                local = np.concatenate([base_l + src_ids, base_l + pool.num_blocks + src_ids]).astype(np.int32)
-                remote = np.concatenate([base_r + dst_ids, base_r + peer.num_blocks + dst_ids]).astype(np.int32)
-                h = nx.make_prepped_xfer("WRITE", pool.dlist, local, peer.dlist, remote,
-                                         f"{layer}:{checks[layer][0]}:{checks[layer][1]}".encode())
-                assert nx.transfer(h) != "ERR"
-                handles.append(h)
-            for h in handles:
-                while (state := nx.check_xfer_state(h)) == "PROC":
-                    pass
-                assert state == "DONE"
-                nx.release_xfer_handle(h)
-            return time.perf_counter() - t0
-
-        # NOTE: the first round pays UCX's first use of the pair (the peer's memory handles opened, cuda_ipc
-        # mappings made); the figure is the second, as a worker's steady state sends
-        first_s = send_all()
+        sender_log = os.path.join(tempfile.gettempdir(), f"pdc-ucx-{os.getpid()}.log")
+        # NOTE: the sender makes its endpoint to the receiver when it loads the receiver's metadata (`peer`), and
+        # the first round pays UCX's first use of the pair (the peer's memory handles opened, cuda_ipc mappings
+        # made); the figure is the second, as a worker's steady state sends
+        with _stdout_to(sender_log):
+            agent = nixl_agent.agent()
+            pool = agent.pool(src)
+            peer = agent.peer(name, metadata, addr, SHAPE[0] * 2, pool_blocks, block_nbytes, "VRAM", device)
+            send_all = functools.partial(_send_all, agent, pool, peer, checks, src_ids, dst_ids)
+            first_s = send_all()
+        nbytes = SHAPE[0] * 2 * SENT * block_nbytes
         nixl_s = send_all()
+        per_block_s = send_all(per_block=True)
         dst = torch.empty_like(src)
         copy_s = float("inf")
         for _ in range(2):  # NOTE: the second, as NIXL's
@@ -136,10 +198,13 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property)
         assert kind == "landed" and len(landed) == SHAPE[0] and all(landed.values()), landed
         # NOTE: the figures also go into the JUnit XML (scripts/gpu-check.sh's summary.json reads them from there)
         for key, value in (("mb", nbytes / 1e6), ("nixl_gb_s", nbytes / nixl_s / 1e9),
-                           ("first_round_gb_s", nbytes / first_s / 1e9), ("copy_gb_s", nbytes / copy_s / 1e9),
+                           ("first_round_gb_s", nbytes / first_s / 1e9), ("per_block_gb_s", nbytes / per_block_s / 1e9),
+                           ("copy_gb_s", nbytes / copy_s / 1e9),
                            ("ratio_to_copy", copy_s / nixl_s)):
             record_property(key, round(value, 3))
         record_property("ucx_receiver_lanes", " | ".join(lanes) or "none logged")
+        record_property("ucx_sender_lanes", " | ".join(_ucx_lanes(sender_log)) or "none logged")
+        record_property("ucx_put_protocols", " / ".join(_put_protocols(sender_log)) or "none logged")
         print(f"\n[nixl gpu] {nbytes / 1e6:.0f} MB, {SHAPE[0]} layers x {SENT} blocks: "
               f"nixl {nbytes / nixl_s / 1e9:.1f} GB/s (first round {nbytes / first_s / 1e9:.1f}), "
               f"device-to-device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio {copy_s / nixl_s:.2f}")

@@ -29,6 +29,8 @@ from pdcluster.bench.target import Target
 SLO_TTFT_MS, SLO_ITL_MS = 500.0, 50.0
 SWEEPS = {"random-1k": ("summarization", 1000 / 1200, 128 / 80), "chat": ("sharegpt", 1.0, 0.5)}
 IDLE_REQUESTS = 4
+# NOTE: the private Ray of `serve` keeps its session under RAY_TMPDIR (default /tmp); each worker's stdout there
+RAY_WORKER_LOGS = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "session_latest", "logs", "worker-*")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,11 +120,14 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
             "engine": eng, "idle_vs_engine": _beside(modes, eng)}
 
 
-def _ucx_lanes(folder: str) -> list[str]:
+def _ucx_lanes(pattern: str) -> list[str]:
     """The UCX endpoint configurations the workers logged (`cfg#N ... rma_bw(cuda_ipc/cuda) ...`): what carried the
-    bytes, cuda_ipc or a copy through the host."""
+    bytes, cuda_ipc or a copy through the host.
+
+    NOTE: UCX_LOG_FILE gave empty files on the H200 (NIXL's UCX build, 2026-11-30): UCX_LOG_LEVEL=info alone
+    prints them on each worker's stdout, which Ray keeps in the session's worker-*.out files (`pattern`)."""
     lanes = []
-    for path in sorted(glob.glob(os.path.join(folder, "*"))):
+    for path in sorted(glob.glob(pattern)):
         with open(path, errors="replace") as f:
             lanes += [line.split("INFO", 1)[-1].strip()[:240] for line in f if "cfg#" in line]
     return sorted(set(lanes))[:12]
@@ -146,10 +151,7 @@ def _copy_gb_s(nbytes: int) -> float:
 
 def part_handoff(args: argparse.Namespace) -> dict[str, Any]:
     """(b): long prompts through the cluster, one at a time; the handoff's bytes and tail, the copy beside it."""
-    ucx = os.path.join(os.path.abspath(args.out_dir), "ucx")
-    os.makedirs(ucx, exist_ok=True)
-    cfg = one_node(args.device, args.model, env_vars={"UCX_LOG_LEVEL": "info",
-                                                      "UCX_LOG_FILE": os.path.join(ucx, "ucx.%p.log")})
+    cfg = one_node(args.device, args.model, env_vars={"UCX_LOG_LEVEL": "info"})
     n = args.handoff_tokens
     with cluster_proc.serving(cfg, "handoff") as addr:
         got = asyncio.run(generate(addr, fresh_prompts(args.handoff_prompts, args.seed + 3, args.vocab, n, n), 2))
@@ -162,7 +164,7 @@ def part_handoff(args: argparse.Namespace) -> dict[str, Any]:
             "kv_bytes": nbytes, "prefill_ms_p50": prefill, "tail_ms_p50": tail, "copy_gb_s": round(copy, 1),
             # NOTE: the handoff overlaps the prefill layer by layer; what a user waits for is the tail. Whole
             # transfer GB/s between the two processes: gpu_kv's nixl test (pytest_gpu_kv.xml, nixl_gb_s)
-            "copy_ms_of_same_bytes": round(nbytes / copy / 1e6, 3), "ucx_lanes": _ucx_lanes(ucx),
+            "copy_ms_of_same_bytes": round(nbytes / copy / 1e6, 3), "ucx_lanes": _ucx_lanes(RAY_WORKER_LOGS),
             "requests": [{k: v for k, v in g.items() if k != "token_ids"} for g in got]}
 
 
