@@ -57,6 +57,7 @@ class NixlTarget:
     device_id: int
     block_ids: list[int]  # the reserved blocks after the cached ones, in order
     shard_addrs: list[int] = field(default_factory=list)  # a TP group's pools of ranks 1 .. n-1 (kv_addr: rank 0's)
+    cuda_ipc: bytes = b""  # a GPU pool shared through CUDA IPC (transports/cuda_ipc.py; empty: none)
 
 
 @dataclass(frozen=True, slots=True)

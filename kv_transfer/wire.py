@@ -54,7 +54,7 @@ def prepared_to_proto(resp: Prepared) -> pb.PrepareResponse:
     if (nx := resp.nixl) is not None:
         msg.nixl.CopyFrom(pb.NixlTarget(agent=nx.agent, metadata=nx.metadata, kv_addr=nx.kv_addr,
                                         pool_blocks=nx.pool_blocks, mem_type=nx.mem_type, device_id=nx.device_id,
-                                        block_ids=nx.block_ids, shard_addrs=nx.shard_addrs))
+                                        block_ids=nx.block_ids, shard_addrs=nx.shard_addrs, cuda_ipc=nx.cuda_ipc))
     return msg
 
 
@@ -64,7 +64,7 @@ def prepared_from_proto(msg: pb.PrepareResponse) -> Prepared:
              if msg.HasField("torch") else None)
     nx = msg.nixl
     nixl = (NixlTarget(nx.agent, bytes(nx.metadata), nx.kv_addr, nx.pool_blocks, nx.mem_type, nx.device_id,
-                       list(nx.block_ids), list(nx.shard_addrs)) if msg.HasField("nixl") else None)
+                       list(nx.block_ids), list(nx.shard_addrs), bytes(nx.cuda_ipc)) if msg.HasField("nixl") else None)
     return Prepared(msg.transfer_id, msg.cached_blocks, msg.num_blocks, torch, nixl)
 
 

@@ -8,8 +8,9 @@
 # are kept as they come:
 #   1. setup        install .whl/*.whl into a private folder; record the GPU, torch, triton, transformers, NIXL
 #   2. correctness  python -m pdcluster.bench.engine_gpu: fp32 greedy CUDA == CPU, bf16 ours vs transformers
-#   3. gpu_kv       pytest -m gpu over tests/test_kv_*: KV between two processes on one GPU through NIXL (UCX
-#                   cuda_ipc, GB/s against a device-to-device copy; issue 30), the torch transport with GPU pools
+#   3. gpu_kv       pytest -m gpu over tests/test_kv_*: KV between two processes on one GPU through NIXL (GB/s
+#                   against a device-to-device copy, the UCX lanes and put protocols; issue 30) and through the
+#                   direct CUDA IPC lane (issue 38), the torch transport with GPU pools
 #   4. gpu_engine   pytest -m gpu over the other files with gpu tests: Triton kernels compiled, CUDA graphs, the KV
 #                   pool sized by gpu_memory_utilization (the two checks of step 2 deselected)
 #   5. bench        pdcluster bench engine --device cuda on random:llama-3.1-8b (decode b1/b64 at 512, prefill 2048),

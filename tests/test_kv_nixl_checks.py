@@ -15,7 +15,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kv_transfer.transports.nixl_receiver import block_runs, layer_check
+from kv_transfer.transports.nixl_checks import block_runs, layer_check
 
 IDS = {
     "ascending": list(range(3, 19)),

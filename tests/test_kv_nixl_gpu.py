@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.transports import nixl_agent
+from kv_transfer.transports import cuda_ipc, nixl_agent
+from kv_transfer.transports.nixl_checks import check_stream
 
 pytestmark = pytest.mark.gpu
 if torch.cuda.is_available():
@@ -38,8 +39,9 @@ needs = pytest.mark.skipif(not torch.cuda.is_available() or nixl_agent.unavailab
                            reason="needs a CUDA GPU and NIXL")
 SHAPE = (30, 2, 256, 16, 3, 64)  # [layers, K/V, pool blocks, block_size, KVH, D]
 SENT = 128  # blocks per layer sent
-ROUNDS = 3  # the same blocks sent 3 times: the first pays the pair's first use, the second (in runs, as the
-# transport writes) is the figure, the third writes a descriptor per block (for comparison)
+ROUNDS = 4  # the same blocks sent 3 times through NIXL: the first pays the pair's first use, the second (in runs, as
+# the transport writes) is the figure, the third writes a descriptor per block (for comparison); the 4th goes through
+# the direct lane (CUDA IPC) into other blocks
 
 
 def _ucx_lanes(path: str) -> list[str]:
@@ -48,7 +50,7 @@ def _ucx_lanes(path: str) -> list[str]:
     CPU): what carried the bytes, cuda_ipc or a copy through the host."""
     try:
         with open(path, errors="replace") as f:
-            return [line.split("INFO", 1)[-1].strip()[:200] for line in f if "cfg#" in line][:8]
+            return [line.split("INFO", 1)[-1].strip()[:200] for line in f if "cfg#" in line and "INFO" in line][:8]
     except OSError as e:
         return [f"no UCX log: {e}"]
 
@@ -93,7 +95,7 @@ def _flush_c_stdio() -> None:
 def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
     try:
 
-        from kv_transfer.transports.nixl_receiver import layer_check
+        from kv_transfer.transports.nixl_checks import layer_check
 
         # NOTE: UCX reads these when this process's agent starts (below): its endpoint configurations, as the figure's
         # explanation, go into the test's record
@@ -104,24 +106,26 @@ def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
         kv = torch.zeros(SHAPE, device="cuda")
         agent = nixl_agent.agent()
         pool = agent.pool(kv)
-        ids = np.arange(SENT, 2 * SENT, dtype=np.int64)  # where the sender writes
-        conn.send((agent.name, agent.metadata, kv.data_ptr(), pool.num_blocks, pool.block_nbytes, pool.device))
-        landed: dict[int, bool] = {}
+        ids = {"n": np.arange(SENT, 2 * SENT, dtype=np.int64), "d": np.arange(SENT, dtype=np.int64)}  # NIXL, direct
+        conn.send((agent.name, agent.metadata, kv.data_ptr(), pool.num_blocks, pool.block_nbytes, pool.device,
+                   cuda_ipc.export(kv)))
+        landed: dict[str, bool] = {}
         seen = 0
         deadline = time.monotonic() + 60
-        # NOTE: NIXL is driven here (no progress thread) until both rounds' notifications are in, so the sender's
-        # second, timed, round meets a receiver as active as the first
+        # NOTE: NIXL is driven here (no progress thread) until every round's notifications are in, so the sender's
+        # timed rounds meet a receiver as active as the first
         while seen < ROUNDS * SHAPE[0] and time.monotonic() < deadline:
             for msgs in agent.notifications().values():
                 for msg in msgs:
                     seen += 1
-                    layer_s, ck, cv = msg.decode().split(":")
+                    lane, layer_s, ck, cv = msg.decode().split(":")
                     layer = int(layer_s)
-                    if layer in landed:
+                    if f"{lane}{layer}" in landed:
                         continue
                     torch.cuda.synchronize()
-                    landed[layer] = (layer_check(kv[layer, 0], ids, f"{layer}/0", like=ck) == ck and
-                                     layer_check(kv[layer, 1], ids, f"{layer}/1", like=cv) == cv)
+                    landed[f"{lane}{layer}"] = (
+                        layer_check(kv[layer, 0], ids[lane], f"{layer}/0", like=ck) == ck and
+                        layer_check(kv[layer, 1], ids[lane], f"{layer}/1", like=cv) == cv)
         _flush_c_stdio()
         conn.send(("landed", landed, _ucx_lanes(log_path)))
         conn.recv()
@@ -130,7 +134,7 @@ def _receiver(conn) -> None:  # type: ignore[no-untyped-def]
 
 
 def _send_all(agent: nixl_agent.Agent, pool: nixl_agent.Pool, peer: nixl_agent.Peer, checks: list[list[str]],
-              src_ids: np.ndarray, dst_ids: np.ndarray, per_block: bool = False) -> float:
+              src_ids: np.ndarray, dst_ids: np.ndarray, per_block: bool = False, lane: str = "n") -> float:
     """One WRITE per layer (its notification carries the layer's checks); seconds until every one is done. As the
     transport writes (`Agent.write`: one descriptor per run of blocks, K then V), or `per_block`: one descriptor per
     block from the prepared lists (UCX then makes one copy per 12 KiB block)."""
@@ -138,7 +142,7 @@ def _send_all(agent: nixl_agent.Agent, pool: nixl_agent.Pool, peer: nixl_agent.P
     t0 = time.perf_counter()
     handles = []
     for layer in range(SHAPE[0]):
-        notif = f"{layer}:{checks[layer][0]}:{checks[layer][1]}".encode()
+        notif = f"{lane}:{layer}:{checks[layer][0]}:{checks[layer][1]}".encode()
         if per_block:
             base_l, base_r = layer * 2 * pool.num_blocks, layer * 2 * peer.num_blocks
             local = np.concatenate([base_l + src_ids, base_l + pool.num_blocks + src_ids]).astype(np.int32)
@@ -156,9 +160,24 @@ def _send_all(agent: nixl_agent.Agent, pool: nixl_agent.Pool, peer: nixl_agent.P
     return time.perf_counter() - t0
 
 
+def _copy_all(agent: nixl_agent.Agent, peer_name: str, dst: torch.Tensor, src: torch.Tensor,
+              checks: list[list[str]], src_ids: np.ndarray, dst_ids: np.ndarray) -> float:
+    """The direct lane, as the transport's `_copy_direct` runs it: each layer's runs copied GPU to GPU into the
+    receiver's pool mapped here, on a side stream, then its notification; seconds for all layers."""
+    stream = check_stream(src.device)
+    ls, rs, n = nixl_agent.runs(src_ids, dst_ids)
+    t0 = time.perf_counter()
+    for layer in range(SHAPE[0]):
+        with torch.cuda.stream(stream):
+            cuda_ipc.copy_layer(dst, src, layer, ls, rs, n)
+        stream.synchronize()
+        agent.nixl.send_notif(peer_name, f"d:{layer}:{checks[layer][0]}:{checks[layer][1]}".encode())
+    return time.perf_counter() - t0
+
+
 @needs
 def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property):
-    from kv_transfer.transports.nixl_receiver import layer_check
+    from kv_transfer.transports.nixl_checks import layer_check
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -168,7 +187,7 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property)
         assert conn.poll(120), "receiver did not start"
         msg = conn.recv()
         assert msg[0] != "error", msg[1]
-        name, metadata, addr, pool_blocks, block_nbytes, device = msg
+        name, metadata, addr, pool_blocks, block_nbytes, device, ipc_desc = msg
         src = torch.randn(SHAPE, device="cuda")
         src_ids, dst_ids = np.arange(SENT, dtype=np.int64), np.arange(SENT, 2 * SENT, dtype=np.int64)
         checks = [[layer_check(src[layer, w], src_ids, f"{layer}/{w}") for w in (0, 1)] for layer in range(SHAPE[0])]
@@ -185,6 +204,12 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property)
         nbytes = SHAPE[0] * 2 * SENT * block_nbytes
         nixl_s = send_all()
         per_block_s = send_all(per_block=True)
+        # NOTE: the direct lane (cuda_ipc.py) into other blocks (0 .. SENT-1, zeros until written), so the receiver's
+        # checks see what this lane wrote; where the pool cannot be mapped, that round goes through NIXL instead
+        direct_ids = np.arange(SENT, dtype=np.int64)
+        mapped = cuda_ipc.mapped(name, ipc_desc, src) if ipc_desc else None
+        direct_s = (_copy_all(agent, name, mapped, src, checks, src_ids, direct_ids) if mapped is not None
+                    else _send_all(agent, pool, peer, checks, src_ids, direct_ids, lane="d"))
         dst = torch.empty_like(src)
         copy_s = float("inf")
         for _ in range(2):  # NOTE: the second, as NIXL's
@@ -195,19 +220,21 @@ def test_kv_moves_between_two_processes_on_one_gpu_through_nixl(record_property)
             copy_s = time.perf_counter() - t0
         assert conn.poll(60), "receiver did not report"
         kind, landed, lanes = conn.recv()
-        assert kind == "landed" and len(landed) == SHAPE[0] and all(landed.values()), landed
+        assert kind == "landed" and len(landed) == 2 * SHAPE[0] and all(landed.values()), landed
         # NOTE: the figures also go into the JUnit XML (scripts/gpu-check.sh's summary.json reads them from there)
         for key, value in (("mb", nbytes / 1e6), ("nixl_gb_s", nbytes / nixl_s / 1e9),
                            ("first_round_gb_s", nbytes / first_s / 1e9), ("per_block_gb_s", nbytes / per_block_s / 1e9),
-                           ("copy_gb_s", nbytes / copy_s / 1e9),
-                           ("ratio_to_copy", copy_s / nixl_s)):
+                           ("copy_gb_s", nbytes / copy_s / 1e9), ("ratio_to_copy", copy_s / nixl_s),
+                           ("direct_gb_s", nbytes / direct_s / 1e9), ("direct_ratio_to_copy", copy_s / direct_s)):
             record_property(key, round(value, 3))
+        record_property("cuda_ipc", "mapped" if mapped is not None else cuda_ipc.refused(name) or "not offered")
         record_property("ucx_receiver_lanes", " | ".join(lanes) or "none logged")
         record_property("ucx_sender_lanes", " | ".join(_ucx_lanes(sender_log)) or "none logged")
         record_property("ucx_put_protocols", " / ".join(_put_protocols(sender_log)) or "none logged")
         print(f"\n[nixl gpu] {nbytes / 1e6:.0f} MB, {SHAPE[0]} layers x {SENT} blocks: "
               f"nixl {nbytes / nixl_s / 1e9:.1f} GB/s (first round {nbytes / first_s / 1e9:.1f}), "
-              f"device-to-device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio {copy_s / nixl_s:.2f}")
+              f"device-to-device copy {nbytes / copy_s / 1e9:.1f} GB/s, ratio {copy_s / nixl_s:.2f}; direct lane "
+              f"{nbytes / direct_s / 1e9:.1f} GB/s ({'CUDA IPC' if mapped is not None else cuda_ipc.refused(name)})")
         conn.send("stop")
     finally:
         proc.join(10)

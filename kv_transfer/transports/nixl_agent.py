@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_transfer.transports import cuda_ipc
+
 log = logging.getLogger(__name__)
 
 # NOTE: measured with two processes on one host (issue 30): UCX's TCP transport as shipped moves 0.13-0.8x raw
@@ -231,6 +233,7 @@ class Agent:
                 # NOTE: the prepared list is not released: a sender of another transfer may still hold it (its
                 # next post fails on the dropped agent, it does not touch freed memory)
                 self._peers.pop(key)
+        cuda_ipc.forget(name)
         if gone and name != self.name:
             try:
                 self.nixl.remove_remote_agent(name)

@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
-from kv_transfer import payload
 from kv_transfer.inbound import Inbound
 from kv_transfer.messages import NixlTarget, PrepareRequest
 from kv_transfer.pool import pool_tensors
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferConfig, TransferError, TransferState
-from kv_transfer.transports import nixl_agent
+from kv_transfer.transports import cuda_ipc, nixl_agent
+from kv_transfer.transports.nixl_checks import layers_check
 
 log = logging.getLogger(__name__)
 
@@ -57,69 +57,6 @@ HURRY_S = 0.01  # after a commit: polled fast this long (its last notifications 
 def unavailable() -> str | None:
     """Why nixl cannot run in this process (None: it can)."""
     return nixl_agent.unavailable()
-
-
-_streams = threading.local()
-
-
-def check_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's side stream for the checks of GPU layers.
-
-    NOTE: on the engine's stream (the legacy default one) a check, and the `int()` that reads it, waits for every
-    kernel queued there before it: on a decode worker the decode steps queued (two checks a layer, one transfer
-    after another on the notification thread), on a prefill worker the rest of the prefill (no layer could go before
-    it ended). On an H200 (BENCHMARKS.md, issue 38), 8B hand-offs of ~1,000 tokens under load took 3.4-4.9 s (p50)
-    that way, 0.23-2.2 s with this stream. A stream of torch's pool does not synchronize with the default one; the
-    blocks checked are ready when the check runs (the sender waited for the layer's event, the receiver for NIXL's
-    notification, which follows the write).
-    """
-    stream = getattr(_streams, "stream", None)
-    if stream is None or stream.device != device:
-        stream = _streams.stream = torch.cuda.Stream(device)
-    return stream
-
-
-def layer_check(kv: torch.Tensor, block_ids: np.ndarray, place: str, enabled: bool = True,
-                like: str | None = None) -> str:
-    """The check of blocks `block_ids` of one layer's K or V (`kv`: [num_blocks, *block_shape]), in order.
-
-    Host memory: CRC32C of `place`, continued over each run of consecutive blocks (views, no copy). GPU memory: "s"
-    and the int64 sum of the blocks' 32-bit words (computed on the device; weaker than a CRC, catches lost or
-    misplaced blocks). "-" when checks are turned off (`TransferConfig.nixl_checksum`). The receiver computes the
-    kind of check the sender sent (`like`), whichever memory its own pool is in.
-    """
-    if not enabled or like == "-":
-        return "-"
-    if (like is None and kv.device.type != "cpu") or (like is not None and like.startswith("s")):
-        if kv.device.type != "cuda":
-            return f"s{int(kv[torch.as_tensor(block_ids)].contiguous().view(torch.int32).sum(dtype=torch.int64))}"
-        with torch.cuda.stream(check_stream(kv.device)):
-            words = kv[torch.as_tensor(block_ids, device=kv.device)].contiguous().view(torch.int32)
-            return f"s{int(words.sum(dtype=torch.int64))}"
-    value = payload.crc32c(place.encode())
-    if kv.device.type != "cpu":
-        return str(payload.crc32c(kv[torch.as_tensor(block_ids, device=kv.device)].cpu(), value))
-    if len(block_ids):
-        # NOTE: byte slices of one view of the layer, not a tensor per run: a decode pool hands out blocks in
-        # descending runs (freed tail first), so a layer is ~128 one-block runs, and slicing tensors per run made
-        # the check 6x slower than the CRC itself (40 ms against 7 ms per 94 MB, issue 30's send profile)
-        raw = payload.as_bytes(kv)
-        size = raw.nbytes // kv.shape[0]
-        firsts, lasts = block_runs(block_ids)
-        for first, last in zip(firsts, lasts, strict=True):
-            value = payload.crc32c(raw[first * size : (last + 1) * size], value)
-    return str(value)
-
-
-def layers_check(kvs: list[torch.Tensor], layer: int, which: int, block_ids: np.ndarray, place: str,
-                 enabled: bool = True, like: str | None = None) -> str:
-    """`layer_check` of K (which=0) or V (1) of `layer` over a pool of one tensor per TP rank: the ranks' checks
-    joined by "+" (rank r's place suffixed "/r"; one rank: `layer_check` itself), compared as a whole."""
-    likes = like.split("+") if like is not None else [None] * len(kvs)
-    if len(likes) != len(kvs):
-        return "ranks differ"  # NOTE: never equal to a sender's check: the transfer fails as corrupt
-    return "+".join(layer_check(kv[layer, which], block_ids, place if r == 0 else f"{place}/{r}", enabled, theirs)
-                    for r, (kv, theirs) in enumerate(zip(kvs, likes, strict=True)))
 
 
 def on_this_host(peer: str) -> bool:
@@ -142,13 +79,6 @@ def on_this_host(peer: str) -> bool:
     return True
 
 
-def block_runs(block_ids: np.ndarray) -> tuple[list[int], list[int]]:
-    """The first and last block id of each run of consecutive ascending ids in `block_ids`, in order."""
-    cuts = np.flatnonzero(np.diff(block_ids) != 1) + 1
-    return (block_ids[np.concatenate(([0], cuts))].tolist(),
-            block_ids[np.concatenate((cuts - 1, [len(block_ids) - 1]))].tolist())
-
-
 @dataclass
 class _Watch:
     """A sender agent's open Watch call and the transfers it prepared while it was open."""
@@ -166,6 +96,8 @@ class NixlEndpoint:
         self.receiver, self.config = receiver, config
         self.agent = nixl_agent.agent()
         self.pool = self.agent.pool(pool_tensors(receiver.engine))  # NOTE: a TP group's: one per rank
+        # NOTE: a GPU pool is also shared through CUDA IPC, for senders on this node (the module doc of cuda_ipc)
+        self.cuda_ipc = cuda_ipc.export(self.pool.kv) if len(self.pool.kvs) == 1 else b""
         self._watches: dict[str, _Watch] = {}  # sender agent → its open watch
         self._open: dict[str, tuple[Inbound, _Watch]] = {}  # transfer id → (transfer, its watch), until settled
         self._cond = threading.Condition()
@@ -234,7 +166,7 @@ class NixlEndpoint:
             torch.cuda.current_stream(pool.kv.device).synchronize()
         return NixlTarget(self.agent.name, b"" if req.nixl_known == self.agent.name else self.agent.metadata,
                           pool.kv.data_ptr(), pool.num_blocks, pool.mem, pool.device, list(t.res.fresh_blocks),
-                          [kv.data_ptr() for kv in pool.kvs[1:]])
+                          [kv.data_ptr() for kv in pool.kvs[1:]], self.cuda_ipc)
 
     # ---- 4. notifications ---------------------------------------------------------------------------------------
     def _notifications(self) -> None:

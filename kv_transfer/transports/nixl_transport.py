@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -38,54 +38,17 @@ import torch
 from kv_transfer.messages import Abort, Prepared, PrepareRequest
 from kv_transfer.sender import _COMMIT, KVSender, Layer
 from kv_transfer.state import TransferError
-from kv_transfer.transports import nixl_agent, nixl_links
+from kv_transfer.transports import cuda_ipc, nixl_agent, nixl_links
 from kv_transfer.transports.grpc_transport import GrpcControl
 from kv_transfer.transports.nixl_agent import Peer, Pool
-from kv_transfer.transports.nixl_receiver import layers_check, receiver_side, unavailable
+from kv_transfer.transports.nixl_checks import PoolLayer, check_stream, checker, layer_ready, layers_check
+from kv_transfer.transports.nixl_receiver import receiver_side, unavailable
 
 __all__ = ["NixlKVSender", "receiver_side", "unavailable"]
 
 ABORT_RETRY_S = 0.5  # a handshake's abort that did not get through is sent again this often (while the pair lives)
 POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
 DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
-
-
-_checker_pool: ThreadPoolExecutor | None = None
-_checker_lock = threading.Lock()
-
-
-def _checker() -> ThreadPoolExecutor:
-    """This process's one thread computing the checks of layers queued behind the one being posted."""
-    global _checker_pool
-    with _checker_lock:
-        if _checker_pool is None:
-            _checker_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-nixl-check")
-        return _checker_pool
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolLayer:
-    """One layer of pool blocks to write; `ready`: on a GPU pool, an event recorded on the engine's stream right
-    after the layer's forward pass queued its K/V writes (None on the host, where those writes are done)."""
-
-    index: int
-    block_ids: tuple[int, ...]
-    ready: torch.cuda.Event | None = None
-
-
-def layer_ready(kv: torch.Tensor) -> torch.cuda.Event | None:
-    """On a GPU pool, an event on the calling thread's current stream (the engine's, inside its forward pass); None
-    on the host.
-
-    NOTE: the engine's host thread runs ahead of its GPU: when a layer's hook fires, the kernels that write that
-    layer's K/V may not have run yet. NIXL's WRITE copies on UCX's own streams, unordered with the engine's, so the
-    sender's thread waits for this event before it checks or posts the layer (it would send stale blocks otherwise).
-    """
-    if kv.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(kv.device))
-    return event
 
 
 class NixlKVSender(KVSender):
@@ -99,6 +62,7 @@ class NixlKVSender(KVSender):
         super().__init__(*args, **kwargs)
         self._peer: Peer | None = None
         self._pool: Pool | None = None
+        self._direct: torch.Tensor | None = None  # the receiver's GPU pool mapped here (cuda_ipc.py), if it can be
         self._remote_ids = np.zeros(0, dtype=np.int64)
         self._pinned: list[int] = []
         self._closed = False  # the sender's thread is past its data phase: nothing more is pinned
@@ -137,6 +101,8 @@ class NixlKVSender(KVSender):
             raise TransferError(f"nixl: no metadata for receiver agent {target.agent}", self.request_id,
                                 retryable=True) from None
         nixl_links.known[self.control.address] = target.agent
+        if target.cuda_ipc and len(self._pool.kvs) == 1:
+            self._direct = cuda_ipc.mapped(target.agent, target.cuda_ipc, self._pool.kv)
         self._remote_ids = np.asarray(target.block_ids, dtype=np.int64)
         if len(self._remote_ids) != resp.num_blocks:
             raise TransferError(f"nixl: {len(self._remote_ids)} block ids for {resp.num_blocks} blocks",
@@ -217,7 +183,7 @@ class NixlKVSender(KVSender):
                     layer, checks = ahead.popleft()
                     for i, (behind, fut) in enumerate(ahead):
                         if fut is None:
-                            ahead[i] = (behind, _checker().submit(self._checks, behind))
+                            ahead[i] = (behind, checker().submit(self._checks, behind))
                     ch = checks.result() if checks is not None else self._checks(layer)
                     self._post(layer, ch, pending)
                     self._progress(pending)
@@ -268,6 +234,10 @@ class NixlKVSender(KVSender):
                 return
             self._posted = True
             try:
+                if self._direct is not None:
+                    self._copy_direct(layer.index, src, notif)
+                    self.bytes_sent += 2 * len(src) * pool.block_nbytes
+                    return
                 handle = agent.write(pool, peer, layer.index, src, self._remote_ids, notif)
                 state = nx.transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL raises its own types (a peer dropped, disconnected)
@@ -279,6 +249,19 @@ class NixlKVSender(KVSender):
                                 retryable=True)
         pending.append((handle, layer.index))
         self.bytes_sent += 2 * len(src) * pool.block_nbytes * len(pool.kvs)
+
+    def _copy_direct(self, layer: int, src: np.ndarray, notif: bytes) -> None:
+        """One layer's runs of blocks copied GPU to GPU into the receiver's mapped pool, then its notification.
+
+        NOTE: the layer's kernels ran (`_checks` waited for its event); the copy runs on this thread's side stream,
+        and the notification goes once it is done: the receiver checks the blocks as soon as it comes."""
+        assert self._pool is not None and self._peer is not None and self._direct is not None
+        ls, rs, n = nixl_agent.runs(src, self._remote_ids)
+        stream = check_stream(self._pool.kv.device)
+        with torch.cuda.stream(stream):
+            cuda_ipc.copy_layer(self._direct, self._pool.kv, layer, ls, rs, n)
+        stream.synchronize()
+        nixl_agent.agent().nixl.send_notif(self._peer.name, notif)
 
     def _progress(self, pending: list[tuple[Any, int]]) -> None:
         """Drive NIXL once; completed writes leave `pending`; a failed one fails the transfer."""

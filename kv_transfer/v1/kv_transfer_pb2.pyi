@@ -53,7 +53,7 @@ class PrepareRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ..., attempt_id: _Optional[str] = ..., lora: _Optional[str] = ..., nixl_shards: _Optional[int] = ...) -> None: ...
 
 class NixlTarget(_message.Message):
-    __slots__ = ("agent", "metadata", "kv_addr", "pool_blocks", "mem_type", "device_id", "block_ids", "shard_addrs")
+    __slots__ = ("agent", "metadata", "kv_addr", "pool_blocks", "mem_type", "device_id", "block_ids", "shard_addrs", "cuda_ipc")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     KV_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class NixlTarget(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     agent: str
     metadata: bytes
     kv_addr: int
@@ -70,7 +71,8 @@ class NixlTarget(_message.Message):
     device_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     shard_addrs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., kv_addr: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shard_addrs: _Optional[_Iterable[int]] = ...) -> None: ...
+    cuda_ipc: bytes
+    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., kv_addr: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shard_addrs: _Optional[_Iterable[int]] = ..., cuda_ipc: _Optional[bytes] = ...) -> None: ...
 
 class TorchRendezvous(_message.Message):
     __slots__ = ("host", "port", "group_key", "backend", "tag", "device")

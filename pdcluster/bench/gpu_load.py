@@ -120,17 +120,22 @@ def part_serve(args: argparse.Namespace) -> dict[str, Any]:
             "engine": eng, "idle_vs_engine": _beside(modes, eng)}
 
 
+def _worker_lines(pattern: str, needle: str) -> list[str]:
+    """The distinct lines holding `needle` in the files `pattern` matches (from `needle` on, at most 12)."""
+    found = set()
+    for path in sorted(glob.glob(pattern)):
+        with open(path, errors="replace") as f:
+            found |= {line[line.index(needle):].strip()[:240] for line in f if needle in line}
+    return sorted(found)[:12]
+
+
 def _ucx_lanes(pattern: str) -> list[str]:
     """The UCX endpoint configurations the workers logged (`cfg#N ... rma_bw(cuda_ipc/cuda) ...`): what carried the
     bytes, cuda_ipc or a copy through the host.
 
     NOTE: UCX_LOG_FILE gave empty files on the H200 (NIXL's UCX build, 2026-11-30): UCX_LOG_LEVEL=info alone
     prints them on each worker's stdout, which Ray keeps in the session's worker-*.out files (`pattern`)."""
-    lanes = []
-    for path in sorted(glob.glob(pattern)):
-        with open(path, errors="replace") as f:
-            lanes += [line.split("INFO", 1)[-1].strip()[:240] for line in f if "cfg#" in line]
-    return sorted(set(lanes))[:12]
+    return [line.split("INFO", 1)[-1].strip() for line in _worker_lines(pattern, "INFO") if "cfg#" in line]
 
 
 def _copy_gb_s(nbytes: int) -> float:
@@ -165,6 +170,8 @@ def part_handoff(args: argparse.Namespace) -> dict[str, Any]:
             # NOTE: the handoff overlaps the prefill layer by layer; what a user waits for is the tail. Whole
             # transfer GB/s between the two processes: gpu_kv's nixl test (pytest_gpu_kv.xml, nixl_gb_s)
             "copy_ms_of_same_bytes": round(nbytes / copy / 1e6, 3), "ucx_lanes": _ucx_lanes(RAY_WORKER_LOGS),
+            # NOTE: whether the direct lane (CUDA IPC, kv_transfer/transports/cuda_ipc.py) carried them, or why not
+            "kv_lane": _worker_lines(RAY_WORKER_LOGS, "nixl-cuda-ipc:"),
             "requests": [{k: v for k, v in g.items() if k != "token_ids"} for g in got]}
 
 

@@ -1,0 +1,63 @@
+"""The nixl transport's direct lane between GPU pools of one node (kv_transfer/transports/cuda_ipc.py), on the CPU:
+what is offered and refused, and that the description travels in the handshake. The lane itself (a pool mapped
+through CUDA IPC, each layer copied GPU to GPU) runs in tests/test_kv_nixl_gpu.py on a GPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+
+import torch
+
+from kv_transfer import wire
+from kv_transfer.messages import NixlTarget, Prepared
+from kv_transfer.transports import cuda_ipc
+
+SHAPE = [2, 2, 8, 16, 3, 64]
+
+
+def _desc(**over: object) -> dict:
+    desc = {"host": socket.gethostname(), "pid": os.getpid() + 1, "shape": SHAPE, "dtype": "float32"}
+    desc.update(over)
+    return desc
+
+
+def test_a_host_pool_is_not_offered():
+    assert cuda_ipc.export(torch.zeros(SHAPE)) == b""
+
+
+def test_a_pool_that_cannot_be_mapped_here_says_why():
+    like = torch.zeros(SHAPE)
+    assert "not on this node" in cuda_ipc.refusal(_desc(host="elsewhere"), like)
+    assert "in this process" in cuda_ipc.refusal(_desc(pid=os.getpid()), like)
+    assert "differs" in cuda_ipc.refusal(_desc(shape=[2, 2, 9, 16, 3, 64]), like)
+    assert "differs" in cuda_ipc.refusal(_desc(dtype="bfloat16"), like)
+    assert "not on a GPU" in cuda_ipc.refusal(_desc(), like)
+
+
+def test_a_refused_pool_is_written_through_nixl_and_logged_once(caplog):
+    like = torch.zeros(SHAPE)
+    raw = json.dumps(_desc()).encode()
+    try:
+        with caplog.at_level(logging.INFO, logger=cuda_ipc.__name__):
+            assert cuda_ipc.mapped("recv-a", raw, like) is None
+            assert cuda_ipc.mapped("recv-a", raw, like) is None
+        assert [r.getMessage() for r in caplog.records] == [
+            "nixl-cuda-ipc: KV to recv-a goes through NIXL: the sender's pool is not on a GPU"]
+        assert cuda_ipc.refused("recv-a") == "the sender's pool is not on a GPU"
+        assert cuda_ipc.mapped("recv-b", b"not json", like) is None
+        assert cuda_ipc.refused("recv-b").startswith("JSONDecodeError")
+    finally:
+        cuda_ipc.forget("recv-a")
+        cuda_ipc.forget("recv-b")
+    assert cuda_ipc.refused("recv-a") is None
+
+
+def test_the_description_travels_in_the_handshake():
+    target = NixlTarget("recv", b"meta", 1234, 8, "VRAM", 0, [3, 4], [], b'{"host": "h"}')
+    back = wire.prepared_from_proto(wire.prepared_to_proto(Prepared("t1", 0, 2, None, target)))
+    assert back.nixl == target
+    plain = NixlTarget("recv", b"", 1234, 8, "DRAM", 0, [3, 4])
+    assert wire.prepared_from_proto(wire.prepared_to_proto(Prepared("t1", 0, 2, None, plain))).nixl == plain
