@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, num_kv_splits, paged_attention, select_backend, write_kv
-from engine.attention.triton_backend import SDPA_MIN_ROWS
+from engine.attention.triton_backend import SDPA_MIN_ROWS, aligned_width
 from engine.kernels import ENV
 from engine.stats import EngineStats
 from tests.helpers import import_triton_module
@@ -76,12 +76,29 @@ def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, head
     starts, num_new = [n - 1 for n in lengths], [1] * len(lengths)
     q, k, v, kc, vc = _data(len(lengths), heads, kv_heads, head_dim, nb, dtype)
     meta = AttentionMetadata.build(tables, starts, num_new, BS, backend="triton", device=DEV)
-    assert meta.triton is not None and meta.triton.num_splits == num_kv_splits(5, 19, BS)
+    assert meta.triton is not None and meta.triton.num_splits == num_kv_splits(5, aligned_width(19), BS)
+    assert meta.triton.block_tables.shape[1] == 32  # NOTE: 19 blocks, aligned to TABLE_ALIGN
     out = torch.empty_like(q)
     t = meta.triton
     tk.decode(q, kc, vc, t.block_tables, t.seq_lens, splits or t.num_splits, 0.125, out)
     ref = _reference(q, k, v, kc, vc, tables, starts, num_new)
     torch.testing.assert_close(out.float(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_eager_steps_take_only_the_shapes_the_decode_graphs_compiled() -> None:
+    """Split counts are powers of two and eager block tables multiples of TABLE_ALIGN wide: Triton compiles no new
+    variant of the decode and prefill kernels batch after batch (issue 38's colocated stalls); a graph's static
+    width is kept."""
+    assert {num_kv_splits(rows, w, BS) for rows in range(1, 300) for w in range(1, 700)} == {1, 2, 4, 8, 16}
+    assert [aligned_width(w) for w in (0, 1, 15, 16, 17, 512)] == [0, 16, 16, 16, 32, 512]
+    tables, starts = [[1, 2, 3], [4] * 20], [40, 300]
+    eager = AttentionMetadata.build(tables, starts, [1, 1], BS, backend="triton")
+    graph = AttentionMetadata.build(tables, starts, [1, 1], BS, backend="triton", pad_rows=4, pad_blocks=37,
+                                    pad_block=9)
+    assert eager.triton is not None and eager.triton.block_tables.shape == (2, 32)
+    assert graph.triton is not None and graph.triton.block_tables.shape == (4, 37)
+    mixed = AttentionMetadata.build([[1], [2, 3, 4]], [5, 20], [1, 8], BS, backend="triton")
+    assert mixed.triton is not None and mixed.triton.ctx_block_tables.shape == (1, 16)
 
 
 @pytest.mark.gpu

@@ -26,13 +26,25 @@ MAX_SPLITS = 16
 # for long prompts (flash's tiling); shorter ones join the one varlen launch (a batch of many short prompts would
 # otherwise cost a call each per layer).
 SDPA_MIN_ROWS = 256
+# NOTE: Triton compiles a kernel once per set of constexprs and per integer argument that is 1, divisible by 16, or
+# neither. The split count is a constexpr and a block table's width an argument (its row stride): left free, an
+# eager step (prefill and decode rows together, as a colocated worker runs) met new values batch after batch and
+# waited for a compile each time, ~0.5-1 s (on an H200, issue 38: colocated ITL p99 93-808 ms, worst at the first
+# rate of each sweep). Split counts are powers of two (the decode graphs' buckets compile all of them at start) and
+# widths multiples of TABLE_ALIGN, as cdiv(max_model_len, block_size) is for the usual lengths.
+TABLE_ALIGN = 16
 
 
 def num_kv_splits(rows: int, max_blocks: int, block_size: int) -> int:
-    """Key ranges per decode row for a batch of `rows` rows and block tables `max_blocks` wide."""
+    """Key ranges per decode row for a batch of `rows` rows and block tables `max_blocks` wide: a power of two."""
     by_len = max(1, max_blocks * block_size // SPLIT_MIN_TOKENS)
     by_rows = max(1, -(-SPLIT_TARGET_PROGRAMS // max(rows, 1)))
-    return min(by_len, by_rows, MAX_SPLITS)
+    return 1 << (min(by_len, by_rows, MAX_SPLITS).bit_length() - 1)
+
+
+def aligned_width(width: int) -> int:
+    """A block table's width rounded up to a multiple of `TABLE_ALIGN` (0 stays 0)."""
+    return -(-width // TABLE_ALIGN) * TABLE_ALIGN
 
 
 @dataclass
@@ -72,7 +84,8 @@ def build_triton(block_tables: list[list[int]], starts: list[int], num_new: list
     tables padded to `pad_blocks` columns (with `pad_block`)."""
     dec = block_tables[:num_decode]
     rows = max(num_decode, pad_rows)
-    width = max([pad_blocks] + [len(t) for t in dec])
+    # NOTE: a graph's static buffers are `pad_blocks` wide; an eager step's width is aligned (TABLE_ALIGN)
+    width = pad_blocks if pad_blocks >= max([0] + [len(t) for t in dec]) else aligned_width(max(len(t) for t in dec))
     bt = _table(dec + [[pad_block]] * (rows - num_decode), width, pad_block)
     seq_lens = torch.tensor([s + 1 for s in starts[:num_decode]] + [1] * (rows - num_decode), dtype=torch.int32)
     ctx: list[int] = []
@@ -86,7 +99,7 @@ def build_triton(block_tables: list[list[int]], starts: list[int], num_new: list
         else:
             own.append((q_start, num_new[i]))
         q_start += num_new[i]
-    ctx_width = max([0] + [len(block_tables[i]) for i in ctx])
+    ctx_width = aligned_width(max([0] + [len(block_tables[i]) for i in ctx]))
     return TritonMetadata(
         bt, seq_lens, num_kv_splits(rows, width, block_size),
         torch.tensor(flat, dtype=torch.int32), torch.tensor([num_new[i] for i in ctx], dtype=torch.int32),
