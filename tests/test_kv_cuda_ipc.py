@@ -53,6 +53,12 @@ def test_a_refused_pool_is_written_through_nixl_and_logged_once(caplog):
         cuda_ipc.forget("recv-a")
         cuda_ipc.forget("recv-b")
     assert cuda_ipc.refused("recv-a") is None
+    cuda_ipc.refuse("recv-c", "a copy failed: RuntimeError: x")  # NOTE: a mapped pool whose copy failed
+    try:
+        assert cuda_ipc.mapped("recv-c", json.dumps(_desc()).encode(), like) is None
+        assert cuda_ipc.refused("recv-c") == "a copy failed: RuntimeError: x"
+    finally:
+        cuda_ipc.forget("recv-c")
 
 
 def test_the_description_travels_in_the_handshake():

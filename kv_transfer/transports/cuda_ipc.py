@@ -40,7 +40,12 @@ def export(kv: torch.Tensor) -> bytes:
     """A description of GPU pool `kv` another process of this node can map (empty for a host pool, or when off)."""
     if kv.device.type != "cuda" or not enabled():
         return b""
-    device, handle, size, offset, ref, ref_offset, event, event_sync = kv.untyped_storage()._share_cuda_()
+    try:
+        device, handle, size, offset, ref, ref_offset, event, event_sync = kv.untyped_storage()._share_cuda_()
+    except Exception as e:  # noqa: BLE001 - e.g. an allocator setting torch cannot share: senders write through NIXL
+        log.warning("nixl-cuda-ipc: this KV pool cannot be shared through CUDA IPC (senders write through NIXL): "
+                    "%s: %s", type(e).__name__, e)
+        return b""
 
     def b64(raw: bytes | None) -> str | None:
         return None if raw is None else base64.b64encode(raw).decode()
@@ -98,6 +103,13 @@ def mapped(agent: str, description: bytes, like: torch.Tensor) -> torch.Tensor |
             else:
                 log.info("nixl-cuda-ipc: KV to %s is copied GPU to GPU through CUDA IPC", agent)
         return got if isinstance(got, torch.Tensor) else None
+
+
+def refuse(agent: str, why: str) -> None:
+    """Write to receiver `agent` through NIXL from now on (its mapped pool dropped), saying why."""
+    with _lock:
+        _opened[agent] = why
+    log.warning("nixl-cuda-ipc: KV to %s goes through NIXL from now on: %s", agent, why)
 
 
 def refused(agent: str) -> str | None:

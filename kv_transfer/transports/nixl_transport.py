@@ -235,7 +235,11 @@ class NixlKVSender(KVSender):
             self._posted = True
             try:
                 if self._direct is not None:
-                    self._copy_direct(layer.index, src, notif)
+                    try:
+                        self._copy_direct(layer.index, src, notif)
+                    except Exception as e:  # NOTE: this transfer fails (retryable); the next ones go through NIXL
+                        cuda_ipc.refuse(peer.name, f"a copy failed: {type(e).__name__}: {e}")
+                        raise
                     self.bytes_sent += 2 * len(src) * pool.block_nbytes
                     return
                 handle = agent.write(pool, peer, layer.index, src, self._remote_ids, notif)
