@@ -77,7 +77,9 @@ def _open(desc: dict, like: torch.Tensor) -> torch.Tensor:
     def raw(key: str) -> bytes | None:
         return None if desc[key] is None else base64.b64decode(desc[key])
 
-    # NOTE: the receiver's device index is its own process's; Ray gives both workers of one GPU the same one
+    # NOTE: opened on this process's GPU (desc["device"] counts the receiver's visible devices, not ours): the
+    # same physical GPU where Ray gives both workers of one GPU the same CUDA_VISIBLE_DEVICES; a pool on a GPU this
+    # process cannot reach fails to open, and that receiver is written through NIXL
     with torch.cuda.device(like.device):
         return rebuild_cuda_tensor(torch.Tensor, torch.Size(desc["shape"]), tuple(desc["stride"]),
                                    desc["tensor_offset"], torch.UntypedStorage, like.dtype, like.device.index or 0,

@@ -10,7 +10,8 @@ Life of a transfer, on top of `KVSender`'s (control on gRPC, as every remote tra
    sender's thread computes the layer's K and V checks from the pool and posts one WRITE of all its blocks (one
    descriptor per run of consecutive blocks, `Agent.write`) with a notification
    "<transfer_id>:<layer>:<check K>:<check V>"; it drives NIXL's progress while writes are in flight (no progress
-   thread);
+   thread). Between two GPU pools of one node the layer is copied GPU to GPU into the receiver's pool mapped through
+   CUDA IPC instead, and the same notification sent on its own (`cuda_ipc.py`, `_copy_direct`);
 3. after the last layer it waits for every write to complete, then commits; the blocks are unpinned;
 4. a transfer that fails with writes posted waits for them (or, failing that, drops the peer: the connection
    closes and the Watch ends) before telling the receiver `Abort(quiesced)`: the receiver's fence
