@@ -1,6 +1,7 @@
 """The nixl transport's direct lane between GPU pools of one node (kv_transfer/transports/cuda_ipc.py), on the CPU:
-what is offered and refused, and that the description travels in the handshake. The lane itself (a pool mapped
-through CUDA IPC, each layer copied GPU to GPU) runs in tests/test_kv_nixl_gpu.py on a GPU."""
+what is offered and refused, that the description travels in the handshake, and the lane's path through the
+transport with only the CUDA IPC open stood in for. The lane itself (a pool mapped through CUDA IPC, each layer
+copied GPU to GPU) runs in tests/test_kv_nixl_gpu.py on a GPU."""
 
 from __future__ import annotations
 
@@ -67,3 +68,37 @@ def test_the_description_travels_in_the_handshake():
     assert back.nixl == target
     plain = NixlTarget("recv", b"", 1234, 8, "DRAM", 0, [3, 4])
     assert wire.prepared_from_proto(wire.prepared_to_proto(Prepared("t1", 0, 2, None, plain))).nixl == plain
+
+
+def test_the_direct_lane_copies_each_layer_and_the_receiver_checks_what_landed(tiny, monkeypatch):
+    """The sender's side of the lane as the transport runs it (runs of blocks copied into the receiver's pool, then
+    each layer's notification with its checks), and the receiver's checks and commit, with NIXL's WRITE made to fail:
+    only the CUDA IPC open is stood in for (the receiver's pool is in this process), which the GPU test runs."""
+    from kv_transfer.endpoint import ReceiverEndpoint
+    from kv_transfer.state import TransferConfig, TransferState
+    from kv_transfer.transports import nixl_agent
+    from tests.helpers import free_blocks, greedy, open_kv_sender, prefill_layerwise, random_prompts, run_alone
+    from tests.test_kv_transfer import decode_on, engine
+
+    prompt = random_prompts(1, [90], vocab=1000, seed=11)[0]
+    want = run_alone(tiny, prompt, greedy(8))
+    ep = ReceiverEndpoint(engine(tiny), TransferConfig(transport="nixl"), local_name="nixl-direct")
+    try:
+        ep.side.cuda_ipc = b"{}"  # NOTE: offered (a host pool offers nothing): the sender asks `mapped` for it
+        opened = []
+        monkeypatch.setattr(cuda_ipc, "mapped", lambda agent, desc, like: opened.append(desc) or ep.side.pool.kv)
+
+        def no_write(*args: object) -> None:
+            raise AssertionError("a NIXL WRITE on the direct lane")
+
+        monkeypatch.setattr(nixl_agent.Agent, "write", no_write)
+        a = engine(tiny)
+        b_free = free_blocks(ep.receiver.engine)
+        sender = open_kv_sender("nixl", ep.address, a, "r", prompt)
+        first = prefill_layerwise(a, sender, prompt, greedy(1))
+        assert sender.wait(10) is TransferState.DONE, sender.error
+        assert opened == [b"{}"] and sender.bytes_sent == a.kv_layout.num_layers * a.kv_layout.layer_nbytes(6)
+        assert first == want[:1] and decode_on(ep, "r", 8) == want
+        assert free_blocks(ep.receiver.engine) == b_free and ep.receiver.num_inflight == 0
+    finally:
+        ep.close()
