@@ -102,3 +102,16 @@ def test_the_direct_lane_copies_each_layer_and_the_receiver_checks_what_landed(t
         assert free_blocks(ep.receiver.engine) == b_free and ep.receiver.num_inflight == 0
     finally:
         ep.close()
+
+
+def test_the_lanes_ucx_logged_are_read_from_its_info_lines():
+    """The endpoint configurations as UCX logged them on the H200 (2026-11-30), not its tables' rows."""
+    from kv_transfer.transports.nixl_agent import ucx_lanes
+
+    lines = ["[1796001312.924648] [vm:10061:0]      ucp_worker.c:1997 UCX  INFO    pdc-vm-10061-eea4b1cd intra-node "
+             "cfg#2 rma_am(tcp/lo)  amo_am(tcp/lo)  device(cuda_ipc/cuda)  am(tcp/lo cma/memory cuda_ipc/cuda)  "
+             "ka(tcp/lo)",
+             "[1796001312.925220] [vm:10061:0]   | pdc-vm-10061-eea4b1cd intra-node cfg#2                   |",
+             "[1796001312.912125] [vm:10061:0]  cuda_ipc_iface.c:320  UCX  DEBUG cuda-ipc get zcopy disabled"]
+    assert ucx_lanes(lines) == ["pdc-vm-10061-eea4b1cd intra-node cfg#2 rma_am(tcp/lo)  amo_am(tcp/lo)  "
+                                "device(cuda_ipc/cuda)  am(tcp/lo cma/memory cuda_ipc/cuda)  ka(tcp/lo)"]

@@ -45,12 +45,10 @@ ROUNDS = 4  # the same blocks sent 3 times through NIXL: the first pays the pair
 
 
 def _ucx_lanes(path: str) -> list[str]:
-    """UCX's log lines that name the transports of its endpoints' configurations (at info level, e.g. `b intra-node
-    cfg#1 rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)` between two host pools on this project's
-    CPU): what carried the bytes, cuda_ipc or a copy through the host."""
+    """The endpoint configurations UCX logged into `path` (`nixl_agent.ucx_lanes`), at most 8."""
     try:
         with open(path, errors="replace") as f:
-            return [line.split("INFO", 1)[-1].strip()[:200] for line in f if "cfg#" in line and "INFO" in line][:8]
+            return nixl_agent.ucx_lanes(f)[:8]
     except OSError as e:
         return [f"no UCX log: {e}"]
 

@@ -85,7 +85,8 @@ def build_triton(block_tables: list[list[int]], starts: list[int], num_new: list
     dec = block_tables[:num_decode]
     rows = max(num_decode, pad_rows)
     # NOTE: a graph's static buffers are `pad_blocks` wide; an eager step's width is aligned (TABLE_ALIGN)
-    width = pad_blocks if pad_blocks >= max([0] + [len(t) for t in dec]) else aligned_width(max(len(t) for t in dec))
+    longest = max([0] + [len(t) for t in dec])
+    width = pad_blocks if pad_blocks >= longest else aligned_width(longest)
     bt = _table(dec + [[pad_block]] * (rows - num_decode), width, pad_block)
     seq_lens = torch.tensor([s + 1 for s in starts[:num_decode]] + [1] * (rows - num_decode), dtype=torch.int32)
     ctx: list[int] = []

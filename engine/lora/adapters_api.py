@@ -7,7 +7,6 @@ every follower its own (engine/parallel/lora.py).
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, ModelConfig
@@ -28,19 +27,15 @@ class LoRAAdapters:
 
     def _make_lora(self, mcfg: ModelConfig) -> None:
         """The adapter slots (max_loras > 0), around the runner's linears: in a TP group, rank 0's share of each."""
-        config, runner = self.config, self.runner
         self.lora = None
-        if not config.max_loras:
-            return
-        n = config.tensor_parallel_size
-        share = None
-        if n > 1:
-            from engine.parallel.lora import shard_adapter
+        if self.config.max_loras:
+            n = self.config.tensor_parallel_size
+            share = None
+            if n > 1:
+                from engine.parallel.lora import rank_share
 
-            share = functools.partial(shard_adapter, cfg=mcfg, rank=0, n=n)
-        self.lora = LoRASlots(mcfg, config.max_loras, config.max_lora_rank, config.torch_dtype, runner.device,
-                              kernel=runner.attn_backend == "triton", share=share, shape=runner.cfg)
-        self.lora.wrap(runner.model.layers)
+                share = rank_share(mcfg, 0, n)
+            self.lora = LoRASlots.around(self.runner, mcfg, self.config, share)
 
     def load_lora(self, name: str, path: str) -> None:
         """Load the PEFT adapter at `path` as `name` (requests choose it with SamplingParams.lora); a bad adapter

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.errors import InvalidRequestError
 from engine.lora.adapter import LINEARS, LoRAAdapter, LoRALoadError, LoRAPair, load_adapter, part_sizes
 from engine.lora.batch import LoRALinear, LoRAStep
 from engine.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
 
 
 class LoRASlots:
@@ -60,6 +64,16 @@ class LoRASlots:
                     a = torch.zeros(max_loras, len(parts) * max_rank, inp, dtype=dtype, device=device)
                     b = torch.zeros(max_loras, len(owners), max_rank, width, dtype=dtype, device=device)
                 self._stacks[(layer, linear)] = (a, b)
+
+    @classmethod
+    def around(cls, runner: ModelRunner, cfg: ModelConfig, engine_cfg: EngineConfig,
+               share: Callable[[LoRAAdapter], LoRAAdapter] | None = None) -> LoRASlots:
+        """`engine_cfg`'s adapter slots around `runner`'s linears (a TP rank's, cut by `share`: engine/parallel/lora.py
+        `rank_share`); the adapters are read and checked against `cfg`, the whole model."""
+        slots = cls(cfg, engine_cfg.max_loras, engine_cfg.max_lora_rank, engine_cfg.torch_dtype, runner.device,
+                    kernel=runner.attn_backend == "triton", share=share, shape=runner.cfg)
+        slots.wrap(runner.model.layers)
+        return slots
 
     def wrap(self, layers: Sequence[object]) -> None:
         """Put a LoRALinear around each of the decoder layers' four linears (inside a TP rank's row-parallel

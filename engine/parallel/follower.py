@@ -114,9 +114,9 @@ class TPFollower:
         if isinstance(msg, CopyBlock):
             r.copy_block(msg.src, msg.dst)
             return True
-        if isinstance(msg, LoadLoRA):  # NOTE: whole: this rank's share of it goes in
+        if isinstance(msg, LoadLoRA):  # NOTE: whole, on the host: this rank's share of it goes to its device
             slots = slots_of(self.lora)
-            slots.install(msg.name, msg.slot, slots.share(adapter_to(msg.adapter, r.device)))
+            slots.install(msg.name, msg.slot, adapter_to(slots.share(msg.adapter), r.device))
             return True
         if isinstance(msg, UnloadLoRA):
             slots_of(self.lora).unload(msg.name, [])  # NOTE: rank 0 checked that no request uses it

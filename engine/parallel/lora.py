@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -67,15 +68,14 @@ def adapter_to(adapter: LoRAAdapter, device: torch.device) -> LoRAAdapter:
     return dataclasses.replace(adapter, layers=layers)
 
 
+def rank_share(cfg: ModelConfig, rank: int, n: int) -> Callable[[LoRAAdapter], LoRAAdapter]:
+    """What cuts a whole adapter (`cfg`: the full model's) to rank `rank` of TP `n` (`LoRASlots.share`)."""
+    return functools.partial(shard_adapter, cfg=cfg, rank=rank, n=n)
+
+
 def follower_slots(cfg: ModelConfig, engine_cfg: EngineConfig, runner: ModelRunner, rank: int,
                    n: int) -> LoRASlots | None:
     """Rank `rank`'s adapter slots around its (parallelized) model's linears, as rank 0's (`max_loras` > 0): each
     adapter rank 0 loads arrives whole in a `LoadLoRA` message and goes in cut to the rank (`share`); None without
     adapters."""
-    if not engine_cfg.max_loras:
-        return None
-    slots = LoRASlots(cfg, engine_cfg.max_loras, engine_cfg.max_lora_rank, engine_cfg.torch_dtype, runner.device,
-                      kernel=runner.attn_backend == "triton", shape=runner.cfg,
-                      share=functools.partial(shard_adapter, cfg=cfg, rank=rank, n=n))
-    slots.wrap(runner.model.layers)
-    return slots
+    return LoRASlots.around(runner, cfg, engine_cfg, rank_share(cfg, rank, n)) if engine_cfg.max_loras else None

@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -60,6 +60,13 @@ def load() -> ModuleType:
             logging.getLogger("nixl").setLevel(logging.WARNING)
         return _module
     raise ImportError("no NIXL package importable (" + "; ".join(errors) + "); scripts/install.sh installs nixl-cu12")
+
+
+def ucx_lanes(lines: Iterable[str]) -> list[str]:
+    """The endpoint configurations in UCX's log lines at info level (UCX_LOG_LEVEL=info), from the agent on, e.g.
+    `b intra-node cfg#1 rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)` between two host pools:
+    what carried the bytes, cuda_ipc or a copy through the host."""
+    return [line.split("INFO", 1)[-1].strip()[:240] for line in lines if "cfg#" in line and "INFO" in line]
 
 
 def unavailable() -> str | None:

@@ -58,8 +58,9 @@ def layer_ready(kv: torch.Tensor) -> torch.cuda.Event | None:
 _streams = threading.local()
 
 
-def check_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's side stream for the checks of GPU layers.
+def check_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """This thread's side stream for the checks and copies of GPU layers; None on the host (`torch.cuda.stream(None)`
+    is a no-op there).
 
     NOTE: on the engine's stream (the legacy default one) a check, and the `int()` that reads it, waits for every
     kernel queued there before it: on a decode worker the decode steps queued (two checks a layer, one transfer
@@ -69,6 +70,8 @@ def check_stream(device: torch.device) -> torch.cuda.Stream:
     blocks checked are ready when the check runs (the sender waited for the layer's event, the receiver for NIXL's
     notification, which follows the write).
     """
+    if device.type != "cuda":
+        return None
     stream = getattr(_streams, "stream", None)
     if stream is None or stream.device != device:
         stream = _streams.stream = torch.cuda.Stream(device)
@@ -87,8 +90,6 @@ def layer_check(kv: torch.Tensor, block_ids: np.ndarray, place: str, enabled: bo
     if not enabled or like == "-":
         return "-"
     if (like is None and kv.device.type != "cpu") or (like is not None and like.startswith("s")):
-        if kv.device.type != "cuda":
-            return f"s{int(kv[torch.as_tensor(block_ids)].contiguous().view(torch.int32).sum(dtype=torch.int64))}"
         with torch.cuda.stream(check_stream(kv.device)):
             words = kv[torch.as_tensor(block_ids, device=kv.device)].contiguous().view(torch.int32)
             return f"s{int(words.sum(dtype=torch.int64))}"

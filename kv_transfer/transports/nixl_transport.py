@@ -262,14 +262,12 @@ class NixlKVSender(KVSender):
         and the notification goes once it is done: the receiver checks the blocks as soon as it comes."""
         assert self._pool is not None and self._peer is not None and self._direct is not None
         ls, rs, n = nixl_agent.runs(src, self._remote_ids)
-        kv = self._pool.kv
-        if kv.device.type == "cuda":
-            stream = check_stream(kv.device)
-            with torch.cuda.stream(stream):
-                cuda_ipc.copy_layer(self._direct, kv, layer, ls, rs, n)
+        # NOTE: on the host (no host lane offers a pool yet: tests/test_kv_cuda_ipc.py maps its own) no stream
+        stream = check_stream(self._pool.kv.device)
+        with torch.cuda.stream(stream):
+            cuda_ipc.copy_layer(self._direct, self._pool.kv, layer, ls, rs, n)
+        if stream is not None:
             stream.synchronize()
-        else:  # NOTE: a host pool mapped here (no host lane offers one yet: tests/test_kv_cuda_ipc.py maps its own)
-            cuda_ipc.copy_layer(self._direct, kv, layer, ls, rs, n)
         nixl_agent.agent().nixl.send_notif(self._peer.name, notif)
 
     def _progress(self, pending: list[tuple[Any, int]]) -> None:

@@ -130,12 +130,13 @@ def _worker_lines(pattern: str, needle: str) -> list[str]:
 
 
 def _ucx_lanes(pattern: str) -> list[str]:
-    """The UCX endpoint configurations the workers logged (`cfg#N ... rma_bw(cuda_ipc/cuda) ...`): what carried the
-    bytes, cuda_ipc or a copy through the host.
+    """The UCX endpoint configurations the workers logged (`nixl_agent.ucx_lanes`).
 
     NOTE: UCX_LOG_FILE gave empty files on the H200 (NIXL's UCX build, 2026-11-30): UCX_LOG_LEVEL=info alone
     prints them on each worker's stdout, which Ray keeps in the session's worker-*.out files (`pattern`)."""
-    return [line.split("INFO", 1)[-1].strip() for line in _worker_lines(pattern, "INFO") if "cfg#" in line]
+    from kv_transfer.transports.nixl_agent import ucx_lanes
+
+    return ucx_lanes(_worker_lines(pattern, "INFO"))
 
 
 def _copy_gb_s(nbytes: int) -> float:
