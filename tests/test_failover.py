@@ -155,21 +155,43 @@ def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, 
     want = reference(smollm2, texts, 8)
     old = {w.name: w.epoch for w in c.index().workers()}
     started = threading.Event()
-    with ThreadPoolExecutor(1) as bg:
+    with ThreadPoolExecutor(1) as bg, slo_rule_off(server):
         fut = bg.submit(stream_all, server, texts, 8, started)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # wait until prefill-0 is computing prompts
-            if ray_session.get(c.actors["prefill-0"].load.remote(), timeout=30).pending_prefill_tokens > 0:
-                break
-            time.sleep(0.05)
-        ray_session.kill(ray_session.get_actor("prefill-0", namespace=NS), no_restart=False)
+        victim = busy_prefill_worker(c, ray_session, within_s=60)
+        ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
         results = fut.result(timeout=600)
     for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
         assert (ids, text) == (ref_ids, ref_text) and last.usage.completion_tokens == 8
     loads = router_loads(server)
     assert loads == dict.fromkeys(loads, (0, 0)), loads
-    new_epoch = wait_restarted(c, "prefill-0", old["prefill-0"])
-    assert new_epoch > old["prefill-0"]
+    new_epoch = wait_restarted(c, victim, old[victim])
+    assert new_epoch > old[victim]
+
+
+@contextlib.contextmanager
+def slo_rule_off(server):
+    """Every fresh prompt goes to the prefill pool: the router's SLO rule, which may compute a prompt on an idle decode
+    worker instead (router/policy.py), is off. NOTE: with it on, a run on a loaded machine sent all 8 prompts there
+    once, and the test killed a prefill worker that had nothing to retry."""
+    policy = server.router.pools.policy
+    target, policy.slo_itl_s = policy.slo_itl_s, None
+    try:
+        yield
+    finally:
+        policy.slo_itl_s = target
+
+
+def busy_prefill_worker(c, ray_session, within_s: float) -> str:
+    """The name of the first prefill worker seen computing prompts (fails after `within_s`)."""
+    names = sorted(n for n in c.actors if n.startswith("prefill-"))
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        loads = ray_session.get([c.actors[n].load.remote() for n in names], timeout=30)
+        for name, load in zip(names, loads):
+            if load.pending_prefill_tokens > 0:
+                return name
+        time.sleep(0.02)
+    raise AssertionError(f"no prefill worker of {names} was seen computing a prompt within {within_s} s")
 
 
 @contextlib.contextmanager
