@@ -34,6 +34,8 @@
 # its step's log), gpu-check.log (everything printed), <step>.log, env.json, correctness.json, pytest_gpu_kv.xml,
 # pytest_gpu_engine.xml, bench_engine_device.json, bench_engine_profile.json, cluster_<part>.json (text, handoff,
 # serve, mps). Exit status 0 only when every step passed.
+# GPU_CHECK_BUNDLE=DIR (the device tool's $OUT: it brings back at most 8 files) gets, after every step, the whole
+# OUTDIR as DIR/gpu-check.tgz and DIR/summary.json: what finished comes back even if the call runs past its limit.
 set -uo pipefail
 OUTDIR=${1:?usage: scripts/gpu-check.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -82,6 +84,16 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, its output also
   echo "$name $rc $((SECONDS - t0))" >> "$OUTDIR/.steps"
   echo "=== [$name] rc=$rc in $((SECONDS - t0))s"
   "$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" || echo "=== summary.json not written (see above)"
+  bundle
+}
+
+bundle() {
+  [ -n "${GPU_CHECK_BUNDLE:-}" ] || return 0
+  mkdir -p "$GPU_CHECK_BUNDLE"
+  tar czf "$GPU_CHECK_BUNDLE/gpu-check.tgz.part" -C "$(dirname "$OUTDIR")" "$(basename "$OUTDIR")" \
+    && mv "$GPU_CHECK_BUNDLE/gpu-check.tgz.part" "$GPU_CHECK_BUNDLE/gpu-check.tgz"
+  [ -f "$OUTDIR/summary.json" ] && cp "$OUTDIR/summary.json" "$GPU_CHECK_BUNDLE/"
+  return 0
 }
 
 setup() {
@@ -160,4 +172,5 @@ step profile 75 "$PY" -m pdcluster.bench.engine_profile --device cuda --model ra
 # NOTE: OUTDIR first, so a part's UCX and MPS files land there; GPU_CLUSTER_ARGS split on spaces on purpose
 # shellcheck disable=SC2086
 step cluster 560 "$PY" -m pdcluster.bench.gpu_cluster --out-dir "$OUTDIR" --limit-pct "$PCT" ${GPU_CLUSTER_ARGS:-}
-"$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; exit 1; }
+"$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; bundle; exit 1; }
+bundle

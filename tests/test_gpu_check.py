@@ -140,3 +140,22 @@ def test_the_profile_step_runs_its_host_part_anywhere(tmp_path):
     assert set(host) == {"graph_builder_b1_us", "graph_staging_b1_us", "graph_builder_b64_us", "graph_staging_b64_us",
                          "eager_builder_64_rows_and_a_chunk_us"}
     assert all(v > 0 for v in host.values())
+
+
+def test_a_bundle_brings_the_whole_outdir_back_as_two_files(tmp_path):
+    """GPU_CHECK_BUNDLE: the device tool brings back at most 8 files of $OUT, and OUTDIR holds more; the script leaves
+    there, after each step, the whole OUTDIR as one archive and summary.json (here only setup runs: no CUDA)."""
+    import tarfile
+
+    out, bundle = tmp_path / "check", tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCLUSTER_")}
+    proc = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env | {"GPU_CHECK_STEPS": "none", "GPU_CHECK_BUNDLE": str(bundle),
+                                     "PDCLUSTER_GPU_SITE": str(tmp_path / "site")})
+    assert proc.returncode == 1, proc.stdout[-2000:]  # NOTE: setup fails without CUDA, and says so
+    assert sorted(p.name for p in bundle.iterdir()) == ["gpu-check.tgz", "summary.json"]
+    with tarfile.open(bundle / "gpu-check.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"check/summary.json", "check/setup.log", "check/gpu-check.log"} <= names, names
+    summary = json.loads((bundle / "summary.json").read_text())
+    assert summary["steps"]["setup"]["passed"] is False
