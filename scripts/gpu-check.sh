@@ -95,6 +95,7 @@ bundle() {
   [ -f "$OUTDIR/summary.json" ] && cp "$OUTDIR/summary.json" "$GPU_CHECK_BUNDLE/"
   return 0
 }
+trap bundle EXIT  # NOTE: and after each step (a call killed past its limit runs no trap)
 
 setup() {
   if compgen -G ".whl/*.whl" > /dev/null; then
@@ -172,5 +173,4 @@ step profile 75 "$PY" -m pdcluster.bench.engine_profile --device cuda --model ra
 # NOTE: OUTDIR first, so a part's UCX and MPS files land there; GPU_CLUSTER_ARGS split on spaces on purpose
 # shellcheck disable=SC2086
 step cluster 560 "$PY" -m pdcluster.bench.gpu_cluster --out-dir "$OUTDIR" --limit-pct "$PCT" ${GPU_CLUSTER_ARGS:-}
-"$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; bundle; exit 1; }
-bundle
+"$PY" -m pdcluster.bench.gpu_summary "$OUTDIR" --print || { [ -f "$OUTDIR/summary.json" ] || echo "no summary.json"; exit 1; }

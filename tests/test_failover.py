@@ -169,16 +169,22 @@ def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, 
 
 
 @contextlib.contextmanager
-def slo_rule_off(server):
-    """Every fresh prompt goes to the prefill pool: the router's SLO rule, which may compute a prompt on an idle decode
-    worker instead (router/policy.py), is off. NOTE: in the suite, the loop this replaced waited out its 60 s
-    without seeing prefill-0 busy (70 s against 9 s alone), then killed it anyway: the prompts had gone elsewhere."""
+def slo_itl_target(server, seconds: float | None):
+    """The router's ITL target for the SLO rule (router/policy.py) set to `seconds` (None: the rule is off), then
+    restored."""
     policy = server.router.pools.policy
-    target, policy.slo_itl_s = policy.slo_itl_s, None
+    target, policy.slo_itl_s = policy.slo_itl_s, seconds
     try:
         yield
     finally:
         policy.slo_itl_s = target
+
+
+def slo_rule_off(server):
+    """Every fresh prompt goes to the prefill pool: the router's SLO rule, which may compute a prompt on an idle decode
+    worker instead, is off. NOTE: in the suite, the loop this replaced waited out its 60 s without seeing prefill-0
+    busy (70 s against 9 s alone), then killed it anyway: the prompts had gone elsewhere."""
+    return slo_itl_target(server, None)
 
 
 def busy_prefill_worker(c, ray_session, within_s: float) -> str:
@@ -203,16 +209,13 @@ def prefill_pool_backlogged(server, tokens: int = 200_000):
     cores stay free for the decode workers' prompts on a 2-core machine; the target is the router's, while the
     engines keep their own 100 ms budget (an idle batch takes whole steps).
     """
-    router = server.router
-    views = [w.view for w in router.prefill]
-    target = router.pools.policy.slo_itl_s
+    views = [w.view for w in server.router.prefill]
     for v in views:
         v.pending_tokens += tokens
-    router.pools.policy.slo_itl_s = 10.0
     try:
-        yield
+        with slo_itl_target(server, 10.0):
+            yield
     finally:
-        router.pools.policy.slo_itl_s = target
         for v in views:
             v.pending_tokens -= tokens
 
