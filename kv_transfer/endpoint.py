@@ -31,7 +31,7 @@ def open_sender(config: TransferConfig, address: str, request_id: str, layout: K
 
         control = local.LocalControl(address.removeprefix("local://"))
     else:  # every remote transport keeps its control plane on gRPC
-        from kv_transfer.transports.grpc_transport import GrpcControl
+        from kv_transfer.transports.grpc_control import GrpcControl
 
         control = GrpcControl(address, config.cluster_token, config.tls)
     sender = transports.sender_class(config.transport)(control, config, request_id, layout, token_ids,

@@ -13,7 +13,7 @@ from engine import SamplingParams
 from engine.block_hash import hash_prompt_blocks
 from kv_transfer.messages import PrepareRequest
 from kv_transfer.state import TransferError
-from kv_transfer.transports.grpc_transport import GrpcControl
+from kv_transfer.transports.grpc_control import GrpcControl
 from kv_transfer.v1 import kv_transfer_pb2 as pb
 from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 from router.v1 import inference_pb2 as pb_router

@@ -238,6 +238,27 @@ def test_receiver_gone_fails_the_sender_fast_and_the_prefill_side_is_idle(tiny, 
     assert_idle(a)
 
 
+def test_a_receiver_that_took_the_port_of_a_gone_one_gets_the_next_transfer(tiny, endpoints):
+    """The channel cached for the old receiver's address waits out its reconnect backoff (and would fail calls
+    fast meanwhile): a handshake that never connected is tried once more on a fresh channel, not failed."""
+    a, gone = engine(tiny), endpoints("grpc")
+    sender = open_kv_sender("grpc", gone.address, a, "old", PROMPT)
+    sender.prepare()
+    gone.close()
+    with pytest.raises(TransferError, match="UNAVAILABLE"):  # NOTE: puts the cached channel into its backoff
+        sender.control.keep_alive("old", 2)
+    sender.abort("the receiver went away")
+    port = int(gone.address.rsplit(":", 1)[1])
+    ep = ReceiverEndpoint(engine(tiny), TransferConfig(transport="grpc"), port=port)  # a restarted worker
+    try:
+        sender = open_kv_sender("grpc", ep.address, a, "new", PROMPT)
+        first = prefill_layerwise(a, sender, PROMPT, FIRST)
+        assert sender.wait(10) is TransferState.DONE, sender.error
+        assert first + decode_on(ep, "new")[1:] == run_alone(tiny, PROMPT, greedy(N))
+    finally:
+        ep.close()
+
+
 def test_receiver_abort_fails_the_sender(tiny, endpoints):
     a, ep = engine(tiny), endpoints("grpc")
     sender = open_kv_sender("grpc", ep.address, a, "r", PROMPT)

@@ -1,8 +1,9 @@
-"""The `grpc` transport, and the gRPC control plane every remote transport uses.
+"""The `grpc` transport: the KV service every remote transport's control calls reach, and its own data path.
 
-Receiver: `KVTransferService` serves `pdcluster.v1.KVTransfer` over a `KVReceiver`. Sender: `GrpcControl` makes
-the control calls; `GrpcKVSender` streams K and V as sealed chunks over `grpc_streams` parallel Push calls, each
-on its own TCP connection (one Python gRPC stream tops out well below what the socket can carry).
+Receiver: `KVTransferService` serves `pdcluster.v1.KVTransfer` over a `KVReceiver`. Sender: `GrpcControl`
+(grpc_control) makes the control calls; `GrpcKVSender` streams K and V as sealed chunks over `grpc_streams`
+parallel Push calls, each on its own TCP connection (one Python gRPC stream tops out well below what the socket
+can carry).
 
 The data path is a pipeline: the sender's thread seals each chunk (CRC32C) and frames it (`wire.chunk_to_wire`,
 the one copy of its bytes) while gRPC's threads put earlier ones on the wire; the receiver's gRPC core reads the
@@ -24,21 +25,16 @@ import torch
 
 from engine.errors import CapacityError, EngineError, InvalidRequestError, UnknownRequestError
 from kv_transfer import payload, tls, wire
-from kv_transfer.auth import CheckToken, add_token
-from kv_transfer.messages import Abort, Chunk, Commit, Prepared, PrepareRequest
+from kv_transfer.auth import CheckToken
+from kv_transfer.messages import Chunk
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import Control, KVSender, Layer
+from kv_transfer.sender import KVSender, Layer
 from kv_transfer.state import TransferError
+from kv_transfer.transports.grpc_control import CHANNEL_OPTIONS, GrpcControl, channel, transfer_error
 from kv_transfer.v1 import kv_transfer_pb2 as pb
-from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 
-MAX_MESSAGE = 80 << 20
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name  # "pdcluster.v1.KVTransfer"
 QUEUED_CHUNKS = 4  # sealed chunks waiting per stream: the sender's thread runs this far ahead of the wire
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
 
 
 def status_of(err: Exception) -> grpc.StatusCode:
@@ -154,69 +150,6 @@ def serve(receiver: KVReceiver, address: str = "127.0.0.1:0", max_workers: int =
         raise OSError(f"cannot bind the KV transfer service to {address}")
     server.start()
     return server, port
-
-
-_channels: dict[tuple[str, int, str, tls.KVTls | None], grpc.Channel] = {}
-_channels_lock = threading.Lock()
-
-
-def channel(address: str, index: int = 0, cluster_token: str = "", kv_tls: tls.KVTls | None = None) -> grpc.Channel:
-    """A cached channel to `address` presenting `cluster_token` (over mutual TLS with `kv_tls`); distinct
-    `index`es get distinct TCP connections."""
-    key = (address, index, cluster_token, kv_tls)
-    with _channels_lock:
-        ch = _channels.get(key)
-        if ch is None:
-            opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("pdcluster.connection", index)]
-            if kv_tls is None:
-                ch = grpc.insecure_channel(address, options=opts)
-            else:
-                ch = grpc.secure_channel(address, tls.channel_credentials(kv_tls),
-                                         options=[*opts, *tls.channel_options(kv_tls)])
-            if cluster_token:
-                ch = grpc.intercept_channel(ch, add_token(cluster_token))
-            _channels[key] = ch
-        return ch
-
-
-def transfer_error(err: grpc.RpcError, request_id: str, what: str) -> TransferError:
-    code = err.code()  # type: ignore[attr-defined]
-    return TransferError(f"{what}: {code.name}: {err.details()}", request_id,  # type: ignore[attr-defined]
-                         retryable=code in RETRYABLE)
-
-
-class GrpcControl(Control):
-    """Control calls to a receiver's KV service at `address` (host:port)."""
-
-    def __init__(self, address: str, cluster_token: str = "", kv_tls: tls.KVTls | None = None) -> None:
-        self.address = address
-        self.cluster_token = cluster_token
-        self.tls = kv_tls
-        self.stub = pb_grpc.KVTransferStub(channel(address, 0, cluster_token, kv_tls))
-
-    def prepare(self, req: PrepareRequest, timeout: float) -> Prepared:
-        try:
-            return wire.prepared_from_proto(self.stub.Prepare(wire.prepare_to_proto(req), timeout=timeout))
-        except grpc.RpcError as e:
-            raise transfer_error(e, req.request_id, f"prepare at {self.address}") from None
-
-    def commit(self, req: Commit, timeout: float) -> int:
-        try:
-            return int(self.stub.Commit(wire.commit_to_proto(req), timeout=timeout).bytes_received)
-        except grpc.RpcError as e:
-            raise transfer_error(e, "", f"commit at {self.address}") from None
-
-    def abort(self, req: Abort, timeout: float) -> None:
-        try:
-            self.stub.Abort(wire.abort_to_proto(req), timeout=timeout)
-        except grpc.RpcError as e:
-            raise transfer_error(e, "", f"abort at {self.address}") from None
-
-    def keep_alive(self, transfer_id: str, timeout: float) -> None:
-        try:
-            self.stub.KeepAlive(pb.KeepAliveRequest(transfer_id=transfer_id), timeout=timeout)
-        except grpc.RpcError as e:
-            raise transfer_error(e, "", f"keep-alive at {self.address}") from None
 
 
 class GrpcKVSender(KVSender):

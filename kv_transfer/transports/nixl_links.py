@@ -13,7 +13,7 @@ import grpc
 
 from kv_transfer.state import TransferError
 from kv_transfer.transports import nixl_agent
-from kv_transfer.transports.grpc_transport import GrpcControl, channel, transfer_error
+from kv_transfer.transports.grpc_control import GrpcControl, channel, transfer_error
 from kv_transfer.v1 import kv_transfer_pb2 as pb
 from kv_transfer.v1 import kv_transfer_pb2_grpc as pb_grpc
 

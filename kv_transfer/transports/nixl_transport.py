@@ -40,7 +40,7 @@ from kv_transfer.messages import Abort, Prepared, PrepareRequest
 from kv_transfer.sender import _COMMIT, KVSender, Layer
 from kv_transfer.state import TransferError
 from kv_transfer.transports import cuda_ipc, nixl_agent, nixl_links
-from kv_transfer.transports.grpc_transport import GrpcControl
+from kv_transfer.transports.grpc_control import GrpcControl
 from kv_transfer.transports.nixl_agent import Peer, Pool
 from kv_transfer.transports.nixl_checks import PoolLayer, check_stream, checker, layer_ready, layers_check
 from kv_transfer.transports.nixl_receiver import receiver_side, unavailable
