@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -110,8 +111,12 @@ def test_bench_compare_runs_both_routings_on_fresh_clusters_and_reports_the_rati
     from pdcluster.cli import main
 
     out = tmp_path / "compare.json"
-    assert main(["bench", "compare", "--only", "routing", "--routing-rates", "4", "--routing-num-requests", "4",
-                 "--input-scale", "0.1", "--output-scale", "0.1", "--warmup-requests", "1", "--out", str(out)]) == 0
+    # NOTE: the shipped routing cluster (4 workers) with the tiny model: what is tested is the bench, not SmolLM2
+    config = tmp_path / "bench-routing-tiny.yaml"
+    config.write_text(Path("deploy/bench-routing.yaml").read_text().replace("model: smollm2", "model: tiny", 1))
+    assert main(["bench", "compare", "--only", "routing", "--routing-config", str(config), "--routing-rates", "4",
+                 "--routing-num-requests", "4", "--input-scale", "0.1", "--output-scale", "0.1",
+                 "--warmup-requests", "1", "--out", str(out)]) == 0
     figures = json.loads(out.read_text())
     by = {r["routing"]: r["summary"] for r in figures["runs"]}
     assert set(by) == {"prefix_aware", "round_robin"} and all(s["completed"] == 4 for s in by.values())
