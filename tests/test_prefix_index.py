@@ -79,13 +79,20 @@ def test_embedded_redis_password() -> None:
             connect(f"redis://127.0.0.1:{server.port}/0").get(b"k")
 
 
-def test_embedded_redis_dies_with_a_sigkilled_parent() -> None:
+def test_embedded_redis_dies_with_a_sigkilled_parent_and_the_next_start_removes_its_files() -> None:
     code = ("import os, signal; from pdcluster.redis_server import EmbeddedRedis; "
-            "r = EmbeddedRedis().start(); print(r.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+            "r = EmbeddedRedis().start(); print(r.pid, r._dir, r._password_file, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == -9, out.stderr
-    pid = int(out.stdout.split()[0])
+    pid_text, directory, password_path = out.stdout.split()
+    pid = int(pid_text)
+    assert os.path.isdir(directory) and os.path.isfile(password_path)  # nothing ran to remove them
+    with EmbeddedRedis() as other:  # NOTE: a live server's files stay
+        assert not os.path.exists(directory) and not os.path.exists(password_path)
+        with EmbeddedRedis():
+            assert os.path.isdir(other._dir) and os.path.isfile(other._password_file)  # type: ignore[arg-type]
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
         try:
