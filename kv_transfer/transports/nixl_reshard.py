@@ -23,9 +23,10 @@ block written into it, copied into the head columns after its check): the copy i
 (b) the sender learns when each write completed, so a slot lives for one layer's write, where a receiver's area
 must hold a transfer's every layer from its handshake on (no word goes back per layer) and be registered before a
 sender loads the receiver's metadata; (c) the copy costs the prefill worker's CPU, not the decode core's, which
-steps every running stream. Descriptors per row instead of a copy: one UCX put per block row and rank pair,
-[rows x blocks x 2 x layers] puts of head_dim x heads bytes (~100 K puts of 256 bytes for a 2,048-token SmolLM2
-prompt at TP 3 → 1).
+steps every running stream. Descriptors per row instead of a copy (no staging at all) would be one UCX put per
+token row, K/V, layer and sender rank: 2,048 x 2 x 30 x 3 = 368,640 puts of 256 bytes (64 dims x 4 bytes) for a
+2,048-token SmolLM2 prompt at TP 3 → 1, against 2 x 30 puts of 1.5 MiB gathered (not measured: UCX makes one copy
+per descriptor, and per-block descriptors of 12 KiB already ran at 7 GB/s against 10.6 for runs, BENCHMARKS.md).
 """
 
 from __future__ import annotations
