@@ -68,13 +68,15 @@ class WorkerActor:
         return self.worker.info()
 
     async def process(self) -> dict[str, object]:
-        """This actor's process: pid, cores, nice values of its threads, torch threads (cluster/worker.process_info)."""
+        """This actor's process: pid, cores, nice values of its threads, torch threads (cluster/worker.process_info),
+        its TP ranks, its KV transport."""
         # NOTE: from a fresh thread, as the engine loop's own: its OpenMP pool size is the one such a thread gets
         info = await asyncio.to_thread(process_info)
         if self.worker.cores is not None:
             info["lent_steps"] = self.worker.cores.lent_steps  # steps run on idle peers' cores (cluster/cores.py)
         info["tp_follower_pids"] = self.worker.tp_follower_pids()  # ranks 1 .. n-1 of its TP group (empty at TP 1)
         info["tp_ranks"] = self.worker.tp_ranks()  # ... where Ray placed them (cluster/tp_ranks.py RankPlace)
+        info["kv_transport"] = self.worker.spec.transfer.transport  # what its KV moves over (nixl may give way)
         return info
 
     async def load(self) -> WorkerLoad:

@@ -30,7 +30,10 @@ class PrepareRequest:
     nixl_known: str = ""  # nixl: the receiver agent whose metadata the sender already holds
     attempt_id: str = ""  # the sender's id of this handshake (an `Abort` naming it frees what it reserved)
     lora: str = ""  # the LoRA adapter the KV was computed with ("": the base model); the block hashes carry its key
-    nixl_shards: int = 1  # nixl: the pools the sender writes from, one per TP rank (the receiver's must match)
+    nixl_shards: int = 1  # nixl: the pools the sender writes from, one per TP rank
+    # nixl: the KV heads each of those pools holds, (first, stop) in rank order (replicated heads appear twice;
+    # none: the split a TP group of nixl_shards ranks makes, engine/parallel/shard.py)
+    nixl_heads: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class NixlTarget:
     block_ids: list[int]  # the reserved blocks after the cached ones, in order
     shard_addrs: list[int] = field(default_factory=list)  # a TP group's pools of ranks 1 .. n-1 (kv_addr: rank 0's)
     cuda_ipc: bytes = b""  # a GPU pool shared through CUDA IPC (transports/cuda_ipc.py; empty: none)
+    shard_heads: list[tuple[int, int]] = field(default_factory=list)  # the KV heads of each rank's pool, rank 0 first
 
 
 @dataclass(frozen=True, slots=True)

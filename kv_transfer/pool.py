@@ -11,6 +11,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.parallel.shard import kv_heads_of
 
 
 def pool_tensors(engine: LLMEngine) -> list[torch.Tensor]:
@@ -33,6 +34,13 @@ def pool_tensors(engine: LLMEngine) -> list[torch.Tensor]:
     return [runner.kv, *(pools[r] for r in range(1, n))]
 
 
+def pool_heads(engine: LLMEngine) -> list[tuple[int, int]]:
+    """The model's KV heads each of `pool_tensors` holds, (first, stop) in rank order (one replicated head per rank
+    when the group has more ranks than KV heads)."""
+    n = engine.config.tensor_parallel_size
+    return [(h.start, h.stop) for h in (kv_heads_of(engine.model_config, r, n) for r in range(n))]
+
+
 class KVPool:
     """An engine's KV memory as a zero-copy sender reads it: the tensor, a request's block ids, and pins.
 
@@ -49,6 +57,11 @@ class KVPool:
     def kvs(self) -> list[torch.Tensor]:
         """One tensor per TP rank, rank 0 first: [num_layers, 2, num_blocks, *block_shape] each (`pool_tensors`)."""
         return pool_tensors(self.engine)
+
+    @property
+    def heads(self) -> list[tuple[int, int]]:
+        """The KV heads of each of `kvs` (`pool_heads`)."""
+        return pool_heads(self.engine)
 
     def block_ids(self, request_id: str, skip_blocks: int, num_tokens: int) -> list[int]:
         """Blocks holding the first `num_tokens` of a running request, after `skip_blocks` (the engine's thread)."""

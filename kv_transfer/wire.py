@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.errors import InvalidRequestError
 from engine.kv_export import KVLayout
 from kv_transfer.messages import Abort, Chunk, Commit, NixlTarget, Prepared, PrepareRequest, TorchRendezvous
@@ -24,7 +26,8 @@ def prepare_to_proto(req: PrepareRequest) -> pb.PrepareRequest:
                              num_prompt_tokens=req.num_prompt_tokens, block_hashes=req.block_hashes,
                              transport=req.transport, deadline_ms=req.deadline_ms, sender_id=req.sender_id,
                              nixl_agent=req.nixl_agent, nixl_known=req.nixl_known,
-                             attempt_id=req.attempt_id, lora=req.lora, nixl_shards=req.nixl_shards)
+                             attempt_id=req.attempt_id, lora=req.lora, nixl_shards=req.nixl_shards,
+                             nixl_heads=_flat(req.nixl_heads))
 
 
 def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
@@ -35,7 +38,18 @@ def prepare_from_proto(msg: pb.PrepareRequest) -> PrepareRequest:
     return PrepareRequest(msg.request_id, layout_from_proto(msg.layout), list(msg.token_ids), msg.num_prompt_tokens,
                           list(msg.block_hashes), transport_from_proto(msg.transport, rid), msg.deadline_ms,
                           msg.sender_id, msg.nixl_agent, msg.nixl_known, msg.attempt_id, msg.lora,
-                          max(1, msg.nixl_shards))
+                          max(1, msg.nixl_shards), _pairs(msg.nixl_heads))
+
+
+def _flat(pairs: list[tuple[int, int]]) -> list[int]:
+    """Head ranges (first, stop) per rank as the proto's flat list."""
+    return [h for pair in pairs for h in pair]
+
+
+def _pairs(flat: Sequence[int]) -> list[tuple[int, int]]:
+    """The proto's flat list of head ranges as (first, stop) per rank (an odd last number is dropped: the receiver
+    then finds fewer ranges than ranks, and says so)."""
+    return [(flat[i], flat[i + 1]) for i in range(0, len(flat) - 1, 2)]
 
 
 def transport_from_proto(name: str, request_id: str | None) -> Transport:
@@ -54,7 +68,8 @@ def prepared_to_proto(resp: Prepared) -> pb.PrepareResponse:
     if (nx := resp.nixl) is not None:
         msg.nixl.CopyFrom(pb.NixlTarget(agent=nx.agent, metadata=nx.metadata, kv_addr=nx.kv_addr,
                                         pool_blocks=nx.pool_blocks, mem_type=nx.mem_type, device_id=nx.device_id,
-                                        block_ids=nx.block_ids, shard_addrs=nx.shard_addrs, cuda_ipc=nx.cuda_ipc))
+                                        block_ids=nx.block_ids, shard_addrs=nx.shard_addrs, cuda_ipc=nx.cuda_ipc,
+                                        shard_heads=_flat(nx.shard_heads)))
     return msg
 
 
@@ -64,7 +79,8 @@ def prepared_from_proto(msg: pb.PrepareResponse) -> Prepared:
              if msg.HasField("torch") else None)
     nx = msg.nixl
     nixl = (NixlTarget(nx.agent, bytes(nx.metadata), nx.kv_addr, nx.pool_blocks, nx.mem_type, nx.device_id,
-                       list(nx.block_ids), list(nx.shard_addrs), bytes(nx.cuda_ipc)) if msg.HasField("nixl") else None)
+                       list(nx.block_ids), list(nx.shard_addrs), bytes(nx.cuda_ipc), _pairs(nx.shard_heads))
+            if msg.HasField("nixl") else None)
     return Prepared(msg.transfer_id, msg.cached_blocks, msg.num_blocks, torch, nixl)
 
 

@@ -189,15 +189,15 @@ class TransferSection(BaseModel):
                              "use 'grpc', 'torch' or 'nixl'")
         return v
 
-    def transfer_config(self, device: str, tp_sizes: frozenset[int] = frozenset({1})) -> TransferConfig:
-        """The kv_transfer settings for workers of a pool on `device` ('cpu' or 'cuda'); `tp_sizes`: the
-        tensor_parallel_size of every pool of the cluster."""
+    def transfer_config(self, device: str, pools: frozenset[tuple[str, int]] = frozenset()) -> TransferConfig:
+        """The kv_transfer settings for workers of a pool on `device` ('cpu' or 'cuda'); `pools`: the device and
+        tensor_parallel_size of every pool of the cluster (none given: this pool, at TP 1)."""
         from kv_transfer.state import TransferConfig
 
         # NOTE: only nccl sends from CUDA; gloo's send/recv take CPU tensors, so it stays on the CPU for any pool.
         torch_device = device if self.torch_backend == "nccl" else "cpu"
         transport = _usable(self.transport)
-        if transport == "nixl" and tp_sizes != {1} and (len(tp_sizes) > 1 or device != "cpu"):
+        if transport == "nixl" and any(tp > 1 for _, tp in pools) and {device, *(d for d, _ in pools)} != {"cpu"}:
             transport = _copying(transport)
         return TransferConfig(transport=transport, deadline_s=self.deadline_s,
                               chunk_bytes=self.chunk_bytes, grpc_streams=self.grpc_streams,
@@ -220,18 +220,21 @@ def _usable(transport: str) -> Any:
 
 @functools.cache
 def _copying(transport: str) -> Any:
-    """grpc for a cluster with TP pools where `transport` (nixl) cannot write each rank's pool, said once.
+    """grpc for a cluster with TP pools and a pool on CUDA, where `transport` (nixl) cannot reach or fill each rank's
+    pool, said once.
 
-    NOTE: NIXL writes from each rank's pool into the same rank's of the receiver (engine/parallel/shared_pool.py:
-    rank 0 of a CPU group maps its followers' pools), so it needs one TP size for every pool, on the CPU. A group on
-    CUDA keeps its followers' pools in their own processes, and pools of different TP sizes split the KV heads
-    differently; such clusters move KV through the engine's copies (read_kv_layer and write_kv_blocks gather and
-    scatter the ranks' heads) on a transport that sends copies. Every worker of the cluster takes it, so a nixl
-    sender never meets a receiver of another layout (no per-peer negotiation).
+    NOTE: NIXL writes each rank's KV heads from the pool of a sender rank holding them into the pool of every
+    receiver rank holding them; rank 0 of a CPU group maps its followers' pools (engine/parallel/shared_pool.py),
+    so CPU pools of any TP sizes keep it (where the two groups split the heads otherwise, the sender gathers them on
+    the host: kv_transfer/transports/nixl_reshard.py). A group on CUDA keeps its followers' pools in their own
+    processes, and a CUDA pool beside a CPU TP group would need that gather in GPU memory: such clusters move KV
+    through the engine's copies (read_kv_layer and write_kv_blocks gather and scatter the ranks' heads) on a
+    transport that sends copies. Every worker of the cluster takes it, so a nixl sender never meets a receiver
+    whose pools it cannot fill.
     """
-    logging.getLogger(__name__).warning("transfer.transport: %s writes each TP rank's KV pool into the same rank's, "
-                                        "which needs one tensor_parallel_size for every pool, on the CPU; KV moves "
-                                        "over grpc", transport)
+    logging.getLogger(__name__).warning("transfer.transport: %s writes each TP rank's KV pool on the host (a CPU "
+                                        "group's rank 0 maps them all); with tensor-parallel pools and a pool on "
+                                        "CUDA, KV moves over grpc", transport)
     return "grpc"
 
 

@@ -40,8 +40,8 @@ def worker_spec(cfg: ClusterConfig, role: Role, index: int, pool: PoolConfig, nu
                 redis_auth: RedisAuth, cluster_token: str, kv_tls: KVTls | None,
                 cpus: tuple[int, ...]) -> WorkerSpec:
     """The spec of worker `{role}-{index}`, the `number`-th actor this cluster started (its metrics port)."""
-    tp = frozenset(p.tensor_parallel_size for p in cfg.pools().values())  # NOTE: nixl may give way to grpc
-    transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device, tp),
+    pools = frozenset((p.device, p.tensor_parallel_size) for p in cfg.pools().values())  # NOTE: nixl may go grpc
+    transfer = dataclasses.replace(cfg.transfer.transfer_config(pool.device, pools),
                                    cluster_token=cluster_token, tls=kv_tls)
     # NOTE: the router's SLOs bound the engine's steps: prompt chunks beside a decode batch stay within the ITL
     # target, and shortest_first promotes a prompt nearing the TTFT target (engine/step_budget.py)

@@ -305,18 +305,22 @@ def test_transfer_config_sends_from_cuda_only_with_nccl(backend, device, expecte
     assert (tc.transport, tc.torch_backend, tc.torch_device) == ("torch", backend, expected)
 
 
-@pytest.mark.parametrize("transport,device,tp,expected", [
-    ("nixl", "cpu", {1}, "nixl"), ("nixl", "cpu", {2}, "nixl"), ("nixl", "cpu", {1, 2}, "grpc"),
-    ("nixl", "cuda", {2}, "grpc"), ("nixl", "cuda", {1}, "nixl"), ("torch", "cpu", {1, 2}, "torch"),
-    ("grpc", "cpu", {2}, "grpc")])
-def test_nixl_with_tp_pools_needs_one_tp_size_on_the_cpu(monkeypatch, transport, device, tp, expected):
-    """NIXL writes rank r's pool into rank r's (mapped on rank 0 of a CPU group): pools of one TP size on the CPU
-    keep it; other TP clusters move KV by the engine's copies, on grpc."""
+@pytest.mark.parametrize("transport,device,pools,expected", [
+    ("nixl", "cpu", {("cpu", 1)}, "nixl"), ("nixl", "cpu", {("cpu", 2)}, "nixl"),
+    ("nixl", "cpu", {("cpu", 1), ("cpu", 2)}, "nixl"), ("nixl", "cpu", {("cpu", 2), ("cpu", 4)}, "nixl"),
+    ("nixl", "cpu", {("cpu", 1), ("cpu", 3)}, "nixl"), ("nixl", "cuda", {("cuda", 2)}, "grpc"),
+    ("nixl", "cuda", {("cuda", 1)}, "nixl"), ("nixl", "cpu", {("cpu", 1), ("cuda", 1)}, "nixl"),
+    ("nixl", "cpu", {("cpu", 2), ("cuda", 1)}, "grpc"), ("nixl", "cuda", {("cpu", 2), ("cuda", 1)}, "grpc"),
+    ("torch", "cpu", {("cpu", 1), ("cpu", 2)}, "torch"), ("grpc", "cpu", {("cpu", 2)}, "grpc")])
+def test_nixl_with_tp_pools_of_any_sizes_stays_on_the_cpu(monkeypatch, transport, device, pools, expected):
+    """NIXL writes each rank's KV heads into the receiver's ranks holding them (every rank's pool mapped on rank 0
+    of a CPU group; heads split otherwise are gathered by the sender, on the host): CPU pools of any TP sizes keep
+    it; a cluster with a TP pool and a pool on CUDA moves KV by the engine's copies, on grpc (every pool alike)."""
     from pdcluster import config_sections
 
     # NOTE: as on a machine with NIXL installed (this one falls back to grpc anyway)
     monkeypatch.setattr(config_sections, "_usable", lambda t: t)
-    assert TransferSection(transport=transport).transfer_config(device, frozenset(tp)).transport == expected
+    assert TransferSection(transport=transport).transfer_config(device, frozenset(pools)).transport == expected
 
 
 # ---- pools that must agree --------------------------------------------------------------------------------------

@@ -150,8 +150,8 @@ def test_a_corrupted_chunk_fails_the_transfer_and_is_retried_once_if_asked(tiny,
 class CorruptCheck(NixlKVSender):
     """Sends layer 0's K check one bit off: to the receiver, as if those blocks had changed on the way."""
 
-    def _checks(self, layer):  # type: ignore[no-untyped-def]
-        k, v = super()._checks(layer)
+    def _checks(self, layer, slot=None):  # type: ignore[no-untyped-def]
+        k, v = super()._checks(layer, slot)
         return (str(int(k) ^ 1), v) if layer.index == 0 else (k, v)
 
 

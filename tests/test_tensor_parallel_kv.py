@@ -1,10 +1,12 @@
 """The KV hand-off across TP sizes (engine/parallel/kv.py): a TP group exports and imports KV in the full model's
 layout, so prefill on TP a and decode on TP b continue the tokens of one TP 1 engine (engine to engine through the
-KV seam, no cluster; gloo, CPU, float32; the tiny random models of tests/test_tensor_parallel.py).
+KV seam, no cluster; gloo, CPU, float32; the tiny random models of tests/test_tensor_parallel.py). NIXL writes
+between the groups' pools themselves, whatever their TP sizes (kv_transfer/transports/nixl_reshard.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -24,7 +26,19 @@ from engine.parallel.kv import read_sources
 from engine.parallel.launch import TPGroupError
 from engine.parallel.runner import TPModelRunner
 from kv_transfer import KVSender, ReceiverEndpoint, TransferConfig, TransferError, TransferState
-from tests.helpers import generate_ids, greedy, open_kv_sender, prefill_layerwise, random_prompts, run_to_completion
+from kv_transfer.transports.nixl_transport import NixlKVSender
+from kv_transfer.transports.nixl_writes import staging
+from tests.helpers import (
+    assert_idle,
+    free_blocks,
+    generate_ids,
+    greedy,
+    open_kv_sender,
+    prefill_layerwise,
+    random_prompts,
+    run_to_completion,
+    wait_for,
+)
 from tests.test_tensor_parallel import LAYOUTS, assert_same_or_near_tie
 
 N_TOKENS = 32
@@ -80,15 +94,15 @@ def decode(eng: LLMEngine, rid: str) -> list[int]:
     return run_to_completion(eng)[rid].token_ids
 
 
-def hand_off(src: LLMEngine, ep: ReceiverEndpoint, sender: KVSender, prompt: list[int]) -> list[int]:
+def hand_off(src: LLMEngine, ep: ReceiverEndpoint, sender: KVSender, prompt: list[int], replicas: int = 1) -> list[int]:
     """What the workers do with a 45-token prompt (2 full blocks + 13 tokens): prefill it on `src` handing each layer
-    to `sender` from inside the forward, wait until `ep`'s receiver holds every block (all the model's KV heads),
-    decode there; the tokens."""
+    to `sender` from inside the forward, wait until `ep`'s receiver holds every block (all the model's KV heads,
+    each in `replicas` of its ranks' pools), decode there; the tokens."""
     cfg = src.model_config
     prefill_layerwise(src, sender, prompt, greedy(1))
     assert sender.wait(30) is TransferState.DONE, sender.error
-    full_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, every layer, fp32
-    assert sender.bytes_sent == 3 * full_block
+    full_block = src.kv_layout.layer_nbytes(1) * cfg.num_layers  # K and V, every layer (an int8 block's scales too)
+    assert sender.bytes_sent == 3 * full_block * replicas
     ep.receiver.take(sender.request_id, greedy(N_TOKENS))
     return decode(ep.receiver.engine, sender.request_id)
 
@@ -247,31 +261,98 @@ def test_nixl_is_refused_for_a_group_whose_pools_are_not_mapped_and_a_closed_gro
         group.runner.read_blocks(0, [0])
 
 
-@pytest.mark.parametrize("receiver_tp", [2, 1])
-def test_nixl_writes_each_ranks_pool_into_the_same_ranks(models: dict[str, LoadedModel], receiver_tp: int) -> None:
-    """NIXL between two TP 2 groups (CPU): each rank's KV heads go from its pool, mapped on the sender's rank 0,
-    straight into the receiver's same rank's pool, mapped on its rank 0 (one WRITE per layer over both ranks, one
-    check per rank); the decode continues one TP 1 engine's tokens. A receiver of another TP size refuses the
-    handshake, naming the field (its heads are split otherwise)."""
-    loaded = models["gqa-8q-4kv"]
+# layout, sender TP, receiver TP, receiver ranks whose blocks the sender gathers (the others: straight from one
+# sender rank's pool holding exactly their KV heads)
+NIXL_TP = {"tp2-to-tp2": ("gqa-8q-4kv", 2, 2, 0), "tp2-to-tp1": ("gqa-8q-4kv", 2, 1, 1),
+           "tp1-to-tp2": ("gqa-8q-4kv", 1, 2, 2), "tp4-to-tp2": ("gqa-8q-4kv", 4, 2, 2),
+           # 2 KV heads: at TP 4 each is replicated on 2 ranks
+           "tp1-to-tp4-replicated": ("tiny-4q-2kv", 1, 4, 4), "tp4-replicated-to-tp1": ("tiny-4q-2kv", 4, 1, 1),
+           "tp2-to-tp4-replicated": ("tiny-4q-2kv", 2, 4, 0),
+           # int8 KV: each head's scale sits in its own column of the block's scale row, so it is gathered with it
+           "tp2-to-tp1-int8": ("gqa-8q-4kv", 2, 1, 1)}
+
+
+@pytest.mark.parametrize("case", list(NIXL_TP))
+def test_nixl_carries_kv_between_groups_of_any_tp_sizes(models: dict[str, LoadedModel], case: str) -> None:
+    """NIXL between TP groups (CPU): the sender's rank 0 maps every rank's pool, the receiver's too; a receiver rank
+    holding exactly one sender rank's KV heads gets its blocks straight from that rank's pool, any other has its
+    blocks gathered from the sender ranks holding its heads into a staging slot, then written (nixl_reshard.py);
+    one WRITE per layer, one check per receiver rank. The decode continues one TP 1 engine's tokens, and the bytes
+    crossed NIXL: every receiver rank's blocks (replicas included), from a sender reading the pool."""
+    layout, src_tp, dst_tp, gathered = NIXL_TP[case]
+    kv = {"kv_cache_dtype": "int8"} if case.endswith("int8") else {}
+    loaded = models[layout]
     cfg = loaded.config
-    prompt = random_prompts(1, [45], vocab=cfg.vocab_size, seed=23)[0]  # 2 full blocks + 13 tokens
-    ref_engine = engine(loaded, 1)
+    prompt = random_prompts(1, [45], vocab=cfg.vocab_size, seed=23 + src_tp + 5 * dst_tp)[0]  # 2 blocks + 13 tokens
+    ref_engine = engine(loaded, 1, **kv)
     ref = generate_ids(ref_engine, [prompt], greedy(N_TOKENS))
-    src = engine(loaded, 2)
-    ep = ReceiverEndpoint(engine(loaded, receiver_tp), TransferConfig(transport="nixl"), local_name="tp-kv-nixl")
+    src = engine(loaded, src_tp, **kv)
+    ep = ReceiverEndpoint(engine(loaded, dst_tp, **kv), TransferConfig(transport="nixl"), local_name="tp-kv-nixl")
     try:
         sender = open_kv_sender("nixl", ep.address, src, "x", prompt)
-        assert sender.reads_pool and len(sender.pool.kvs) == 2
-        if receiver_tp == 1:
-            with pytest.raises(TransferError, match="nixl_shards: the sender writes from 2 TP ranks' pools into this "
-                                                    "receiver's 1") as e:
-                sender.prepare()
-            assert not e.value.retryable and ep.receiver.num_inflight == 0
-            return
-        moved = hand_off(src, ep, sender, prompt)
+        assert isinstance(sender, NixlKVSender) and sender.reads_pool and len(sender.pool.kvs) == src_tp
+        replicas = max(1, dst_tp // cfg.num_kv_heads)  # NOTE: each KV head is in this many receiver ranks' pools
+        moved = hand_off(src, ep, sender, prompt, replicas)
+        assert sender._plan is not None
+        assert sum(t.direct is None for t in sender._plan.targets) == gathered
+        assert staging().in_use == 0  # NOTE: every slot given back once its write completed
     finally:
         src.close()
         ep.close()
         ep.receiver.engine.close()
     assert_same_or_near_tie(ref_engine, [prompt], ref, [moved])
+
+
+class CorruptStaged(NixlKVSender):
+    """Flips one bit of layer 0's gathered K after its checks: as if the staged bytes had changed on the way."""
+
+    def _checks(self, layer, slot=None):  # type: ignore[no-untyped-def]
+        checks = super()._checks(layer, slot)
+        if layer.index == 0 and slot is not None:
+            slot.tensor[5] ^= 1
+        return checks
+
+
+def test_a_corrupted_staged_layer_fails_the_transfer_as_retryable_and_frees_it(models: dict[str, LoadedModel]) -> None:
+    loaded = models["gqa-8q-4kv"]
+    prompt = random_prompts(1, [45], vocab=loaded.config.vocab_size, seed=31)[0]
+    src = engine(loaded, 2)
+    ep = ReceiverEndpoint(engine(loaded, 1), TransferConfig(transport="nixl"), local_name="tp-kv-nixl-bad")
+    dst = ep.receiver.engine
+    try:
+        baseline = free_blocks(dst)
+        sender = open_kv_sender("nixl", ep.address, src, "x", prompt, sender_cls=CorruptStaged)
+        prefill_layerwise(src, sender, prompt, greedy(1))
+        assert sender.wait(10) is TransferState.FAILED and sender.error.retryable, sender.error
+        assert "checksum mismatch in layer 0 K (nixl)" in sender.error.reason
+        assert ep.receiver.poll("x") is TransferState.FAILED
+        assert wait_for(lambda: free_blocks(dst) == baseline)  # NOTE: every layer's notification came: the fence lifts
+        assert wait_for(lambda: staging().in_use == 0)
+        assert_idle(src)
+    finally:
+        src.close()
+        ep.close()
+        dst.close()
+
+
+class MissingHeads(NixlKVSender):
+    """Says its pool holds only KV heads 0 and 1 of the model's 4."""
+
+    def _prepare_request(self, req):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(super()._prepare_request(req), nixl_heads=[(0, 2)])
+
+
+def test_nixl_refuses_a_sender_whose_pools_leave_a_kv_head_out(models: dict[str, LoadedModel]) -> None:
+    loaded = models["gqa-8q-4kv"]
+    prompt = random_prompts(1, [20], vocab=loaded.config.vocab_size, seed=3)[0]
+    src = engine(loaded, 1)
+    ep = ReceiverEndpoint(engine(loaded, 2), TransferConfig(transport="nixl"), local_name="tp-kv-nixl-heads")
+    try:
+        sender = open_kv_sender("nixl", ep.address, src, "x", prompt, sender_cls=MissingHeads)
+        with pytest.raises(TransferError, match="nixl_heads: the ranks hold 2 of the model's 4 KV heads") as e:
+            sender.prepare()
+        assert not e.value.retryable and ep.receiver.num_inflight == 0
+    finally:
+        src.close()
+        ep.close()
+        ep.receiver.engine.close()

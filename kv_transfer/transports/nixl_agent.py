@@ -224,9 +224,18 @@ class Agent:
                               for t in pool.kvs])
         dst = np.concatenate([run_descs(a, peer.num_blocks, peer.block_nbytes, peer.device, layer, rs, n)
                               for a in peer.addrs])
+        return self.post(pool.mem, peer, src, dst, notif)
+
+    def post(self, mem: str, peer: Peer, src: np.ndarray, dst: np.ndarray, notif: bytes) -> Any:
+        """A WRITE (not yet posted) of local descriptors `src` (in memory `mem`) into the peer's `dst` (each
+        [rows, 3]: address, length, device; row i into row i), with `notif`."""
         nx = self.nixl
-        return nx.initialize_xfer("WRITE", nx.get_xfer_descs(src, pool.mem), nx.get_xfer_descs(dst, peer.mem),
-                                  peer.name, notif)
+        return nx.initialize_xfer("WRITE", nx.get_xfer_descs(src, mem), nx.get_xfer_descs(dst, peer.mem), peer.name,
+                                  notif)
+
+    def register_host(self, mem: torch.Tensor) -> None:
+        """Host memory registered for the life of the process (the nixl sender's staging arena, nixl_reshard.py)."""
+        self.nixl.register_memory([(mem.data_ptr(), mem.numel() * mem.element_size(), 0, "")], "DRAM")
 
     def knows(self, name: str) -> bool:
         with self._lock:

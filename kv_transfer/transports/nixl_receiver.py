@@ -3,8 +3,10 @@
 1. The endpoint registers the engine's KV pool with this process's agent when it starts (the metadata a sender
    loads must already cover it);
 2. a sender's `Watch` call opens (`watch`): transfers it prepares are attached to that watch;
-3. `prepare` answers with a `NixlTarget` (the receiver's agent, its metadata unless the sender holds it, the pool,
-   the reserved block ids) and fences the transfer: from now on the sender may write into those blocks;
+3. `prepare` answers with a `NixlTarget` (the receiver's agent, its metadata unless the sender holds it, the pool:
+   each TP rank's and the KV heads it holds, the reserved block ids) and fences the transfer: from now on the sender
+   may write into those blocks (a sender whose ranks split the KV heads otherwise makes this pool's ranks' blocks
+   itself: `nixl_reshard.py`);
 4. the notification thread reads the per-layer notifications, checks the landed blocks against the sender's check
    of them, and marks the layer received (a mismatch fails the transfer as retryable);
 5. the fence is lifted, and a failed transfer's blocks freed, once no write of the sender can be in flight: it
@@ -36,13 +38,15 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.parallel.shard import kv_heads_of
 from kv_transfer.inbound import Inbound
 from kv_transfer.messages import NixlTarget, PrepareRequest
-from kv_transfer.pool import pool_tensors
+from kv_transfer.pool import pool_heads, pool_tensors
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferConfig, TransferError, TransferState
 from kv_transfer.transports import cuda_ipc, nixl_agent
 from kv_transfer.transports.nixl_checks import layers_check
+from kv_transfer.transports.nixl_reshard import heads_problem
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class NixlEndpoint:
         self.receiver, self.config = receiver, config
         self.agent = nixl_agent.agent()
         self.pool = self.agent.pool(pool_tensors(receiver.engine))  # NOTE: a TP group's: one per rank
+        self.heads = pool_heads(receiver.engine)  # the KV heads each rank's pool holds
         # NOTE: a GPU pool is also shared through CUDA IPC, for senders on this node (the module doc of cuda_ipc)
         self.cuda_ipc = cuda_ipc.export(self.pool.kv) if len(self.pool.kvs) == 1 else b""
         self._watches: dict[str, _Watch] = {}  # sender agent → its open watch
@@ -147,11 +152,7 @@ class NixlEndpoint:
                                     retryable=True)
             if not req.nixl_agent:
                 raise InvalidRequestError("nixl_agent", "is required for transport nixl", req.request_id)
-            if req.nixl_shards != len(self.pool.kvs):
-                raise InvalidRequestError("nixl_shards", f"the sender writes from {req.nixl_shards} TP ranks' pools "
-                                          f"into this receiver's {len(self.pool.kvs)}: nixl moves rank r's KV heads "
-                                          "into rank r's pool, so both pools need one tensor_parallel_size",
-                                          req.request_id)
+            self._check_heads(req)
             w.transfers.add(t.transfer_id)
             self._open[t.transfer_id] = (t, w)
             if t.num_blocks:  # NOTE: with every block cached there is nothing to write (and no notification)
@@ -166,7 +167,21 @@ class NixlEndpoint:
             torch.cuda.current_stream(pool.kv.device).synchronize()
         return NixlTarget(self.agent.name, b"" if req.nixl_known == self.agent.name else self.agent.metadata,
                           pool.kv.data_ptr(), pool.num_blocks, pool.mem, pool.device, list(t.res.fresh_blocks),
-                          [kv.data_ptr() for kv in pool.kvs[1:]], self.cuda_ipc)
+                          [kv.data_ptr() for kv in pool.kvs[1:]], self.cuda_ipc, self.heads)
+
+    def _check_heads(self, req: PrepareRequest) -> None:
+        """Refuse, naming the field, a sender whose ranks' pools cannot make this pool's (nixl_reshard.py): they
+        leave a KV head out, or they split the heads otherwise and this pool is on a GPU (gathered on the host)."""
+        cfg, n = self.receiver.engine.model_config, req.nixl_shards
+        # NOTE: none said: the split a TP group of that size makes (engine/parallel/shard.py)
+        heads = req.nixl_heads or [(h.start, h.stop) for h in (kv_heads_of(cfg, r, n) for r in range(n))]
+        problem = heads_problem(heads, n, self.receiver.layout.num_kv_heads)
+        if problem is not None:
+            raise InvalidRequestError("nixl_heads", problem, req.request_id)
+        if self.pool.mem != "DRAM" and any(h not in heads for h in self.heads):
+            raise InvalidRequestError("nixl_shards", f"the sender's {n} TP ranks hold KV heads {heads}, this GPU "
+                                      f"pool's ranks {self.heads}: nixl gathers heads between host pools only (use "
+                                      "grpc)", req.request_id)
 
     # ---- 4. notifications ---------------------------------------------------------------------------------------
     def _notifications(self) -> None:

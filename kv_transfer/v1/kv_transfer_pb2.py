@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kv_transfer/v1/kv_transfer.proto\x12\x0cpdcluster.v1\"x\n\x08KVLayout\x12\r\n\x05scope\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\xaa\x02\n\x0ePrepareRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x11\n\tsender_id\x18\x08 \x01(\t\x12\x12\n\nnixl_agent\x18\t \x01(\t\x12\x12\n\nnixl_known\x18\n \x01(\t\x12\x12\n\nattempt_id\x18\x0b \x01(\t\x12\x0c\n\x04lora\x18\x0c \x01(\t\x12\x13\n\x0bnixl_shards\x18\r \x01(\r\"\xb2\x01\n\nNixlTarget\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07kv_addr\x18\x03 \x01(\x04\x12\x13\n\x0bpool_blocks\x18\x04 \x01(\r\x12\x10\n\x08mem_type\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x13\n\x0bshard_addrs\x18\x08 \x03(\x04\x12\x10\n\x08\x63uda_ipc\x18\t \x01(\x0c\"n\n\x0fTorchRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x11\n\tgroup_key\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x0b\n\x03tag\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\xa7\x01\n\x0fPrepareResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12,\n\x05torch\x18\x04 \x01(\x0b\x32\x1d.pdcluster.v1.TorchRendezvous\x12&\n\x04nixl\x18\x05 \x01(\x0b\x32\x18.pdcluster.v1.NixlTarget\"\'\n\x10KeepAliveRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x13\n\x11KeepAliveResponse\"\x8d\x01\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\n\n\x02kv\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x0e\n\x06\x63rc32c\x18\x07 \x01(\x07\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0cJ\x04\x08\x06\x10\x07R\x05\x63rc32\"&\n\x0cPushResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"W\n\rCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x16\n\x0enext_token_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"(\n\x0e\x43ommitResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"Y\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08quiesced\x18\x03 \x01(\x08\x12\x12\n\nattempt_id\x18\x04 \x01(\t\"\x0f\n\rAbortResponse\"\x1d\n\x0cWatchRequest\x12\r\n\x05\x61gent\x18\x01 \x01(\t\"\x0f\n\rWatchResponse2\xaa\x03\n\nKVTransfer\x12\x46\n\x07Prepare\x12\x1c.pdcluster.v1.PrepareRequest\x1a\x1d.pdcluster.v1.PrepareResponse\x12L\n\tKeepAlive\x12\x1e.pdcluster.v1.KeepAliveRequest\x1a\x1f.pdcluster.v1.KeepAliveResponse\x12;\n\x04Push\x12\x15.pdcluster.v1.KVChunk\x1a\x1a.pdcluster.v1.PushResponse(\x01\x12\x43\n\x06\x43ommit\x12\x1b.pdcluster.v1.CommitRequest\x1a\x1c.pdcluster.v1.CommitResponse\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x42\n\x05Watch\x12\x1a.pdcluster.v1.WatchRequest\x1a\x1b.pdcluster.v1.WatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kv_transfer/v1/kv_transfer.proto\x12\x0cpdcluster.v1\"x\n\x08KVLayout\x12\r\n\x05scope\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\xbe\x02\n\x0ePrepareRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x11\n\tsender_id\x18\x08 \x01(\t\x12\x12\n\nnixl_agent\x18\t \x01(\t\x12\x12\n\nnixl_known\x18\n \x01(\t\x12\x12\n\nattempt_id\x18\x0b \x01(\t\x12\x0c\n\x04lora\x18\x0c \x01(\t\x12\x13\n\x0bnixl_shards\x18\r \x01(\r\x12\x12\n\nnixl_heads\x18\x0e \x03(\r\"\xc7\x01\n\nNixlTarget\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07kv_addr\x18\x03 \x01(\x04\x12\x13\n\x0bpool_blocks\x18\x04 \x01(\r\x12\x10\n\x08mem_type\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x13\n\x0bshard_addrs\x18\x08 \x03(\x04\x12\x10\n\x08\x63uda_ipc\x18\t \x01(\x0c\x12\x13\n\x0bshard_heads\x18\n \x03(\r\"n\n\x0fTorchRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x11\n\tgroup_key\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x0b\n\x03tag\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\xa7\x01\n\x0fPrepareResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12,\n\x05torch\x18\x04 \x01(\x0b\x32\x1d.pdcluster.v1.TorchRendezvous\x12&\n\x04nixl\x18\x05 \x01(\x0b\x32\x18.pdcluster.v1.NixlTarget\"\'\n\x10KeepAliveRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x13\n\x11KeepAliveResponse\"\x8d\x01\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\n\n\x02kv\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x0e\n\x06\x63rc32c\x18\x07 \x01(\x07\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0cJ\x04\x08\x06\x10\x07R\x05\x63rc32\"&\n\x0cPushResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"W\n\rCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x16\n\x0enext_token_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"(\n\x0e\x43ommitResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"Y\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08quiesced\x18\x03 \x01(\x08\x12\x12\n\nattempt_id\x18\x04 \x01(\t\"\x0f\n\rAbortResponse\"\x1d\n\x0cWatchRequest\x12\r\n\x05\x61gent\x18\x01 \x01(\t\"\x0f\n\rWatchResponse2\xaa\x03\n\nKVTransfer\x12\x46\n\x07Prepare\x12\x1c.pdcluster.v1.PrepareRequest\x1a\x1d.pdcluster.v1.PrepareResponse\x12L\n\tKeepAlive\x12\x1e.pdcluster.v1.KeepAliveRequest\x1a\x1f.pdcluster.v1.KeepAliveResponse\x12;\n\x04Push\x12\x15.pdcluster.v1.KVChunk\x1a\x1a.pdcluster.v1.PushResponse(\x01\x12\x43\n\x06\x43ommit\x12\x1b.pdcluster.v1.CommitRequest\x1a\x1c.pdcluster.v1.CommitResponse\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12\x42\n\x05Watch\x12\x1a.pdcluster.v1.WatchRequest\x1a\x1b.pdcluster.v1.WatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=50
   _globals['_KVLAYOUT']._serialized_end=170
   _globals['_PREPAREREQUEST']._serialized_start=173
-  _globals['_PREPAREREQUEST']._serialized_end=471
-  _globals['_NIXLTARGET']._serialized_start=474
-  _globals['_NIXLTARGET']._serialized_end=652
-  _globals['_TORCHRENDEZVOUS']._serialized_start=654
-  _globals['_TORCHRENDEZVOUS']._serialized_end=764
-  _globals['_PREPARERESPONSE']._serialized_start=767
-  _globals['_PREPARERESPONSE']._serialized_end=934
-  _globals['_KEEPALIVEREQUEST']._serialized_start=936
-  _globals['_KEEPALIVEREQUEST']._serialized_end=975
-  _globals['_KEEPALIVERESPONSE']._serialized_start=977
-  _globals['_KEEPALIVERESPONSE']._serialized_end=996
-  _globals['_KVCHUNK']._serialized_start=999
-  _globals['_KVCHUNK']._serialized_end=1140
-  _globals['_PUSHRESPONSE']._serialized_start=1142
-  _globals['_PUSHRESPONSE']._serialized_end=1180
-  _globals['_COMMITREQUEST']._serialized_start=1182
-  _globals['_COMMITREQUEST']._serialized_end=1269
-  _globals['_COMMITRESPONSE']._serialized_start=1271
-  _globals['_COMMITRESPONSE']._serialized_end=1311
-  _globals['_ABORTREQUEST']._serialized_start=1313
-  _globals['_ABORTREQUEST']._serialized_end=1402
-  _globals['_ABORTRESPONSE']._serialized_start=1404
-  _globals['_ABORTRESPONSE']._serialized_end=1419
-  _globals['_WATCHREQUEST']._serialized_start=1421
-  _globals['_WATCHREQUEST']._serialized_end=1450
-  _globals['_WATCHRESPONSE']._serialized_start=1452
-  _globals['_WATCHRESPONSE']._serialized_end=1467
-  _globals['_KVTRANSFER']._serialized_start=1470
-  _globals['_KVTRANSFER']._serialized_end=1896
+  _globals['_PREPAREREQUEST']._serialized_end=491
+  _globals['_NIXLTARGET']._serialized_start=494
+  _globals['_NIXLTARGET']._serialized_end=693
+  _globals['_TORCHRENDEZVOUS']._serialized_start=695
+  _globals['_TORCHRENDEZVOUS']._serialized_end=805
+  _globals['_PREPARERESPONSE']._serialized_start=808
+  _globals['_PREPARERESPONSE']._serialized_end=975
+  _globals['_KEEPALIVEREQUEST']._serialized_start=977
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1016
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1018
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1037
+  _globals['_KVCHUNK']._serialized_start=1040
+  _globals['_KVCHUNK']._serialized_end=1181
+  _globals['_PUSHRESPONSE']._serialized_start=1183
+  _globals['_PUSHRESPONSE']._serialized_end=1221
+  _globals['_COMMITREQUEST']._serialized_start=1223
+  _globals['_COMMITREQUEST']._serialized_end=1310
+  _globals['_COMMITRESPONSE']._serialized_start=1312
+  _globals['_COMMITRESPONSE']._serialized_end=1352
+  _globals['_ABORTREQUEST']._serialized_start=1354
+  _globals['_ABORTREQUEST']._serialized_end=1443
+  _globals['_ABORTRESPONSE']._serialized_start=1445
+  _globals['_ABORTRESPONSE']._serialized_end=1460
+  _globals['_WATCHREQUEST']._serialized_start=1462
+  _globals['_WATCHREQUEST']._serialized_end=1491
+  _globals['_WATCHRESPONSE']._serialized_start=1493
+  _globals['_WATCHRESPONSE']._serialized_end=1508
+  _globals['_KVTRANSFER']._serialized_start=1511
+  _globals['_KVTRANSFER']._serialized_end=1937
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,7 @@ class KVLayout(_message.Message):
     def __init__(self, scope: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id", "nixl_agent", "nixl_known", "attempt_id", "lora", "nixl_shards")
+    __slots__ = ("request_id", "layout", "token_ids", "num_prompt_tokens", "block_hashes", "transport", "deadline_ms", "sender_id", "nixl_agent", "nixl_known", "attempt_id", "lora", "nixl_shards", "nixl_heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class PrepareRequest(_message.Message):
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     NIXL_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -50,10 +51,11 @@ class PrepareRequest(_message.Message):
     attempt_id: str
     lora: str
     nixl_shards: int
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ..., attempt_id: _Optional[str] = ..., lora: _Optional[str] = ..., nixl_shards: _Optional[int] = ...) -> None: ...
+    nixl_heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., transport: _Optional[str] = ..., deadline_ms: _Optional[int] = ..., sender_id: _Optional[str] = ..., nixl_agent: _Optional[str] = ..., nixl_known: _Optional[str] = ..., attempt_id: _Optional[str] = ..., lora: _Optional[str] = ..., nixl_shards: _Optional[int] = ..., nixl_heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NixlTarget(_message.Message):
-    __slots__ = ("agent", "metadata", "kv_addr", "pool_blocks", "mem_type", "device_id", "block_ids", "shard_addrs", "cuda_ipc")
+    __slots__ = ("agent", "metadata", "kv_addr", "pool_blocks", "mem_type", "device_id", "block_ids", "shard_addrs", "cuda_ipc", "shard_heads")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     KV_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +65,7 @@ class NixlTarget(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_ADDRS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SHARD_HEADS_FIELD_NUMBER: _ClassVar[int]
     agent: str
     metadata: bytes
     kv_addr: int
@@ -72,7 +75,8 @@ class NixlTarget(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     shard_addrs: _containers.RepeatedScalarFieldContainer[int]
     cuda_ipc: bytes
-    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., kv_addr: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shard_addrs: _Optional[_Iterable[int]] = ..., cuda_ipc: _Optional[bytes] = ...) -> None: ...
+    shard_heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., kv_addr: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shard_addrs: _Optional[_Iterable[int]] = ..., cuda_ipc: _Optional[bytes] = ..., shard_heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TorchRendezvous(_message.Message):
     __slots__ = ("host", "port", "group_key", "backend", "tag", "device")

@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from kv_transfer.state import TRANSPORTS, TransferConfig
 from pdcluster.bench.report import emit, log, machine
-from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, cma_sink, cpu_seconds, kv_receiver, tcp_sink
-from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender, Timing, cpu_since
+from pdcluster.bench.transfer_peers import BenchError, LocalPeer, Peer, kv_receiver
+from pdcluster.bench.transfer_refs import cma_figures, figures, idle_core_pct, memcpy_figures, tcp_figures
+from pdcluster.bench.transfer_sender import DEADLINE_S, PrefillSender
 
 DEFAULT_OUT = "results/bench_transfer.json"
 # fraction of raw TCP (the transfer issues)
@@ -61,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="both ends' engines as TP groups of N ranks (the KV read from and written into every rank's "
                         "pool; CPU s/GB then counts rank 0's process only)")
+    p.add_argument("--receiver-tensor-parallel-size", type=int, default=None, metavar="M",
+                   help="the receiving engine as a TP group of M ranks instead (nixl then gathers the heads a "
+                        "receiver rank holds otherwise than any sender rank; default: --tensor-parallel-size)")
     p.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds each receiver process is watched idle, "
                    "its transport up (0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
@@ -69,95 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _log(msg: str) -> None:
     log("transfer", msg)
-
-
-def _figures(seconds: list[float], nbytes: int, timings: list[Timing] | None = None) -> dict[str, Any]:
-    best, med = min(seconds), statistics.median(seconds)
-    row = {"best_gb_s": nbytes / best / 1e9, "median_gb_s": nbytes / med / 1e9, "best_s": best, "median_s": med,
-           "runs_s": seconds, "sender_cpu_s_per_gb": None, "receiver_cpu_s_per_gb": None}
-    if timings:
-        row["sender_cpu_s_per_gb"] = statistics.median(t.sender_cpu_s for t in timings) / (nbytes / 1e9)
-        if all(t.receiver_cpu_s is not None for t in timings):
-            row["receiver_cpu_s_per_gb"] = statistics.median(
-                t.receiver_cpu_s for t in timings if t.receiver_cpu_s is not None) / (nbytes / 1e9)
-    return row
-
-
-def memcpy_figures(nbytes: int, repeat: int) -> dict[str, Any]:
-    """numpy copy between two preallocated payload-sized arrays (pages touched first)."""
-    src = np.full(nbytes, 7, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    runs = []
-    for _ in range(repeat + 1):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        runs.append(time.perf_counter() - t)
-    return _figures(runs[1:], nbytes)
-
-
-def tcp_figures(nbytes: int, warmup: int, repeat: int) -> dict[str, Any]:
-    """Raw TCP on loopback to a sink process: sendall of a memoryview until the sink acks the last byte."""
-    import socket
-
-    peer = Peer("tcp", tcp_sink, nbytes)
-    try:
-        host, port = peer.address.rsplit(":", 1)
-        data = np.full(nbytes, 7, dtype=np.uint8).data
-        runs: list[Timing] = []
-        with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as sock:
-            for _ in range(warmup + repeat):
-                cpu0 = (cpu_seconds(), cpu_seconds(peer.pid))
-                t = time.perf_counter()
-                sock.sendall(data)
-                if sock.recv(1) != b"k":
-                    raise BenchError("tcp sink closed before acking the payload")
-                runs.append(Timing(time.perf_counter() - t, *cpu_since(cpu0, peer.pid)))
-    finally:
-        peer.close()
-    return _figures([r.seconds for r in runs[warmup:]], nbytes, runs[warmup:])
-
-
-def cma_figures(nbytes: int, warmup: int, repeat: int) -> dict[str, Any] | None:
-    """Linux cross-memory attach into a sink process's buffer (`process_vm_writev`, no checks): the copy UCX's cma
-    transport makes for NIXL on one host, so the ceiling of the `nixl` row. None where the kernel refuses it."""
-    import ctypes
-
-    class IoVec(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if not hasattr(libc, "process_vm_writev"):
-        return None
-    libc.process_vm_writev.restype = ctypes.c_ssize_t
-    peer = Peer("cma", cma_sink, nbytes)
-    try:
-        pid, addr = (int(x) for x in peer.address.split(":"))
-        src = np.full(nbytes, 7, dtype=np.uint8)
-        runs: list[Timing] = []
-        for _ in range(warmup + repeat):
-            cpu0 = (cpu_seconds(), cpu_seconds(peer.pid))
-            t, done = time.perf_counter(), 0
-            while done < nbytes:  # the kernel may write less than asked
-                local, remote = IoVec(src.ctypes.data + done, nbytes - done), IoVec(addr + done, nbytes - done)
-                n = libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-                if n <= 0:
-                    _log(f"cma: process_vm_writev refused ({os.strerror(ctypes.get_errno())}); no cma reference")
-                    return None
-                done += n
-            runs.append(Timing(time.perf_counter() - t, *cpu_since(cpu0, peer.pid)))
-        if peer.ask("check") != (7, 7):
-            raise BenchError("cma sink does not hold the bytes written into it")
-    finally:
-        peer.close()
-    return _figures([r.seconds for r in runs[warmup:]], nbytes, runs[warmup:])
-
-
-def idle_core_pct(pid: int, seconds: float) -> float | None:
-    """% of one core process `pid` uses over `seconds` while nothing is sent to it (its transport up)."""
-    t0, c0 = time.perf_counter(), cpu_seconds(pid)
-    time.sleep(seconds)
-    c1 = cpu_seconds(pid)
-    return 100 * (c1 - c0) / (time.perf_counter() - t0) if c0 is not None and c1 is not None else None
 
 
 def _child_nixl_tcp(args: argparse.Namespace, refs: dict[str, Any]) -> dict[str, Any]:
@@ -171,7 +84,8 @@ def _child_nixl_tcp(args: argparse.Namespace, refs: dict[str, Any]) -> dict[str,
         cmd = [sys.executable, "-m", "pdcluster", "bench", "transfer", "--transports", "nixl", "--model", args.model,
                "--tokens", str(args.tokens), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
                "--overlap-repeat", "0", "--kv-cache-dtype", args.kv_cache_dtype, "--idle-s", str(args.idle_s),
-               "--tensor-parallel-size", str(args.tensor_parallel_size), "--out", out]
+               "--tensor-parallel-size", str(args.tensor_parallel_size), "--out", out,
+               "--receiver-tensor-parallel-size", str(args.receiver_tensor_parallel_size or args.tensor_parallel_size)]
         done = subprocess.run(cmd, env={**os.environ, "UCX_TLS": "tcp"}, stdout=subprocess.DEVNULL)
         if done.returncode != 0:
             raise BenchError(f"nixl-tcp: the child bench failed (exit {done.returncode})")
@@ -192,7 +106,7 @@ def _scatter(args: argparse.Namespace, refs: dict[str, Any]) -> dict[str, Any]:
         runs = sc.scatter_round(peer.conn, info, args.warmup + args.repeat)[args.warmup :]  # type: ignore[arg-type]
     finally:
         peer.close()
-    row = _figures(runs, sc.nbytes())
+    row = figures(runs, sc.nbytes())
     row |= {"reference": "tcp", "ratio": row["best_gb_s"] / refs["tcp"]["best_gb_s"], "target": TARGETS["nixl-scatter"]}
     row["target_met"] = row["ratio"] >= row["target"]
     return row
@@ -218,6 +132,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     n_blocks = -(-args.tokens // EngineConfig().block_size)
     num_blocks, max_batched = 2 * n_blocks + 8, max(2048, args.tokens)
     tp = args.tensor_parallel_size
+    rtp = args.receiver_tensor_parallel_size or tp
     sender = PrefillSender(loaded, args.tokens, num_blocks, args.kv_cache_dtype, tp)
     _log(f"prefill of the {args.tokens}-token payload prompt")
     t0 = time.perf_counter()
@@ -240,15 +155,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = _child_nixl_tcp(args, refs)
             continue
         _log(f"{name}: starting the receiver")
-        peer: LocalPeer | Peer = (LocalPeer(loaded, num_blocks, max_batched, args.kv_cache_dtype, tp) if name == "local"
-                                  else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched,
-                                            args.kv_cache_dtype, tp, daemon=tp == 1))
+        peer: LocalPeer | Peer = (
+            LocalPeer(loaded, num_blocks, max_batched, args.kv_cache_dtype, rtp) if name == "local"
+            else Peer(name, kv_receiver, name, args.model, num_blocks, max_batched, args.kv_cache_dtype, rtp,
+                      daemon=rtp == 1))
         try:
             tc = TransferConfig(transport=name, deadline_s=DEADLINE_S,  # type: ignore[arg-type]
                                 grpc_streams=args.grpc_streams, chunk_bytes=args.chunk_bytes)
             _log(f"{name}: {args.warmup} + {args.repeat} sends of the payload")
             runs = [sender.send(tc, peer, payload) for _ in range(args.warmup + args.repeat)][args.warmup :]
-            row = _figures([r.seconds for r in runs], nbytes, runs)
+            row = figures([r.seconds for r in runs], nbytes, runs)
             ref = REFERENCE_OF[name]
             row |= {"reference": ref, "ratio": row["best_gb_s"] / refs[ref]["best_gb_s"],
                     "target": TARGETS.get(name)}
@@ -269,7 +185,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "block_size": sender.engine.config.block_size, "prefill_s": payload_prefill_s},
         "workload": {"repeat": args.repeat, "warmup": args.warmup, "overlap_repeat": args.overlap_repeat,
                      "prefill_threads": 1, "deadline_s": DEADLINE_S, "grpc_streams": args.grpc_streams,
-                     "chunk_bytes": args.chunk_bytes, "idle_s": args.idle_s, "tensor_parallel_size": tp},
+                     "chunk_bytes": args.chunk_bytes, "idle_s": args.idle_s, "tensor_parallel_size": tp,
+                     "receiver_tensor_parallel_size": rtp},
         "references": refs, "transports": results, "overlap": overlap,
         "runtime_s": time.perf_counter() - t_start,
     }
@@ -280,7 +197,7 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [f"KV payload: {r['model']} ({r['model_id']}), {p['tokens']} tokens = {p['num_blocks']} blocks x "
              f"{p['num_layers']} layers, {r['dtype']}: {p['bytes'] / 1e6:.1f} MB; best/median of {w['repeat']} "
              f"after {w['warmup']} warm-up; {r['machine']['cores']} cores, torch {r['machine']['torch']}"
-             + (f"; both ends TP {w['tensor_parallel_size']}" if w.get("tensor_parallel_size", 1) > 1 else ""),
+             + _tp(w),
              f"grpc: {w['grpc_streams']} streams, {w['chunk_bytes'] / 2**20:g} MiB chunks; CPU s/GB: CPU time of the "
              "sending / receiving process per GB (local: both in one process); idle %core: the receiver process's CPU "
              f"over {r['workload']['idle_s']:g} s with nothing sent; nixl-tcp: nixl with UCX_TLS=tcp (a child bench)",
@@ -321,6 +238,14 @@ def format_table(r: dict[str, Any]) -> str:
                          "is within noise; hidden compares the tails of the same runs and is not")
     lines.append(f"[{r['runtime_s']:.0f} s]")
     return "\n".join(lines)
+
+
+def _tp(w: dict[str, Any]) -> str:
+    """The header's TP part: both ends' size, or the sender's then the receiver's."""
+    tp, rtp = w.get("tensor_parallel_size", 1), w.get("receiver_tensor_parallel_size", w.get("tensor_parallel_size", 1))
+    if tp != rtp:
+        return f"; sender TP {tp}, receiver TP {rtp}"
+    return f"; both ends TP {tp}" if tp > 1 else ""
 
 
 def run(args: argparse.Namespace) -> int:
