@@ -1,14 +1,14 @@
 """Tensor-parallel pools through `pdcluster serve`: a TP group is one worker to the router, the index and the KV
-hand-off (deploy/local.yaml on the tiny random model, CPU, gloo).
+hand-off (deploy/local-tp.yaml, the shipped TP cluster, on the tiny random model, CPU, gloo).
 
 Three clusters, one per layout (module-scoped, parametrized): prefill TP 2 → decode TP 1, prefill TP 1 → two decode
-workers of TP 2, and prefill TP 2 → decode TP 2, all over deploy/local.yaml's nixl (the sender gathers the heads a
+workers of TP 2, and prefill TP 2 → decode TP 2, all over deploy/local-tp.yaml's nixl (the sender gathers the heads a
 decode rank holds otherwise than any prefill rank: kv_transfer/transports/nixl_reshard.py). Every fresh prompt
-crosses the prefill →
-decode hand-off (no SLO keeps it on the decode worker), and the tokens must equal one TP 1 engine's (the tiny
-model's logits are far apart: float32 sums in another order pick the same greedy token). In the second layout a
-follower rank of the decode worker holding the streams is SIGKILLed mid-stream: the worker ends (a TP group is one
-worker), its streams finish on the other one with no token lost or repeated, and Ray restarts it as a fresh group.
+crosses the prefill → decode hand-off (no SLO keeps it on the decode worker), and the tokens must equal one TP 1
+engine's (the tiny model's logits are far apart: float32 sums in another order pick the same greedy token). In the
+second layout a follower rank of the decode worker holding the streams is SIGKILLed mid-stream: the worker ends (a TP
+group is one worker), its streams finish on the other one with no token lost or repeated, and Ray restarts it as a
+fresh group.
 The followers are Ray actors of their worker's placement group (one node), and a stopped cluster leaves no placement
 group behind. Every layout serves a LoRA adapter (each rank holding its share): its tokens across the hand-off equal
 one TP 1 engine's with the adapter.
@@ -40,8 +40,8 @@ from tests.lora_adapters import make_adapter
 pytestmark = pytest.mark.slow
 TAIL = ("The ferry left the harbour at dawn, crossed the grey water under the gulls, and came back each evening "
         "with the tide. ")
-# prefill TP, decode TP, decode replicas; every layout keeps local.yaml's nixl (CPU pools of any TP sizes:
-# pdcluster/config_sections.py `_copying`)
+# prefill TP, decode TP, decode replicas (the shipped file's model and sizes edited: SmolLM2 does not split over 2);
+# every layout keeps local-tp.yaml's nixl (CPU pools of any TP sizes: pdcluster/config_sections.py `_copying`)
 LAYOUTS = {"prefill-tp2-decode-tp1": (2, 1, 1), "prefill-tp1-decode-tp2": (1, 2, 2), "nixl-tp2-tp2": (2, 2, 1)}
 
 
@@ -62,7 +62,7 @@ def cluster(request, ray_session, adapter):
         for pool in (config.prefill, config.decode):
             pool.num_cpus, pool.num_kv_blocks, pool.max_restarts = 0.5, 512, 2
 
-    c, server = start_test_cluster("deploy/local.yaml", f"test-tp-{request.param}", edit=edit, port=0,
+    c, server = start_test_cluster("deploy/local-tp.yaml", f"test-tp-{request.param}", edit=edit, port=0,
                                    slo_itl_ms=None, max_predicted_ttft_ms=600_000)
     yield request.param, c, server
     server.close()
@@ -104,7 +104,7 @@ def test_fresh_prompts_cross_the_handoff_and_equal_one_tp1_engine(cluster, tiny,
         tl = last.timeline
         assert not tl.prefill_skipped and tl.prefill_worker.startswith("prefill-"), layout
         assert tl.kv_blocks_sent > 0 and last.usage.completion_tokens == 16
-    if nixl_importable():  # NOTE: local.yaml's nixl, for every layout: each worker's KV moved over it
+    if nixl_importable():  # NOTE: local-tp.yaml's nixl, for every layout: each worker's KV moved over it
         # NOTE: answered: in the second layout a worker restarted by the failover test may still be starting
         assert {answered(ray_session, a)["kv_transport"] for a in c.actors.values()} == {"nixl"}, layout
 
