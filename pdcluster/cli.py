@@ -6,7 +6,6 @@ import argparse
 import importlib
 import json
 import sys
-import time
 from typing import TYPE_CHECKING
 
 from pdcluster.serve_flags import add_serve_flags, apply_flags
@@ -88,7 +87,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-ca", default=None, metavar="PEM", help="speak TLS, trusting this CA/self-signed certificate")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; given `argv`, a bench's options are added only for the bench it runs (its module imports
+    torch and more: a client command such as `generate --addr` starts in a fraction of the time)."""
     parser = argparse.ArgumentParser(
         prog="pdcluster", description=DESCRIPTION,
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,47 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark and save its figures")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    running = argv[1] if argv is not None and len(argv) > 1 and argv[0] == "bench" else None
     for name, (module, text) in BENCHES.items():
-        importlib.import_module(module).add_arguments(bsub.add_parser(
-            name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        p = bsub.add_parser(name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if argv is None or name == running:
+            importlib.import_module(module).add_arguments(p)
     from pdcluster.plan.cli import add_arguments as add_plan_args
 
     add_plan_args(sub)
     return parser
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, EngineError, SamplingParams
-
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-        t0 = time.perf_counter()
-        print(f"loading {args.model} ...", file=sys.stderr)
-        llm = LLM(args.model, progress=True, num_threads=args.threads, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
-        print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        t0 = time.perf_counter()
-        if args.chat:
-            results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
-        else:
-            results = llm.generate(args.prompts, params)
-        elapsed = time.perf_counter() - t0
-    except EngineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for prompt, r in zip(args.prompts, results):
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": r.text, "token_ids": r.token_ids,
-                              "prompt_tokens": len(r.prompt_token_ids), "finish_reason": r.finish_reason,
-                              "cached_prompt_tokens": r.cached_prompt_tokens}))
-        else:
-            if len(args.prompts) > 1:
-                print(f"--- {prompt}")
-            print(r.text)
-    n = sum(len(r.token_ids) for r in results)
-    print(f"[{n} tokens in {elapsed:.2f} s]", file=sys.stderr)
-    return 0
 
 
 def _serve(args: argparse.Namespace, demo: bool = False) -> int:
@@ -266,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # NOTE: before gRPC loads: its core would log every connection GOAWAY at INFO
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     if args.command in ("serve", "demo", "router"):
         return _serve(args, demo=args.command == "demo")
     if args.command in ("chat", "status") or (args.command == "generate" and args.addr):
@@ -281,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return {"chat": client.chat, "status": client.status, "generate": client.generate}[args.command](args)
     if args.command == "generate":
-        return _generate(args)
+        from pdcluster.local_generate import generate
+
+        return generate(args)
     if args.command == "scale":
         from pdcluster.scale import run as run_scale
 

@@ -98,6 +98,7 @@ def chat(args: Any) -> int:
     s = stub_from_args(args)
     history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     turns = iter(args.messages) if args.messages else _read_turns()
+    failed = False  # NOTE: a failed turn is said and the conversation goes on; the exit status still tells
     for text in turns:
         history.append(pb.ChatMessage(role="user", content=text))
         try:
@@ -106,10 +107,11 @@ def chat(args: Any) -> int:
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             history.pop()
+            failed = True
             continue
         history.append(pb.ChatMessage(role="assistant", content=reply))
         print(timeline_line(last.timeline, last.usage), file=sys.stderr)
-    return 0
+    return 2 if failed else 0
 
 
 def _read_turns() -> Iterator[str]:

@@ -26,6 +26,18 @@ def tiny_llm() -> engine.LLM:
     return engine.LLM("tiny", num_blocks=64, num_threads=2)
 
 
+@pytest.mark.parametrize("argv", [["generate", "--addr", "127.0.0.1:1", "Hi"], ["status", "--addr", "127.0.0.1:1"],
+                                  ["chat", "--addr", "127.0.0.1:1", "Hi"]])
+def test_a_client_command_loads_neither_torch_nor_the_engine(argv):
+    """A client of a running cluster only dials it: no bench module, planner or engine (torch) on its way."""
+    code = ("import sys; from pdcluster.cli import main; code = main(sys.argv[1:]); "
+            "print(sorted(m for m in ('torch', 'engine', 'ray') if m in sys.modules)); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "UNAVAILABLE" in proc.stderr, proc.stderr  # nothing listens there
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
 @pytest.mark.parametrize("prompts", [["Hello"], ["Hello", "The capital of France is"]], ids=["one", "two"])
 def test_generate_json_prints_one_line_per_prompt_with_the_engines_tokens(tiny_llm, prompts):
     proc = pdcluster("generate", "--local", "--model", "tiny", "--json", "--max-tokens", "5", "--ignore-eos", *prompts)

@@ -93,9 +93,10 @@ def add_arguments(sub: Any) -> None:
     g = psub.add_parser("goodput", help="on N GPUs: every P:D split's and colocated goodput (simulated)",
                         formatter_class=FMT)
     _profile_arg(g, "h200-measured")
-    from pdcluster.plan.goodput import add_arguments as goodput_arguments
-
-    goodput_arguments(g)
+    g.add_argument("--gpus", type=int, default=8, help="GPUs to split (workers x the profile's GPUs per worker)")
+    g.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
+    g.add_argument("--template", default=None, help="deploy YAML of the workers (default: by profile kind)")
+    g.add_argument("--out", default="results/plan_goodput.json")
     _workload_args(g, 4.0, 600)
     v = psub.add_parser("validate", help="simulator vs measured `bench serve` runs (TTFT/ITL p50/p99)",
                         formatter_class=FMT)

@@ -27,13 +27,6 @@ BISECTIONS = 6
 MAX_DOUBLINGS = 10
 
 
-def add_arguments(g: Any) -> None:
-    g.add_argument("--gpus", type=int, default=8, help="GPUs to split (workers x the profile's GPUs per worker)")
-    g.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
-    g.add_argument("--template", default=None, help="deploy YAML of the workers (default: by profile kind)")
-    g.add_argument("--out", default="results/plan_goodput.json")
-
-
 def attainment(shape: ClusterShape, profile: Profile, ov: Overheads, args: argparse.Namespace, rate: float,
                slo: Slo) -> float:
     """SLO attainment of `shape` at `rate` req/s (one simulation)."""
