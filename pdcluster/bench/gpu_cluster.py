@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     rest += ["--device", args.device, "--seed", str(args.seed)]  # NOTE: every part draws the same prompts
     failed = 0
     for part in parts:
+        if part in NEEDS_CUDA and args.device != "cuda":  # NOTE: it says why here, no child process to start
+            failed += run_part(part, args) != 0
+            continue
         log("gpu-cluster", f"{part} (limit {LIMITS_S[part] * args.limit_pct / 100:.0f} s)")
         failed += _child(part, rest, LIMITS_S[part] * args.limit_pct / 100, args.out_dir) != 0
     return 1 if failed else 0
