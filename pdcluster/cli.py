@@ -237,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # NOTE: `pdcluster status ... | head`: the reader left; no traceback (Python's advice)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command in ("serve", "demo", "router"):
         return _serve(args, demo=args.command == "demo")
     if args.command in ("chat", "status") or (args.command == "generate" and args.addr):

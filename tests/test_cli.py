@@ -38,6 +38,17 @@ def test_a_client_command_loads_neither_torch_nor_the_engine(argv):
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 
+def test_output_piped_into_a_reader_that_left_ends_without_a_traceback():
+    """`pdcluster ... | head`: the reader is gone before the write; the command ends with status 1 and says nothing."""
+    read, write = os.pipe()
+    os.close(read)  # NOTE: the reader left before the first byte
+    proc = subprocess.run([sys.executable, "-m", "pdcluster", "serve", "--check", "--config", "deploy/local.yaml"],
+                          cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=60)
+    os.close(write)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+
+
 @pytest.mark.parametrize("prompts", [["Hello"], ["Hello", "The capital of France is"]], ids=["one", "two"])
 def test_generate_json_prints_one_line_per_prompt_with_the_engines_tokens(tiny_llm, prompts):
     proc = pdcluster("generate", "--local", "--model", "tiny", "--json", "--max-tokens", "5", "--ignore-eos", *prompts)
