@@ -172,13 +172,15 @@ class Plan:
         blocks consecutive on both sides (a slot's blocks are consecutive), its K runs, then its V runs."""
         src, dst = [], []
         n = len(local)
+        direct = runs(local, remote)  # NOTE: the same runs for every receiver rank fed straight from a pool ...
+        slotted = runs(np.arange(n, dtype=np.int64), remote) if self.gathers else direct  # ... or from the slot
         for r, t in enumerate(self.targets):
             if t.direct is not None:
-                ls, rs, lengths = runs(local, remote)
+                ls, rs, lengths = direct
                 src.append(run_descs(pool.kvs[t.direct].data_ptr(), pool.num_blocks, pool.block_nbytes, pool.device,
                                      layer, ls, lengths))
             else:
-                ls, rs, lengths = runs(np.arange(n, dtype=np.int64), remote)
+                ls, rs, lengths = slotted
                 blk = self.block_nbytes[r]
                 part = np.empty((2 * len(ls), 3), dtype=np.uint64)
                 for which in (0, 1):

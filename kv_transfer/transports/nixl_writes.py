@@ -17,6 +17,7 @@ a sender waits for slots (and fails, retryable, at its deadline, naming the aren
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -121,17 +122,12 @@ class Staging:
             slot.chunk.give(slot.offset, slot.nbytes)
 
 
-_staging: Staging | None = None
-_staging_lock = threading.Lock()
-
-
+@functools.cache
 def staging() -> Staging:
-    """This process's staging arena (made on first use; a chunk is registered when first needed)."""
-    global _staging
-    with _staging_lock:
-        if _staging is None:
-            _staging = Staging()
-        return _staging
+    """This process's staging arena (made on first use; a chunk is registered when first needed).
+
+    NOTE: `functools.cache` may build two under a race and keep one: a new Staging holds and registers nothing."""
+    return Staging()
 
 
 Checks = Callable[[PoolLayer, Slot | None], tuple[str, str]]  # a layer's K and V checks (its blocks gathered first)
