@@ -12,8 +12,10 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from engine.loop import EngineLoop
+if TYPE_CHECKING:
+    from engine.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,18 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cluster import faults
 from cluster.delta_server import DeltaServer, Handler
 from cluster.messages import WorkerInfo, WorkerLoad
-from cluster.process import pin_cpus, process_info, set_nice
-from cluster.worker import Worker, WorkerSpec, node_address
+from cluster.process import node_address, pin_cpus, process_info, set_nice
+from cluster.worker_spec import WorkerSpec
+
+if TYPE_CHECKING:
+    # NOTE: the worker (engine, torch) is imported by the actor's constructor, in its own process: the router's
+    # process imports this module for the actor class only
+    from cluster.worker import Worker
 
 GIL_SWITCH_S = 0.0005  # the worker process's GIL switch interval
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import ray
 
 from cluster.messages import DecodeRequest, Delta
-from cluster.worker import WorkerSpec
 from cluster.worker_actor import WorkerActor
-from decode_workers.worker import DecodeWorker
+from cluster.worker_spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from decode_workers.worker import DecodeWorker
 
 
 @ray.remote
@@ -18,6 +21,10 @@ class DecodeActor(WorkerActor):
     """Ray face of one DecodeWorker; `generate` is a streaming generator (call it with num_returns="streaming")."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        from decode_workers.worker import (
+            DecodeWorker,  # NOTE: here, in the actor's process: the router's imports this module
+        )
+
         self._configure(spec)
         self.worker: DecodeWorker = DecodeWorker(spec)
 

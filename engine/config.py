@@ -6,10 +6,12 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch  # NOTE: imported where a dtype or device is resolved: the router validates configs without torch
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise InvalidRequestError(name, f"must be > 0 (or None: off), got {value}")
-        torch_dtype(self.dtype)  # validates
+        check_dtype(self.dtype)
         check_device(self.device)
         if self.gpu_memory_utilization is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
@@ -199,25 +201,34 @@ class EngineConfig:
         return resolve_device(self.device)
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+           "fp16": "float16"}  # name → torch's attribute
+
+
+def check_dtype(name: object) -> None:
+    """Refuse a dtype other than "auto", a name of `_DTYPES` or a torch dtype, naming the field (no torch needed)."""
+    if isinstance(name, str) and (name == "auto" or name.lower() in _DTYPES):
+        return
+    if type(name).__module__ == "torch" and type(name).__name__ == "dtype":
+        return
+    raise InvalidRequestError("dtype", f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}")
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a dtype name ('float32', 'bf16', ...) to a torch dtype, or raise naming the field ("auto": float32, the
     CPU's choice; use `resolve_dtype` where the device is known)."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    if name == "auto":
-        return torch.float32
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise InvalidRequestError("dtype", f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+    check_dtype(name)
+    return torch.float32 if name == "auto" else getattr(torch, _DTYPES[name.lower()])
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
     """`torch_dtype`, with "auto" = bfloat16 on CUDA and float32 elsewhere."""
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return torch_dtype(name)
@@ -238,6 +249,8 @@ def resolve_device(name: str) -> torch.device:
     NOTE: "cuda" is the current device; a Ray actor with num_gpus sees only the GPUs Ray gave it
     (CUDA_VISIBLE_DEVICES), so "cuda" there is its own GPU.
     """
+    import torch
+
     check_device(name)
     if name == "cpu":
         return torch.device("cpu")

@@ -6,8 +6,10 @@ NOTE: this module imports nothing of the engine's request types, so SamplingPara
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -76,6 +78,18 @@ def _grammar_error(spec: StructuredOutputSpec) -> str | None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return _XGR_PREFIX.sub("", first)
     return None
+
+
+def preload() -> threading.Thread:
+    """Import xgrammar on a thread of its own (started now; returned for tests to join).
+
+    NOTE: the router checks each request's grammar with xgrammar, which pulls in torch and transformers (1-3 s on 2
+    cores). The router's process imports neither to start; `serve` calls this once it is ready, so a request with
+    tools or a response format does not wait for the import (one that comes sooner waits for what is left of it).
+    """
+    thread = threading.Thread(target=importlib.import_module, args=("xgrammar",), daemon=True, name="xgrammar-import")
+    thread.start()
+    return thread
 
 
 def build_grammar(spec: StructuredOutputSpec) -> Any:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch  # NOTE: only the workers compute logprobs; the router (cluster/messages.py) takes the dataclass
 
 
 @dataclass(slots=True)
@@ -43,6 +45,8 @@ def prompt_rows(num_prompt_tokens: int, num_recorded: int, start: int, num_new: 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
     """logits [M, V] of M positions and the M tokens that followed them → their TokenLogprobs with the top k."""
+    import torch
+
     lp = logits.float().log_softmax(-1)  # [M, V]
     picked = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1))  # [M, 1]
     ranks = ((lp > picked).sum(1) + 1).tolist()

@@ -12,7 +12,7 @@ from typing import Any
 from cluster import cores
 from cluster.messages import Role
 from cluster.redis_client import RedisAuth
-from cluster.worker import WorkerSpec
+from cluster.worker_spec import WorkerSpec
 from kv_transfer.tls import KVTls
 from pdcluster import security
 from pdcluster.config import ClusterConfig

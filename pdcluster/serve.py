@@ -16,6 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from cluster import tracing
+from engine import grammar
 from pdcluster import security
 from pdcluster.config import ClusterConfig
 from pdcluster.launch import Cluster
@@ -132,6 +133,9 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
         if cluster.redis:
             endpoints["redis"] = f"127.0.0.1:{cluster.redis.port}"
         print("pdcluster ready: " + " ".join(f"{k}={v}" for k, v in endpoints.items()), flush=True)
+        # NOTE: the library of the router's grammar checks (tools, response formats) pulls in torch: imported now, off
+        # the start (on 2 cores it would compete with the workers' start) and before such a request has to wait for it
+        grammar.preload()
         await stop.wait()
         print("pdcluster stopping ...", file=sys.stderr, flush=True)
     finally:

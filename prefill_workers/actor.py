@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import ray
 
 from cluster.delta_server import Handler
 from cluster.messages import DecodeRequest, Delta, PrefillRequest, PrefillResult
-from cluster.worker import WorkerSpec
 from cluster.worker_actor import WorkerActor
-from prefill_workers.worker import PrefillWorker
+from cluster.worker_spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from prefill_workers.worker import PrefillWorker
 
 
 @ray.remote
@@ -19,6 +22,10 @@ class PrefillActor(WorkerActor):
     """Ray face of one PrefillWorker; `generate` (a request kept here whole) streams: num_returns="streaming"."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        from prefill_workers.worker import (
+            PrefillWorker,  # NOTE: here, in the actor's process: the router's imports this module
+        )
+
         self._configure(spec)
         self.worker: PrefillWorker = PrefillWorker(spec)
 

@@ -38,6 +38,28 @@ def test_a_client_command_loads_neither_torch_nor_the_engine(argv):
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 
+def test_the_router_process_imports_without_torch():
+    """`serve` and `router` run no model: their modules, and the actor classes they start workers from, import with
+    torch made unimportable (the workers import the engine in their own processes; the grammar library, which pulls
+    torch in, is imported on a thread of its own once serve is ready: engine.grammar.preload)."""
+    code = ("import sys; sys.modules['torch'] = None; import pdcluster.serve, pdcluster.launch, router.service, "
+            "router.openai_api, decode_workers.actor, prefill_workers.actor, kv_transfer.transports as t; "
+            "print(t.unavailable('nixl'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "None", proc.stdout  # NOTE: NIXL is installed here, and found without torch
+
+
+def test_the_grammar_library_is_imported_on_a_thread_of_its_own():
+    """`serve` imports xgrammar (the router's grammar checks) once it is ready, not at the first request with tools."""
+    code = ("import sys; from engine import grammar; assert 'xgrammar' not in sys.modules; "
+            "t = grammar.preload(); t.join(120); print(t.name, 'xgrammar' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.split() == ["xgrammar-import", "True"], proc.stderr[-2000:]
+
+
 def test_output_piped_into_a_reader_that_left_ends_without_a_traceback():
     """`pdcluster ... | head`: the reader is gone before the write; the command ends with status 1 and says nothing."""
     read, write = os.pipe()

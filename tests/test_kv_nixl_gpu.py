@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer.transports import cuda_ipc, nixl_agent
+from kv_transfer.transports import cuda_ipc, nixl_agent, nixl_load
 from kv_transfer.transports.nixl_checks import check_stream
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ if torch.cuda.is_available():
     # lanes, as the figure's explanation, are logged at info level (never on a machine without CUDA: CI's suite)
     os.environ.setdefault("UCX_LOG_LEVEL", "info")
     os.environ.setdefault("UCX_PROTO_INFO", "y")  # NOTE: and the protocol each message size of a put takes
-needs = pytest.mark.skipif(not torch.cuda.is_available() or nixl_agent.unavailable() is not None,
+needs = pytest.mark.skipif(not torch.cuda.is_available() or nixl_load.unavailable() is not None,
                            reason="needs a CUDA GPU and NIXL")
 SHAPE = (30, 2, 256, 16, 3, 64)  # [layers, K/V, pool blocks, block_size, KVH, D]
 SENT = 128  # blocks per layer sent

@@ -64,10 +64,10 @@ def tiny_cuda():
 @needs_cuda
 @pytest.mark.parametrize("transport", list(GPU_PATHS))
 def test_kv_moves_from_a_gpu_pool_into_a_gpu_pool(tiny_cuda, transport):
-    from kv_transfer.transports import nixl_agent
+    from kv_transfer.transports import nixl_load
 
-    if transport == "nixl" and nixl_agent.unavailable() is not None:
-        pytest.skip(f"nixl: {nixl_agent.unavailable()}")
+    if transport == "nixl" and nixl_load.unavailable() is not None:
+        pytest.skip(f"nixl: {nixl_load.unavailable()}")
     receiving, sending = GPU_PATHS[transport]
     b = LLMEngine(tiny_cuda, EngineConfig(**CUDA_ENGINE))  # type: ignore[arg-type]
     ep = ReceiverEndpoint(b, TransferConfig(transport=transport, **receiving), local_name=f"gpu-pools-{transport}")

@@ -9,7 +9,7 @@ the receiver directly (same process).
 | --- | --- | --- |
 | `grpc` | `grpc_transport.py` | sealed 1 MiB chunks over parallel gRPC streams |
 | `torch` | `torch_transport.py` (+ `torch_pairs.py`, `liveness.py`) | torch.distributed send/recv per pair |
-| `nixl` | `nixl_transport.py` (+ `nixl_agent.py`, `nixl_receiver.py`) | NIXL WRITE from the sender's KV pool (UCX) |
+| `nixl` | `nixl_transport.py` (+ `nixl_agent.py`, `nixl_receiver.py`, `nixl_load.py`) | NIXL WRITE from the KV pool |
 | `local` | `local.py` | a checked copy within one process |
 """
 
@@ -34,6 +34,9 @@ class Entry:
     sender: str  # its KVSender subclass
     receiver_side: str | None = None  # fn(receiver, config, host) -> hook with close(), set up beside the gRPC service
     unavailable: str | None = None  # fn() -> why it cannot run in this process (None: it can)
+    # NOTE: the module holding `unavailable` when not `module`: the router's process asks without importing the
+    # transport (and with it the engine and torch)
+    checks: str | None = None
 
 
 _REGISTRY: dict[str, Entry] = {}
@@ -71,11 +74,13 @@ def unavailable(name: str) -> str | None:
     entry = _REGISTRY[name]
     if entry.unavailable is None:
         return None
-    check: Callable[[], str | None] = _attr(name, entry.unavailable)
+    check: Callable[[], str | None] = getattr(importlib.import_module(entry.checks or entry.module),
+                                              entry.unavailable)
     return check()
 
 
 register("grpc", Entry("kv_transfer.transports.grpc_transport", "GrpcKVSender"))
 register("torch", Entry("kv_transfer.transports.torch_transport", "TorchKVSender", "receiver_side"))
 register("local", Entry("kv_transfer.transports.local", "LocalKVSender"))
-register("nixl", Entry("kv_transfer.transports.nixl_transport", "NixlKVSender", "receiver_side", "unavailable"))
+register("nixl", Entry("kv_transfer.transports.nixl_transport", "NixlKVSender", "receiver_side", "unavailable",
+                      "kv_transfer.transports.nixl_load"))

@@ -14,7 +14,6 @@ What the transport needs of NIXL, in one place:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
@@ -22,44 +21,18 @@ import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
 from kv_transfer.transports import cuda_ipc
+from kv_transfer.transports.nixl_load import load
 
 log = logging.getLogger(__name__)
 
-# NOTE: measured with two processes on one host (issue 30): UCX's TCP transport as shipped moves 0.13-0.8x raw
-# TCP; with 64 KiB send and 256 KiB receive segments it moves 0.6-2x. Same-host pairs use cma (zero copy) anyway.
-UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "64K", "UCX_TCP_RX_SEG_SIZE": "256K"}
-MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
-
-_module: ModuleType | None = None
 _agent: Agent | None = None
 _lock = threading.Lock()
-
-
-def load() -> ModuleType:
-    """The NIXL package; raises ImportError naming what is missing."""
-    global _module
-    if _module is not None:
-        return _module
-    for name, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    errors = []
-    for name in MODULES:
-        try:
-            _module = importlib.import_module(name)
-        except ImportError as e:
-            errors.append(f"{name}: {e}")
-            continue
-        if not os.environ.get("NIXL_LOG_LEVEL"):  # NOTE: it logs every agent and backend at INFO, on stdout
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-        return _module
-    raise ImportError("no NIXL package importable (" + "; ".join(errors) + "); scripts/install.sh installs nixl-cu12")
 
 
 def ucx_lanes(lines: Iterable[str]) -> list[str]:
@@ -67,15 +40,6 @@ def ucx_lanes(lines: Iterable[str]) -> list[str]:
     `b intra-node cfg#1 rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)` between two host pools:
     what carried the bytes, cuda_ipc or a copy through the host."""
     return [line.split("INFO", 1)[-1].strip()[:240] for line in lines if "cfg#" in line and "INFO" in line]
-
-
-def unavailable() -> str | None:
-    """Why the nixl transport cannot run in this process (None: it can)."""
-    try:
-        load()
-    except ImportError as e:
-        return str(e)
-    return None
 
 
 def agent() -> Agent:

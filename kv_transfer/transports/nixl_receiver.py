@@ -44,7 +44,7 @@ from kv_transfer.messages import NixlTarget, PrepareRequest
 from kv_transfer.pool import pool_heads, pool_tensors
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferConfig, TransferError, TransferState
-from kv_transfer.transports import cuda_ipc, nixl_agent
+from kv_transfer.transports import cuda_ipc, nixl_agent, nixl_load
 from kv_transfer.transports.nixl_checks import layers_check
 from kv_transfer.transports.nixl_reshard import heads_problem
 
@@ -60,7 +60,7 @@ HURRY_S = 0.01  # after a commit: polled fast this long (its last notifications 
 
 def unavailable() -> str | None:
     """Why nixl cannot run in this process (None: it can)."""
-    return nixl_agent.unavailable()
+    return nixl_load.unavailable()
 
 
 def on_this_host(peer: str) -> bool:
