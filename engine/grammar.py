@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import re
 import threading
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from engine.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 SpecKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 SPEC_KINDS: tuple[SpecKind, ...] = ("json", "json_object", "regex", "choice", "grammar")
@@ -87,9 +90,16 @@ def preload() -> threading.Thread:
     cores). The router's process imports neither to start; `serve` calls this once it is ready, so a request with
     tools or a response format does not wait for the import (one that comes sooner waits for what is left of it).
     """
-    thread = threading.Thread(target=importlib.import_module, args=("xgrammar",), daemon=True, name="xgrammar-import")
+    thread = threading.Thread(target=_import_xgrammar, daemon=True, name="xgrammar-import")
     thread.start()
     return thread
+
+
+def _import_xgrammar() -> None:
+    try:
+        importlib.import_module("xgrammar")
+    except ImportError as e:  # NOTE: a request that asks for a grammar is then refused, naming its field
+        log.info("structured outputs and tools are unavailable here: %s", e)
 
 
 def build_grammar(spec: StructuredOutputSpec) -> Any:
