@@ -21,9 +21,8 @@ class DecodeActor(WorkerActor):
     """Ray face of one DecodeWorker; `generate` is a streaming generator (call it with num_returns="streaming")."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        from decode_workers.worker import (
-            DecodeWorker,  # NOTE: here, in the actor's process: the router's imports this module
-        )
+        # NOTE: imported here, in the actor's process: the router's process imports this module for the class
+        from decode_workers.worker import DecodeWorker
 
         self._configure(spec)
         self.worker: DecodeWorker = DecodeWorker(spec)

@@ -22,9 +22,8 @@ class PrefillActor(WorkerActor):
     """Ray face of one PrefillWorker; `generate` (a request kept here whole) streams: num_returns="streaming"."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        from prefill_workers.worker import (
-            PrefillWorker,  # NOTE: here, in the actor's process: the router's imports this module
-        )
+        # NOTE: imported here, in the actor's process: the router's process imports this module for the class
+        from prefill_workers.worker import PrefillWorker
 
         self._configure(spec)
         self.worker: PrefillWorker = PrefillWorker(spec)
