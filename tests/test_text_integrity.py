@@ -3,10 +3,10 @@
 A real cluster (Ray actors, gRPC, the embedded Redis) with prefill skipping off, so every request crosses the
 prefill → decode handoff, serves 20 prompts (14 completions, 6 chats; accents, CJK, Cyrillic, Hangul and emoji in
 the output) with stop strings of 1–8 characters that occur in the answer and that do not, over gRPC and the
-OpenAI HTTP front, unary and streamed. Text and finish reason must equal one in-process engine's, and the
-concatenated stream must equal the unary text. Then a decode worker is killed mid-stream: the continuation on the
-other decode worker must give the same text again (stop strings straddling the failover point, characters split
-across it).
+OpenAI HTTP front, unary and streamed, four at a time. Text and finish reason must equal one in-process engine's,
+and the concatenated stream must equal the unary text. Then a decode worker is killed mid-stream: the continuation
+on the other decode worker must give the same text again (stop strings straddling the failover point, characters
+split across it).
 """
 
 from __future__ import annotations
@@ -177,8 +177,10 @@ def test_every_client_gets_the_text_of_one_engine(cluster, engine) -> None:
     assert len(all_cases) == 40 and {c.client for c in all_cases} == set(CLIENTS)
     wrong, non_ascii = [], 0
     wants = one_engine(engine, [prompt_of(engine, c) for c in all_cases], [[c.stop] for c in all_cases])
-    for case, want in zip(all_cases, wants):
-        got = send[case.client](case)
+    # NOTE: 4 at a time, as clients send: each still crosses the handoff, and the reference is one batched engine
+    with ThreadPoolExecutor(4) as pool:
+        gots = list(pool.map(lambda c: send[c.client](c), all_cases))
+    for case, want, got in zip(all_cases, wants, gots, strict=True):
         non_ascii += any(ord(ch) > 127 for ch in want[0])
         if (got.text, got.finish_reason) != want:
             wrong.append(f"{case.client} {case.name}: got {got.text!r} ({got.finish_reason}), want {want[0]!r} "
@@ -193,11 +195,12 @@ def test_stream_and_unary_agree_for_the_same_request(cluster, engine) -> None:
     _, server, _ = cluster
     stub = server.stub()
     texts = one_engine(engine, COMPLETIONS[:6], [[]] * 6)
-    for i, (prompt, (text, _)) in enumerate(zip(COMPLETIONS[:6], texts)):
-        for stop in stops_for(text, i + 1):
-            case = Case(prompt, prompt, None, stop, "")
-            unary, streamed = via_grpc(stub, case, False), via_grpc(stub, case, True)
-            assert (streamed.streamed, streamed.finish_reason) == (unary.text, unary.finish_reason), case
+    asked = [Case(prompt, prompt, None, stop, "") for i, (prompt, (text, _)) in enumerate(zip(COMPLETIONS[:6], texts))
+             for stop in stops_for(text, i + 1)]
+    with ThreadPoolExecutor(4) as pool:
+        pairs = list(pool.map(lambda c: (via_grpc(stub, c, False), via_grpc(stub, c, True)), asked))
+    for case, (unary, streamed) in zip(asked, pairs, strict=True):
+        assert (streamed.streamed, streamed.finish_reason) == (unary.text, unary.finish_reason), case
 
 
 # ---- failover -------------------------------------------------------------------------------------------------
