@@ -73,8 +73,10 @@ def cluster(ray_session):
         config.decode.replicas = 2
         config.decode.max_restarts = 1
 
-    # NOTE: prefill skipping off: a decode worker that caches a prompt must not serve it alone here
-    c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0, skip_prefill_max_uncached_tokens=0)
+    # NOTE: prefill skipping and the SLO placement off: a decode worker that caches a prompt, or that the router
+    # prefers while the prefill worker is busy with the other requests in flight, must not serve it alone here
+    c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0, skip_prefill_max_uncached_tokens=0,
+                                   slo_itl_ms=None)
 
     def on_loop(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, server.loop).result(30)
