@@ -134,7 +134,7 @@ for mod in ("triton", "transformers", "numpy", "gguf", "crc32c", "grpc", "pytest
         env[mod] = getattr(importlib.import_module(mod), "__version__", "present")
     except Exception as e:  # noqa: BLE001
         env[mod] = f"missing: {type(e).__name__}: {e}"
-from kv_transfer.transports import nixl_agent, nixl_load  # NOTE: the cu13 wheel's module is nixl_cu13; load() tries each name
+from kv_transfer.transports import nixl_agent, nixl_load  # noqa: F401 - nixl_agent: that it imports; load() tries nixl_cu13 too
 env["nixl"] = nixl_load.unavailable() or "present"
 import engine, kv_transfer, pdcluster.bench.engine_device, pdcluster.bench.engine_gpu  # noqa: F401,E401
 json.dump(env, open(sys.argv[1], "w"), indent=2)

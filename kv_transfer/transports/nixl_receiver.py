@@ -44,7 +44,7 @@ from kv_transfer.messages import NixlTarget, PrepareRequest
 from kv_transfer.pool import pool_heads, pool_tensors
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.state import TransferConfig, TransferError, TransferState
-from kv_transfer.transports import cuda_ipc, nixl_agent, nixl_load
+from kv_transfer.transports import cuda_ipc, nixl_agent
 from kv_transfer.transports.nixl_checks import layers_check
 from kv_transfer.transports.nixl_reshard import heads_problem
 
@@ -56,11 +56,6 @@ BACKOFF_S = 0.05
 LOCAL_POLL_S = 0.0005  # senders on this host only, while no notification came for `BURST_S` (see the module doc)
 BURST_S = 0.001  # notifications came this recently: more are likely on their way (a sender posting its layers)
 HURRY_S = 0.01  # after a commit: polled fast this long (its last notifications are due)
-
-
-def unavailable() -> str | None:
-    """Why nixl cannot run in this process (None: it can)."""
-    return nixl_load.unavailable()
 
 
 def on_this_host(peer: str) -> bool:

@@ -44,11 +44,11 @@ from kv_transfer.transports import cuda_ipc, nixl_agent, nixl_links
 from kv_transfer.transports.grpc_control import GrpcControl
 from kv_transfer.transports.nixl_agent import Peer, Pool
 from kv_transfer.transports.nixl_checks import PoolLayer, check_stream, layer_ready
-from kv_transfer.transports.nixl_receiver import receiver_side, unavailable
+from kv_transfer.transports.nixl_receiver import receiver_side
 from kv_transfer.transports.nixl_reshard import Plan, heads_problem
 from kv_transfer.transports.nixl_writes import Queued, Slot, Writes
 
-__all__ = ["NixlKVSender", "receiver_side", "unavailable"]
+__all__ = ["NixlKVSender", "receiver_side"]  # NOTE: whether nixl can run: nixl_load.unavailable (torch-free)
 
 POLL_S = 0.0002  # how often the sender's thread drives NIXL while writes are in flight and no layer is queued
 DRAIN_S = 2.0  # after a failure, how long posted writes get to complete before the peer is dropped
