@@ -4,19 +4,28 @@ A KV pool is written by other processes: NIXL's same-host path (UCX's cma transp
 `process_vm_writev`, which pins the destination page by page. On 4 KiB pages that copy ran at ~6 GB/s here, on
 2 MiB pages at ~11 GB/s (`pdcluster bench transfer`, its cma reference; BENCHMARKS.md, issue 30). Linux gives a
 mapping huge pages on request (`madvise(MADV_HUGEPAGE)`) in its default THP mode ("madvise"), as numpy does for
-its own large arrays; the request has to come before the pages are first touched, so the tensor is allocated
-empty, advised, then zeroed. Where the kernel has THP off ("never") or is not Linux, this is `torch.zeros`.
+its own large arrays; the request has to come before the pages are first touched.
+
+So a large pool is its own private anonymous mapping, aligned to 2 MiB and advised before any write. The kernel
+hands such pages out zeroed on first touch, so the pool is zeros without writing them: a worker no longer spends
+0.3-3 s of its start zeroing a 1.5 GB pool it may barely use (the time grows when free memory is fragmented), and
+its memory grows with the blocks it fills, as vLLM's CPU backend's `torch.empty` pool does. The first write into
+each 2 MiB page pays its fault (the engine's warm-up takes the first of them). Small tensors, devices other than
+the host, and systems other than Linux get `torch.zeros`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
+LAZY_BYTES = 8 * HUGE_PAGE  # smaller tensors: torch.zeros (a mapping of their own is not worth it)
 MADV_HUGEPAGE = 14
 
 
@@ -45,9 +54,15 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """`torch.zeros`, on the host in huge pages where the kernel grants them."""
-    if torch.device(device).type != "cpu":
+    """`torch.zeros`; on the Linux host, from `LAZY_BYTES` up, in a 2 MiB-aligned private mapping advised huge pages
+    whose pages the kernel zeroes on first touch (the module's note)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES or _madvise() is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    t = torch.empty(shape, dtype=dtype)
+    # NOTE: MAP_PRIVATE: a shared anonymous mapping is shmem, whose huge pages are a separate, usually off, setting.
+    # The tensor's storage holds the mapping; it is unmapped when the last view goes.
+    whole = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    t = whole[start:start + nbytes].view(dtype).view(shape)
     advise_huge_pages(t)
-    return t.zero_()
+    return t

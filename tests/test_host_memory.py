@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -47,3 +48,25 @@ def test_a_kv_pool_sized_tensor_is_advised_huge_pages():
     if "[madvise]" in THP.read_text():  # the usual mode: only advised mappings may get huge pages
         plain = torch.zeros(32 << 20, dtype=torch.uint8)  # what the pool was before
         assert _mapping_of(plain.data_ptr() + (16 << 20)).get("THPeligible") == "0"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazy mapping is Linux's")
+def test_a_large_pool_is_zeros_without_a_write_fills_as_used_and_is_unmapped_with_its_last_view():
+    t = host_memory.zeros((4, 16 << 20), torch.uint8)
+    addr = t.data_ptr()
+    assert addr % host_memory.HUGE_PAGE == 0 and t.is_contiguous()
+
+    def resident_kib() -> int:
+        return int(_mapping_of(addr)["Rss"].split()[0])
+
+    assert resident_kib() < 1024, "the pool was written at allocation"
+    assert not t.any()
+    t[2, :100].fill_(7)
+    assert 4 <= resident_kib() <= 4096 and int(t.sum()) == 700
+    row = t[2]
+    del t
+    gc.collect()
+    assert int(row.sum()) == 700 and _mapping_of(addr)  # a view keeps the mapping
+    del row
+    gc.collect()
+    assert not _mapping_of(addr)
