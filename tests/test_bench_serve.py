@@ -52,6 +52,16 @@ def test_shared_prompt_sessions_share_one_system_prompt_and_resend_the_conversat
     assert len(s.think_s) == SHARED_PROMPT_TURNS - 1
 
 
+def test_think_scale_stretches_the_pauses_between_turns_and_nothing_else():
+    w = build("shared_prompt", 2.0, 16, seed=1)
+    short = build("shared_prompt", 2.0, 16, seed=1, think_scale=0.1)
+    assert [s.think_s for s in short.sessions] == [tuple(t * 0.1 for t in s.think_s) for s in w.sessions]
+    assert all(s.think_s and min(s.think_s) > 0 for s in short.sessions)
+    assert [(s.arrival_s, s.turns) for s in short.sessions] == [(s.arrival_s, s.turns) for s in w.sessions]
+    assert short.params["think_scale"] == 0.1
+    assert all(not any(s.think_s) for s in build("shared_prompt", 2.0, 16, seed=1, think_scale=0).sessions)
+
+
 def test_mixed_has_a_fifth_long_prompts():
     w = build("mixed", 1.0, 1000, seed=0)
     long = [s for s in w.sessions if len(s.turns[0].user_tokens) >= 1000]
@@ -63,6 +73,8 @@ def test_bad_workload_arguments_name_the_field():
         build("nope", 1.0, 10)
     with pytest.raises(ValueError, match="rate"):
         build("mixed", 0.0, 10)
+    with pytest.raises(ValueError, match="think_scale"):
+        build("shared_prompt", 1.0, 10, think_scale=-1)
 
 
 def _rec(ttft: float, gaps: list[float], error: str | None = None) -> RequestRecord:
@@ -111,11 +123,15 @@ def test_bench_compare_runs_both_routings_on_fresh_clusters_and_reports_the_rati
     from pdcluster.cli import main
 
     out = tmp_path / "compare.json"
-    # NOTE: the shipped routing cluster (4 workers) with the tiny model: what is tested is the bench, not SmolLM2
+    # NOTE: the shipped routing cluster with the tiny model and one prefill worker (the routings differ in where the
+    # two decode workers' prefix caches send each turn): what is tested is the bench, not SmolLM2 or the pool sizes
     config = tmp_path / "bench-routing-tiny.yaml"
-    config.write_text(Path("deploy/bench-routing.yaml").read_text().replace("model: smollm2", "model: tiny", 1))
+    shipped = Path("deploy/bench-routing.yaml").read_text()
+    assert "prefill:\n  replicas: 2\n" in shipped
+    config.write_text(shipped.replace("model: smollm2", "model: tiny", 1)
+                      .replace("prefill:\n  replicas: 2\n", "prefill:\n  replicas: 1\n", 1))
     assert main(["bench", "compare", "--only", "routing", "--routing-config", str(config), "--routing-rates", "4",
-                 "--routing-num-requests", "4", "--input-scale", "0.1", "--output-scale", "0.1",
+                 "--routing-num-requests", "4", "--input-scale", "0.1", "--output-scale", "0.1", "--think-scale", "0.1",
                  "--warmup-requests", "1", "--out", str(out)]) == 0
     figures = json.loads(out.read_text())
     by = {r["routing"]: r["summary"] for r in figures["runs"]}
@@ -135,6 +151,7 @@ def test_bench_compare_runs_both_routings_on_fresh_clusters_and_reports_the_rati
     (["bench", "serve", "--rates", "0,1"], "--rates: every rate must be > 0"),
     (["bench", "serve", "--rates", "fast"], "--rates: expected numbers"),
     (["bench", "compare", "--routing-rates", "-1"], "--routing-rates: every rate must be > 0"),
+    (["bench", "compare", "--think-scale", "-0.5"], "--think-scale: must be >= 0, got -0.5"),
     (["bench", "serve", "--config", "deploy/nope.yaml"], "no such file"),
 ])
 def test_bad_bench_options_fail_before_any_cluster_starts(argv, words, capsys):

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from pdcluster.bench import plots, vs_vllm
-from pdcluster.bench.serve import add_workload_arguments, finish, rates_of, sweep
+from pdcluster.bench.serve import add_workload_arguments, check_workload_args, finish, rates_of, sweep
 from pdcluster.bench.target import Target
 from pdcluster.bench.vllm_bench import format_summary
 
@@ -129,7 +129,7 @@ def run_vs(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    rates_of(args.rates)  # NOTE: bad input fails here, before a cluster is started for it
+    check_workload_args(args)  # NOTE: bad input fails here, before a cluster is started for it
     rates_of(args.routing_rates, "--routing-rates")
     if args.vs:
         vs_vllm.check(args)

@@ -34,6 +34,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--input-scale", type=float, default=1.0, help="stretch prompt lengths")
     g.add_argument("--output-scale", type=float, default=1.0, help="stretch answer lengths")
+    g.add_argument("--think-scale", type=float, default=1.0,
+                   help="stretch the users' pauses between turns (multi-turn workloads; 0: none)")
     g.add_argument("--warmup-requests", type=int, default=4, help="sent one by one before each rate, not counted")
     s = p.add_argument_group("SLOs (goodput = highest rate with >= 90%% of requests meeting both)")
     s.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -88,7 +90,7 @@ def sweep(target: Target, args: argparse.Namespace, label: str, meta: dict[str, 
     for i, rate in enumerate(rates_of(args.rates)):
         _warm_up(target, args)
         w = build(args.workload, rate, args.num_requests, args.seed, input_scale=args.input_scale,
-                  output_scale=args.output_scale, salt=i + 1)
+                  output_scale=args.output_scale, salt=i + 1, think_scale=args.think_scale)
         log("serve", f"{label}: {w.describe()}")
         records, elapsed = _with_progress(target, w, f"{label} @ {rate:g} req/s")
         target.wait_idle()
@@ -220,6 +222,13 @@ def format_minutes(s: dict[str, Any]) -> str:
     return " ".join(f"{100 * m['slo_attainment']:.0f}%" for m in s.get("slo_attainment_per_minute", []))
 
 
+def check_workload_args(args: argparse.Namespace) -> None:
+    """The workload options `bench serve` and `bench compare` share, as a ValueError naming the option."""
+    rates_of(args.rates)
+    if args.think_scale < 0:
+        raise ValueError(f"--think-scale: must be >= 0, got {args.think_scale:g}")
+
+
 def check_target_args(args: argparse.Namespace) -> None:
     """Which server options go with which backend, as a ValueError naming the option."""
     if args.backend == "openai":
@@ -240,7 +249,7 @@ def check_target_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     for path in args.plot_with:
         _saved_runs(path)  # NOTE: a bad file fails before the run, not after it
-    rates_of(args.rates)  # NOTE: bad input fails here, before a cluster is started for it
+    check_workload_args(args)  # NOTE: bad input fails here, before a cluster is started for it
     check_target_args(args)
     if args.backend == "openai":
         target = Target("openai", args.base_url, args.model, args.api_key)

@@ -17,11 +17,13 @@ Workloads (`WORKLOADS`):
   a short answer (~64): single turns, so each request's new work is the question alone when the prefix is cached;
 - `chat_to_documents`: a shift halfway: the first half of the requests are `sharegpt` chat, the second half
   `summarization` documents (long prompts, short answers); what an autoscaler must follow (pdcluster/autoscale.py).
-`input_scale` / `output_scale` stretch the lengths (a 2-core laptop needs shorter answers than a GPU).
+`input_scale` / `output_scale` stretch the lengths (a 2-core laptop needs shorter answers than a GPU); `think_scale`
+stretches the users' pauses between turns (0: the next turn goes out as soon as the answer arrived).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -159,16 +161,18 @@ _SHARED_LEN = {"shared_prompt": SHARED_PROMPT_LEN, "system_prompt": SYSTEM_PROMP
 
 
 def build(name: str, rate: float, num_requests: int, seed: int = 0, vocab: tuple[int, int] = (256, 49152),
-          input_scale: float = 1.0, output_scale: float = 1.0, salt: int = 0) -> Workload:
+          input_scale: float = 1.0, output_scale: float = 1.0, salt: int = 0, think_scale: float = 1.0) -> Workload:
     """`num_requests` requests (whole sessions, rounded up) of workload `name`, Poisson arrivals at `rate` req/s.
 
-    The same (name, num_requests, seed, scales) give the same lengths at every rate and salt: only arrival times
-    scale, so runs at several rates compare like with like; `salt` draws other token ids.
+    The same (name, num_requests, seed, scales) give the same lengths and pauses at every rate and salt: only
+    arrival times scale, so runs at several rates compare like with like; `salt` draws other token ids.
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload: unknown {name!r}; choose one of {sorted(WORKLOADS)}")
     if rate <= 0 or num_requests <= 0:
         raise ValueError("rate and num_requests must be > 0")
+    if think_scale < 0:
+        raise ValueError("think_scale must be >= 0")
     turns = _TURNS.get(name, 1)
     d = _Draw(seed, salt, vocab, input_scale, output_scale)
     shared = d.tokens(round(_SHARED_LEN[name] * input_scale)) if name in _SHARED_LEN else ()
@@ -179,6 +183,10 @@ def build(name: str, rate: float, num_requests: int, seed: int = 0, vocab: tuple
         # NOTE: sessions arrive at rate / turns, so turns reach the cluster at about `rate` per second.
         t += arrivals.expovariate(rate / turns)
         builder = SHIFTS[name][sid >= n // 2] if name in SHIFTS else WORKLOADS[name]
-        sessions.append(builder(d, sid, t, shared))
-    params = {"input_scale": input_scale, "output_scale": output_scale, "seed": seed, "salt": salt}
+        session = builder(d, sid, t, shared)
+        if think_scale != 1.0:
+            session = dataclasses.replace(session, think_s=tuple(x * think_scale for x in session.think_s))
+        sessions.append(session)
+    params = {"input_scale": input_scale, "output_scale": output_scale, "seed": seed, "salt": salt,
+              "think_scale": think_scale}
     return Workload(name, rate, tuple(sessions), params)

@@ -35,7 +35,7 @@ def workload_of(run: dict[str, Any]) -> Workload:
     w = run["workload"]
     return build(w["name"], w["rate"], w["num_requests"], int(w.get("seed", 0)),
                  input_scale=w.get("input_scale", 1.0), output_scale=w.get("output_scale", 1.0),
-                 salt=int(w.get("salt", 0)))
+                 salt=int(w.get("salt", 0)), think_scale=w.get("think_scale", 1.0))
 
 
 def simulate_run(run: dict[str, Any], profile: Profile, ov: Overheads) -> Timings:
