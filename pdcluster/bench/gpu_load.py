@@ -72,7 +72,7 @@ def _sweep(args: argparse.Namespace, mode: str, env_vars: dict[str, str] | None 
             workload, in_s, out_s = SWEEPS[name]
             ns = argparse.Namespace(rates=args.rates, workload=workload, num_requests=args.num_requests, seed=0,
                                     input_scale=in_s * args.input_scale, output_scale=out_s * args.output_scale,
-                                    warmup_requests=2, slo_ttft_ms=SLO_TTFT_MS, slo_itl_ms=SLO_ITL_MS,
+                                    think_scale=1.0, warmup_requests=2, slo_ttft_ms=SLO_TTFT_MS, slo_itl_ms=SLO_ITL_MS,
                                     slo_itl_stat="mean")
             runs += serve.sweep(target, ns, f"{label} {name}", {"mode": mode, "sweep": name})
             out["runs"] = [{k: v for k, v in r.items() if k != "requests"} for r in runs]
