@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import mmap
 import sys
+from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 LAZY_BYTES = 8 * HUGE_PAGE  # smaller tensors: torch.zeros (a mapping of their own is not worth it)
 MADV_HUGEPAGE = 14
@@ -53,12 +56,22 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+          what: str = "") -> torch.Tensor:
     """`torch.zeros`; on the Linux host, from `LAZY_BYTES` up, in a 2 MiB-aligned private mapping advised huge pages
-    whose pages the kernel zeroes on first touch (the module's note)."""
+    whose pages the kernel zeroes on first touch (the module's note).
+
+    NOTE: such memory is taken as it is written, so a pool larger than the machine can give fails late (the kernel's
+    OOM killer, mid-serving) instead of at its start: where it is larger than what is available now, a warning
+    names it (`what`: the setting that sizes it)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES or _madvise() is None:
         return torch.zeros(shape, dtype=dtype, device=device)
+    free = available_bytes()
+    if free is not None and nbytes > free:
+        log.warning("%s: %.2f GiB of host memory as it fills, more than the %.2f GiB available now (MemAvailable or "
+                    "the cgroup's limit): this process may be killed for memory under load", what or "a host tensor",
+                    nbytes / 2**30, free / 2**30)
     # NOTE: MAP_PRIVATE: a shared anonymous mapping is shmem, whose huge pages are a separate, usually off, setting.
     # The tensor's storage holds the mapping; it is unmapped when the last view goes.
     whole = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
@@ -66,3 +79,20 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     t = whole[start:start + nbytes].view(dtype).view(shape)
     advise_huge_pages(t)
     return t
+
+
+def available_bytes() -> int | None:
+    """Memory this process could still take: the kernel's MemAvailable, or less where a cgroup (v2) limits it (None:
+    not Linux)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free

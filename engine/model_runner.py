@@ -97,7 +97,7 @@ class ModelRunner:
         cfg = self.cfg
         rows = kv_block_rows(self.block_size, self.kv_dtype)
         shape = (cfg.num_layers, 2, num_blocks, rows, cfg.num_kv_heads, cfg.head_dim)
-        self.use_kv(host_memory.zeros(shape, self.kv_dtype, self.device))  # huge pages on the host (host_memory.py)
+        self.use_kv(host_memory.zeros(shape, self.kv_dtype, self.device, what="the KV cache (num_kv_blocks)"))
 
     def use_kv(self, kv: torch.Tensor) -> None:
         """`kv` as the pool ([layers, 2, blocks, rows, KVH, D]), and its per-layer K and V views the model reads."""

@@ -70,3 +70,14 @@ def test_a_large_pool_is_zeros_without_a_write_fills_as_used_and_is_unmapped_wit
     del row
     gc.collect()
     assert not _mapping_of(addr)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MemAvailable is Linux's")
+def test_a_pool_larger_than_the_memory_available_is_named_in_a_warning(monkeypatch, caplog):
+    free = host_memory.available_bytes()
+    assert free is not None and 0 < free
+    host_memory.zeros((32 << 20,), torch.uint8, what="the KV cache (num_kv_blocks)")
+    assert "num_kv_blocks" not in caplog.text
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 16 << 20)
+    host_memory.zeros((32 << 20,), torch.uint8, what="the KV cache (num_kv_blocks)")
+    assert "the KV cache (num_kv_blocks): 0.03 GiB of host memory as it fills, more than the 0.02 GiB" in caplog.text
