@@ -74,7 +74,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
                     nbytes / 2**30, free / 2**30)
     # NOTE: MAP_PRIVATE: a shared anonymous mapping is shmem, whose huge pages are a separate, usually off, setting.
     # The tensor's storage holds the mapping; it is unmapped when the last view goes.
-    whole = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    except OSError as e:  # NOTE: e.g. vm.overcommit_memory=2 (strict) with too little left to commit
+        raise MemoryError(f"{what or 'a host tensor'}: cannot map {nbytes / 2**30:.2f} GiB of host memory: {e}") from e
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     t = whole[start:start + nbytes].view(dtype).view(shape)
     advise_huge_pages(t)

@@ -81,3 +81,13 @@ def test_a_pool_larger_than_the_memory_available_is_named_in_a_warning(monkeypat
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 16 << 20)
     host_memory.zeros((32 << 20,), torch.uint8, what="the KV cache (num_kv_blocks)")
     assert "the KV cache (num_kv_blocks): 0.03 GiB of host memory as it fills, more than the 0.02 GiB" in caplog.text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazy mapping is Linux's")
+def test_a_pool_the_system_will_not_map_fails_naming_it(monkeypatch):
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match=r"the KV cache \(num_kv_blocks\): cannot map 0.03 GiB of host memory"):
+        host_memory.zeros((32 << 20,), torch.uint8, what="the KV cache (num_kv_blocks)")
