@@ -8,8 +8,9 @@ its own large arrays; the request has to come before the pages are first touched
 
 So a large pool is its own private anonymous mapping, aligned to 2 MiB and advised before any write. The kernel
 hands such pages out zeroed on first touch, so the pool is zeros without writing them: a worker no longer spends
-0.3-3 s of its start zeroing a 1.5 GB pool it may barely use (the time grows when free memory is fragmented), and
-its memory grows with the blocks it fills, as vLLM's CPU backend's `torch.empty` pool does. The first write into
+part of its start zeroing a 1.5 GB pool it may barely use (longer when free memory is fragmented and the kernel
+compacts it for 2 MiB pages), and its memory grows with the blocks it fills, as the pool vLLM's CPU cache engine
+makes with `torch.empty` does. The first write into
 each 2 MiB page pays its fault (the engine's warm-up takes the first of them). Small tensors, devices other than
 the host, and systems other than Linux get `torch.zeros`.
 """
@@ -67,17 +68,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < LAZY_BYTES or _madvise() is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    free = available_bytes()
+    name, free = what or "a host tensor", available_bytes()
     if free is not None and nbytes > free:
         log.warning("%s: %.2f GiB of host memory as it fills, more than the %.2f GiB available now (MemAvailable or "
-                    "the cgroup's limit): this process may be killed for memory under load", what or "a host tensor",
-                    nbytes / 2**30, free / 2**30)
+                    "the cgroup's limit): this process may be killed for memory under load", name, nbytes / 2**30,
+                    free / 2**30)
     # NOTE: MAP_PRIVATE: a shared anonymous mapping is shmem, whose huge pages are a separate, usually off, setting.
     # The tensor's storage holds the mapping; it is unmapped when the last view goes.
     try:
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     except OSError as e:  # NOTE: e.g. vm.overcommit_memory=2 (strict) with too little left to commit
-        raise MemoryError(f"{what or 'a host tensor'}: cannot map {nbytes / 2**30:.2f} GiB of host memory: {e}") from e
+        raise MemoryError(f"{name}: cannot map {nbytes / 2**30:.2f} GiB of host memory: {e}") from e
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     t = whole[start:start + nbytes].view(dtype).view(shape)

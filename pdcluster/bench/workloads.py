@@ -23,7 +23,6 @@ stretches the users' pauses between turns (0: the next turn goes out as soon as 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -91,7 +90,8 @@ def lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -
 class _Draw:
     """Random lengths and token ids for one workload build."""
 
-    def __init__(self, seed: int, salt: int, vocab: tuple[int, int], input_scale: float, output_scale: float) -> None:
+    def __init__(self, seed: int, salt: int, vocab: tuple[int, int], input_scale: float, output_scale: float,
+                 think_scale: float) -> None:
         self.rng = random.Random(seed)
         # NOTE: token ids come from their own stream, so a new salt changes the tokens (a cold prefix cache for
         # the next run on a warm cluster) while every length, turn and pause stays the same.
@@ -99,6 +99,7 @@ class _Draw:
         self.vocab = vocab
         self.input_scale = input_scale
         self.output_scale = output_scale
+        self.think_scale = think_scale
 
     def tokens(self, n: int) -> tuple[int, ...]:
         lo, hi = self.vocab
@@ -111,6 +112,10 @@ class _Draw:
     def output_len(self, mean: float, sigma: float, lo: int, hi: int) -> int:
         s = self.output_scale
         return lognormal(self.rng, mean * s, sigma, max(1, round(lo * s)), max(1, round(hi * s)))
+
+    def think_s(self, mean: float) -> float:
+        """A user's pause before the next turn: exponential with the given mean, stretched by `think_scale`."""
+        return self.rng.expovariate(1 / mean) * self.think_scale
 
 
 def _sharegpt(d: _Draw, sid: int, t: float, shared: tuple[int, ...]) -> Session:
@@ -128,7 +133,7 @@ def _shared_prompt(d: _Draw, sid: int, t: float, shared: tuple[int, ...]) -> Ses
     for i in range(SHARED_PROMPT_TURNS):
         user = d.tokens(d.input_len(48, 0.6, 8, 160))
         turns.append(Turn((shared + user) if i == 0 else user, d.output_len(48, 0.5, 8, 128)))
-    think = tuple(d.rng.expovariate(1 / SHARED_PROMPT_THINK_S) for _ in range(SHARED_PROMPT_TURNS - 1))
+    think = tuple(d.think_s(SHARED_PROMPT_THINK_S) for _ in range(SHARED_PROMPT_TURNS - 1))
     return Session(sid, t, tuple(turns), think, shared_prefix_tokens=len(shared))
 
 
@@ -174,7 +179,7 @@ def build(name: str, rate: float, num_requests: int, seed: int = 0, vocab: tuple
     if think_scale < 0:
         raise ValueError("think_scale must be >= 0")
     turns = _TURNS.get(name, 1)
-    d = _Draw(seed, salt, vocab, input_scale, output_scale)
+    d = _Draw(seed, salt, vocab, input_scale, output_scale, think_scale)
     shared = d.tokens(round(_SHARED_LEN[name] * input_scale)) if name in _SHARED_LEN else ()
     arrivals = random.Random(seed + 1)
     sessions, t = [], 0.0
@@ -183,10 +188,7 @@ def build(name: str, rate: float, num_requests: int, seed: int = 0, vocab: tuple
         # NOTE: sessions arrive at rate / turns, so turns reach the cluster at about `rate` per second.
         t += arrivals.expovariate(rate / turns)
         builder = SHIFTS[name][sid >= n // 2] if name in SHIFTS else WORKLOADS[name]
-        session = builder(d, sid, t, shared)
-        if think_scale != 1.0:
-            session = dataclasses.replace(session, think_s=tuple(x * think_scale for x in session.think_s))
-        sessions.append(session)
+        sessions.append(builder(d, sid, t, shared))
     params = {"input_scale": input_scale, "output_scale": output_scale, "seed": seed, "salt": salt,
               "think_scale": think_scale}
     return Workload(name, rate, tuple(sessions), params)
