@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import re
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -83,12 +85,16 @@ def _grammar_error(spec: StructuredOutputSpec) -> str | None:
     return None
 
 
+IMPORT_NICE = 10  # the import's thread yields the cores to the workers' start (Linux: a thread's own nice value)
+
+
 def preload() -> threading.Thread:
     """Import xgrammar on a thread of its own (started now; returned for tests to join).
 
     NOTE: the router checks each request's grammar with xgrammar, which pulls in torch and transformers (1-3 s on 2
-    cores). The router's process imports neither to start; `serve` calls this once it is ready, so a request with
-    tools or a response format does not wait for the import (one that comes sooner waits for what is left of it).
+    cores). The router's process imports neither to start; `serve` calls this as the workers start and joins it
+    before it serves, so neither a request with tools or a response format nor the GIL the import holds delays a
+    request.
     """
     thread = threading.Thread(target=_import_xgrammar, daemon=True, name="xgrammar-import")
     thread.start()
@@ -96,6 +102,8 @@ def preload() -> threading.Thread:
 
 
 def _import_xgrammar() -> None:
+    if sys.platform == "linux":  # NOTE: elsewhere PRIO_PROCESS of a thread id is not that thread alone
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMPORT_NICE)
     try:
         importlib.import_module("xgrammar")
     except ImportError as e:  # NOTE: a request that asks for a grammar is then refused, naming its field

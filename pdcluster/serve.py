@@ -54,6 +54,11 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
     if missing:  # NOTE: a private Ray's workers run here: their adapters must be here too
         raise security.SetupError("; ".join(missing))
     cluster = Cluster(config, pin_router=True)
+    # NOTE: the library of the router's grammar checks (tools, response formats) pulls in torch and transformers:
+    # 1-3 s of CPU that holds the GIL. Imported while the workers start (the router mostly waits for them then),
+    # and waited for before the router serves: imported after "ready", it slowed the first requests' way through
+    # the router by ~5-10 ms each for those seconds (`pdcluster bench path`: the first front measured).
+    importing = grammar.preload()
     stop_requested = False
 
     def on_signal(signum: int, frame: object) -> None:  # before the event loop runs: unwind through finally
@@ -64,6 +69,7 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cluster.attach() if attach else cluster.start()
+        importing.join()
         if not stop_requested:
             asyncio.run(_serve(cluster, body))
         return 0
@@ -133,9 +139,6 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
         if cluster.redis:
             endpoints["redis"] = f"127.0.0.1:{cluster.redis.port}"
         print("pdcluster ready: " + " ".join(f"{k}={v}" for k, v in endpoints.items()), flush=True)
-        # NOTE: the library of the router's grammar checks (tools, response formats) pulls in torch: imported now, off
-        # the start (on 2 cores it would compete with the workers' start) and before such a request has to wait for it
-        grammar.preload()
         await stop.wait()
         print("pdcluster stopping ...", file=sys.stderr, flush=True)
     finally:

@@ -41,7 +41,7 @@ def test_a_client_command_loads_neither_torch_nor_the_engine(argv):
 def test_the_router_process_imports_without_torch():
     """`serve` and `router` run no model: their modules, and the actor classes they start workers from, import with
     torch made unimportable (the workers import the engine in their own processes; the grammar library, which pulls
-    torch in, is imported on a thread of its own once serve is ready: engine.grammar.preload)."""
+    torch in, is imported on a thread of its own while the workers start: engine.grammar.preload)."""
     code = ("import sys; sys.modules['torch'] = None; import pdcluster.serve, pdcluster.launch, router.service, "
             "router.openai_api, decode_workers.actor, prefill_workers.actor, kv_transfer.transports as t; "
             "print(t.unavailable('nixl'))")
@@ -52,7 +52,8 @@ def test_the_router_process_imports_without_torch():
 
 
 def test_the_grammar_library_is_imported_on_a_thread_of_its_own():
-    """`serve` imports xgrammar (the router's grammar checks) once it is ready, not at the first request with tools."""
+    """`serve` imports xgrammar (the router's grammar checks) on a thread while the workers start, not at the first
+    request with tools."""
     code = ("import sys; from engine import grammar; assert 'xgrammar' not in sys.modules; "
             "t = grammar.preload(); t.join(120); print(t.name, 'xgrammar' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
