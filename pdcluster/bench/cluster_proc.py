@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -63,14 +64,16 @@ def serving_endpoints(config: ClusterConfig, label: str, start_timeout_s: float 
     # a RAY_worker_niceness in this environment reaches it and wins
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                RAY_USAGE_STATS_ENABLED="0")
+    launched = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "pdcluster", "serve", "--config", f.name], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tail: list[str] = []
     threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
     try:
         endpoints = _wait_ready(proc, start_timeout_s, tail)
-        endpoints["pid"] = str(proc.pid)
-        log("serve", f"{label}: cluster up at {endpoints['grpc']} ({config.mode}, routing {config.router.routing})")
+        endpoints["pid"], endpoints["start_s"] = str(proc.pid), f"{time.monotonic() - launched:.1f}"
+        log("serve", f"{label}: cluster up at {endpoints['grpc']} in {endpoints['start_s']} s ({config.mode}, "
+                     f"routing {config.router.routing})")
         yield endpoints
     except BaseException:
         # NOTE: a benchmark that failed mid-run (a client error, a cut connection): what the cluster said last

@@ -211,6 +211,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg.metrics.worker_port = base = cluster_proc.free_port(cfg.prefill.replicas + cfg.decode.replicas)
     metrics = (f"http://127.0.0.1:{base}/metrics", f"http://127.0.0.1:{base + cfg.prefill.replicas}/metrics")
     with cluster_proc.serving_endpoints(cfg, f"path-{model}") as ep:
+        result["cluster"] = {"start_s": float(ep["start_s"])}  # launch to `serve`'s ready line
         for front in fronts:
             log(BENCH, f"{model}: through the cluster over {front}")
             addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
@@ -226,6 +227,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _fronts(r: dict[str, Any]) -> list[str]:
+    """The fronts measured in one model's figures."""
+    return [k for k in r if k not in ("engine", "cluster")]
+
+
 def format_table(f: dict[str, Any]) -> str:
     n = f["streams"]
     head = (f"| model | front | TTFT ms (engine) | added | ITL p50 ms (step) | added | tok/s 1 (ratio) | "
@@ -233,7 +239,7 @@ def format_table(f: dict[str, Any]) -> str:
     lines = [head, "|" + "---|" * 9]
     for model, r in f["models"].items():
         e = r["engine"]
-        for front in (k for k in r if k != "engine"):
+        for front in _fronts(r):
             c = r[front]
             lines.append(f"| {model} | {front} | {c['ttft_ms_p50']:.1f} ({e['ttft_ms_p50']:.1f}) | "
                          f"{c['ttft_added_ms']:+.1f} | {c['itl_ms_p50']:.2f} ({e['step_ms_p50']:.2f}) | "
@@ -244,7 +250,7 @@ def format_table(f: dict[str, Any]) -> str:
               "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
               "| prefill | prefill worker's step |", "|" + "---|" * 8]
     for model, r in f["models"].items():
-        for front in (k for k in r if k != "engine"):
+        for front in _fronts(r):
             c = r[front]
             if "router_first_token_ms_p50" in c:
                 lines.append(f"| {model} | {front} | {r['engine']['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
@@ -255,7 +261,7 @@ def format_table(f: dict[str, Any]) -> str:
               "| model | front | engine alone: step | through the cluster: per token | decode worker's step | rest |",
               "|" + "---|" * 6]
     for model, r in f["models"].items():
-        for front in (k for k in r if k != "engine"):
+        for front in _fronts(r):
             c, per_token = r[front], 1e3 / r[front]["tok_s_1"]
             if "worker_step_ms_mean_1" in c:
                 lines.append(f"| {model} | {front} | {r['engine']['step_ms_mean_1']:.3f} | {per_token:.3f} | "
@@ -263,7 +269,7 @@ def format_table(f: dict[str, Any]) -> str:
     lines += ["", f"The workers' CPU per request of the TTFT case (ms, the {TOP_THREADS} busiest threads of each; "
               "a hand-off each):", "", "| model | front | worker | threads |", "|---|---|---|---|"]
     for model, r in f["models"].items():
-        for front in (k for k in r if k != "engine"):
+        for front in _fronts(r):
             for role, ms in r[front].get("threads_ms_per_request", {}).items():
                 busiest = ", ".join(f"{name} {v:.2f}" for name, v in list(ms.items())[:TOP_THREADS])
                 lines.append(f"| {model} | {front} | {role} | {busiest} |")
