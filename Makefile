@@ -22,8 +22,9 @@ demo-multinode: .install-stamp
 serve: .install-stamp
 	$(PYTHON) -m pdcluster serve --config $(CONFIG)
 
+# Two lanes at once: the slow (cluster) tests, and beside them the unit tests at nice 19 (scripts/test.sh).
 test: .install-stamp
-	$(PYTHON) -m pytest -q
+	PYTHON=$(PYTHON) bash scripts/test.sh
 
 # The failure-injection tests alone (killed actors, cancelled streams, Redis outage, fuzzing), all marked slow.
 test-reliability: .install-stamp
