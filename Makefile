@@ -22,9 +22,8 @@ demo-multinode: .install-stamp
 serve: .install-stamp
 	$(PYTHON) -m pdcluster serve --config $(CONFIG)
 
-# Two lanes at once: the slow (cluster) tests, and beside them the unit tests at nice 19 (scripts/test.sh).
 test: .install-stamp
-	PYTHON=$(PYTHON) bash scripts/test.sh
+	$(PYTHON) -m pytest -q
 
 # The failure-injection tests alone (killed actors, cancelled streams, Redis outage, fuzzing), all marked slow.
 test-reliability: .install-stamp
