@@ -9,7 +9,9 @@ For each model it runs, in one process and on the same prompts (fresh random tok
 3. where a first token's time goes: the router's own timeline of the TTFT requests (queue: arrival to the prefill's
    start on a worker; prefill: to its first token; first token: arrival to the token leaving the router);
 4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its /proc times: the router,
-   its Ray driver and everything else `serve` runs in that process);
+   its Ray driver and everything else `serve` runs in that process), beside a bare server of the same front's
+   library streaming as many tokens at the same pace (bench/path_floor.py): the part that is grpc.aio's or
+   aiohttp's own per-message cost;
 5. where one stream's time per token goes: the decode worker's own engine steps over the 1-stream runs (its
    `pdcluster_engine_step_seconds` summary), beside the engine alone's steps on the same kind of prompts; what is
    left of the time per token is the path's (relay, the worker's loop, the client). The prefill worker's own step
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import time
@@ -39,6 +40,7 @@ from pdcluster.bench.path_clients import (
     worker_steps,
     worker_threads,
 )
+from pdcluster.bench.path_floor import floor, process_cpu_s
 from pdcluster.bench.report import emit, log, machine
 
 BENCH = "path"
@@ -153,12 +155,12 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     steps1 = await asyncio.to_thread(worker_steps, metrics[1])
     # NOTE: the router's CPU at idle (heartbeat reads, pings, lease renewals) over a few seconds, taken out of the
     # run's figure for the net one: what relaying the tokens cost
-    cpu0, t = _cpu_s(pid), time.perf_counter()
+    cpu0, t = process_cpu_s(pid), time.perf_counter()
     await asyncio.sleep(IDLE_S)
-    idle_rate = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t)
-    cpu0, t = _cpu_s(pid), time.perf_counter()
+    idle_rate = (process_cpu_s(pid) - cpu0) / (time.perf_counter() - t)
+    cpu0, t = process_cpu_s(pid), time.perf_counter()
     many = await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in prompts[:args.streams]))
-    many_s, cpu = time.perf_counter() - t, _cpu_s(pid) - cpu0
+    many_s, cpu = time.perf_counter() - t, process_cpu_s(pid) - cpu0
     relayed = sum(r.tokens for r in many)
     bad = [r.tokens for r in [*(r for r, _ in ones), *many] if r.tokens != args.stream_tokens]
     if bad:
@@ -177,13 +179,6 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
             "router_idle_cpu": idle_rate}
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ms(s: float) -> float:
@@ -217,6 +212,12 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
             addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
             result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"]),
                                                         metrics))
+    streams = {"http": http_stream, "grpc": grpc_stream}
+    for front in fronts:  # NOTE: the bare library's CPU per token at the pace the cluster's N streams ran
+        r = result[front]
+        log(BENCH, f"{model}: a bare {front} server at the same pace")
+        r["bare_cpu_s_per_1k_tokens"] = floor(front, streams[front], args.streams, args.stream_tokens,
+                                              gap_s=args.streams / r[f"tok_s_{args.streams}"])
     eng = result["engine"]
     for front in fronts:
         r = result[front]
@@ -235,8 +236,8 @@ def _fronts(r: dict[str, Any]) -> list[str]:
 def format_table(f: dict[str, Any]) -> str:
     n = f["streams"]
     head = (f"| model | front | TTFT ms (engine) | added | ITL p50 ms (step) | added | tok/s 1 (ratio) | "
-            f"tok/s {n} (ratio) | router CPU s / 1k tokens (net of idle) |")
-    lines = [head, "|" + "---|" * 9]
+            f"tok/s {n} (ratio) | router CPU s / 1k tokens (net of idle) | a bare server's (net) |")
+    lines = [head, "|" + "---|" * 10]
     for model, r in f["models"].items():
         e = r["engine"]
         for front in _fronts(r):
@@ -245,7 +246,7 @@ def format_table(f: dict[str, Any]) -> str:
                          f"{c['ttft_added_ms']:+.1f} | {c['itl_ms_p50']:.2f} ({e['step_ms_p50']:.2f}) | "
                          f"{c['itl_added_ms']:+.2f} | {c['tok_s_1']:.0f} ({c['ratio_1']:.2f}x) | "
                          f"{c[f'tok_s_{n}']:.0f} ({c[f'ratio_{n}']:.2f}x) | {c['router_cpu_s_per_1k_tokens']:.3f} "
-                         f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) |")
+                         f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) | {c.get('bare_cpu_s_per_1k_tokens', 0):.3f} |")
     lines += ["", "Where the first token's time goes (p50 ms; the router's timeline of the same requests):", "",
               "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
               "| prefill | prefill worker's step |", "|" + "---|" * 8]

@@ -1,0 +1,125 @@
+"""The floor of `pdcluster bench path`'s router CPU: what a bare server of the same library spends per streamed token.
+
+The router writes each token of each stream as one message: one protobuf message and `context.write` on grpc.aio,
+one SSE event (JSON) and one socket write on aiohttp. A server that does only that, and nothing of the router's
+(no relay, no detokenizer, no worker channel), shows what part of the router's CPU per token is the front's library.
+`floor` starts one in a child process, runs `streams` concurrent streams of `tokens` tokens through it with the bench's
+own clients, every stream writing one token per tick of `gap_s` (the pace of the cluster's run: all streams' tokens
+of a step leave together, as the decode worker's step makes them), and returns the server process's CPU seconds per
+1,000 tokens, net of its idle CPU as the router's figure is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+IDLE_S = 1.0  # the bare server's idle CPU is measured over this long
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _ticks(gap_s: float, tick: asyncio.Event) -> None:
+    while True:
+        await asyncio.sleep(gap_s)
+        tick.set()  # NOTE: wakes every stream waiting now; cleared for the next tick
+        tick.clear()
+
+
+async def _grpc_server(gap_s: float, ports: Any) -> None:
+    import grpc
+
+    from router.v1 import inference_pb2 as pb
+    from router.v1 import inference_pb2_grpc as pb_grpc
+
+    tick = asyncio.Event()
+
+    class Bare(pb_grpc.InferenceServicer):
+        async def GenerateStream(self, request: Any, context: Any) -> None:
+            for i in range(request.sampling.max_tokens):
+                await tick.wait()
+                await context.write(pb.GenerateChunk(request_id="bare", token_ids=[i], text=" tok", index=0))
+
+    server = grpc.aio.server()
+    pb_grpc.add_InferenceServicer_to_server(Bare(), server)
+    ports.put(server.add_insecure_port("127.0.0.1:0"))
+    await server.start()
+    await _ticks(gap_s, tick)
+
+
+async def _http_server(gap_s: float, ports: Any) -> None:
+    from aiohttp import web
+
+    tick = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await tick.wait()
+            event = {"id": "cmpl-bare", "object": "text_completion", "created": 0, "model": "bare",
+                     "choices": [{"index": 0, "text": " tok", "token_ids": [i], "logprobs": None,
+                                  "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    ports.put(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    await _ticks(gap_s, tick)
+
+
+def _serve(front: str, gap_s: float, ports: Any) -> None:
+    asyncio.run(_grpc_server(gap_s, ports) if front == "grpc" else _http_server(gap_s, ports))
+
+
+def floor(front: str, stream: Callable[[str, list[int], int], Awaitable[Any]], streams: int, tokens: int,
+          gap_s: float) -> float:
+    """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
+    one per stream every `gap_s`, to `stream` (the bench's client of that front), net of the server's idle CPU."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_serve, args=(front, gap_s, ports), daemon=True)
+    proc.start()
+    try:
+        addr = f"127.0.0.1:{ports.get(timeout=60)}"
+        asyncio.run(_client(stream, addr, 2, 4))  # warm-up: the connection and the first calls
+        cpu0, t = process_cpu_s(proc.pid), time.perf_counter()  # type: ignore[arg-type]
+        time.sleep(IDLE_S)
+        idle_rate = (process_cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t)  # type: ignore[arg-type]
+        cpu0, t = process_cpu_s(proc.pid), time.perf_counter()  # type: ignore[arg-type]
+        got = asyncio.run(_client(stream, addr, streams, tokens))
+        cpu, wall = process_cpu_s(proc.pid) - cpu0, time.perf_counter() - t  # type: ignore[arg-type]
+        if got != streams * tokens:
+            raise RuntimeError(f"the bare {front} server streamed {got} of {streams} x {tokens} tokens")
+        return max(0.0, cpu - idle_rate * wall) / max(got, 1) * 1e3
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
+async def _client(stream: Callable[[str, list[int], int], Awaitable[Any]], addr: str, streams: int,
+                  tokens: int) -> int:
+    from pdcluster.bench.path_clients import close_all
+
+    try:
+        runs = await asyncio.gather(*(stream(addr, [1, 2, 3], tokens) for _ in range(streams)))
+        return sum(r.tokens for r in runs)
+    finally:
+        await close_all()

@@ -1,0 +1,22 @@
+"""`pdcluster bench path`'s floor: a bare gRPC or HTTP server, in a process of its own, streams every token it is
+asked for at the given pace, and its CPU per token is what the bench prints beside the router's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdcluster.bench.path_clients import grpc_stream, http_stream
+from pdcluster.bench.path_floor import floor
+
+
+@pytest.mark.parametrize("front", ["grpc", "http"])
+def test_a_bare_server_streams_every_token_at_the_pace_and_costs_cpu(front):
+    stream = {"grpc": grpc_stream, "http": http_stream}[front]
+    t = time.perf_counter()
+    # NOTE: floor raises unless every stream got every token
+    cpu_per_1k = floor(front, stream, streams=3, tokens=20, gap_s=0.01)
+    # NOTE: 20 ticks of 10 ms at least, after the server's 1 s of idle measurement
+    assert time.perf_counter() - t > 1.2
+    assert cpu_per_1k >= 0.0  # NOTE: /proc counts in 10 ms ticks: 60 tokens may net to 0 after the idle share
