@@ -19,4 +19,4 @@ def test_a_bare_server_streams_every_token_at_the_pace_and_costs_cpu(front):
     cpu_per_1k = floor(front, stream, streams=3, tokens=20, gap_s=0.01)
     # NOTE: 20 ticks of 10 ms at least, after the server's 1 s of idle measurement
     assert time.perf_counter() - t > 1.2
-    assert cpu_per_1k >= 0.0  # NOTE: /proc counts in 10 ms ticks: 60 tokens may net to 0 after the idle share
+    assert cpu_per_1k > 0.0  # NOTE: the server's own clock: 60 messages cost more than its idle share

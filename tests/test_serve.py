@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -50,8 +51,9 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
     try:
         # NOTE: the router's grammar library (xgrammar, with torch) is loaded by the time serve says it is ready:
         # imported later, it held the GIL while the first requests went through the router
-        maps = open(f"/proc/{proc.pid}/maps").read() if sys.platform == "linux" else "libxgrammar_bindings"
-        assert "libxgrammar_bindings" in maps and "libtorch" in maps
+        if sys.platform == "linux":
+            maps = pathlib.Path(f"/proc/{proc.pid}/maps").read_text()
+            assert "libxgrammar_bindings" in maps and "libtorch" in maps
         family = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in family}
         assert any("redis-server" in n for n in names), names  # the embedded Redis

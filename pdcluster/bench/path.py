@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -40,7 +41,7 @@ from pdcluster.bench.path_clients import (
     worker_steps,
     worker_threads,
 )
-from pdcluster.bench.path_floor import floor, process_cpu_s
+from pdcluster.bench.path_floor import floor
 from pdcluster.bench.report import emit, log, machine
 
 BENCH = "path"
@@ -155,12 +156,12 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     steps1 = await asyncio.to_thread(worker_steps, metrics[1])
     # NOTE: the router's CPU at idle (heartbeat reads, pings, lease renewals) over a few seconds, taken out of the
     # run's figure for the net one: what relaying the tokens cost
-    cpu0, t = process_cpu_s(pid), time.perf_counter()
+    cpu0, t = _cpu_s(pid), time.perf_counter()
     await asyncio.sleep(IDLE_S)
-    idle_rate = (process_cpu_s(pid) - cpu0) / (time.perf_counter() - t)
-    cpu0, t = process_cpu_s(pid), time.perf_counter()
+    idle_rate = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t)
+    cpu0, t = _cpu_s(pid), time.perf_counter()
     many = await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in prompts[:args.streams]))
-    many_s, cpu = time.perf_counter() - t, process_cpu_s(pid) - cpu0
+    many_s, cpu = time.perf_counter() - t, _cpu_s(pid) - cpu0
     relayed = sum(r.tokens for r in many)
     bad = [r.tokens for r in [*(r for r, _ in ones), *many] if r.tokens != args.stream_tokens]
     if bad:
@@ -179,6 +180,13 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
             "router_idle_cpu": idle_rate}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ms(s: float) -> float:
@@ -246,7 +254,7 @@ def format_table(f: dict[str, Any]) -> str:
                          f"{c['ttft_added_ms']:+.1f} | {c['itl_ms_p50']:.2f} ({e['step_ms_p50']:.2f}) | "
                          f"{c['itl_added_ms']:+.2f} | {c['tok_s_1']:.0f} ({c['ratio_1']:.2f}x) | "
                          f"{c[f'tok_s_{n}']:.0f} ({c[f'ratio_{n}']:.2f}x) | {c['router_cpu_s_per_1k_tokens']:.3f} "
-                         f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) | {c.get('bare_cpu_s_per_1k_tokens', 0):.3f} |")
+                         f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) | {c['bare_cpu_s_per_1k_tokens']:.3f} |")
     lines += ["", "Where the first token's time goes (p50 ms; the router's timeline of the same requests):", "",
               "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
               "| prefill | prefill worker's step |", "|" + "---|" * 8]

@@ -6,7 +6,9 @@ one SSE event (JSON) and one socket write on aiohttp. A server that does only th
 `floor` starts one in a child process, runs `streams` concurrent streams of `tokens` tokens through it with the bench's
 own clients, every stream writing one token per tick of `gap_s` (the pace of the cluster's run: all streams' tokens
 of a step leave together, as the decode worker's step makes them), and returns the server process's CPU seconds per
-1,000 tokens, net of its idle CPU as the router's figure is.
+1,000 tokens, net of its idle CPU as the router's figure is. The server reads its CPU from its own process clock
+(nanoseconds) when asked: /proc's 10 ms ticks were too coarse for its idle CPU at a slow pace (a SmolLM2 run's
+0.2 s ticks), which is taken out of the whole run.
 """
 
 from __future__ import annotations
@@ -14,19 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 IDLE_S = 1.0  # the bare server's idle CPU is measured over this long
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _ticks(gap_s: float, tick: asyncio.Event) -> None:
@@ -85,7 +81,15 @@ async def _http_server(gap_s: float, ports: Any) -> None:
     await _ticks(gap_s, tick)
 
 
-def _serve(front: str, gap_s: float, ports: Any) -> None:
+def _answer_cpu(conn: Connection) -> None:
+    """Each message asks for the process's CPU seconds so far (every thread's: its own clock, not /proc's ticks)."""
+    while True:
+        conn.recv()
+        conn.send(time.process_time())
+
+
+def _serve(front: str, gap_s: float, ports: Any, conn: Connection) -> None:
+    threading.Thread(target=_answer_cpu, args=(conn,), daemon=True).start()
     asyncio.run(_grpc_server(gap_s, ports) if front == "grpc" else _http_server(gap_s, ports))
 
 
@@ -94,21 +98,26 @@ def floor(front: str, stream: Callable[[str, list[int], int], Awaitable[Any]], s
     """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
     one per stream every `gap_s`, to `stream` (the bench's client of that front), net of the server's idle CPU."""
     ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(front, gap_s, ports), daemon=True)
+    ports, (ask, answer) = ctx.Queue(), ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(front, gap_s, ports, answer), daemon=True)
     proc.start()
+
+    def cpu_s() -> float:
+        ask.send(None)
+        return float(ask.recv())
+
     try:
         addr = f"127.0.0.1:{ports.get(timeout=60)}"
         asyncio.run(_client(stream, addr, 2, 4))  # warm-up: the connection and the first calls
-        cpu0, t = process_cpu_s(proc.pid), time.perf_counter()  # type: ignore[arg-type]
+        cpu0, t = cpu_s(), time.perf_counter()
         time.sleep(IDLE_S)
-        idle_rate = (process_cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t)  # type: ignore[arg-type]
-        cpu0, t = process_cpu_s(proc.pid), time.perf_counter()  # type: ignore[arg-type]
+        idle_rate = (cpu_s() - cpu0) / (time.perf_counter() - t)
+        cpu0, t = cpu_s(), time.perf_counter()
         got = asyncio.run(_client(stream, addr, streams, tokens))
-        cpu, wall = process_cpu_s(proc.pid) - cpu0, time.perf_counter() - t  # type: ignore[arg-type]
+        cpu, wall = cpu_s() - cpu0, time.perf_counter() - t
         if got != streams * tokens:
             raise RuntimeError(f"the bare {front} server streamed {got} of {streams} x {tokens} tokens")
-        return max(0.0, cpu - idle_rate * wall) / max(got, 1) * 1e3
+        return max(0.0, cpu - idle_rate * wall) / got * 1e3
     finally:
         proc.kill()
         proc.join(10)
