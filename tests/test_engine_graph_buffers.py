@@ -29,7 +29,7 @@ def test_decode_over_the_buckets_static_buffers_gives_the_eager_tokens_and_pads_
     engine = make_engine(tiny, **cfg)
     r = engine.runner
     assert r.attn_backend == "triton" and r.graphs is None  # NOTE: graphs are only made on CUDA
-    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 64, graph_buckets(8))
+    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 16, graph_buckets(8))
     r.capture_graphs()
     assert sorted(r.graphs.graphs) == [1, 2, 4, 8]
     runs: list[int] = []
@@ -54,7 +54,7 @@ def _graphed(tiny, monkeypatch, **cfg):
     monkeypatch.setenv(ENV, "triton")
     engine = make_engine(tiny, **cfg)
     r = engine.runner
-    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 64, graph_buckets(4))
+    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 16, graph_buckets(4))
     r.capture_graphs()
     return engine
 
