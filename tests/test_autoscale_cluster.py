@@ -22,11 +22,11 @@ from tests.helpers import start_test_cluster
 DOCS, DOC_TOKENS = 8, 800
 
 
-def documents(seed: int) -> Workload:
-    """DOCS unique 800-token prompts sent 0.1 s apart, 4 tokens each: ~20 s of prefill work for one core."""
+def documents(seed: int, n: int = DOCS) -> Workload:
+    """`n` unique 800-token prompts sent 0.1 s apart, 4 tokens each: ~20 s of prefill work for one core (DOCS)."""
     rng = random.Random(seed)
     sessions = tuple(Session(i, 0.1 * i, (Turn(tuple(rng.randrange(256, 49152) for _ in range(DOC_TOKENS)), 4),))
-                     for i in range(DOCS))
+                     for i in range(n))
     return Workload("documents", 10.0, sessions)
 
 
@@ -75,7 +75,8 @@ def test_documents_make_the_autoscaler_add_a_prefill_worker_with_no_request_fail
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (pools.is_up("prefill-1") and pools["prefill-1"].view.load):
             time.sleep(0.1)
-        more: list[RequestRecord] = asyncio.run(run_workload(server.address, documents(2)))[0]
+        # NOTE: 4 documents within 0.3 s: the second already finds prefill-0 computing the first
+        more: list[RequestRecord] = asyncio.run(run_workload(server.address, documents(2, 4)))[0]
         assert all(r.ok for r in more) and "prefill-1" in {r.prefill_worker for r in more}, \
             f"{[(r.prefill_worker, r.error) for r in more]} up={pools.is_up('prefill-1')} " \
             f"{pools['prefill-1'].view} {pools['prefill-0'].view}"  # NOTE: a str, which pytest does not cut short
