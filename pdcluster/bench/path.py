@@ -7,7 +7,9 @@ For each model it runs, in one process and on the same prompts (fresh random tok
    the prefill -> decode handoff: prefix skipping and the SLO placement rules off), as a client sees it over OpenAI
    HTTP streaming and gRPC streaming: TTFT, the gaps between tokens (ITL p50), tokens/s;
 3. where a first token's time goes: the router's own timeline of the TTFT requests (queue: arrival to the prefill's
-   start on a worker; prefill: to its first token; first token: arrival to the token leaving the router);
+   start on a worker; prefill: to its first token; first token: arrival to the token leaving the router), and the
+   router process's CPU per request of them (all its threads' schedstat, net of its idle CPU): at GPU speed, how many
+   requests one router process can take;
 4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its /proc times: the router,
    its Ray driver and everything else `serve` runs in that process), beside a bare server of the same front's
    library streaming as many tokens at the same pace (bench/path_floor.py): the part that is grpc.aio's or
@@ -141,11 +143,13 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     ttft, parts = [], []
     prefill0 = await asyncio.to_thread(worker_steps, metrics[0])
     threads0 = [await asyncio.to_thread(worker_threads, url) for url in metrics]
+    router0, ttft_t0 = _cpu_ns(pid), time.perf_counter()
     for p in prompts[2:2 + args.ttft_requests]:
         timed = await stream(addr, p, TTFT_TOKENS)
         ttft.append(timed.ttft_s)
         parts.append(timed.timeline)
         await asyncio.sleep(0.2)  # NOTE: idle between requests: the heartbeats show the workers idle again
+    router_ttft_s, ttft_wall = (_cpu_ns(pid) - router0) / 1e9, time.perf_counter() - ttft_t0
     prefill1 = await asyncio.to_thread(worker_steps, metrics[0])
     threads1 = [await asyncio.to_thread(worker_threads, url) for url in metrics]
     itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
@@ -177,6 +181,9 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
             # NOTE: where each worker's CPU went over those requests (a hand-off each), by thread: ms per request
             "threads_ms_per_request": {role: thread_ms(threads0[i], threads1[i], args.ttft_requests)
                                        for i, role in enumerate(("prefill", "decode"))},
+            # NOTE: the router's CPU for one request of the TTFT case (8 tokens), all its threads, net of its idle
+            "router_cpu_ms_per_request": _ms(router_ttft_s / args.ttft_requests),
+            "router_cpu_ms_per_request_net": _ms(max(0.0, router_ttft_s - idle_rate * ttft_wall) / args.ttft_requests),
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
             "router_idle_cpu": idle_rate}
@@ -187,6 +194,19 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU nanoseconds of process `pid`'s live threads so far (their schedstat: finer than /proc/PID/stat's ticks,
+    which a few ms of CPU per request would fall between)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # NOTE: a thread that ended meanwhile
+    return total
 
 
 def _ms(s: float) -> float:
@@ -257,14 +277,15 @@ def format_table(f: dict[str, Any]) -> str:
                          f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) | {c['bare_cpu_s_per_1k_tokens']:.3f} |")
     lines += ["", "Where the first token's time goes (p50 ms; the router's timeline of the same requests):", "",
               "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
-              "| prefill | prefill worker's step |", "|" + "---|" * 8]
+              "| prefill | prefill worker's step | router CPU ms / request (net of idle) |", "|" + "---|" * 9]
     for model, r in f["models"].items():
         for front in _fronts(r):
             c = r[front]
             if "router_first_token_ms_p50" in c:
                 lines.append(f"| {model} | {front} | {r['engine']['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
                              f"{c['router_first_token_ms_p50']:.1f} | {c['router_queue_ms_p50']:.1f} | "
-                             f"{c['router_prefill_ms_p50']:.1f} | {c.get('prefill_worker_step_ms_mean', 0):.1f} |")
+                             f"{c['router_prefill_ms_p50']:.1f} | {c.get('prefill_worker_step_ms_mean', 0):.1f} | "
+                             f"{c['router_cpu_ms_per_request']:.2f} ({c['router_cpu_ms_per_request_net']:.2f}) |")
     lines += ["", "One stream, ms per token: the decode worker's own engine step (mean over the 1-stream runs) and "
               "the rest (relay, the worker's loop, the client):", "",
               "| model | front | engine alone: step | through the cluster: per token | decode worker's step | rest |",

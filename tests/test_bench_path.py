@@ -1,0 +1,57 @@
+"""`pdcluster bench path`'s own accounting: the router's CPU per request is read from every thread's schedstat, in
+nanoseconds, and the table prints it beside the first token's timeline."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from pdcluster.bench.path import _cpu_ns, format_table
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_cpu_of_every_thread_is_counted_finer_than_a_clock_tick():
+    spent: list[float] = []
+
+    def spin() -> None:  # NOTE: 3 ms of this thread's own CPU: less than one of /proc/PID/stat's 10 ms ticks
+        t = time.thread_time()
+        while time.thread_time() - t < 0.003:
+            pass
+        spent.append(time.thread_time() - t)
+
+    # NOTE: read while the spinning thread lives: a thread that ended is no longer in /proc/PID/task
+    spun = threading.Event()
+    done = threading.Event()
+
+    def spin_and_wait() -> None:
+        spin()
+        spun.set()
+        done.wait(10)
+
+    live = threading.Thread(target=spin_and_wait)
+    before = _cpu_ns(os.getpid())
+    live.start()
+    assert spun.wait(10)
+    after = _cpu_ns(os.getpid())
+    done.set()
+    live.join()
+    assert after - before >= spent[-1] * 1e9 * 0.9  # the spinning thread's CPU, to the nanosecond's scale
+    assert (after - before) % 10_000_000 != 0  # not in whole ticks
+
+
+def test_the_table_prints_the_routers_cpu_per_request_beside_the_timeline():
+    front = {"ttft_ms_p50": 9.0, "ttft_added_ms": 7.5, "itl_ms_p50": 1.0, "itl_added_ms": 0.3, "tok_s_1": 900.0,
+             "ratio_1": 0.8, "tok_s_32": 5000.0, "ratio_32": 0.85, "router_cpu_s_per_1k_tokens": 0.1,
+             "router_cpu_s_per_1k_tokens_net": 0.09, "bare_cpu_s_per_1k_tokens": 0.05,
+             "router_first_token_ms_p50": 7.0, "router_queue_ms_p50": 2.8, "router_prefill_ms_p50": 3.9,
+             "prefill_worker_step_ms_mean": 3.5, "router_cpu_ms_per_request": 4.21,
+             "router_cpu_ms_per_request_net": 3.05}
+    figures = {"streams": 32, "models": {"tiny": {"engine": {"ttft_ms_p50": 1.5, "step_ms_p50": 0.7},
+                                                  "cluster": {"start_s": 14.0}, "grpc": front}}}
+    table = format_table(figures)
+    assert "router CPU ms / request (net of idle)" in table
+    assert "| tiny | grpc | 1.5 | 9.0 | 7.0 | 2.8 | 3.9 | 3.5 | 4.21 (3.05) |" in table
