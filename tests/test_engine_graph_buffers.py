@@ -29,9 +29,11 @@ def test_decode_over_the_buckets_static_buffers_gives_the_eager_tokens_and_pads_
     engine = make_engine(tiny, **cfg)
     r = engine.runner
     assert r.attn_backend == "triton" and r.graphs is None  # NOTE: graphs are only made on CUDA
-    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 16, graph_buckets(8))
+    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 32, graph_buckets(8))
     r.capture_graphs()
     assert sorted(r.graphs.graphs) == [1, 2, 4, 8]
+    # NOTE: 32 blocks wide: two key ranges per row (split-KV), the second empty for these short sequences
+    assert {g.meta.triton.num_splits for g in r.graphs.graphs.values()} == {2}
     runs: list[int] = []
     real = r.graphs.run
 
@@ -54,7 +56,7 @@ def _graphed(tiny, monkeypatch, **cfg):
     monkeypatch.setenv(ENV, "triton")
     engine = make_engine(tiny, **cfg)
     r = engine.runner
-    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 16, graph_buckets(4))
+    r.graphs = DecodeGraphs(r._forward_graphed, r.device, r.block_size, r.spare_block, 32, graph_buckets(4))
     r.capture_graphs()
     return engine
 
