@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,11 @@ def test_the_cpu_of_every_thread_is_counted_finer_than_a_clock_tick():
     before = _cpu_ns(os.getpid())
     live.start()
     assert spun.wait(10)
+    # NOTE: a thread's schedstat counts its running slice when it is switched out (or at a tick): read once it sleeps
+    stat = f"/proc/{os.getpid()}/task/{live.native_id}/stat"
+    deadline = time.monotonic() + 10
+    while Path(stat).read_text().rsplit(")", 1)[1].split()[0] == "R" and time.monotonic() < deadline:
+        time.sleep(0.001)
     after = _cpu_ns(os.getpid())
     done.set()
     live.join()
