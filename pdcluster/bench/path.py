@@ -10,7 +10,7 @@ For each model it runs, in one process and on the same prompts (fresh random tok
    start on a worker; prefill: to its first token; first token: arrival to the token leaving the router), and the
    router process's CPU per request of them (all its threads' schedstat, net of its idle CPU): at GPU speed, how many
    requests one router process can take;
-4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its /proc times: the router,
+4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its threads' schedstat: the router,
    its Ray driver and everything else `serve` runs in that process), beside a bare server of the same front's
    library streaming as many tokens at the same pace (bench/path_floor.py): the part that is grpc.aio's or
    aiohttp's own per-message cost;
@@ -160,12 +160,12 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     steps1 = await asyncio.to_thread(worker_steps, metrics[1])
     # NOTE: the router's CPU at idle (heartbeat reads, pings, lease renewals) over a few seconds, taken out of the
     # run's figure for the net one: what relaying the tokens cost
-    cpu0, t = _cpu_s(pid), time.perf_counter()
+    cpu0, t = _cpu_ns(pid) / 1e9, time.perf_counter()
     await asyncio.sleep(IDLE_S)
-    idle_rate = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t)
-    cpu0, t = _cpu_s(pid), time.perf_counter()
+    idle_rate = (_cpu_ns(pid) / 1e9 - cpu0) / (time.perf_counter() - t)
+    cpu0, t = _cpu_ns(pid) / 1e9, time.perf_counter()
     many = await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in prompts[:args.streams]))
-    many_s, cpu = time.perf_counter() - t, _cpu_s(pid) - cpu0
+    many_s, cpu = time.perf_counter() - t, _cpu_ns(pid) / 1e9 - cpu0
     relayed = sum(r.tokens for r in many)
     bad = [r.tokens for r in [*(r for r, _ in ones), *many] if r.tokens != args.stream_tokens]
     if bad:
@@ -189,16 +189,9 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
             "router_idle_cpu": idle_rate}
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _cpu_ns(pid: int) -> int:
     """CPU nanoseconds of process `pid`'s live threads so far (their schedstat: finer than /proc/PID/stat's ticks,
-    which a few ms of CPU per request would fall between)."""
+    which a few ms of CPU per request would fall between); the router's threads live as long as it does."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
