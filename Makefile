@@ -22,8 +22,12 @@ demo-multinode: .install-stamp
 serve: .install-stamp
 	$(PYTHON) -m pdcluster serve --config $(CONFIG)
 
+# The suite in PYTEST_WORKERS processes (pytest-xdist; 0: one process), whole modules to each (a module's cluster
+# is started once), the slow modules first (tests/conftest.py): ~17-18 min on 2 cores against ~24 in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_DIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: .install-stamp
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(PYTEST_DIST)
 
 # The failure-injection tests alone (killed actors, cancelled streams, Redis outage, fuzzing), all marked slow.
 test-reliability: .install-stamp
@@ -31,7 +35,7 @@ test-reliability: .install-stamp
 	  tests/test_fuzz.py
 
 test-fast: .install-stamp
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_DIST)
 
 lint: .install-stamp
 	ruff check . && mypy engine kv_transfer cluster pdcluster router prefill_workers decode_workers

@@ -5,13 +5,34 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from engine.loader import LoadedModel, load_model
+# NOTE: `make test` runs the suite in two processes (pytest-xdist, one per core): each computes on one torch thread
+# whose idle OpenMP threads sleep; two processes of two spinning threads each on two cores ran the CPU-bound tests
+# up to several times slower. Set before torch is imported (OpenMP reads it once).
+IN_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+if IN_XDIST:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from engine.loader import LoadedModel, load_model  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # NOTE: gRPC core logs every GOAWAY at INFO otherwise
-torch.set_num_threads(2)
+torch.set_num_threads(1 if IN_XDIST else 2)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In `make test`'s two processes, the modules with slow tests (clusters, killed processes) come first.
+
+    NOTE: `make test` hands out whole modules in this order (`--dist loadfile --no-loadscope-reorder`): by default
+    xdist hands out the modules with the most tests first, which left the slow modules of one or two cluster tests
+    each to the end, one after the other on one process while the other idled. Now the many quick modules fill in.
+    """
+    if not IN_XDIST:
+        return
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # NOTE: stable: each module keeps its order
 
 
 @pytest.fixture(scope="session")

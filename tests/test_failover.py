@@ -157,7 +157,7 @@ def test_a_prefill_worker_killed_while_prefilling_is_retried_elsewhere(cluster, 
     started = threading.Event()
     with ThreadPoolExecutor(1) as bg, slo_rule_off(server):
         fut = bg.submit(stream_all, server, texts, 8, started)
-        victim = busy_prefill_worker(c, ray_session, within_s=60)
+        victim = busy_prefill_worker(c, server, ray_session, within_s=60)
         ray_session.kill(ray_session.get_actor(victim, namespace=NS), no_restart=False)
         results = fut.result(timeout=600)
     for (ids, text, last), (ref_ids, ref_text) in zip(results, want):
@@ -187,8 +187,9 @@ def slo_rule_off(server):
     return slo_itl_target(server, None)
 
 
-def busy_prefill_worker(c, ray_session, within_s: float) -> str:
-    """The name of the first prefill worker seen computing prompts (fails after `within_s`)."""
+def busy_prefill_worker(c, server, ray_session, within_s: float) -> str:
+    """The name of the first prefill worker seen computing prompts (fails after `within_s`, with what the router and
+    the index saw: where the prompts went)."""
     names = sorted(n for n in c.actors if n.startswith("prefill-"))
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -197,7 +198,10 @@ def busy_prefill_worker(c, ray_session, within_s: float) -> str:
             if load.pending_prefill_tokens > 0:
                 return name
         time.sleep(0.02)
-    raise AssertionError(f"no prefill worker of {names} was seen computing a prompt within {within_s} s")
+    seen = {w.name: (w.view.inflight, w.view.pending_tokens) for w in server.router.pools.by_name.values()}
+    live = {w.name: (w.role, w.epoch) for w in c.index().workers()}
+    raise AssertionError(f"no prefill worker of {names} was seen computing a prompt within {within_s} s; the router's "
+                         f"in-flight requests and prompt tokens per worker: {seen}; live in the index: {live}")
 
 
 @contextlib.contextmanager
