@@ -25,7 +25,8 @@ serve: .install-stamp
 # The suite in PYTEST_WORKERS processes (pytest-xdist; 0: one process), whole modules to each (a module's cluster
 # is started once), the slow modules first (tests/conftest.py): ~17-18 min on 2 cores against ~24 in one process.
 PYTEST_WORKERS ?= 2
-PYTEST_DIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# (pytest-benchmark, where installed, warns that it is off under xdist: the suite uses none of it)
+PYTEST_DIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark
 test: .install-stamp
 	$(PYTHON) -m pytest -q $(PYTEST_DIST)
 
