@@ -22,9 +22,11 @@ demo-multinode: .install-stamp
 serve: .install-stamp
 	$(PYTHON) -m pdcluster serve --config $(CONFIG)
 
-# The suite in PYTEST_WORKERS processes (pytest-xdist; 0: one process), whole modules to each (a module's cluster
-# is started once), the slow modules first (tests/conftest.py): ~17-18 min on 2 cores against ~24 in one process.
-PYTEST_WORKERS ?= 2
+# The suite in one process by default; PYTEST_WORKERS=2 runs it in two (pytest-xdist), whole modules to each (a
+# module's cluster is started once), the slow modules first (tests/conftest.py): ~16-17 min on 2 cores against ~24.
+# NOTE: not the default yet: in 2 of 5 whole runs with two, one placement test failed on the busier cores (a
+# different one each time); one process is what CI has passed.
+PYTEST_WORKERS ?= 0
 # (pytest-benchmark, where installed, warns that it is off under xdist: the suite uses none of it)
 PYTEST_DIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark
 test: .install-stamp
