@@ -181,9 +181,12 @@ def test_a_short_prompt_is_prefilled_by_the_decode_worker_only_while_the_prefill
             busy = short("busy")
             assert all(d.result().usage.completion_tokens == 2 for d in docs)
         assert busy.timeline.prefill_skipped and busy.timeline.decode_worker == "decode-0", busy.timeline
+        assert busy.timeline.placement == "slo" and idle.timeline.placement == "prefill_pool"
         assert busy.usage.completion_tokens == 2
+        # NOTE: at least the short prompt: on busy cores a later document may go the same way (the decode worker idle,
+        # the prefill worker's queue long), which is the rule at work (a suite run counted 2 once)
         placed = router.metrics.registry.get_sample_value("pdcluster_prefill_placement_total", {"where": "slo"})
-        assert placed == 1
+        assert placed is not None and placed >= 1
     finally:
         server.close()
         c.stop()
