@@ -92,7 +92,10 @@ def test_a_killed_decode_worker_is_routed_around_and_costs_at_most_one_failed_pr
 
     def edit(config):
         config.decode.replicas = 2
-    c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0)
+    # NOTE: the SLO placement rule off (slo_itl_ms None): on busy cores (a two-process suite run) decode-1's measured
+    # steps passed slo_itl_ms once, and the router kept later requests whole on the idle prefill worker (its `stay`
+    # rule at work, not a dead worker tried again), which this test's route checks do not allow for
+    c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0, slo_itl_ms=None)
     try:
         stub = server.stub()
 
