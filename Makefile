@@ -22,11 +22,12 @@ demo-multinode: .install-stamp
 serve: .install-stamp
 	$(PYTHON) -m pdcluster serve --config $(CONFIG)
 
-# The suite in one process by default; PYTEST_WORKERS=2 runs it in two (pytest-xdist), whole modules to each (a
-# module's cluster is started once), the slow modules first (tests/conftest.py): ~16-17 min on 2 cores against ~24.
-# NOTE: not the default yet: in 2 of 5 whole runs with two, one placement test failed on the busier cores (a
-# different one each time); one process is what CI has passed.
-PYTEST_WORKERS ?= 0
+# The suite in two processes (pytest-xdist), whole modules to each (a module's cluster is started once), the slow
+# modules first (tests/conftest.py): ~18-20 min on 2 cores against ~24-25 in one. PYTEST_WORKERS=0 runs it in one.
+# NOTE: in three of the first eight whole runs in two, one test that checks where the router places requests failed
+# (a different one each time: on the busier cores the router's SLO rule placed a request elsewhere, or a probe missed
+# it); each was mended, and the tests whose claims are not about placement turn that rule off (slo_itl_ms None).
+PYTEST_WORKERS ?= 2
 # (pytest-benchmark, where installed, warns that it is off under xdist: the suite uses none of it)
 PYTEST_DIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark
 test: .install-stamp

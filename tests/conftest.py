@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-# NOTE: `PYTEST_WORKERS=2 make test` runs the suite in two processes (pytest-xdist, one per core): each computes on
+# NOTE: `make test` runs the suite in two processes (pytest-xdist, one per core): each computes on
 # one torch thread whose idle OpenMP threads sleep; two processes of two spinning threads each on two cores ran the
 # CPU-bound tests up to several times slower. Set before torch is imported (OpenMP reads it once).
 IN_XDIST = "PYTEST_XDIST_WORKER" in os.environ
@@ -23,7 +23,7 @@ torch.set_num_threads(1 if IN_XDIST else 2)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In two test processes (`PYTEST_WORKERS=2 make test`), the modules with slow tests (clusters, kills) come first.
+    """In two test processes (`make test`), the modules with slow tests (clusters, kills) come first.
 
     NOTE: the Makefile hands out whole modules in this order (`--dist loadfile --no-loadscope-reorder`): by default
     xdist hands out the modules with the most tests first, which left the slow modules of one or two cluster tests
