@@ -26,7 +26,8 @@ serve: .install-stamp
 # modules first (tests/conftest.py): ~18-20 min on 2 cores against ~24-25 in one. PYTEST_WORKERS=0 runs it in one.
 # NOTE: in three of the first eight whole runs in two, one test that checks where the router places requests failed
 # (a different one each time: on the busier cores the router's SLO rule placed a request elsewhere, or a probe missed
-# it); each was mended, and the tests whose claims are not about placement turn that rule off (slo_itl_ms None).
+# it); each was mended, and the cluster tests that check a request's route, where their claim is not placement, turn
+# that rule off (slo_itl_ms None).
 PYTEST_WORKERS ?= 2
 # (pytest-benchmark, where installed, warns that it is off under xdist: the suite uses none of it)
 PYTEST_DIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark

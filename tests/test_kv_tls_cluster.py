@@ -34,7 +34,8 @@ def cluster(ray_session, tmp_path_factory):
         config.transfer.tls = True
         config.transfer.transport = "grpc"  # NOTE: TLS is the gRPC KV plane's; NIXL (local.yaml's) does not encrypt
 
-    c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0)
+    # NOTE: slo_itl_ms None: the request must cross the handoff, which the SLO placement rule may skip on busy cores
+    c, server = start_test_cluster("deploy/local.yaml", NS, edit=edit, port=0, slo_itl_ms=None)
     yield c, server, cert
     server.close()
     c.stop()

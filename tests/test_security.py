@@ -47,8 +47,10 @@ def secured(ray_session, tmp_path_factory):
 
     with open(cert, "rb") as c_file, open(key, "rb") as k_file:
         credentials = grpc.ssl_server_credentials([(k_file.read(), c_file.read())])
-    c, server = start_test_cluster("deploy/local.yaml", "test-security", edit=edit, port=0, server_kwargs={
-        "api_keys": frozenset(ENV["PDC_TEST_API_KEYS"].split(",")), "credentials": credentials})
+    # NOTE: slo_itl_ms None: the request must cross the handoff, which the SLO placement rule may skip on busy cores
+    keys = frozenset(ENV["PDC_TEST_API_KEYS"].split(","))
+    c, server = start_test_cluster("deploy/local.yaml", "test-security", edit=edit, port=0, slo_itl_ms=None,
+                                   server_kwargs={"api_keys": keys, "credentials": credentials})
     yield c, server, cert
     server.close()
     c.stop()
