@@ -123,7 +123,7 @@ class Worker(IndexMember):
         with self.loop.between_steps:
             s = self.engine.stats()
             pending = sum(len(st.seq) - st.seq.num_computed_tokens for st in self._starting.values())
-            cost, measured = self.step_cost, int(self.step_cost.observed > 0)
+            cost, measured = self.step_cost, int(self.step_cost.reported)
         return WorkerLoad(running=s.num_running, paused=s.num_paused, waiting=s.num_waiting, reserved=s.num_reserved,
                           num_blocks=s.num_blocks, free_blocks=s.num_free_blocks, cached_blocks=s.num_cached_blocks,
                           pending_prefill_tokens=pending, prompt_tokens=s.prompt_tokens,

@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 # predicts with these before any heartbeat carried a measurement
 PRIOR_STEP_BASE_S = 0.02  # fixed cost of an engine step
 PRIOR_STEP_TOKEN_S = 0.0005  # cost per token computed in a step (2,000 tokens/s)
+# NOTE: a worker reports its fit from this many steps on (until then the router predicts with its priors and the
+# prefill speed it measured itself): a new worker's first steps (the scaler's warm-up request, with its first KV
+# handshake) are cold, and one such step of 1.9 s for 8 tokens, scaled onto the priors' split, predicted its
+# 800-token prompts at 32 s against 5 s on the worker beside it: the router sent it nothing (a suite run)
+MIN_REPORTED_STEPS = 4
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 
 
@@ -99,6 +104,11 @@ class LinearCost:
                 return
         scale = my / (self.base_s + self.per_token_s * mx)
         self.base_s, self.per_token_s = self.base_s * scale, self.per_token_s * scale
+
+    @property
+    def reported(self) -> bool:
+        """Whether the fit has seen enough steps to be sent to the routers (MIN_REPORTED_STEPS)."""
+        return self.observed >= MIN_REPORTED_STEPS
 
     def predict(self, tokens: float, steps: int = 1) -> float:
         """Seconds for `tokens` computed in `steps` steps."""

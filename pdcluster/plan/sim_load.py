@@ -47,7 +47,7 @@ class SimLoad:
         return self.load
 
     def _build(self) -> WorkerLoad:
-        cost, measured = self.cost, int(self.cost.observed > 0)
+        cost, measured = self.cost, int(self.cost.reported)
         running, waiting, reserved, pending = self._queues
         return WorkerLoad(running=running, waiting=waiting, reserved=reserved, pending_prefill_tokens=pending,
                           free_blocks=0, step_base_us=measured and round(cost.base_s * 1e6),
