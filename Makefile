@@ -24,10 +24,10 @@ serve: .install-stamp
 
 # The suite in two processes (pytest-xdist), whole modules to each (a module's cluster is started once), the slow
 # modules first (tests/conftest.py): ~18-20 min on 2 cores against ~24-25 in one. PYTEST_WORKERS=0 runs it in one.
-# NOTE: in three of the first nine whole runs in two, one test that checks where the router places requests failed
-# (a different one each time: on the busier cores the router's SLO rule placed a request elsewhere, or a probe missed
-# it); each was mended, and the cluster tests that check a request's route, where their claim is not placement, turn
-# that rule off (slo_itl_ms None).
+# NOTE: in four of the first ten whole runs in two, one test that checks where the router places requests failed
+# (a different one each time, on the busier cores: the router's SLO rule placed a request elsewhere, a probe missed
+# it, a new worker's cold warm-up step starved it); each was mended, and the cluster tests that check a request's
+# route, where their claim is not placement, turn that rule off (slo_itl_ms None).
 PYTEST_WORKERS ?= 2
 # (pytest-benchmark, where installed, warns that it is off under xdist: the suite uses none of it)
 PYTEST_DIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark

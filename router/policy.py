@@ -19,7 +19,8 @@ Where the prompt is computed (`Policy.route`):
    its engine caps its prompt chunks to the ITL budget) and the first token is not later there: no transfer, and a
    prompt that prefill worker caches is served from its cache.
 Times come from the workers' measured step costs in their heartbeats (`WorkerLoad.step_base_us`, `step_token_ns`),
-with priors until then (cluster/worker_metrics.py).
+with priors (and the router's own measure of each worker's prefill speed) until a worker has measured a few steps
+(cluster/worker_metrics.py: MIN_REPORTED_STEPS).
 """
 
 from __future__ import annotations
