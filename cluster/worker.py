@@ -123,14 +123,13 @@ class Worker(IndexMember):
         with self.loop.between_steps:
             s = self.engine.stats()
             pending = sum(len(st.seq) - st.seq.num_computed_tokens for st in self._starting.values())
-            cost, measured = self.step_cost, int(self.step_cost.reported)
+            cost = self.step_cost.heartbeat()
         return WorkerLoad(running=s.num_running, paused=s.num_paused, waiting=s.num_waiting, reserved=s.num_reserved,
                           num_blocks=s.num_blocks, free_blocks=s.num_free_blocks, cached_blocks=s.num_cached_blocks,
                           pending_prefill_tokens=pending, prompt_tokens=s.prompt_tokens,
                           cached_prompt_tokens=s.cached_prompt_tokens, rss_bytes=rss_bytes(),
                           spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
-                          computed_tokens=s.computed_tokens, step_base_us=measured and round(cost.base_s * 1e6),
-                          step_token_ns=measured and max(1, round(cost.per_token_s * 1e9)),
+                          computed_tokens=s.computed_tokens, **cost,
                           max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
                           shortest_first=int(self.engine.config.prefill_order == "shortest_first"))
 

@@ -105,10 +105,12 @@ class LinearCost:
         scale = my / (self.base_s + self.per_token_s * mx)
         self.base_s, self.per_token_s = self.base_s * scale, self.per_token_s * scale
 
-    @property
-    def reported(self) -> bool:
-        """Whether the fit has seen enough steps to be sent to the routers (MIN_REPORTED_STEPS)."""
-        return self.observed >= MIN_REPORTED_STEPS
+    def heartbeat(self) -> dict[str, int]:
+        """The fit as a heartbeat carries it (`WorkerLoad.step_base_us`, `step_token_ns`): zeros, "not measured",
+        until MIN_REPORTED_STEPS steps were seen."""
+        if self.observed < MIN_REPORTED_STEPS:
+            return {"step_base_us": 0, "step_token_ns": 0}
+        return {"step_base_us": round(self.base_s * 1e6), "step_token_ns": max(1, round(self.per_token_s * 1e9))}
 
     def predict(self, tokens: float, steps: int = 1) -> float:
         """Seconds for `tokens` computed in `steps` steps."""

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-# NOTE: `make test` runs the suite in two processes (pytest-xdist, one per core): each computes on
-# one torch thread whose idle OpenMP threads sleep; two processes of two spinning threads each on two cores ran the
-# CPU-bound tests up to several times slower. Set before torch is imported (OpenMP reads it once).
+# NOTE: `make test` runs the suite in two processes (pytest-xdist, one per core): each computes on one torch thread
+# whose idle OpenMP threads sleep; two processes of two spinning threads each on two cores ran the CPU-bound tests
+# up to several times slower. Set before torch is imported (OpenMP reads it once).
 IN_XDIST = "PYTEST_XDIST_WORKER" in os.environ
 if IN_XDIST:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -23,9 +23,9 @@ torch.set_num_threads(1 if IN_XDIST else 2)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In two test processes (`make test`), the modules with slow tests (clusters, kills) come first.
+    """In `make test`'s two processes, the modules with slow tests (clusters, killed processes) come first.
 
-    NOTE: the Makefile hands out whole modules in this order (`--dist loadfile --no-loadscope-reorder`): by default
+    NOTE: `make test` hands out whole modules in this order (`--dist loadfile --no-loadscope-reorder`): by default
     xdist hands out the modules with the most tests first, which left the slow modules of one or two cluster tests
     each to the end, one after the other on one process while the other idled. Now the many quick modules fill in.
     """

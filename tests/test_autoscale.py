@@ -121,12 +121,12 @@ def test_a_worker_reports_its_step_cost_only_once_it_measured_a_few_steps():
     # it predicted 800-token prompts at ~32 s on the new worker (5 s on the old one), which then got none
     cost = LinearCost(PRIOR_STEP_BASE_S, PRIOR_STEP_TOKEN_S)
     cost.observe(8, 1.9)
-    assert not cost.reported and cost.predict(800) > 10  # not sent: the router predicts with its priors meanwhile
+    assert cost.heartbeat()["step_token_ns"] == 0 and cost.predict(800) > 10  # not sent: the router's priors
     for _ in range(MIN_REPORTED_STEPS - 2):
         cost.observe(800, 1.8)
-    assert not cost.reported
+    assert cost.heartbeat() == {"step_base_us": 0, "step_token_ns": 0}
     cost.observe(800, 1.8)
-    assert cost.reported and cost.predict(800) < 3 * 1.8
+    assert cost.heartbeat()["step_token_ns"] > 0 and cost.predict(800) < 3 * 1.8
 
 
 def test_the_simulated_workload_keeps_the_window_rate_and_lengths():

@@ -47,8 +47,6 @@ class SimLoad:
         return self.load
 
     def _build(self) -> WorkerLoad:
-        cost, measured = self.cost, int(self.cost.reported)
         running, waiting, reserved, pending = self._queues
         return WorkerLoad(running=running, waiting=waiting, reserved=reserved, pending_prefill_tokens=pending,
-                          free_blocks=0, step_base_us=measured and round(cost.base_s * 1e6),
-                          step_token_ns=measured and max(1, round(cost.per_token_s * 1e9)), **self._fixed)
+                          free_blocks=0, **self.cost.heartbeat(), **self._fixed)
