@@ -23,6 +23,7 @@ from router.validate import (
     PromptRequest,
     RequestValidator,
     SamplingFields,
+    checks_on_loop,
 )
 
 
@@ -119,6 +120,17 @@ class ProtoValidator:
         elif isinstance(req, pb.ChatRequest):
             self.validator.precheck(sum(len(m.content) for m in req.messages[:MAX_MESSAGES + 1]), 0,
                                     len(req.messages), len(req.sampling.stop_token_ids), req.request_id)
+
+    @staticmethod
+    def on_loop(req: Message | Undecodable) -> bool:
+        """Whether the request's check is small enough for the event loop (router/validate.py: `checks_on_loop`)."""
+        if isinstance(req, pb.GenerateRequest):
+            return checks_on_loop(len(req.prompt), len(req.prompt_token_ids),
+                                  structured=req.sampling.HasField("structured_output"))
+        if isinstance(req, pb.ChatRequest):
+            return checks_on_loop(sum(len(m.content) for m in req.messages[:MAX_MESSAGES + 1]),
+                                  structured=req.sampling.HasField("structured_output"), tools=len(req.tools) > 0)
+        return True  # NOTE: undecodable: its check only raises
 
     def generate(self, req: pb.GenerateRequest | Undecodable) -> Checked:
         _decoded(req)

@@ -12,7 +12,7 @@ Life of a request:
    parameter: `top_p`, `prompt`, `messages[1].role`); a client's `X-Request-Id` is the request id and comes back
    as a header; its `model` names the base model or a LoRA adapter (router/lora.py; unknown: 404);
 3. `Router.stream` runs it within `router.request_timeout_s`; the answer is one JSON object or, with
-   `stream: true`, server-sent events ending in `data: [DONE]`;
+   `stream: true`, server-sent events ending in `data: [DONE]` (router/openai_answer.py);
 4. failures map to a Status through `router.errors.status_of`, to HTTP through `HTTP_OF`, with OpenAI's
    `{"error": {...}}` body; once a stream has started (status 200 sent) a failure is an SSE `error` event; a
    client that goes away aborts the request.
@@ -21,11 +21,10 @@ Life of a request:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,31 +33,20 @@ from aiohttp import web
 from cluster.logs import REQUEST_ID
 from engine.errors import InvalidRequestError
 from router import http_limits as limits
-from router.admission import Admission
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, check_exposure
 from router.core import Router
 from router.errors import ModelNotFound, Status
-from router.fanout import fan_out
-from router.openai_choices import choice_builders, total_usage
+from router.openai_answer import ADMISSION_KEY, REQUEST_ID_HEADER, RID_KEY, answer
 from router.openai_errors import ApiError, error_body
 from router.openai_lora import ADMIN_PATHS, LoRAEndpoints, check_admin
 from router.openai_models import ChatCompletionRequest, CompletionRequest, IgnoredFieldLog, ignored_fields, parse
 from router.openai_params import chat_turns, prompt_of, sampling_fields, tool_request
-from router.openai_sse import DONE, SSE_HEADERS, extra_of, send, sse, usage_of
 from router.openai_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, parse_model, tokenize
-from router.results import Chunk
-from router.validate import Checked, MessagesRequest, PromptRequest, RequestValidator
+from router.validate import MessagesRequest, PromptRequest, RequestValidator, run_check
 
 log = logging.getLogger(__name__)
 INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")  # counted in pdcluster_requests_total{api="http"}
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's; behind the API key like /v1/*
-REQUEST_ID_HEADER = "X-Request-Id"
-# NOTE: where a handler leaves the request id for the guard (which echoes it on errors too); a typed key where
-# aiohttp has them (3.11+)
-RID_KEY: Any = web.RequestKey("pdcluster_request_id", str) if hasattr(web, "RequestKey") else "pdcluster_request_id"
-# NOTE: the request's admission slot (router/admission.py), released by the guard when the handler ends
-ADMISSION_KEY: Any = (web.RequestKey("pdcluster_admission", Admission) if hasattr(web, "RequestKey")
-                      else "pdcluster_admission")
 
 
 class OpenAIFront:
@@ -140,10 +128,11 @@ class OpenAIFront:
         else:
             req.prompt_token_ids = prompt
         req.sampling = sampling_fields(body, body.max_tokens)
-        # NOTE: validation tokenizes: off the event loop, as in the gRPC service
-        checked = await asyncio.get_running_loop().run_in_executor(self.executor, self.validator.prompt, req)
+        # NOTE: validation tokenizes: a long prompt or a grammar off the event loop, as in the gRPC service
+        checked = await run_check(req.checks_on_loop(), self.executor, lambda: self.validator.prompt(req))
         checked.params.lora = lora
-        return await self._answer(request, body, checked, f"cmpl-{checked.request_id}", chat=False)
+        return await answer(self.router, request, body, checked, f"cmpl-{checked.request_id}", chat=False,
+                            model_name=self.model_name, tokenizer=self.validator.tokenizer)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body, rid, size, lora = await self._open(request, ChatCompletionRequest)
@@ -154,7 +143,7 @@ class OpenAIFront:
         req = MessagesRequest(request_id=rid, messages=turns, tools=tool_request(body))
         req.sampling = sampling_fields(body, limit, key)
         try:
-            checked = await asyncio.get_running_loop().run_in_executor(self.executor, self.validator.chat, req)
+            checked = await run_check(req.checks_on_loop(), self.executor, lambda: self.validator.chat(req))
         except InvalidRequestError as e:  # name the limit as the client spelled it
             if e.field != "sampling.max_tokens":
                 raise
@@ -162,7 +151,8 @@ class OpenAIFront:
         if limit is None:  # NOTE: as OpenAI and vLLM: a chat without a limit may fill the context
             checked.params.max_tokens = self.router.info.max_model_len - len(checked.token_ids)
         checked.params.lora = lora
-        return await self._answer(request, body, checked, f"chatcmpl-{checked.request_id}", chat=True)
+        return await answer(self.router, request, body, checked, f"chatcmpl-{checked.request_id}", chat=True,
+                            model_name=self.model_name, tokenizer=self.validator.tokenizer)
 
     async def _open(self, request: web.Request, kind: type[Any]) -> tuple[Any, str, int, str | None]:
         """The body as a `kind` model, the request id (the client's X-Request-Id, if any), the body's size in
@@ -210,83 +200,6 @@ class OpenAIFront:
         self._adapter(body.model, rid=None)
         answer = await asyncio.get_running_loop().run_in_executor(self.executor, fn, self.validator, body)
         return web.json_response(answer)
-
-    async def _chunks(self, checked: Checked, arrived: float, traceparent: str,
-                      admission: Admission | None) -> AsyncGenerator[Chunk, None]:
-        """The router's chunks within `router.request_timeout_s`; closing this closes (aborts) the request."""
-        budget = self.router.settings.request_timeout_s
-        async with contextlib.aclosing(self.router.stream_within(checked, arrived, budget, traceparent,
-                                                                 admission)) as chunks:
-            async for chunk in chunks:
-                yield chunk
-
-    async def _answer(self, request: web.Request, body: Any, checked: Checked, oid: str, *,
-                      chat: bool) -> web.StreamResponse:
-        arrived, created = time.monotonic(), int(time.time())
-        stream, include_usage = bool(body.stream), bool(body.stream_options and body.stream_options.include_usage)
-        if body.skip_special_tokens is not None:
-            checked.params.skip_special_tokens = body.skip_special_tokens
-        REQUEST_ID.set(checked.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
-        request[RID_KEY] = checked.request_id
-        id_header = {REQUEST_ID_HEADER: checked.request_id}
-        head = {"id": oid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": checked.params.lora or self.model_name}  # NOTE: as vLLM: the adapter's name
-        # NOTE: aclosing: a client that goes away (a failed write, or the handler cancelled) closes the router's
-        # generator, which tells the workers to abort the request and free its KV blocks.
-        traceparent = request.headers.get("traceparent", "")  # NOTE: the client's W3C trace context, if any
-        choices = choice_builders(body, checked.params, checked.token_ids, chat, self.validator.tokenizer)
-        # NOTE: one admission slot: the first run to start takes it over, the others are admitted anew
-        admission = request.get(ADMISSION_KEY)
-        runs = fan_out(lambda c: self._chunks(c, arrived, traceparent, admission), checked)
-        async with contextlib.aclosing(runs) as chunks:
-            first = await anext(chunks)  # NOTE: before any byte is sent, so overload or a failed prefill is a status
-            if not stream:
-                choices[first.index].add(first)
-                async for more in chunks:
-                    choices[more.index].add(more)
-                self.router.metrics.request_done("http", Status.OK.name)
-                answer: dict[str, Any] = {
-                    **head, "object": "chat.completion" if chat else "text_completion",
-                    "choices": [c.choice() for c in choices], "usage": usage_of(total_usage(choices)),
-                    "pdcluster": extra_of(choices[0].last or first)}
-                if chat and choices[0].want_prompt_logprobs:
-                    answer["prompt_logprobs"] = choices[0].prompt_logprobs()
-                return web.json_response(answer, headers=id_header)
-            resp = web.StreamResponse(headers={**SSE_HEADERS, **id_header})
-            await resp.prepare(request)
-            limits.bound_stream_buffers(request.transport)
-            status = Status.OK
-            try:
-                if chat:
-                    for c in choices:
-                        await send(resp, head, {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None, "logprobs": None}, include_usage)
-                chunk: Chunk | None = first
-                finished = 0
-                while chunk is not None:
-                    delta = choices[chunk.index].delta(chunk)
-                    if delta is not None:
-                        await send(resp, head, delta, include_usage, extra_of(chunk) if chunk.finish_reason else None)
-                    finished += bool(chunk.finish_reason)
-                    if chunk.finish_reason and include_usage and finished == len(choices):
-                        await sse(resp, {**head, "choices": [], "usage": usage_of(total_usage(choices))})
-                    chunk = await anext(chunks, None)
-            except (ConnectionResetError, asyncio.CancelledError) as e:
-                log.info("%s: the client went away; aborting the request", oid)
-                if isinstance(e, asyncio.CancelledError):
-                    raise  # counted by the guard
-                self.router.metrics.request_done("http", Status.CANCELLED.name)
-                return resp
-            except Exception as e:  # noqa: BLE001 - the status (200) is sent: the error goes in the stream
-                _, status, body = error_body(e)
-                with contextlib.suppress(ConnectionResetError):
-                    await sse(resp, body)
-            self.router.metrics.request_done("http", status.name)
-            with contextlib.suppress(ConnectionResetError):
-                await resp.write(DONE)
-                await resp.write_eof()
-            return resp
-
 
 def make_app(router: Router, *, model_name: str, api_keys: frozenset[str] = frozenset(),
              admin_keys: frozenset[str] = frozenset()) -> web.Application:

@@ -33,7 +33,7 @@ from router.tool_calls import ToolCall
 from router.tool_stream import merge_calls
 from router.v1 import inference_pb2 as pb
 from router.v1 import inference_pb2_grpc as pb_grpc
-from router.validate import Checked, RequestValidator
+from router.validate import Checked, RequestValidator, run_check
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -168,9 +168,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             # is refused before it costs anything, and what is tokenized is within the admission limit
             self.validator.precheck(request)  # type: ignore[arg-type]
             admission = self.router.admit(getattr(request, "request_id", ""))
-            # NOTE: off the event loop (a long prompt would stall every stream), and on threads of its own: never
-            # queued ahead of the router's Redis lookups (asyncio.to_thread's default pool)
-            req = await asyncio.get_running_loop().run_in_executor(self.tokenizing, check)
+            # NOTE: a long prompt, a grammar or tools off the event loop (they would stall every stream), on threads
+            # of its own: never queued ahead of the router's Redis lookups (asyncio.to_thread's default pool)
+            req = await run_check(self.validator.on_loop(request), self.tokenizing, check)  # type: ignore[arg-type]
             REQUEST_ID.set(req.request_id)  # NOTE: set in the handler's task: the tasks it starts inherit it
             # NOTE: the tighter of router.request_timeout_s and the client's own gRPC deadline
             budget = min(self.router.settings.request_timeout_s, context.time_remaining() or float("inf"))
