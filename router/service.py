@@ -45,11 +45,15 @@ MIN_CONCURRENT_RPCS = 256  # calls at once at least; else 4 x router.max_infligh
 def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
     """A chunk on the wire (usage and timeline only on the last one)."""
     out = pb.GenerateChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
-                           finish_reason=chunk.finish_reason, index=chunk.index,
-                           logprobs=logprobs_pb(chunk.logprobs),
-                           prompt_logprobs=logprobs_pb([e for e in chunk.prompt_logprobs or [] if e is not None]),
-                           tool_calls=[pb.ToolCall(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
-                                       for p in chunk.tool_calls])
+                           finish_reason=chunk.finish_reason, index=chunk.index)
+    # NOTE: only the fields a chunk has: most chunks are one token and its text (this runs for every one)
+    if chunk.logprobs:
+        out.logprobs.extend(logprobs_pb(chunk.logprobs))
+    if chunk.prompt_logprobs:
+        out.prompt_logprobs.extend(logprobs_pb([e for e in chunk.prompt_logprobs if e is not None]))
+    if chunk.tool_calls:
+        out.tool_calls.extend(pb.ToolCall(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
+                              for p in chunk.tool_calls)
     if chunk.usage is not None:
         out.usage.CopyFrom(pb.Usage(**dataclasses.asdict(chunk.usage)))
     if chunk.timeline is not None:

@@ -66,6 +66,8 @@ class ChannelStream:
         self.ack_every = max(1, window // 2) if kind == "generate" else 0
         self._items: collections.deque[object] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # fails a wait that outlives `_wait_until` (see `next`)
+        self._wait_until = 0.0
         self._untold = 0  # deltas taken and not yet acknowledged
         self._ended = False
         self._ray: Any = None  # the Ray stream or call, where the worker has no channel
@@ -102,14 +104,18 @@ class ChannelStream:
         if self._ended:
             raise StopAsyncIteration
         if not self._items:
-            # NOTE: a future of ours: a timer that fails it is all a timeout needs (no asyncio.timeout per token)
+            # NOTE: a future of ours and one timer per stream that fails it (no asyncio.timeout per token), moved
+            # lazily: each wait sets its deadline, and a timer that fires before it (an earlier wait's) waits on to
+            # it; a timer is made again only when none is left or the new deadline is the earlier one
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
-            timer = loop.call_later(timeout, _expire, waiter)
+            self._wait_until = loop.time() + timeout
+            if self._timer is None or self._timer.when() > self._wait_until:
+                self._stop_timer()
+                self._timer = loop.call_at(self._wait_until, self._timed_out)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
         item = self._items.popleft()
         if item == END:
@@ -142,8 +148,24 @@ class ChannelStream:
         if self._ray is None:
             self.put(error)
 
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # NOTE: nothing waits now: the next wait makes a timer again
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._wait_until:  # NOTE: a later wait's deadline
+            self._timer = loop.call_at(self._wait_until, self._timed_out)
+        else:
+            self._waiter.set_exception(TimeoutError())
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def _end(self) -> None:
         self._ended = True
+        self._stop_timer()
         self.channel.streams.pop(self.attempt, None)
 
     def close(self, ended: bool = False) -> None:
@@ -156,13 +178,7 @@ class ChannelStream:
             pass  # NOTE: exception() marks it retrieved: no "never retrieved" warning
         elif not self._ended and self._opened:
             self.channel.cancel(self.attempt)
-        self._ended = True
-        self.channel.streams.pop(self.attempt, None)
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+        self._end()
 
 
 def _has_channel(worker: Any) -> bool:
