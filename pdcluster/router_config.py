@@ -40,6 +40,11 @@ class RouterConfig(BaseModel):
                                           "this long while its buffer is full is cut off and its request aborted")
     stream_buffer_chunks: int = Field(default=16, ge=1, le=4096, description="chunks buffered per stream in the "
                                       "router, and unread deltas per decode stream before the worker pauses it")
+    stream_interval: int = Field(default=1, ge=1, le=4096, description="tokens per streamed chunk (vLLM's and "
+                                 "SGLang's --stream-interval): a stream's tokens go to its client once this many are "
+                                 "there (the first at once, the last with the finish); 1 sends each token as made, "
+                                 "more cut the router's CPU per token (one write per chunk) at the cost of burstier "
+                                 "streams")
     lease_s: float = Field(default=8.0, ge=1, description="a worker aborts a request (freeing its KV blocks) that no "
                            "live router renewed for this long (a router renews every quarter of it)")
     chat_template: str | None = Field(default=None, min_length=1, description="the chat template chats are rendered "
@@ -70,5 +75,6 @@ class RouterConfig(BaseModel):
             slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms, max_predicted_ttft_ms=self.max_predicted_ttft_ms,
             stall_timeout_steps=self.stall_timeout_steps, stall_timeout_min_s=self.stall_timeout_min_s,
             client_stall_timeout_s=self.client_stall_timeout_s, stream_buffer_chunks=self.stream_buffer_chunks,
+            stream_interval=self.stream_interval,
             lease_s=self.lease_s, chat=ChatOptions(
                 None if self.chat_template is None else load_chat_template(self.chat_template), self.tool_call_parser))

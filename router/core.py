@@ -29,7 +29,6 @@ from typing import Any
 from cluster import tracing
 from cluster.logs import REQUEST_ID
 from cluster.prefix_index import HEARTBEAT_TTL_S
-from engine.block_hash import hash_prompt_blocks
 from router.admission import Admission, check_route, check_slots
 from router.errors import ClientStalled, Overloaded
 from router.flow import RequestRun
@@ -39,6 +38,7 @@ from router.metrics import RouterMetrics
 from router.pinger import HeartbeatAges, Ping, Pinger
 from router.policy import WorkerView
 from router.pools import WorkerHandle, WorkerPools
+from router.prefix_lookup import PrefixLookups
 from router.relay import relayed
 from router.results import Chunk, ClusterStatus
 from router.served import Served
@@ -77,7 +77,7 @@ class Router:
         self.pools.metrics = self.metrics
         self.inflight = 0
         self.pending = 0  # admitted, still being read or tokenized (Admission): counts against max_inflight too
-        self.redis_failures = 0
+        self.lookups = PrefixLookups(self.metrics)  # the prompt's cached blocks per worker (router/prefix_lookup.py)
         self.stall = StallClock(settings.stall_timeout_steps, settings.stall_timeout_min_s)  # per-worker step times
         self._refresher: asyncio.Task[None] | None = None
         self._live: set[str] | None = None  # workers with a fresh heartbeat; None: not known yet (or no Redis)
@@ -151,7 +151,8 @@ class Router:
         try:
             queued = tracing.start("queue", parent)
             try:
-                matched = await self._lookup(req.token_ids, self.adapters.key(req.params.lora))
+                matched = await self.lookups.matched(self.index, self.info, req.token_ids,
+                                                     self.adapters.key(req.params.lora))
                 route = self.pools.route(len(req.token_ids), req.params.max_tokens, matched, req.params.lora)
             finally:
                 tracing.end(queued)
@@ -209,27 +210,10 @@ class Router:
         chunks = relayed(until(self.stream(req, arrived, budget_s, traceparent, admission), arrived + budget_s),
                          self.settings.stream_buffer_chunks,
                          self.settings.client_stall_timeout_s, req.request_id, self.metrics.buffered,
-                         self.metrics.client_stalls.inc, on_cut, Chunk.joined)
+                         self.metrics.client_stalls.inc, on_cut, Chunk.joined, self.settings.stream_interval)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-
-    async def _lookup(self, token_ids: list[int], lora_key: str) -> dict[str, int]:
-        if self.index is None:
-            return {}
-        # NOTE: under the request's adapter key, as its workers hash: another adapter's cached blocks never match
-        hashes = hash_prompt_blocks(token_ids, self.info.block_size, self.info.scope, extra_keys=lora_key)
-        started = time.perf_counter()
-        try:
-            matched = dict(await asyncio.to_thread(self.index.lookup, hashes))
-            self.metrics.observe_redis_lookup(time.perf_counter() - started, True)
-            return matched
-        except Exception as e:  # noqa: BLE001 - Redis down: route on load alone
-            self.metrics.observe_redis_lookup(time.perf_counter() - started, False)
-            self.redis_failures += 1
-            if self.redis_failures == 1 or self.redis_failures % 100 == 0:
-                log.warning("prefix index lookup failed (%d so far), routing on load: %s", self.redis_failures, e)
-            return {}
 
     # ---- shared state ----------------------------------------------------------------------------------------
     def _ensure_refresher(self) -> None:

@@ -3,7 +3,9 @@
 1. a task of its own (the pump) moves the run's chunks into a buffer of at most `limit` chunks;
 2. the front takes them and writes each to its client (chunks that piled up while it wrote, one after another, as
    one: `join`, the cost of a write is per message, so a front that falls behind catches up in fewer, larger
-   messages instead of falling further behind); while the buffer is full the pump waits, so
+   messages instead of falling further behind); with `every` > 1 (`router.stream_interval`) the front waits until
+   the buffered chunks carry `every` tokens (the first chunk goes at once; the rest when the run ends or the
+   buffer is full) and writes them as one; while the buffer is full the pump waits, so
    the run stops reading the decode worker's stream, whose window (router/flow.py: Ray's generator backpressure)
    then pauses the worker's yields: a client that reads slowly piles nothing up in the router;
 3. a buffer that stays full for `stall_s` (the client took nothing meanwhile: its writes are blocked) ends the run
@@ -58,6 +60,7 @@ class Relay:
         self.closed = False  # the front went away: the pump stops at its next put
         self.error: BaseException | None = None
         self.high_water = 0  # the most chunks buffered at once (tests and logs)
+        self.taken = 0  # chunks the front took so far
 
     async def put(self, item: object, stall_s: float, request_id: str) -> None:
         """Buffer `item`, waiting while the buffer is full; ClientStalled after `stall_s` without room."""
@@ -75,6 +78,14 @@ class Relay:
         self._sized(1)
         self.readable.set()
 
+    def ready(self, every: int) -> bool:
+        """Whether the front takes the buffer now: it holds chunks, and `every` tokens of them, or the first chunk, or
+        it is full, or the run ended."""
+        if not self.buffer:
+            return False
+        return every <= 1 or not self.taken or self.ended or len(self.buffer) >= self.limit \
+            or sum(len(getattr(c, "token_ids", ())) or 1 for c in self.buffer) >= every
+
     def take(self, join: Callable[[Any, Any], Any] | None = None) -> object:
         """The next chunk, with the ones after it that `join(a, b)` makes one (None: they stay apart)."""
         item, taken = self.buffer.popleft(), 1
@@ -85,6 +96,7 @@ class Relay:
             item, taken = joined, taken + 1
             self.buffer.popleft()
         self._sized(-taken)
+        self.taken += taken
         self.writable.set()
         return item
 
@@ -106,9 +118,9 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
                   on_size: Callable[[int], None] | None = None,
                   on_stall: Callable[[], None] | None = None,
                   on_cut: Callable[[ClientStalled], Awaitable[None]] | None = None,
-                  join: Callable[[T, T], T | None] | None = None) -> AsyncGenerator[T, None]:
+                  join: Callable[[T, T], T | None] | None = None, every: int = 1) -> AsyncGenerator[T, None]:
     """`chunks` through a buffer of `limit`; closing this closes `chunks` (at once: the request is aborted).
-    `join`: two buffered chunks as one, or None (see the module's NOTE)."""
+    `join`: two buffered chunks as one, or None; `every`: the tokens a take waits for (see the module's NOTE)."""
     relay = Relay(limit, on_size)
     owner = asyncio.current_task()
     writing = [False]  # the front holds a chunk it has not written yet (its task waits on the client)
@@ -137,7 +149,7 @@ async def relayed(chunks: AsyncGenerator[T, None], limit: int, stall_s: float, r
     with ending_with_front([task]):
         try:
             while True:
-                while not relay.buffer and not relay.ended:
+                while not relay.ready(every) and not relay.ended:
                     relay.readable.clear()
                     await relay.readable.wait()
                 if relay.buffer:

@@ -27,6 +27,7 @@ class RouterSettings:
     stall_timeout_min_s: float = 15.0  # ... (and at least this long) fails over like a dead worker (router/stall.py)
     client_stall_timeout_s: float = 30.0  # a client that reads nothing this long with a full buffer is cut off
     stream_buffer_chunks: int = 16  # chunks buffered per stream in the router, and deltas unread per worker stream
+    stream_interval: int = 1  # a stream's chunks go to its client once they carry this many tokens (router/relay.py)
     lease_s: float = 8.0  # a worker aborts a request no live router renewed for this long (router/leases.py)
     chat: ChatOptions = field(default_factory=ChatOptions)  # chat template and tool-call parser (router/tool_calls.py)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.bench.path import _cpu_ns, format_table
+from pdcluster.bench.path import _cpu_ns
+from pdcluster.bench.path_table import format_table
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

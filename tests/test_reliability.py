@@ -108,7 +108,7 @@ def test_a_redis_outage_fails_no_request_and_the_index_comes_back_empty_and_curr
     time.sleep(2)
     assert status(server).redis_ok
     port = c.redis.port
-    lookups_failed_before = server.router.redis_failures
+    lookups_failed_before = server.router.lookups.failures
     c.redis.stop()  # Redis goes away mid-load ...
     time.sleep(3)
     during = served[0]
@@ -121,7 +121,7 @@ def test_a_redis_outage_fails_no_request_and_the_index_comes_back_empty_and_curr
         t.join(60)
     assert failures == []  # zero failed requests, before, during and after the outage
     assert served[0] > during > 0  # requests went on while Redis was down, and after
-    assert server.router.redis_failures > lookups_failed_before  # routing fell back to load, counted
+    assert server.router.lookups.failures > lookups_failed_before  # routing fell back to load, counted
     index = c.index()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not (index.hit_counts().requested_tokens > 0

@@ -239,3 +239,45 @@ def test_every_field_refused_before_is_served_or_named(front):
         for field, value in table:
             status, body = post(port, path, {**req, field: value})
             assert status == 400 and body["error"]["param"] == field, (field, body)
+
+
+def test_stream_interval_sends_that_many_tokens_a_chunk_with_the_engines_text(front, engine):
+    """`router.stream_interval` (vLLM's and SGLang's --stream-interval): a stream's chunks carry at least that many
+    tokens (the first token may go alone, the last chunk has what is left), over gRPC and HTTP, across the handoff,
+    and the tokens and text are one engine's."""
+    server, port, _ = front
+    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
+    server.router.settings.stream_interval = 5
+    try:
+        for front_name in ("grpc", "http"):
+            text = fresh(f"Tell me a story about a lighthouse keeper ({front_name}).")
+            want = engine_run(engine, text, params)
+            if front_name == "grpc":
+                chunks = [(list(c.token_ids), c.text, c) for c in server.stub().GenerateStream(pb.GenerateRequest(
+                    prompt=text, sampling=pb.SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)),
+                    timeout=120)]
+                assert chunks[-1][2].timeline.prefill_worker and not chunks[-1][2].timeline.prefill_skipped
+            else:
+                chunks = sse_chunks(port, {"prompt": text, "max_tokens": 23, "temperature": 0, "ignore_eos": True,
+                                           "stream": True, "return_token_ids": True})
+            sizes = [len(ids) for ids, _, _ in chunks if ids]
+            assert [t for ids, _, _ in chunks for t in ids] == want, front_name
+            assert "".join(t for _, t, _ in chunks) == engine.tokenizer.decode(want), front_name
+            assert all(n >= 5 for n in sizes[1:-1]) and len(sizes) <= 2 + 22 // 5, (front_name, sizes)
+    finally:
+        server.router.settings.stream_interval = 1
+
+
+def sse_chunks(port: int, body: dict[str, Any]) -> list[tuple[list[int], str, None]]:
+    """A streamed completion's events: each one's token ids and text."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            payload = line.removeprefix(b"data:").strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            for choice in json.loads(payload).get("choices") or []:
+                out.append((list(choice.get("token_ids") or []), choice.get("text") or "", None))
+    return out

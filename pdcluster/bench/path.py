@@ -44,12 +44,12 @@ from pdcluster.bench.path_clients import (
     worker_threads,
 )
 from pdcluster.bench.path_floor import floor
+from pdcluster.bench.path_table import format_table
 from pdcluster.bench.report import emit, log, machine
 
 BENCH = "path"
 TTFT_TOKENS = 8  # tokens of each TTFT request
 IDLE_S = 3.0  # the router's idle CPU is measured over this long
-TOP_THREADS = 6  # threads per worker in the table of where the workers' CPU went
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-tokens", type=int, default=256, help="tokens per stream in the throughput cases")
     p.add_argument("--one-rounds", type=int, default=5, help="1-stream runs of each side (the median is reported: "
                    "one run of 256 tiny tokens lasts ~0.1 s)")
+    p.add_argument("--stream-interval", type=int, default=None, help="the router's stream_interval (tokens per "
+                   "streamed chunk); default: the config's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_path.json")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -222,6 +224,8 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg.model = model
     cfg.router.skip_prefill_max_uncached_tokens = 0  # NOTE: every request crosses the handoff
     cfg.router.slo_itl_ms = None
+    if args.stream_interval is not None:
+        cfg.router.stream_interval = args.stream_interval
     # NOTE: worker i of the cluster (pools in order: prefill, then decode) serves its /metrics on base + i
     cfg.metrics.workers, cfg.metrics.worker_host = True, "127.0.0.1"
     cfg.metrics.worker_port = base = cluster_proc.free_port(cfg.prefill.replicas + cfg.decode.replicas)
@@ -249,60 +253,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _fronts(r: dict[str, Any]) -> list[str]:
-    """The fronts measured in one model's figures."""
-    return [k for k in r if k not in ("engine", "cluster")]
-
-
-def format_table(f: dict[str, Any]) -> str:
-    n = f["streams"]
-    head = (f"| model | front | TTFT ms (engine) | added | ITL p50 ms (step) | added | tok/s 1 (ratio) | "
-            f"tok/s {n} (ratio) | router CPU s / 1k tokens (net of idle) | a bare server's (net) |")
-    lines = [head, "|" + "---|" * 10]
-    for model, r in f["models"].items():
-        e = r["engine"]
-        for front in _fronts(r):
-            c = r[front]
-            lines.append(f"| {model} | {front} | {c['ttft_ms_p50']:.1f} ({e['ttft_ms_p50']:.1f}) | "
-                         f"{c['ttft_added_ms']:+.1f} | {c['itl_ms_p50']:.2f} ({e['step_ms_p50']:.2f}) | "
-                         f"{c['itl_added_ms']:+.2f} | {c['tok_s_1']:.0f} ({c['ratio_1']:.2f}x) | "
-                         f"{c[f'tok_s_{n}']:.0f} ({c[f'ratio_{n}']:.2f}x) | {c['router_cpu_s_per_1k_tokens']:.3f} "
-                         f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) | {c['bare_cpu_s_per_1k_tokens']:.3f} |")
-    lines += ["", "Where the first token's time goes (p50 ms; the router's timeline of the same requests):", "",
-              "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
-              "| prefill | prefill worker's step | router CPU ms / request (net of idle) |", "|" + "---|" * 9]
-    for model, r in f["models"].items():
-        for front in _fronts(r):
-            c = r[front]
-            if "router_first_token_ms_p50" in c:
-                lines.append(f"| {model} | {front} | {r['engine']['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
-                             f"{c['router_first_token_ms_p50']:.1f} | {c['router_queue_ms_p50']:.1f} | "
-                             f"{c['router_prefill_ms_p50']:.1f} | {c.get('prefill_worker_step_ms_mean', 0):.1f} | "
-                             f"{c['router_cpu_ms_per_request']:.2f} ({c['router_cpu_ms_per_request_net']:.2f}) |")
-    lines += ["", "One stream, ms per token: the decode worker's own engine step (mean over the 1-stream runs) and "
-              "the rest (relay, the worker's loop, the client):", "",
-              "| model | front | engine alone: step | through the cluster: per token | decode worker's step | rest |",
-              "|" + "---|" * 6]
-    for model, r in f["models"].items():
-        for front in _fronts(r):
-            c, per_token = r[front], 1e3 / r[front]["tok_s_1"]
-            if "worker_step_ms_mean_1" in c:
-                lines.append(f"| {model} | {front} | {r['engine']['step_ms_mean_1']:.3f} | {per_token:.3f} | "
-                             f"{c['worker_step_ms_mean_1']:.3f} | {per_token - c['worker_step_ms_mean_1']:.3f} |")
-    lines += ["", f"The workers' CPU per request of the TTFT case (ms, the {TOP_THREADS} busiest threads of each; "
-              "a hand-off each):", "", "| model | front | worker | threads |", "|---|---|---|---|"]
-    for model, r in f["models"].items():
-        for front in _fronts(r):
-            for role, ms in r[front].get("threads_ms_per_request", {}).items():
-                busiest = ", ".join(f"{name} {v:.2f}" for name, v in list(ms.items())[:TOP_THREADS])
-                lines.append(f"| {model} | {front} | {role} | {busiest} |")
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     models = [m for m in args.models.split(",") if m]
     figures: dict[str, Any] = {"bench": BENCH, "machine": machine(), "config": args.config, "streams": args.streams,
-                               "prompt_len": args.prompt_len, "stream_tokens": args.stream_tokens, "models": {}}
+                               "prompt_len": args.prompt_len, "stream_tokens": args.stream_tokens,
+                               "stream_interval": args.stream_interval or 1, "models": {}}
     for model in models:
         figures["models"][model] = measure(model, args)
     return emit(BENCH, figures, args.out, args.json, format_table)
