@@ -242,7 +242,8 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         r = result[front]
         log(BENCH, f"{model}: a bare {front} server at the same pace")
         r["bare_cpu_s_per_1k_tokens"] = floor(front, streams[front], args.streams, args.stream_tokens,
-                                              gap_s=args.streams / r[f"tok_s_{args.streams}"])
+                                              gap_s=args.streams / r[f"tok_s_{args.streams}"],
+                                              every=args.stream_interval or 1)
     eng = result["engine"]
     for front in fronts:
         r = result[front]

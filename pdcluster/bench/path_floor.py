@@ -5,7 +5,8 @@ one SSE event (JSON) and one socket write on aiohttp. A server that does only th
 (no relay, no detokenizer, no worker channel), shows what part of the router's CPU per token is the front's library.
 `floor` starts one in a child process, runs `streams` concurrent streams of `tokens` tokens through it with the bench's
 own clients, every stream writing one token per tick of `gap_s` (the pace of the cluster's run: all streams' tokens
-of a step leave together, as the decode worker's step makes them), and returns the server process's CPU seconds per
+of a step leave together, as the decode worker's step makes them; with `every` > 1, one message for each `every`
+tokens, as the router's `stream_interval` sends them), and returns the server process's CPU seconds per
 1,000 tokens, net of its idle CPU as the router's figure is. The server reads its CPU from its own process clock
 (nanoseconds) when asked: /proc's 10 ms ticks were too coarse for its idle CPU at a slow pace (a SmolLM2 run's
 0.2 s ticks), which is taken out of the whole run.
@@ -32,7 +33,17 @@ async def _ticks(gap_s: float, tick: asyncio.Event) -> None:
         tick.clear()
 
 
-async def _grpc_server(gap_s: float, ports: Any) -> None:
+def _messages(tokens: int, every: int) -> list[list[int]]:
+    """A stream's token ids as its messages carry them (`every` a message, the last one what is left)."""
+    return [list(range(i, min(i + every, tokens))) for i in range(0, tokens, every)]
+
+
+async def _ticked(tick: asyncio.Event, n: int) -> None:
+    for _ in range(n):
+        await tick.wait()
+
+
+async def _grpc_server(gap_s: float, every: int, ports: Any) -> None:
     import grpc
 
     from router.v1 import inference_pb2 as pb
@@ -42,9 +53,9 @@ async def _grpc_server(gap_s: float, ports: Any) -> None:
 
     class Bare(pb_grpc.InferenceServicer):
         async def GenerateStream(self, request: Any, context: Any) -> None:
-            for i in range(request.sampling.max_tokens):
-                await tick.wait()
-                await context.write(pb.GenerateChunk(request_id="bare", token_ids=[i], text=" tok", index=0))
+            for ids in _messages(request.sampling.max_tokens, every):
+                await _ticked(tick, len(ids))
+                await context.write(pb.GenerateChunk(request_id="bare", token_ids=ids, text=" tok" * len(ids), index=0))
 
     server = grpc.aio.server()
     pb_grpc.add_InferenceServicer_to_server(Bare(), server)
@@ -53,7 +64,7 @@ async def _grpc_server(gap_s: float, ports: Any) -> None:
     await _ticks(gap_s, tick)
 
 
-async def _http_server(gap_s: float, ports: Any) -> None:
+async def _http_server(gap_s: float, every: int, ports: Any) -> None:
     from aiohttp import web
 
     tick = asyncio.Event()
@@ -62,10 +73,10 @@ async def _http_server(gap_s: float, ports: Any) -> None:
         body = await request.json()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for i in range(body["max_tokens"]):
-            await tick.wait()
+        for ids in _messages(body["max_tokens"], every):
+            await _ticked(tick, len(ids))
             event = {"id": "cmpl-bare", "object": "text_completion", "created": 0, "model": "bare",
-                     "choices": [{"index": 0, "text": " tok", "token_ids": [i], "logprobs": None,
+                     "choices": [{"index": 0, "text": " tok" * len(ids), "token_ids": ids, "logprobs": None,
                                   "finish_reason": None}]}
             await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -88,18 +99,19 @@ def _answer_cpu(conn: Connection) -> None:
         conn.send(time.process_time())
 
 
-def _serve(front: str, gap_s: float, ports: Any, conn: Connection) -> None:
+def _serve(front: str, gap_s: float, every: int, ports: Any, conn: Connection) -> None:
     threading.Thread(target=_answer_cpu, args=(conn,), daemon=True).start()
-    asyncio.run(_grpc_server(gap_s, ports) if front == "grpc" else _http_server(gap_s, ports))
+    asyncio.run(_grpc_server(gap_s, every, ports) if front == "grpc" else _http_server(gap_s, every, ports))
 
 
 def floor(front: str, stream: Callable[[str, list[int], int], Awaitable[Any]], streams: int, tokens: int,
-          gap_s: float) -> float:
+          gap_s: float, every: int = 1) -> float:
     """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
-    one per stream every `gap_s`, to `stream` (the bench's client of that front), net of the server's idle CPU."""
+    one per stream every `gap_s` (`every` a message), to `stream` (the bench's client of that front), net of the
+    server's idle CPU."""
     ctx = mp.get_context("spawn")
     ports, (ask, answer) = ctx.Queue(), ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(front, gap_s, ports, answer), daemon=True)
+    proc = ctx.Process(target=_serve, args=(front, gap_s, every, ports, answer), daemon=True)
     proc.start()
 
     def cpu_s() -> float:
