@@ -259,7 +259,7 @@ def test_stream_interval_sends_that_many_tokens_a_chunk_with_the_engines_text(fr
                 assert chunks[-1][2].timeline.prefill_worker and not chunks[-1][2].timeline.prefill_skipped
             else:
                 chunks = sse_chunks(port, {"prompt": text, "max_tokens": 23, "temperature": 0, "ignore_eos": True,
-                                           "stream": True, "return_token_ids": True})
+                                           "stream": True, "return_token_ids": True, "logprobs": 1})
             sizes = [len(ids) for ids, _, _ in chunks if ids]
             assert [t for ids, _, _ in chunks for t in ids] == want, front_name
             assert "".join(t for _, t, _ in chunks) == engine.tokenizer.decode(want), front_name
@@ -279,5 +279,8 @@ def sse_chunks(port: int, body: dict[str, Any]) -> list[tuple[list[int], str, No
             if not payload or payload == b"[DONE]":
                 continue
             for choice in json.loads(payload).get("choices") or []:
-                out.append((list(choice.get("token_ids") or []), choice.get("text") or "", None))
+                ids = list(choice.get("token_ids") or [])
+                # NOTE: a chunk of several tokens carries the logprobs of each
+                assert len((choice.get("logprobs") or {}).get("tokens") or []) == len(ids)
+                out.append((ids, choice.get("text") or "", None))
     return out
