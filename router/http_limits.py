@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from engine.errors import InvalidRequestError
-from router.validate import MAX_MESSAGES, MAX_PROMPT_CHARS
+from router.validate import MAX_MESSAGES, MAX_PROMPT_CHARS, run_check
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,9 +98,7 @@ def check_sizes(raw: dict[str, Any], max_model_len: int) -> None:
 
 async def off_loop_if_large(size: int, executor: Executor, fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` inline for a body of at most INLINE_PARSE_BYTES, else on `executor`."""
-    if size <= INLINE_PARSE_BYTES:
-        return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    return await run_check(size <= INLINE_PARSE_BYTES, executor, lambda: fn(*args))
 
 
 def cap_connections(runner: web.AppRunner, max_connections: int) -> None:

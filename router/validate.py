@@ -32,9 +32,9 @@ MAX_STOP_TOKEN_IDS = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 16  # as in vLLM and the OpenAI completions API
 # NOTE: a check this small runs on the router's event loop: on the first token's path the hop to a thread and back
-# (the thread's wake-up, the GIL's hand-over, the loop's wake-up) took as long as the check itself on 2 cores, and
-# tokenizing 512 characters takes ~0.1 ms, reading 8k token ids less; a longer text, a grammar or tools go to a
-# thread, so no check stalls the streams the loop relays
+# (the thread's wake-up, the GIL's hand-over, the loop's wake-up) took as long as the check itself on 2 cores, as
+# long as tokenizing these 512 characters or reading 8k token ids; a longer text, a grammar or tools go to a thread,
+# so no check stalls the streams the loop relays
 INLINE_CHECK_CHARS = 512
 INLINE_CHECK_TOKEN_IDS = 8192
 T = TypeVar("T")

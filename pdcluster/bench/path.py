@@ -224,8 +224,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg.model = model
     cfg.router.skip_prefill_max_uncached_tokens = 0  # NOTE: every request crosses the handoff
     cfg.router.slo_itl_ms = None
-    if args.stream_interval is not None:
-        cfg.router.stream_interval = args.stream_interval
+    cfg.router.stream_interval = args.stream_interval
     # NOTE: worker i of the cluster (pools in order: prefill, then decode) serves its /metrics on base + i
     cfg.metrics.workers, cfg.metrics.worker_host = True, "127.0.0.1"
     cfg.metrics.worker_port = base = cluster_proc.free_port(cfg.prefill.replicas + cfg.decode.replicas)
@@ -243,7 +242,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         log(BENCH, f"{model}: a bare {front} server at the same pace")
         r["bare_cpu_s_per_1k_tokens"] = floor(front, streams[front], args.streams, args.stream_tokens,
                                               gap_s=args.streams / r[f"tok_s_{args.streams}"],
-                                              every=args.stream_interval or 1)
+                                              every=args.stream_interval)
     eng = result["engine"]
     for front in fronts:
         r = result[front]
@@ -256,9 +255,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     models = [m for m in args.models.split(",") if m]
+    if args.stream_interval is None:  # NOTE: the config's, so the bare server's floor writes the same messages
+        args.stream_interval = cluster_proc.load(args.config).router.stream_interval
     figures: dict[str, Any] = {"bench": BENCH, "machine": machine(), "config": args.config, "streams": args.streams,
                                "prompt_len": args.prompt_len, "stream_tokens": args.stream_tokens,
-                               "stream_interval": args.stream_interval or 1, "models": {}}
+                               "stream_interval": args.stream_interval, "models": {}}
     for model in models:
         figures["models"][model] = measure(model, args)
     return emit(BENCH, figures, args.out, args.json, format_table)
