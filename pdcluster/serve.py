@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from cluster import tracing
 from engine import grammar
-from pdcluster import security
+from pdcluster import event_loop, security
 from pdcluster.config import ClusterConfig
 from pdcluster.launch import Cluster
 from router.core import Router
@@ -50,6 +50,7 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
     """Start the cluster (or `attach` to a running one: an extra router) and the router; run `body(address)`
     (the demo) or serve until SIGINT/SIGTERM."""
     security.check_exposure(config)  # NOTE: before anything starts: a refusal costs no Ray or worker start
+    loop_name = event_loop.resolve(config.router.event_loop)  # NOTE: "uvloop" without it: refused before starting
     missing = config.lora.missing_files() if config.ray.address == "local" and not attach else []
     if missing:  # NOTE: a private Ray's workers run here: their adapters must be here too
         raise security.SetupError("; ".join(missing))
@@ -71,7 +72,8 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
         cluster.attach() if attach else cluster.start()
         importing.join()
         if not stop_requested:
-            asyncio.run(_serve(cluster, body))
+            log.info("router event loop: %s (router.event_loop: %s)", loop_name, config.router.event_loop)
+            event_loop.run(_serve(cluster, body), config.router.event_loop)
         return 0
     except KeyboardInterrupt:
         return 0

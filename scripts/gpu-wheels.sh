@@ -2,7 +2,7 @@
 # Fetch, on a machine with a package registry, what a lent GPU machine lacks to run scripts/gpu-check.sh, into the
 # git-ignored folder .whl/ (it travels with the working tree: 64 MiB in all, so only what the GPU image does not
 # have: torch, triton, transformers, numpy, tokenizers, safetensors, jinja2, tqdm, pyyaml, requests, protobuf, aiohttp,
-# msgpack, psutil, prometheus-client, click, filelock, pytest and pip are there; ray, pydantic and redis are not).
+# msgpack, psutil, prometheus-client, click, filelock, pytest, uvloop and pip are there; ray, pydantic and redis are not).
 #   gguf       engine/gguf_loader.py (imported by engine.loader)
 #   crc32c     kv_transfer/payload.py
 #   nixl-cu13  the nixl KV transport on the GPU, slimmed to what its UCX plugin loads (scripts/slim_wheels.py)

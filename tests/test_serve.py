@@ -132,6 +132,8 @@ def test_serve_answers_grpc_and_leaves_nothing_behind_after_sigterm():
             assert psutil.Process(proc.pid).cpu_affinity() == cores[:-1]  # the router keeps off the decode core
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        # NOTE: the router ran on uvloop (router.event_loop auto, uvloop installed with pdcluster), SIGTERM included
+        assert proc.stderr is not None and "router event loop: uvloop (router.event_loop: auto)" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

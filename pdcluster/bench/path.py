@@ -46,6 +46,7 @@ from pdcluster.bench.path_clients import (
 from pdcluster.bench.path_floor import floor
 from pdcluster.bench.path_table import format_table
 from pdcluster.bench.report import emit, log, machine
+from pdcluster.event_loop import resolve
 
 BENCH = "path"
 TTFT_TOKENS = 8  # tokens of each TTFT request
@@ -66,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "one run of 256 tiny tokens lasts ~0.1 s)")
     p.add_argument("--stream-interval", type=int, default=None, help="the router's stream_interval (tokens per "
                    "streamed chunk); default: the config's")
+    p.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default=None,
+                   help="the router's event_loop (the bare server runs on the same); default: the config's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_path.json")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -224,7 +227,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg.model = model
     cfg.router.skip_prefill_max_uncached_tokens = 0  # NOTE: every request crosses the handoff
     cfg.router.slo_itl_ms = None
-    cfg.router.stream_interval = args.stream_interval
+    cfg.router.stream_interval, cfg.router.event_loop = args.stream_interval, args.event_loop
     # NOTE: worker i of the cluster (pools in order: prefill, then decode) serves its /metrics on base + i
     cfg.metrics.workers, cfg.metrics.worker_host = True, "127.0.0.1"
     cfg.metrics.worker_port = base = cluster_proc.free_port(cfg.prefill.replicas + cfg.decode.replicas)
@@ -242,7 +245,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         log(BENCH, f"{model}: a bare {front} server at the same pace")
         r["bare_cpu_s_per_1k_tokens"] = floor(front, streams[front], args.streams, args.stream_tokens,
                                               gap_s=args.streams / r[f"tok_s_{args.streams}"],
-                                              every=args.stream_interval)
+                                              every=args.stream_interval, loop=args.event_loop)
     eng = result["engine"]
     for front in fronts:
         r = result[front]
@@ -255,11 +258,15 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     models = [m for m in args.models.split(",") if m]
+    router = cluster_proc.load(args.config).router
     if args.stream_interval is None:  # NOTE: the config's, so the bare server's floor writes the same messages
-        args.stream_interval = cluster_proc.load(args.config).router.stream_interval
+        args.stream_interval = router.stream_interval
+    if args.event_loop is None:  # NOTE: the config's, so the bare server runs on the same loop
+        args.event_loop = router.event_loop
     figures: dict[str, Any] = {"bench": BENCH, "machine": machine(), "config": args.config, "streams": args.streams,
                                "prompt_len": args.prompt_len, "stream_tokens": args.stream_tokens,
-                               "stream_interval": args.stream_interval, "models": {}}
+                               "stream_interval": args.stream_interval, "event_loop": resolve(args.event_loop),
+                               "models": {}}
     for model in models:
         figures["models"][model] = measure(model, args)
     return emit(BENCH, figures, args.out, args.json, format_table)

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdcluster.event_loop import EventLoop, run
+
 IDLE_S = 1.0  # the bare server's idle CPU is measured over this long
 
 
@@ -99,19 +101,19 @@ def _answer_cpu(conn: Connection) -> None:
         conn.send(time.process_time())
 
 
-def _serve(front: str, gap_s: float, every: int, ports: Any, conn: Connection) -> None:
+def _serve(front: str, gap_s: float, every: int, loop: EventLoop, ports: Any, conn: Connection) -> None:
     threading.Thread(target=_answer_cpu, args=(conn,), daemon=True).start()
-    asyncio.run(_grpc_server(gap_s, every, ports) if front == "grpc" else _http_server(gap_s, every, ports))
+    run(_grpc_server(gap_s, every, ports) if front == "grpc" else _http_server(gap_s, every, ports), loop)
 
 
 def floor(front: str, stream: Callable[[str, list[int], int], Awaitable[Any]], streams: int, tokens: int,
-          gap_s: float, every: int = 1) -> float:
+          gap_s: float, every: int = 1, loop: EventLoop = "auto") -> float:
     """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
     one per stream every `gap_s` (`every` a message), to `stream` (the bench's client of that front), net of the
-    server's idle CPU."""
+    server's idle CPU; the server runs on the event loop `loop` gives (the router's `event_loop`)."""
     ctx = mp.get_context("spawn")
     ports, (ask, answer) = ctx.Queue(), ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(front, gap_s, every, ports, answer), daemon=True)
+    proc = ctx.Process(target=_serve, args=(front, gap_s, every, loop, ports, answer), daemon=True)
     proc.start()
 
     def cpu_s() -> float:

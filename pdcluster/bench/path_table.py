@@ -18,6 +18,7 @@ def format_table(f: dict[str, Any]) -> str:
     head = (f"| model | front | TTFT ms (engine) | added | ITL p50 ms (step) | added | tok/s 1 (ratio) | "
             f"tok/s {n} (ratio) | router CPU s / 1k tokens (net of idle) | a bare server's (net) |")
     lines = [f"router.stream_interval: {interval} tokens a streamed chunk", ""] if interval > 1 else []
+    lines += [f"the router's event loop: {f['event_loop']}", ""] if "event_loop" in f else []
     lines += [head, "|" + "---|" * 10]
     for model, r in f["models"].items():
         e = r["engine"]
