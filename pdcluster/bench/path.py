@@ -10,7 +10,8 @@ For each model it runs, in one process and on the same prompts (fresh random tok
    start on a worker; prefill: to its first token; first token: arrival to the token leaving the router), and the
    router process's CPU per request of them (all its threads' schedstat, net of its idle CPU): at GPU speed, how many
    requests one router process can take;
-4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (its threads' schedstat: the router,
+4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (`--stream-rounds` of it, each on
+   fresh prompts; its threads' schedstat: the router,
    its Ray driver and everything else `serve` runs in that process), beside a bare server of the same front's
    library streaming as many tokens at the same pace (bench/path_floor.py): the part that is grpc.aio's or
    aiohttp's own per-message cost;
@@ -29,7 +30,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pdcluster.bench import cluster_proc
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-tokens", type=int, default=64, help="tokens of the batch-1 stream whose gaps are ITL")
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput case")
     p.add_argument("--stream-tokens", type=int, default=256, help="tokens per stream in the throughput cases")
+    p.add_argument("--stream-rounds", type=int, default=1, help="rounds of the many-streams case through the cluster, "
+                   "each on fresh prompts (its tok/s and the router's CPU per 1,000 tokens are over all of them: more "
+                   "rounds, less noise)")
     p.add_argument("--one-rounds", type=int, default=5, help="1-stream runs of each side (the median is reported: "
                    "one run of 256 tiny tokens lasts ~0.1 s)")
     p.add_argument("--stream-interval", type=int, default=None, help="the router's stream_interval (tokens per "
@@ -133,17 +137,17 @@ Stream = Callable[[str, list[int], int], Awaitable[Timed]]
 
 
 async def through_cluster(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                          pid: int, metrics: tuple[str, str]) -> dict[str, Any]:
+                          pid: int, metrics: tuple[str, str], more: Sequence[list[int]] = ()) -> dict[str, Any]:
     """The same cases as `engine_alone`, as a client of `addr` sees them (`metrics`: the prefill and the decode
-    worker's /metrics URLs)."""
+    worker's /metrics URLs; `more`: the fresh prompts of the many-streams case's rounds after the first)."""
     try:
-        return await _cases(stream, addr, prompts, args, pid, metrics)
+        return await _cases(stream, addr, prompts, args, pid, metrics, more)
     finally:
         await close_all()
 
 
 async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                 pid: int, metrics: tuple[str, str]) -> dict[str, Any]:
+                 pid: int, metrics: tuple[str, str], more: Sequence[list[int]]) -> dict[str, Any]:
     await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
     ttft, parts = [], []
     prefill0 = await asyncio.to_thread(worker_steps, metrics[0])
@@ -169,7 +173,9 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     await asyncio.sleep(IDLE_S)
     idle_rate = (_cpu_ns(pid) / 1e9 - cpu0) / (time.perf_counter() - t)
     cpu0, t = _cpu_ns(pid) / 1e9, time.perf_counter()
-    many = await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in prompts[:args.streams]))
+    many = []
+    for batch in [prompts[:args.streams], *(more[i:i + args.streams] for i in range(0, len(more), args.streams))]:
+        many += await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in batch))
     many_s, cpu = time.perf_counter() - t, _cpu_ns(pid) / 1e9 - cpu0
     relayed = sum(r.tokens for r in many)
     bad = [r.tokens for r in [*(r for r, _ in ones), *many] if r.tokens != args.stream_tokens]
@@ -221,6 +227,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     fronts = [f for f in args.fronts.split(",") if f]
     rng = random.Random(args.seed)
     prompts = {f: _prompts(rng, n, args.prompt_len, vocab) for f in ["engine", *fronts]}
+    more = {f: _prompts(rng, args.streams * (args.stream_rounds - 1), args.prompt_len, vocab) for f in fronts}
     log(BENCH, f"{model}: the engine alone")
     result: dict[str, Any] = {"engine": engine_alone(loaded, args.config, prompts["engine"], args)}
     cfg = cluster_proc.load(args.config, http="http" in fronts)
@@ -238,7 +245,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
             log(BENCH, f"{model}: through the cluster over {front}")
             addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
             result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"]),
-                                                        metrics))
+                                                        metrics, more[front]))
     streams = {"http": http_stream, "grpc": grpc_stream}
     for front in fronts:  # NOTE: the bare library's CPU per token at the pace the cluster's N streams ran
         r = result[front]
@@ -258,12 +265,15 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     models = [m for m in args.models.split(",") if m]
+    if args.stream_rounds < 1:
+        raise ValueError(f"--stream-rounds must be at least 1, got {args.stream_rounds}")
     router = cluster_proc.load(args.config).router
     if args.stream_interval is None:  # NOTE: the config's, so the bare server's floor writes the same messages
         args.stream_interval = router.stream_interval
     if args.event_loop is None:  # NOTE: the config's, so the bare server runs on the same loop
         args.event_loop = router.event_loop
     figures: dict[str, Any] = {"bench": BENCH, "machine": machine(), "config": args.config, "streams": args.streams,
+                               "stream_rounds": args.stream_rounds,
                                "prompt_len": args.prompt_len, "stream_tokens": args.stream_tokens,
                                "stream_interval": args.stream_interval, "event_loop": resolve(args.event_loop),
                                "models": {}}
