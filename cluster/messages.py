@@ -141,6 +141,9 @@ class DecodeRequest:
     # NOTE: the router's window on this stream (Ray's generator backpressure): with this many engine outputs not yet
     # taken, the worker pauses the sequence in its engine until the router reads again (cluster/backlog.py)
     window: int = 16
+    # NOTE: the router's `stream_interval`: the worker sends a delta once it has this many tokens (the stream's first
+    # output, and its last, at once), so the router handles one delta per chunk its client gets
+    stream_interval: int = 1
 
 
 @dataclass

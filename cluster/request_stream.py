@@ -8,11 +8,12 @@ a request that stays where it is prefilled (router/policy.py, "stay"). Life of a
    `output_token_ids`, recomputed; the engine cuts it into chunks under its ITL budget while it decodes for others);
    a caller cancelled meanwhile still lets `fn` finish, then aborts the request, so nothing joins after its abort;
 2. on the delta channel (a `Relay` taken from cluster/delta_server.py) each output leaves from the engine thread as
-   its own Delta (most as a tuple), in the step's frame; through Ray, `deltas()` yields each batch of outputs made
-   since its last yield merged into one Delta. Either way a delta is stamped with the time the engine made its last
-   token (`made_at`, on the backlog's busy clock); the first carries how many characters the client had
-   (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker; with `req.window`
-   outputs not yet taken (acknowledged by the router; its client reads slowly or not at all) the sequence pauses in
+   its own Delta (most as a tuple), in the step's frame, or with `stream_interval` N > 1 (the router's) the outputs
+   of N tokens as one Delta (the first output and the last at once); through Ray, `deltas()` yields each batch of
+   outputs made since its last yield merged into one Delta. Either way a delta is stamped with the time the engine
+   made its last token (`made_at`, on the backlog's busy clock); the first carries how many characters the client
+   had (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker; with `req.window`
+   outputs (on the delta channel: deltas) not yet taken (acknowledged by the router; its client reads slowly or not at all) the sequence pauses in
    the engine (blocks kept, cluster/backlog.py) and resumes when the consumer takes a delta again;
 3. a caller that goes away before the last Delta (the generator closed or cancelled) aborts the request: the
    worker's `abort` frees its blocks.
@@ -63,23 +64,32 @@ class RequestStream:
         # merges what came meanwhile, stamped with the engine's time, not the time it was sent (router/stall.py)
         self._outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
         self._backlog = Backlog(req.window)
+        self._held: list[RequestOutput] = []  # (the delta channel) outputs not sent: under stream_interval tokens
+        self._held_tokens = 0
         self._timing: list[tuple[float, float]] = []  # a whole request: its queue and prefill time here (ms)
         # NOTE: records under the worker's own module (decode_workers.worker, prefill_workers.worker), as before
         self._log = logging.getLogger(type(worker).__module__)
 
     def on_output(self, out: RequestOutput) -> None:
-        """The engine loop's hook (its thread, under the lock): queue the step's output for `deltas`."""
+        """The engine loop's hook (its thread, under the lock): queue the step's output for `deltas`, or (the delta
+        channel) send it, once `stream_interval` tokens are held (the first output and the last at once)."""
         if self.whole and not self._timing:
             self._timing.append(self.worker._first_token(self.request_id, time.monotonic()))
+        if self._relay is not None:
+            self._held.append(out)
+            self._held_tokens += len(out.new_token_ids)
+            if not (self._first or out.finished or self._held_tokens >= self.req.stream_interval):
+                return  # NOTE: not counted undelivered: the window counts deltas (the router acknowledges deltas)
         made_at, pause = self._backlog.made()
         if pause and not out.finished:  # NOTE: between two steps: the next one already leaves it out
             self.worker.engine.pause_request(self.request_id)
         if self._relay is None:
             self._outlet.put(self._outputs.put_nowait, (made_at, out))
             return
+        held, self._held, self._held_tokens = self._held, [], 0
         item: Delta | PlainDelta
-        if self._first or out.finished or out.new_logprobs or out.prompt_logprobs is not None:
-            item = self._delta([(made_at, out)])
+        if len(held) > 1 or self._first or out.finished or out.new_logprobs or out.prompt_logprobs is not None:
+            item = self._delta([(made_at, o) for o in held])
         else:  # NOTE: most outputs: the tuple `to_wire` makes of a plain Delta, without the Delta
             item = plain(out.new_token_ids, out.new_text, made_at, out.num_prompt_tokens, out.num_cached_tokens)
             self.worker.metrics.generation.inc(len(out.new_token_ids))

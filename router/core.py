@@ -168,7 +168,8 @@ class Router:
             run = RequestRun(req, route, arrived, self.pools, metrics=self.metrics,
                              prefill_timeout_s=self.settings.prefill_timeout_s, traceparent=parent,
                              deadline=arrived + (budget_s or self.settings.request_timeout_s),
-                             stall=self.stall, stream_window=self.settings.stream_buffer_chunks).chunks()
+                             stall=self.stall, stream_window=self.settings.stream_buffer_chunks,
+                             stream_interval=self.settings.stream_interval).chunks()
             async with contextlib.aclosing(run):  # NOTE: closed at once when we are, so its finally aborts now
                 async for chunk in run:
                     now = time.monotonic()

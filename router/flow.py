@@ -11,8 +11,8 @@ Life of a request run (`RequestRun.chunks`), stage by stage:
    run continues on another decode worker (or on the same one once Ray restarted it: the run waits for it until
    the request's deadline) with the prompt plus every token already streamed (`continuation`): the client sees no
    token lost or repeated, and a greedy request ends with the same text as an undisturbed run;
-3. `last_chunk` carries the finish reason, usage and timeline; a run that does not finish aborts the request on
-   every worker it touched, freeing its KV blocks.
+3. the last chunk (router/run_chunks.py) carries the finish reason, usage and timeline; a run that does not finish
+   aborts the request on every worker it touched, freeing its KV blocks.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from router.handoff import HandOff
 from router.metrics import RouterMetrics
 from router.policy import Route
 from router.pools import WorkerHandle, WorkerPools
-from router.results import Chunk, Timeline, Usage
+from router.results import Chunk, Timeline
+from router.run_chunks import first_chunk, last_chunk
 from router.stall import StallClock, Stalled, wait_alive
 from router.streamed_text import StreamedText
 from router.streams import OpenStream, PrefillCall, open_stream
@@ -53,7 +54,8 @@ class RequestRun:
 
     def __init__(self, request: Checked, route: Route, arrived: float, pools: WorkerPools, *,
                  metrics: RouterMetrics, prefill_timeout_s: float, traceparent: str = "",
-                 deadline: float | None = None, stall: StallClock | None = None, stream_window: int = 16) -> None:
+                 deadline: float | None = None, stall: StallClock | None = None, stream_window: int = 16,
+                 stream_interval: int = 1) -> None:
         self.request, self.arrived, self.pools, self.metrics = request, arrived, pools, metrics
         self.traceparent = traceparent  # the router's request span: each attempt's span is its child
         self.prefill_timeout_s = prefill_timeout_s
@@ -61,6 +63,7 @@ class RequestRun:
         self.deadline = deadline if deadline is not None else time.monotonic() + 600.0
         self.stall = stall or StallClock()
         self.stream_window = stream_window  # unread deltas at most per decode stream: then the worker's yield waits
+        self.stream_interval = stream_interval  # tokens per delta of a decode stream (the first and last: fewer)
         self.handoff: OpenStream | None = None  # the decode stream opened with the current prefill attempt
         self.handing_off: HandOff | None = None  # the prefill call's rest, after a first token sent before the KV
         self.request_id, self.prompt_len = request.request_id, len(request.token_ids)
@@ -82,7 +85,7 @@ class RequestRun:
         try:
             res = await self.prefill_with_failover() if self.prefill_worker is not None else None
             if res is not None:
-                yield self.first_token(res)
+                yield first_chunk(self, res)
                 if self.done:  # NOTE: nothing was handed off: the decode stream waiting for the KV is let go
                     return
             opened, self.handoff = self.handoff, None
@@ -165,28 +168,6 @@ class RequestRun:
             self.handing_off = HandOff(call, self.handoff, self.timeline, self.prefill_timeout_s, self.request_id)
         return res
 
-    def first_token(self, res: PrefillResult) -> Chunk:
-        """The prefill worker's token as the first chunk (the last one when the request ended there)."""
-        self.first_token_at = time.monotonic()
-        tl = self.timeline
-        tl.prefill_ms, tl.transfer_ms = res.prefill_ms, res.transfer_ms
-        tl.queue_ms = max(0.0, (self.first_token_at - self.arrived) * 1e3 - res.prefill_ms - res.transfer_ms)
-        tl.kv_blocks_sent, tl.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
-        tl.first_token_ms = (self.first_token_at - self.arrived) * 1e3
-        self.num_cached = res.num_cached_tokens
-        # NOTE: what the KV transfer added to the first token, for predictions: nothing when the first token came
-        # before the hand-off (over the delta channel), its tail after the last layer when it came after (Ray)
-        self.pools.policy.transfer.observe(self.prompt_len, res.transfer_ms / 1e3 if res.handed_off else 0.0)
-        self.generated += res.token_ids
-        if res.finished:
-            self.done = True
-            chunk = self.last_chunk(res.token_ids, res.text, res.finish_reason, res.final_text)
-        else:
-            self.text.sent(res.text)
-            chunk = Chunk(self.request_id, res.token_ids, res.text)
-        chunk.logprobs, chunk.prompt_logprobs = res.logprobs, res.prompt_logprobs
-        return chunk
-
     # ---- 2. decode -------------------------------------------------------------------------------------------
     def _open_handoff(self) -> OpenStream:
         """The decode worker's stream for the KV this prefill attempt sends: it decodes as soon as the KV lands."""
@@ -202,7 +183,7 @@ class RequestRun:
         self.touched.add((worker.name, request.request_id))
         # NOTE: without a window the worker sends every delta as it is made, whether the router reads or not: a
         # client that stops reading would pile the whole generation up in the router's memory
-        request = dataclasses.replace(request, window=self.stream_window)
+        request = dataclasses.replace(request, window=self.stream_window, stream_interval=self.stream_interval)
         return OpenStream(worker, request.request_id, open_stream(worker, request, self.stream_window), span, handoff)
 
     def _drop(self, opened: OpenStream) -> None:
@@ -249,7 +230,7 @@ class RequestRun:
     async def _decode(self, opened: OpenStream) -> AsyncGenerator[Chunk, None]:
         worker, stream = opened.worker, opened.stream
         # NOTE: the first delta of a stream that computes the prompt first may take a prefill's time
-        wait_s = self.prefill_timeout_s if not opened.handoff else self.stall.timeout(worker.name)
+        wait_s = self.prefill_timeout_s if not opened.handoff else self.stall.timeout(worker.name, self.stream_interval)
         made_at = 0.0  # the previous delta's stamp (the worker's clock)
         try:
             while True:
@@ -266,7 +247,7 @@ class RequestRun:
                     # NOTE: the worker's time per token, by its own clock: a delta that waited for a slow client
                     # carries every step made meanwhile, and a stream read late measures nothing of the client
                     self.stall.observe(worker.name, (delta.made_at - made_at) / len(delta.token_ids))
-                made_at, wait_s = delta.made_at, self.stall.timeout(worker.name)
+                made_at, wait_s = delta.made_at, self.stall.timeout(worker.name, self.stream_interval)
                 if not self.first_token_at:
                     self.first_token_at = now
                     self.timeline.first_token_ms = (self.first_token_at - self.arrived) * 1e3
@@ -284,7 +265,7 @@ class RequestRun:
                     if self.handing_off is not None:
                         await self.handing_off.settled()
                     self.done = True
-                    chunk = self.last_chunk(delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
+                    chunk = last_chunk(self, delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
                 else:
                     self.text.sent(delta.text)
                     chunk = Chunk(self.request_id, delta.token_ids, delta.text)
@@ -306,17 +287,3 @@ class RequestRun:
 
     def _new_attempt_id(self) -> str:
         return f"{self.request_id}~{uuid.uuid4().hex[:8]}"
-
-    # ---- 3. the last chunk -----------------------------------------------------------------------------------
-    def last_chunk(self, token_ids: list[int], text: str, reason: str | None, final_text: str) -> Chunk:
-        """The final chunk: the rest of the text, finish reason, usage, timeline."""
-        if reason == "abort":
-            self.done = False
-            raise WorkerFailed("a worker aborted the request", self.request_id)
-        now = time.monotonic()
-        self.timeline.decode_ms = (now - self.first_token_at) * 1e3 if self.first_token_at else 0.0
-        self.timeline.total_ms = (now - self.arrived) * 1e3
-        usage = Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.generated),
-                      cached_prompt_tokens=self.num_cached)
-        return Chunk(self.request_id, token_ids, self.text.last(text, final_text), reason or "", usage,
-                     dataclasses.replace(self.timeline))

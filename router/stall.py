@@ -23,14 +23,15 @@ PROBE_EVERY_S = 0.5
 
 @dataclass
 class StallClock:
-    """Per decode worker, the usual time between two deltas of one stream (EMA), and the stall timeout from it."""
+    """Per decode worker, the usual time per token of one stream (EMA), and the stall timeout from it."""
 
     stall_steps: float = 100.0  # no token for this many usual steps: the stream is stalled
     stall_min_s: float = 15.0  # ... and never less than this (a long prefill step in the same batch is normal)
     step_s: dict[str, float] = field(default_factory=dict)
 
-    def timeout(self, worker: str) -> float:
-        return max(self.stall_min_s, self.stall_steps * self.step_s.get(worker, DEFAULT_STEP_S))
+    def timeout(self, worker: str, tokens: int = 1) -> float:
+        """How long a stream of `worker` may go without a delta of `tokens` tokens (its `stream_interval`)."""
+        return max(self.stall_min_s, self.stall_steps * tokens * self.step_s.get(worker, DEFAULT_STEP_S))
 
     def observe(self, worker: str, gap_s: float) -> None:
         """A delta came `gap_s` after the previous one of the same stream."""

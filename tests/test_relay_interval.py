@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from router.relay import relayed
 from router.results import Chunk
+from router.stall import StallClock
 
 
 async def run(tokens: int, every_s: float = 0.002):
@@ -44,3 +47,15 @@ def test_every_one_token_a_chunk_by_default_and_n_tokens_a_chunk_when_asked() ->
 def test_a_full_buffer_is_taken_before_it_holds_every_tokens() -> None:
     sizes = [len(c.token_ids) for c in asyncio.run(taken(10, 3, 8))]
     assert sizes[0] == 1 and max(sizes) <= 3 and sum(sizes) == 10, sizes  # never 8: the buffer holds 3 chunks
+
+
+def test_a_stream_of_n_tokens_a_delta_may_go_n_steps_without_one_before_it_is_stalled():
+    """The decode worker sends a delta per `stream_interval` tokens: the stall timeout (`stall_timeout_steps` of the
+    worker's usual time per token) covers that many tokens, and never drops under `stall_timeout_min_s`."""
+    clock = StallClock(stall_steps=100, stall_min_s=1.0)
+    for _ in range(50):
+        clock.observe("decode-0", 0.02)  # 20 ms a token
+    assert clock.timeout("decode-0") == pytest.approx(2.0)
+    assert clock.timeout("decode-0", 8) == pytest.approx(16.0)
+    assert clock.timeout("decode-1", 8) == pytest.approx(80.0)  # NOTE: unmeasured: the default 0.1 s a token
+    assert StallClock(stall_steps=100, stall_min_s=15.0).timeout("decode-0", 4) == 40.0

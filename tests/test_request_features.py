@@ -17,8 +17,10 @@ import openai
 import pytest
 import torch
 
+from cluster.messages import Delta
 from engine import SamplingParams
 from router.openai_api import start_http
+from router.streams import ChannelStream
 from router.v1 import inference_pb2 as pb
 from tests.helpers import make_engine, run_to_completion, start_test_cluster
 
@@ -241,15 +243,26 @@ def test_every_field_refused_before_is_served_or_named(front):
             assert status == 400 and body["error"]["param"] == field, (field, body)
 
 
-def test_stream_interval_sends_that_many_tokens_a_chunk_with_the_engines_text(front, engine):
+def test_stream_interval_sends_that_many_tokens_a_chunk_with_the_engines_text(front, engine, monkeypatch):
     """`router.stream_interval` (vLLM's and SGLang's --stream-interval): a stream's chunks carry at least that many
     tokens (the first token may go alone, the last chunk has what is left), over gRPC and HTTP, across the handoff,
-    and the tokens and text are one engine's."""
+    and the tokens and text are one engine's; the decode worker sends its tokens to the router in deltas of that
+    many too (its first and last at once), so the router handles a delta per chunk, not per token."""
     server, port, _ = front
     params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
+    deltas: list[int] = []  # the decode worker's deltas as the router's channel takes them: tokens in each
+    put = ChannelStream.put
+
+    def counted(stream: ChannelStream, item: object) -> None:
+        if stream.kind == "generate" and isinstance(item, Delta):
+            deltas.append(len(item.token_ids))
+        put(stream, item)
+
+    monkeypatch.setattr(ChannelStream, "put", counted)
     server.router.settings.stream_interval = 5
     try:
         for front_name in ("grpc", "http"):
+            deltas.clear()
             text = fresh(f"Tell me a story about a lighthouse keeper ({front_name}).")
             want = engine_run(engine, text, params)
             if front_name == "grpc":
@@ -264,6 +277,8 @@ def test_stream_interval_sends_that_many_tokens_a_chunk_with_the_engines_text(fr
             assert [t for ids, _, _ in chunks for t in ids] == want, front_name
             assert "".join(t for _, t, _ in chunks) == engine.tokenizer.decode(want), front_name
             assert all(n >= 5 for n in sizes[1:-1]) and len(sizes) <= 2 + 22 // 5, (front_name, sizes)
+            # NOTE: 22 tokens after the prefill worker's: the decode worker's first at once, then 5 a delta
+            assert sum(deltas) == 22 and all(n >= 5 for n in deltas[1:-1]) and len(deltas) <= 2 + 21 // 5, deltas
     finally:
         server.router.settings.stream_interval = 1
 

@@ -1,0 +1,52 @@
+"""The chunks at a run's two ends, and the books they carry: the first token's (its timeline so far) and the last
+(the rest of the text, the finish reason, usage, the whole timeline). router/flow.py's RequestRun makes them here."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from cluster.messages import PrefillResult
+from router.errors import WorkerFailed
+from router.results import Chunk, Usage
+
+if TYPE_CHECKING:
+    from router.flow import RequestRun
+
+
+def first_chunk(run: RequestRun, res: PrefillResult) -> Chunk:
+    """The prefill worker's token as the first chunk (the last one when the request ended there)."""
+    run.first_token_at = time.monotonic()
+    tl = run.timeline
+    tl.prefill_ms, tl.transfer_ms = res.prefill_ms, res.transfer_ms
+    tl.queue_ms = max(0.0, (run.first_token_at - run.arrived) * 1e3 - res.prefill_ms - res.transfer_ms)
+    tl.kv_blocks_sent, tl.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
+    tl.first_token_ms = (run.first_token_at - run.arrived) * 1e3
+    run.num_cached = res.num_cached_tokens
+    # NOTE: what the KV transfer added to the first token, for predictions: nothing when the first token came
+    # before the hand-off (over the delta channel), its tail after the last layer when it came after (Ray)
+    run.pools.policy.transfer.observe(run.prompt_len, res.transfer_ms / 1e3 if res.handed_off else 0.0)
+    run.generated += res.token_ids
+    if res.finished:
+        run.done = True
+        chunk = last_chunk(run, res.token_ids, res.text, res.finish_reason, res.final_text)
+    else:
+        run.text.sent(res.text)
+        chunk = Chunk(run.request_id, res.token_ids, res.text)
+    chunk.logprobs, chunk.prompt_logprobs = res.logprobs, res.prompt_logprobs
+    return chunk
+
+
+def last_chunk(run: RequestRun, token_ids: list[int], text: str, reason: str | None, final_text: str) -> Chunk:
+    """The final chunk: the rest of the text, finish reason, usage, timeline; a worker's abort fails the run."""
+    if reason == "abort":
+        run.done = False
+        raise WorkerFailed("a worker aborted the request", run.request_id)
+    now = time.monotonic()
+    run.timeline.decode_ms = (now - run.first_token_at) * 1e3 if run.first_token_at else 0.0
+    run.timeline.total_ms = (now - run.arrived) * 1e3
+    usage = Usage(prompt_tokens=run.prompt_len, completion_tokens=len(run.generated),
+                  cached_prompt_tokens=run.num_cached)
+    return Chunk(run.request_id, token_ids, run.text.last(text, final_text), reason or "", usage,
+                 dataclasses.replace(run.timeline))
