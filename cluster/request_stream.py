@@ -13,8 +13,9 @@ a request that stays where it is prefilled (router/policy.py, "stay"). Life of a
    outputs made since its last yield merged into one Delta. Either way a delta is stamped with the time the engine
    made its last token (`made_at`, on the backlog's busy clock); the first carries how many characters the client
    had (`resumed_chars`) and, for a whole request, the queue and prefill time on this worker; with `req.window`
-   outputs (on the delta channel: deltas) not yet taken (acknowledged by the router; its client reads slowly or not at all) the sequence pauses in
-   the engine (blocks kept, cluster/backlog.py) and resumes when the consumer takes a delta again;
+   outputs (on the delta channel: deltas) not yet taken (acknowledged by the router; its client reads slowly or not
+   at all) the sequence pauses in the engine (blocks kept, cluster/backlog.py) and resumes when the consumer takes a
+   delta again;
 3. a caller that goes away before the last Delta (the generator closed or cancelled) aborts the request: the
    worker's `abort` frees its blocks.
 """
@@ -78,7 +79,8 @@ class RequestStream:
         if self._relay is not None:
             self._held.append(out)
             self._held_tokens += len(out.new_token_ids)
-            if not (self._first or out.finished or self._held_tokens >= self.req.stream_interval):
+            interval = self.req.stream_interval
+            if not (interval <= 1 or self._first or out.finished or self._held_tokens >= interval):
                 return  # NOTE: not counted undelivered: the window counts deltas (the router acknowledges deltas)
         made_at, pause = self._backlog.made()
         if pause and not out.finished:  # NOTE: between two steps: the next one already leaves it out
