@@ -5,17 +5,31 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cluster.messages import PrefillResult
 from router.errors import WorkerFailed
-from router.results import Chunk, Usage
+from router.pools import WorkerPools
+from router.results import Chunk, Timeline, Usage
+from router.streamed_text import StreamedText
 
-if TYPE_CHECKING:
-    from router.flow import RequestRun
+
+class RunBooks(Protocol):
+    """What of a run (router/flow.py's RequestRun) its first and last chunks read and write."""
+
+    request_id: str
+    prompt_len: int
+    arrived: float
+    first_token_at: float
+    num_cached: int
+    generated: list[int]
+    done: bool
+    timeline: Timeline
+    text: StreamedText
+    pools: WorkerPools
 
 
-def first_chunk(run: RequestRun, res: PrefillResult) -> Chunk:
+def first_chunk(run: RunBooks, res: PrefillResult) -> Chunk:
     """The prefill worker's token as the first chunk (the last one when the request ended there)."""
     run.first_token_at = time.monotonic()
     tl = run.timeline
@@ -38,7 +52,7 @@ def first_chunk(run: RequestRun, res: PrefillResult) -> Chunk:
     return chunk
 
 
-def last_chunk(run: RequestRun, token_ids: list[int], text: str, reason: str | None, final_text: str) -> Chunk:
+def last_chunk(run: RunBooks, token_ids: list[int], text: str, reason: str | None, final_text: str) -> Chunk:
     """The final chunk: the rest of the text, finish reason, usage, timeline; a worker's abort fails the run."""
     if reason == "abort":
         run.done = False
