@@ -66,7 +66,6 @@ class RequestStream:
         self._outputs: asyncio.Queue[tuple[float, RequestOutput]] = asyncio.Queue()
         self._backlog = Backlog(req.window)
         self._held: list[RequestOutput] = []  # (the delta channel) outputs not sent: under stream_interval tokens
-        self._held_tokens = 0
         self._timing: list[tuple[float, float]] = []  # a whole request: its queue and prefill time here (ms)
         # NOTE: records under the worker's own module (decode_workers.worker, prefill_workers.worker), as before
         self._log = logging.getLogger(type(worker).__module__)
@@ -78,9 +77,9 @@ class RequestStream:
             self._timing.append(self.worker._first_token(self.request_id, time.monotonic()))
         if self._relay is not None:
             self._held.append(out)
-            self._held_tokens += len(out.new_token_ids)
             interval = self.req.stream_interval
-            if not (interval <= 1 or self._first or out.finished or self._held_tokens >= interval):
+            if not (interval <= 1 or self._first or out.finished
+                    or sum(len(o.new_token_ids) for o in self._held) >= interval):
                 return  # NOTE: not counted undelivered: the window counts deltas (the router acknowledges deltas)
         made_at, pause = self._backlog.made()
         if pause and not out.finished:  # NOTE: between two steps: the next one already leaves it out
@@ -88,7 +87,7 @@ class RequestStream:
         if self._relay is None:
             self._outlet.put(self._outputs.put_nowait, (made_at, out))
             return
-        held, self._held, self._held_tokens = self._held, [], 0
+        held, self._held = self._held, []
         item: Delta | PlainDelta
         if len(held) > 1 or self._first or out.finished or out.new_logprobs or out.prompt_logprobs is not None:
             item = self._delta([(made_at, o) for o in held])

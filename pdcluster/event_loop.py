@@ -14,17 +14,17 @@ import importlib
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
+from pdcluster.router_config import EventLoop
 from pdcluster.security import SetupError
 
 T = TypeVar("T")
-EventLoop = Literal["auto", "uvloop", "asyncio"]
 
 
 class EventLoopError(SetupError):
     """The event loop the config names cannot be had here."""
 
 
-def resolve(choice: EventLoop) -> str:
+def resolve(choice: EventLoop) -> Literal["uvloop", "asyncio"]:
     """The loop `choice` gives on this machine: "uvloop" or "asyncio"; EventLoopError for "uvloop" without it."""
     if choice == "asyncio":
         return "asyncio"

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 if TYPE_CHECKING:
     from router.settings import RouterSettings
 
+EventLoop = Literal["auto", "uvloop", "asyncio"]  # the router process's loop (pdcluster/event_loop.py runs it)
+
 
 class RouterConfig(BaseModel):
     """The gRPC front door that clients call."""
@@ -45,7 +47,7 @@ class RouterConfig(BaseModel):
                                  "there (the first at once, the last with the finish); 1 sends each token as made, "
                                  "more cut the router's CPU per token (one write per chunk) at the cost of burstier "
                                  "streams")
-    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+    event_loop: EventLoop = Field(
         default="auto", description="the router process's event loop (uvicorn's --loop): uvloop runs the loop's own "
         "work per token in C (less CPU per streamed token); auto: uvloop where it is installed, else asyncio")
     lease_s: float = Field(default=8.0, ge=1, description="a worker aborts a request (freeing its KV blocks) that no "

@@ -73,7 +73,7 @@ def run(config: ClusterConfig, body: Callable[[str], Awaitable[None]] | None = N
         importing.join()
         if not stop_requested:
             log.info("router event loop: %s (router.event_loop: %s)", loop_name, config.router.event_loop)
-            event_loop.run(_serve(cluster, body), config.router.event_loop)
+            event_loop.run(_serve(cluster, body), loop_name)
         return 0
     except KeyboardInterrupt:
         return 0

@@ -34,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.policy import Route
 from router.pools import WorkerHandle, WorkerPools
 from router.results import Chunk, Timeline
-from router.run_chunks import first_chunk, last_chunk
+from router.run_chunks import chunk_of, first_chunk
 from router.stall import StallClock, Stalled, wait_alive
 from router.streamed_text import StreamedText
 from router.streams import OpenStream, PrefillCall, open_stream
@@ -261,16 +261,9 @@ class RequestRun:
                                        self.request_id)
                 opened.handoff = False
                 self.generated += delta.token_ids
-                if delta.finished:
-                    if self.handing_off is not None:
-                        await self.handing_off.settled()
-                    self.done = True
-                    chunk = last_chunk(self, delta.token_ids, delta.text, delta.finish_reason, delta.final_text)
-                else:
-                    self.text.sent(delta.text)
-                    chunk = Chunk(self.request_id, delta.token_ids, delta.text)
-                chunk.logprobs, chunk.prompt_logprobs = delta.logprobs, delta.prompt_logprobs
-                yield chunk
+                if delta.finished and self.handing_off is not None:
+                    await self.handing_off.settled()
+                yield chunk_of(self, delta)
                 if delta.finished:
                     return
             raise WorkerFailed(f"decode worker {worker.name} ended the stream without finishing", self.request_id)

@@ -7,7 +7,7 @@ import dataclasses
 import time
 from typing import Protocol
 
-from cluster.messages import PrefillResult
+from cluster.messages import Delta, PrefillResult
 from router.errors import WorkerFailed
 from router.pools import WorkerPools
 from router.results import Chunk, Timeline, Usage
@@ -42,13 +42,19 @@ def first_chunk(run: RunBooks, res: PrefillResult) -> Chunk:
     # before the hand-off (over the delta channel), its tail after the last layer when it came after (Ray)
     run.pools.policy.transfer.observe(run.prompt_len, res.transfer_ms / 1e3 if res.handed_off else 0.0)
     run.generated += res.token_ids
-    if res.finished:
+    return chunk_of(run, res)
+
+
+def chunk_of(run: RunBooks, out: PrefillResult | Delta) -> Chunk:
+    """A worker's tokens (the prefill's first, a decode delta) as the client's next chunk: the last one, with usage
+    and timeline, when they finish the request."""
+    if out.finished:
         run.done = True
-        chunk = last_chunk(run, res.token_ids, res.text, res.finish_reason, res.final_text)
+        chunk = last_chunk(run, out.token_ids, out.text, out.finish_reason, out.final_text)
     else:
-        run.text.sent(res.text)
-        chunk = Chunk(run.request_id, res.token_ids, res.text)
-    chunk.logprobs, chunk.prompt_logprobs = res.logprobs, res.prompt_logprobs
+        run.text.sent(out.text)
+        chunk = Chunk(run.request_id, out.token_ids, out.text)
+    chunk.logprobs, chunk.prompt_logprobs = out.logprobs, out.prompt_logprobs
     return chunk
 
 

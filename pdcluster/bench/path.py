@@ -31,7 +31,7 @@ import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from pdcluster.bench import cluster_proc
 from pdcluster.bench.path_clients import (
@@ -48,6 +48,7 @@ from pdcluster.bench.path_floor import floor
 from pdcluster.bench.path_table import format_table
 from pdcluster.bench.report import emit, log, machine
 from pdcluster.event_loop import resolve
+from pdcluster.router_config import EventLoop
 
 BENCH = "path"
 TTFT_TOKENS = 8  # tokens of each TTFT request
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "one run of 256 tiny tokens lasts ~0.1 s)")
     p.add_argument("--stream-interval", type=int, default=None, help="the router's stream_interval (tokens per "
                    "streamed chunk); default: the config's")
-    p.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default=None,
+    p.add_argument("--event-loop", choices=get_args(EventLoop), default=None,
                    help="the router's event_loop (the bare server runs on the same); default: the config's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_path.json")
