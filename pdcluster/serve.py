@@ -123,7 +123,7 @@ async def _serve(cluster: Cluster, body: Callable[[str], Awaitable[None]] | None
             runners.append(runner)
             endpoints["http"] = f"{cfg.http.host}:{http_port}"
         if cfg.metrics.enabled:
-            from router.metrics import start_metrics_server
+            from router.metrics_http import start_metrics_server
 
             runner, metrics_port = await start_metrics_server(router.metrics, cfg.metrics.host, cfg.metrics.port, tls)
             runners.append(runner)

@@ -1,4 +1,4 @@
-"""The Prometheus metrics of a router process, and the small HTTP server that exposes them at GET /metrics.
+"""The Prometheus metrics of a router process (router/metrics_http.py serves them at GET /metrics).
 
 | name                                      | type      | labels       | meaning                                  |
 |-------------------------------------------|-----------|--------------|------------------------------------------|
@@ -50,32 +50,18 @@ turning it off (`disable_created_metrics`) is process-wide, so it is left on.
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import Sequence
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from cluster.messages import WorkerLoad
-
-# NOTE: TTFT and e2e span a cached short prompt (~1 ms) to a long generation (~1 min); ITL is one decode step.
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
-TTFT_ERROR_BUCKETS_S = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5,
-                        1.0, 2.0, 5.0, 10.0)
-ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
-KV_TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-REDIS_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+from router import histograms
+from router.histograms import exemplar, observe_all
 
 _WORKER = ("worker", "role")
 _MODEL = ("model_name",)
 PHASES = ("queue", "prefill", "transfer", "decode")
-MAX_EXEMPLAR_ID = 100  # NOTE: an exemplar's labels may hold at most 128 characters in all
-
-
-def exemplar(request_id: str) -> dict[str, str] | None:
-    """The exemplar labels of one request's observation (None without an id)."""
-    return {"request_id": request_id[:MAX_EXEMPLAR_ID]} if request_id else None
 
 
 class RouterMetrics:
@@ -91,11 +77,11 @@ class RouterMetrics:
         self.requests = Counter("pdcluster_requests_total", "Finished requests by API and gRPC status.",
                                 ("api", "status"), registry=r)
         self.ttft = Histogram("pdcluster_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
+                              buckets=histograms.LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram("pdcluster_inter_token_latency_seconds", "Gap between consecutive generated tokens.",
-                             buckets=ITL_BUCKETS_S, registry=r)
+                             buckets=histograms.ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("pdcluster_e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
+                             buckets=histograms.LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens_total", "Prompt tokens of finished requests.",
                                      registry=r)
         self.cache_hit_tokens = Counter("pdcluster_prefix_cache_hit_tokens_total",
@@ -104,11 +90,11 @@ class RouterMetrics:
         self.kv_bytes = Counter("pdcluster_kv_transfer_bytes_total", "KV cache bytes moved from prefill to decode.",
                                 ("transport",), registry=r)
         self.kv_seconds = Histogram("pdcluster_kv_transfer_seconds", "Duration of one request's KV transfer.",
-                                    ("transport",), buckets=KV_TRANSFER_BUCKETS_S, registry=r)
+                                    ("transport",), buckets=histograms.KV_TRANSFER_BUCKETS_S, registry=r)
         self.worker_requests = Counter("pdcluster_worker_requests_total", "Requests each worker took part in.",
                                        _WORKER, registry=r)
         self.redis_seconds = Histogram("pdcluster_redis_lookup_seconds", "Duration of a successful prefix lookup.",
-                                       buckets=REDIS_BUCKETS_S, registry=r)
+                                       buckets=histograms.REDIS_BUCKETS_S, registry=r)
         self.redis_failures = Counter("pdcluster_redis_lookup_failures_total", "Prefix-index lookups that failed.",
                                       registry=r)
         self.failovers = Counter("pdcluster_failovers_total", "Requests moved to another worker.", ("kind",),
@@ -133,7 +119,7 @@ class RouterMetrics:
         self.worker_up = Gauge("pdcluster_worker_up", "1 while the worker's heartbeat is fresh, else 0.", _WORKER,
                                registry=r)
         self.phase = Histogram("pdcluster_request_phase_seconds", "Where requests spent their time (timeline).",
-                               ("phase",), buckets=LATENCY_BUCKETS_S, registry=r)
+                               ("phase",), buckets=histograms.LATENCY_BUCKETS_S, registry=r)
         self.ignored = Counter("pdcluster_openai_ignored_fields_total", "Unknown request fields accepted and ignored.",
                                ("field",), registry=r)
         self.placement = Counter("pdcluster_prefill_placement_total", "Where prompts were computed.", ("where",),
@@ -145,7 +131,7 @@ class RouterMetrics:
         # NOTE: signed: a prediction that was too early (the request came late) is positive
         self.ttft_error = Histogram("pdcluster_ttft_prediction_error_seconds", "Actual minus predicted time to first "
                                     "token, by where the prompt was computed.", ("placement",),
-                                    buckets=TTFT_ERROR_BUCKETS_S, registry=r)
+                                    buckets=histograms.TTFT_ERROR_BUCKETS_S, registry=r)
         self.ttft_ratio = Gauge("pdcluster_ttft_prediction_ratio", "Actual over predicted time to first token "
                                 "(exponential moving mean), by where the prompt was computed.", ("placement",),
                                 registry=r)
@@ -154,14 +140,14 @@ class RouterMetrics:
 
     def _vllm(self, r: CollectorRegistry) -> None:
         """vLLM's model-server names, labelled with the served model's name."""
-        def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> Histogram:
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = histograms.LATENCY_BUCKETS_S) -> Histogram:
             return Histogram(name, doc, _MODEL, buckets=buckets, registry=r)
 
         self.v_running = Gauge("vllm:num_requests_running", "Requests running on the workers.", _MODEL, registry=r)
         self.v_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting on the workers.", _MODEL, registry=r)
         self.v_kv = Gauge("vllm:kv_cache_usage_perc", "KV cache usage of the workers (1 = full).", _MODEL, registry=r)
         self.v_ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.v_itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS_S)
+        self.v_itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency.", histograms.ITL_BUCKETS_S)
         self.v_e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
         self.v_queue = hist("vllm:request_queue_time_seconds", "Time requests spent waiting.")
         self.v_prefill = hist("vllm:request_prefill_time_seconds", "Time requests spent in prefill.")
@@ -194,9 +180,8 @@ class RouterMetrics:
         if ttft_s is not None:
             self.ttft.observe(ttft_s, ex)
             self.v_ttft.observe(ttft_s, ex)
-        for gap in itl_s:
-            self.itl.observe(gap)
-            self.v_itl.observe(gap)
+        observe_all(self.itl, itl_s)  # NOTE: one increment per bucket, not two locked ones per token
+        observe_all(self.v_itl, itl_s)
         self.e2e.observe(e2e_s, ex)
         self.v_e2e.observe(e2e_s, ex)
 
@@ -312,26 +297,3 @@ class RouterMetrics:
             return bytes(openmetrics.generate_latest(self.registry))
         return generate_latest(self.registry)
 
-
-async def start_metrics_server(metrics: RouterMetrics, host: str, port: int,
-                               ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
-    """Serve GET /metrics on host:port (0 = a free port); returns the runner (call `cleanup()`) and the bound port."""
-
-    async def handle(request: web.Request) -> web.Response:
-        # NOTE: set the header whole: aiohttp's `content_type=` argument refuses a value with parameters.
-        if "application/openmetrics-text" in request.headers.get("Accept", ""):
-            return web.Response(body=metrics.render(True), headers={"Content-Type": openmetrics.CONTENT_TYPE_LATEST})
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application()
-    app.router.add_get("/metrics", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    try:
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    bound = runner.addresses[0][1]
-    return runner, int(bound)

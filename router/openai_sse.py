@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 from aiohttp import web
 
-from router.results import Chunk, Timeline, Usage
+from router.results import Chunk, Timeline, Usage, fields_of
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
@@ -23,7 +22,7 @@ def usage_of(u: Usage | None) -> dict[str, Any]:
 
 def extra_of(last: Chunk) -> dict[str, Any]:
     """pdcluster's own fields (ignored by OpenAI clients): the request id and its timeline."""
-    return {"request_id": last.request_id, "timeline": dataclasses.asdict(last.timeline or Timeline())}
+    return {"request_id": last.request_id, "timeline": fields_of(last.timeline or Timeline())}
 
 
 async def sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -6,8 +6,14 @@ Field names and order follow proto/router/v1/inference.proto, so a front may cop
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.logprobs import TokenLogprobs
+
+
+def fields_of(item: Usage | Timeline) -> dict[str, Any]:
+    """A flat dataclass's fields by name (`dataclasses.asdict` deep-copies each value: ~4x the time)."""
+    return {name: getattr(item, name) for name in item.__slots__}
 
 
 @dataclass(slots=True)

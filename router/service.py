@@ -27,7 +27,7 @@ from router.core import Router
 from router.errors import ClientStalled, Status, status_of
 from router.fanout import fan_out
 from router.grpc_requests import ProtoValidator, tolerant_parser
-from router.results import Chunk, ClusterStatus
+from router.results import Chunk, ClusterStatus, fields_of
 from router.scaling import PoolScaler
 from router.tool_calls import ToolCall
 from router.tool_stream import merge_calls
@@ -55,9 +55,9 @@ def chunk_pb(chunk: Chunk) -> pb.GenerateChunk:
         out.tool_calls.extend(pb.ToolCall(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
                               for p in chunk.tool_calls)
     if chunk.usage is not None:
-        out.usage.CopyFrom(pb.Usage(**dataclasses.asdict(chunk.usage)))
+        out.usage.CopyFrom(pb.Usage(**fields_of(chunk.usage)))
     if chunk.timeline is not None:
-        out.timeline.CopyFrom(pb.Timeline(**dataclasses.asdict(chunk.timeline)))
+        out.timeline.CopyFrom(pb.Timeline(**fields_of(chunk.timeline)))
     return out
 
 

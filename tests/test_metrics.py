@@ -11,7 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.messages import WorkerLoad
-from router.metrics import RouterMetrics, start_metrics_server
+from router.metrics import RouterMetrics
+from router.metrics_http import start_metrics_server
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -209,3 +210,28 @@ def test_the_ttft_prediction_error_is_exported_per_placement() -> None:
     # the moving mean of actual / predicted: 1.5, then 0.9 × 1.5 + 0.1 × 0.5
     assert got[("pdcluster_ttft_prediction_ratio", lbl(placement="slo"))] == pytest.approx(1.4)
     assert got[("pdcluster_ttft_prediction_ratio", lbl(placement="prefill_pool"))] == pytest.approx(1.5)
+
+
+def test_a_requests_gaps_observed_at_once_fill_the_same_buckets_as_one_observe_each():
+    """observe_all (one increment per bucket at a request's end) against prometheus_client's own observe per value:
+    the same bucket counts, count and sum, values on a bucket's bound and past the last one included."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from router.histograms import ITL_BUCKETS_S, observe_all
+
+    gaps = [0.0, 0.0004, 0.001, 0.0011, 0.005, 0.005, 0.02, 0.3, 4.9, 5.0, 7.5, 120.0] * 3
+    texts = []
+    for at_once in (False, True):
+        r = CollectorRegistry()
+        plain = Histogram("itl", "gaps", buckets=ITL_BUCKETS_S, registry=r)
+        labelled = Histogram("itl_by_model", "gaps", ("model_name",), buckets=ITL_BUCKETS_S, registry=r).labels("m")
+        for h in (plain, labelled):
+            if at_once:
+                observe_all(h, gaps)
+                observe_all(h, [])
+            else:
+                for g in gaps:
+                    h.observe(g)
+        texts.append("\n".join(line for line in generate_latest(r).decode().splitlines() if "_created" not in line))
+    assert texts[0] == texts[1]
+    assert 'itl_bucket{le="0.001"} 9.0' in texts[1] and 'itl_bucket{le="+Inf"} 36.0' in texts[1]

@@ -180,7 +180,7 @@ def test_a_kv_port_refuses_callers_without_the_cluster_token(secured):
 
 def test_metrics_after_twenty_requests_match_what_was_sent(secured):
     """A fresh router on the same workers: 17 good requests, 2 invalid, 1 shed; the scrape adds up exactly."""
-    from router.metrics import start_metrics_server
+    from router.metrics_http import start_metrics_server
 
     c, _, _ = secured
     router = make_router(c)

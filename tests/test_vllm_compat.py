@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import tracing
-from router.metrics import start_metrics_server
+from router.metrics_http import start_metrics_server
 from router.openai_api import start_http
 from router.v1 import inference_pb2 as pb
 from tests.helpers import RouterServer, start_test_cluster
