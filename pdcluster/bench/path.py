@@ -44,7 +44,7 @@ from pdcluster.bench.path_clients import (
     worker_steps,
     worker_threads,
 )
-from pdcluster.bench.path_floor import floor
+from pdcluster.bench.path_floor import floor, floor_per_request
 from pdcluster.bench.path_table import format_table
 from pdcluster.bench.report import emit, log, machine
 from pdcluster.event_loop import resolve
@@ -52,6 +52,7 @@ from pdcluster.router_config import EventLoop
 
 BENCH = "path"
 TTFT_TOKENS = 8  # tokens of each TTFT request
+BARE_REQUESTS = 40  # requests of TTFT_TOKENS the bare server answers one by one (its CPU per request)
 IDLE_S = 3.0  # the router's idle CPU is measured over this long
 
 
@@ -254,6 +255,8 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         r["bare_cpu_s_per_1k_tokens"] = floor(front, streams[front], args.streams, args.stream_tokens,
                                               gap_s=args.streams / r[f"tok_s_{args.streams}"],
                                               every=args.stream_interval, loop=args.event_loop)
+        r["bare_cpu_ms_per_request"] = _ms(floor_per_request(
+            front, streams[front], max(BARE_REQUESTS, args.ttft_requests), TTFT_TOKENS, loop=args.event_loop))
     eng = result["engine"]
     for front in fronts:
         r = result[front]

@@ -9,23 +9,26 @@ of a step leave together, as the decode worker's step makes them; with `every` >
 tokens, as the router's `stream_interval` sends them), and returns the server process's CPU seconds per
 1,000 tokens, net of its idle CPU as the router's figure is. The server reads its CPU from its own process clock
 (nanoseconds) when asked: /proc's 10 ms ticks were too coarse for its idle CPU at a slow pace (a SmolLM2 run's
-0.2 s ticks), which is taken out of the whole run.
+0.2 s ticks), which is taken out of the whole run. `floor_per_request`: the same server answering short requests one
+after another, its CPU per request (a call set up, its few messages, its end) beside the router's of the TTFT case.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 from pdcluster.event_loop import EventLoop, run
 
 IDLE_S = 1.0  # the bare server's idle CPU is measured over this long
+Stream = Callable[[str, list[int], int], Awaitable[Any]]  # the bench's client of a front (bench/path_clients.py)
 
 
 async def _ticks(gap_s: float, tick: asyncio.Event) -> None:
@@ -106,11 +109,10 @@ def _serve(front: str, gap_s: float, every: int, loop: EventLoop, ports: Any, co
     run(_grpc_server(gap_s, every, ports) if front == "grpc" else _http_server(gap_s, every, ports), loop)
 
 
-def floor(front: str, stream: Callable[[str, list[int], int], Awaitable[Any]], streams: int, tokens: int,
-          gap_s: float, every: int = 1, loop: EventLoop = "auto") -> float:
-    """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
-    one per stream every `gap_s` (`every` a message), to `stream` (the bench's client of that front), net of the
-    server's idle CPU; the server runs on the event loop `loop` gives (the router's `event_loop`)."""
+@contextlib.contextmanager
+def _bare(front: str, stream: Stream, gap_s: float, every: int,
+          loop: EventLoop) -> Iterator[tuple[str, Callable[[], float], float]]:
+    """A bare `front` server in a child process, warmed up by `stream`: its address, CPU clock and idle CPU rate."""
     ctx = mp.get_context("spawn")
     ports, (ask, answer) = ctx.Queue(), ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(front, gap_s, every, loop, ports, answer), daemon=True)
@@ -125,19 +127,51 @@ def floor(front: str, stream: Callable[[str, list[int], int], Awaitable[Any]], s
         asyncio.run(_client(stream, addr, 2, 4))  # warm-up: the connection and the first calls
         cpu0, t = cpu_s(), time.perf_counter()
         time.sleep(IDLE_S)
-        idle_rate = (cpu_s() - cpu0) / (time.perf_counter() - t)
-        cpu0, t = cpu_s(), time.perf_counter()
-        got = asyncio.run(_client(stream, addr, streams, tokens))
-        cpu, wall = cpu_s() - cpu0, time.perf_counter() - t
-        if got != streams * tokens:
-            raise RuntimeError(f"the bare {front} server streamed {got} of {streams} x {tokens} tokens")
-        return max(0.0, cpu - idle_rate * wall) / got * 1e3
+        yield addr, cpu_s, (cpu_s() - cpu0) / (time.perf_counter() - t)
     finally:
         proc.kill()
         proc.join(10)
 
 
-async def _client(stream: Callable[[str, list[int], int], Awaitable[Any]], addr: str, streams: int,
+def floor(front: str, stream: Stream, streams: int, tokens: int,
+          gap_s: float, every: int = 1, loop: EventLoop = "auto") -> float:
+    """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
+    one per stream every `gap_s` (`every` a message), to `stream` (the bench's client of that front), net of the
+    server's idle CPU; the server runs on the event loop `loop` gives (the router's `event_loop`)."""
+    with _bare(front, stream, gap_s, every, loop) as (addr, cpu_s, idle_rate):
+        cpu0, t = cpu_s(), time.perf_counter()
+        got = asyncio.run(_client(stream, addr, streams, tokens))
+        cpu, wall = cpu_s() - cpu0, time.perf_counter() - t
+    if got != streams * tokens:
+        raise RuntimeError(f"the bare {front} server streamed {got} of {streams} x {tokens} tokens")
+    return max(0.0, cpu - idle_rate * wall) / got * 1e3
+
+
+def floor_per_request(front: str, stream: Stream, requests: int,
+                      tokens: int, loop: EventLoop = "auto") -> float:
+    """CPU milliseconds per request of a bare `front` server answering `requests` requests of `tokens` tokens one
+    after another (as the bench's TTFT case sends them; a token every millisecond), net of its idle CPU: the
+    library's share of the router's CPU per request (a call set up, its messages, its end)."""
+    with _bare(front, stream, 0.001, 1, loop) as (addr, cpu_s, idle_rate):
+        cpu0, t = cpu_s(), time.perf_counter()
+        got = asyncio.run(_one_by_one(stream, addr, requests, tokens))
+        cpu, wall = cpu_s() - cpu0, time.perf_counter() - t
+    if got != requests * tokens:
+        raise RuntimeError(f"the bare {front} server streamed {got} of {requests} x {tokens} tokens")
+    return max(0.0, cpu - idle_rate * wall) / requests * 1e3
+
+
+async def _one_by_one(stream: Stream, addr: str, requests: int,
+                      tokens: int) -> int:
+    from pdcluster.bench.path_clients import close_all
+
+    try:
+        return sum([(await stream(addr, [1, 2, 3], tokens)).tokens for _ in range(requests)])
+    finally:
+        await close_all()
+
+
+async def _client(stream: Stream, addr: str, streams: int,
                   tokens: int) -> int:
     from pdcluster.bench.path_clients import close_all
 

@@ -31,7 +31,8 @@ def format_table(f: dict[str, Any]) -> str:
                          f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) | {c['bare_cpu_s_per_1k_tokens']:.3f} |")
     lines += ["", "Where the first token's time goes (p50 ms; the router's timeline of the same requests):", "",
               "| model | front | engine alone | client TTFT | router: first token sent | queue (to prefill start) "
-              "| prefill | prefill worker's step | router CPU ms / request (net of idle) |", "|" + "---|" * 9]
+              "| prefill | prefill worker's step | router CPU ms / request (net of idle) | a bare server's (net) |",
+              "|" + "---|" * 10]
     for model, r in f["models"].items():
         for front in _fronts(r):
             c = r[front]
@@ -39,7 +40,8 @@ def format_table(f: dict[str, Any]) -> str:
                 lines.append(f"| {model} | {front} | {r['engine']['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
                              f"{c['router_first_token_ms_p50']:.1f} | {c['router_queue_ms_p50']:.1f} | "
                              f"{c['router_prefill_ms_p50']:.1f} | {c.get('prefill_worker_step_ms_mean', 0):.1f} | "
-                             f"{c['router_cpu_ms_per_request']:.2f} ({c['router_cpu_ms_per_request_net']:.2f}) |")
+                             f"{c['router_cpu_ms_per_request']:.2f} ({c['router_cpu_ms_per_request_net']:.2f}) | "
+                             f"{c.get('bare_cpu_ms_per_request', float('nan')):.2f} |")
     lines += ["", "One stream, ms per token: the decode worker's own engine step (mean over the 1-stream runs) and "
               "the rest (relay, the worker's loop, the client):", "",
               "| model | front | engine alone: step | through the cluster: per token | decode worker's step | rest |",
