@@ -255,8 +255,8 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         r["bare_cpu_s_per_1k_tokens"] = floor(front, streams[front], args.streams, args.stream_tokens,
                                               gap_s=args.streams / r[f"tok_s_{args.streams}"],
                                               every=args.stream_interval, loop=args.event_loop)
-        r["bare_cpu_ms_per_request"] = _ms(floor_per_request(
-            front, streams[front], max(BARE_REQUESTS, args.ttft_requests), TTFT_TOKENS, loop=args.event_loop))
+        r["bare_cpu_ms_per_request"] = round(floor_per_request(
+            front, streams[front], max(BARE_REQUESTS, args.ttft_requests), TTFT_TOKENS, loop=args.event_loop), 2)
     eng = result["engine"]
     for front in fronts:
         r = result[front]
