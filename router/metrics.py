@@ -57,7 +57,6 @@ from prometheus_client.openmetrics import exposition as openmetrics
 
 from cluster.messages import WorkerLoad
 from router import histograms
-from router.histograms import exemplar, observe_all
 
 _WORKER = ("worker", "role")
 _MODEL = ("model_name",)
@@ -176,19 +175,19 @@ class RouterMetrics:
     def observe_latency(self, ttft_s: float | None, itl_s: Sequence[float], e2e_s: float,
                         request_id: str = "") -> None:
         """Record one request's latencies; `ttft_s` is None when no token came out."""
-        ex = exemplar(request_id)
+        ex = histograms.exemplar(request_id)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, ex)
             self.v_ttft.observe(ttft_s, ex)
-        observe_all(self.itl, itl_s)  # NOTE: one increment per bucket, not two locked ones per token
-        observe_all(self.v_itl, itl_s)
+        histograms.observe_all(self.itl, itl_s)  # NOTE: one increment per bucket, not two locked ones per token
+        histograms.observe_all(self.v_itl, itl_s)
         self.e2e.observe(e2e_s, ex)
         self.v_e2e.observe(e2e_s, ex)
 
     def observe_phases(self, queue_s: float, prefill_s: float, transfer_s: float | None, decode_s: float,
                        request_id: str = "") -> None:
         """Record where one finished request spent its time (`transfer_s` None when no KV moved)."""
-        ex = exemplar(request_id)
+        ex = histograms.exemplar(request_id)
         for phase, seconds in zip(PHASES, (queue_s, prefill_s, transfer_s, decode_s), strict=True):
             if seconds is not None:
                 self.phase.labels(phase=phase).observe(seconds, ex)
