@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from prometheus_client import Histogram
 
-# NOTE: TTFT and e2e span a cached short prompt (~1 ms) to a long generation (~1 min); ITL is one decode step.
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# NOTE: ITL is one decode step. TTFT and e2e take the workers' LATENCY_BUCKETS_S (cluster/worker_metrics.py: a cached
+# short prompt, ~1 ms, to a long generation, ~1 min), so a dashboard sums the router's vllm:* and the workers' alike
 TTFT_ERROR_BUCKETS_S = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5,
                         1.0, 2.0, 5.0, 10.0)
 ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)

@@ -56,6 +56,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from cluster.messages import WorkerLoad
+from cluster.worker_metrics import LATENCY_BUCKETS_S
 from router import histograms
 
 _WORKER = ("worker", "role")
@@ -76,11 +77,11 @@ class RouterMetrics:
         self.requests = Counter("pdcluster_requests_total", "Finished requests by API and gRPC status.",
                                 ("api", "status"), registry=r)
         self.ttft = Histogram("pdcluster_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              buckets=histograms.LATENCY_BUCKETS_S, registry=r)
+                              buckets=LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram("pdcluster_inter_token_latency_seconds", "Gap between consecutive generated tokens.",
                              buckets=histograms.ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("pdcluster_e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             buckets=histograms.LATENCY_BUCKETS_S, registry=r)
+                             buckets=LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens_total", "Prompt tokens of finished requests.",
                                      registry=r)
         self.cache_hit_tokens = Counter("pdcluster_prefix_cache_hit_tokens_total",
@@ -118,7 +119,7 @@ class RouterMetrics:
         self.worker_up = Gauge("pdcluster_worker_up", "1 while the worker's heartbeat is fresh, else 0.", _WORKER,
                                registry=r)
         self.phase = Histogram("pdcluster_request_phase_seconds", "Where requests spent their time (timeline).",
-                               ("phase",), buckets=histograms.LATENCY_BUCKETS_S, registry=r)
+                               ("phase",), buckets=LATENCY_BUCKETS_S, registry=r)
         self.ignored = Counter("pdcluster_openai_ignored_fields_total", "Unknown request fields accepted and ignored.",
                                ("field",), registry=r)
         self.placement = Counter("pdcluster_prefill_placement_total", "Where prompts were computed.", ("where",),
@@ -139,7 +140,7 @@ class RouterMetrics:
 
     def _vllm(self, r: CollectorRegistry) -> None:
         """vLLM's model-server names, labelled with the served model's name."""
-        def hist(name: str, doc: str, buckets: tuple[float, ...] = histograms.LATENCY_BUCKETS_S) -> Histogram:
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> Histogram:
             return Histogram(name, doc, _MODEL, buckets=buckets, registry=r)
 
         self.v_running = Gauge("vllm:num_requests_running", "Requests running on the workers.", _MODEL, registry=r)
