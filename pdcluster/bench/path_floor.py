@@ -133,8 +133,8 @@ def _bare(front: str, stream: Stream, gap_s: float, every: int,
         proc.join(10)
 
 
-def floor(front: str, stream: Stream, streams: int, tokens: int,
-          gap_s: float, every: int = 1, loop: EventLoop = "auto") -> float:
+def floor(front: str, stream: Stream, streams: int, tokens: int, gap_s: float, every: int = 1,
+          loop: EventLoop = "auto") -> float:
     """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
     one per stream every `gap_s` (`every` a message), to `stream` (the bench's client of that front), net of the
     server's idle CPU; the server runs on the event loop `loop` gives (the router's `event_loop`)."""
@@ -147,11 +147,10 @@ def floor(front: str, stream: Stream, streams: int, tokens: int,
     return max(0.0, cpu - idle_rate * wall) / got * 1e3
 
 
-def floor_per_request(front: str, stream: Stream, requests: int,
-                      tokens: int, loop: EventLoop = "auto") -> float:
+def floor_per_request(front: str, stream: Stream, requests: int, tokens: int, loop: EventLoop = "auto") -> float:
     """CPU milliseconds per request of a bare `front` server answering `requests` requests of `tokens` tokens one
-    after another (as the bench's TTFT case sends them; a token every millisecond), net of its idle CPU: the
-    library's share of the router's CPU per request (a call set up, its messages, its end)."""
+    after another, as the bench's TTFT case sends them (the server writes a token a millisecond), net of its idle
+    CPU: the library's share of the router's CPU per request (a call set up, its messages, its end)."""
     with _bare(front, stream, 0.001, 1, loop) as (addr, cpu_s, idle_rate):
         cpu0, t = cpu_s(), time.perf_counter()
         got = asyncio.run(_one_by_one(stream, addr, requests, tokens))
@@ -161,8 +160,7 @@ def floor_per_request(front: str, stream: Stream, requests: int,
     return max(0.0, cpu - idle_rate * wall) / requests * 1e3
 
 
-async def _one_by_one(stream: Stream, addr: str, requests: int,
-                      tokens: int) -> int:
+async def _one_by_one(stream: Stream, addr: str, requests: int, tokens: int) -> int:
     from pdcluster.bench.path_clients import close_all
 
     try:
@@ -171,8 +169,7 @@ async def _one_by_one(stream: Stream, addr: str, requests: int,
         await close_all()
 
 
-async def _client(stream: Stream, addr: str, streams: int,
-                  tokens: int) -> int:
+async def _client(stream: Stream, addr: str, streams: int, tokens: int) -> int:
     from pdcluster.bench.path_clients import close_all
 
     try:
