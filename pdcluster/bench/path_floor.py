@@ -16,12 +16,11 @@ after another, its CPU per request (a call set up, its few messages, its end) be
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -109,10 +108,10 @@ def _serve(front: str, gap_s: float, every: int, loop: EventLoop, ports: Any, co
     run(_grpc_server(gap_s, every, ports) if front == "grpc" else _http_server(gap_s, every, ports), loop)
 
 
-@contextlib.contextmanager
-def _bare(front: str, stream: Stream, gap_s: float, every: int,
-          loop: EventLoop) -> Iterator[tuple[str, Callable[[], float], float]]:
-    """A bare `front` server in a child process, warmed up by `stream`: its address, CPU clock and idle CPU rate."""
+def _net_cpu_s(front: str, stream: Stream, gap_s: float, every: int, loop: EventLoop, streams: int, tokens: int,
+               rounds: int) -> float:
+    """A bare `front` server in a child process streams `rounds` x `streams` x `tokens` tokens to `stream` (each
+    round's streams at once, the rounds one after another): its CPU seconds for them, net of its idle CPU."""
     ctx = mp.get_context("spawn")
     ports, (ask, answer) = ctx.Queue(), ctx.Pipe()
     proc = ctx.Process(target=_serve, args=(front, gap_s, every, loop, ports, answer), daemon=True)
@@ -124,13 +123,19 @@ def _bare(front: str, stream: Stream, gap_s: float, every: int,
 
     try:
         addr = f"127.0.0.1:{ports.get(timeout=60)}"
-        asyncio.run(_client(stream, addr, 2, 4))  # warm-up: the connection and the first calls
+        asyncio.run(_client(stream, addr, 2, 4, 1))  # warm-up: the connection and the first calls
         cpu0, t = cpu_s(), time.perf_counter()
         time.sleep(IDLE_S)
-        yield addr, cpu_s, (cpu_s() - cpu0) / (time.perf_counter() - t)
+        idle_rate = (cpu_s() - cpu0) / (time.perf_counter() - t)
+        cpu0, t = cpu_s(), time.perf_counter()
+        got = asyncio.run(_client(stream, addr, streams, tokens, rounds))
+        cpu, wall = cpu_s() - cpu0, time.perf_counter() - t
     finally:
         proc.kill()
         proc.join(10)
+    if got != rounds * streams * tokens:
+        raise RuntimeError(f"the bare {front} server streamed {got} of {rounds} x {streams} x {tokens} tokens")
+    return max(0.0, cpu - idle_rate * wall)
 
 
 def floor(front: str, stream: Stream, streams: int, tokens: int, gap_s: float, every: int = 1,
@@ -138,42 +143,25 @@ def floor(front: str, stream: Stream, streams: int, tokens: int, gap_s: float, e
     """CPU seconds per 1,000 tokens of a bare `front` server (grpc, http) streaming `streams` x `tokens` tokens,
     one per stream every `gap_s` (`every` a message), to `stream` (the bench's client of that front), net of the
     server's idle CPU; the server runs on the event loop `loop` gives (the router's `event_loop`)."""
-    with _bare(front, stream, gap_s, every, loop) as (addr, cpu_s, idle_rate):
-        cpu0, t = cpu_s(), time.perf_counter()
-        got = asyncio.run(_client(stream, addr, streams, tokens))
-        cpu, wall = cpu_s() - cpu0, time.perf_counter() - t
-    if got != streams * tokens:
-        raise RuntimeError(f"the bare {front} server streamed {got} of {streams} x {tokens} tokens")
-    return max(0.0, cpu - idle_rate * wall) / got * 1e3
+    return _net_cpu_s(front, stream, gap_s, every, loop, streams, tokens, 1) / (streams * tokens) * 1e3
 
 
 def floor_per_request(front: str, stream: Stream, requests: int, tokens: int, loop: EventLoop = "auto") -> float:
     """CPU milliseconds per request of a bare `front` server answering `requests` requests of `tokens` tokens one
     after another, as the bench's TTFT case sends them (the server writes a token a millisecond), net of its idle
     CPU: the library's share of the router's CPU per request (a call set up, its messages, its end)."""
-    with _bare(front, stream, 0.001, 1, loop) as (addr, cpu_s, idle_rate):
-        cpu0, t = cpu_s(), time.perf_counter()
-        got = asyncio.run(_one_by_one(stream, addr, requests, tokens))
-        cpu, wall = cpu_s() - cpu0, time.perf_counter() - t
-    if got != requests * tokens:
-        raise RuntimeError(f"the bare {front} server streamed {got} of {requests} x {tokens} tokens")
-    return max(0.0, cpu - idle_rate * wall) / requests * 1e3
+    return _net_cpu_s(front, stream, 0.001, 1, loop, 1, tokens, requests) / requests * 1e3
 
 
-async def _one_by_one(stream: Stream, addr: str, requests: int, tokens: int) -> int:
+async def _client(stream: Stream, addr: str, streams: int, tokens: int, rounds: int) -> int:
+    """Tokens streamed: `rounds` rounds, one after another, of `streams` streams at once."""
     from pdcluster.bench.path_clients import close_all
 
     try:
-        return sum([(await stream(addr, [1, 2, 3], tokens)).tokens for _ in range(requests)])
-    finally:
-        await close_all()
-
-
-async def _client(stream: Stream, addr: str, streams: int, tokens: int) -> int:
-    from pdcluster.bench.path_clients import close_all
-
-    try:
-        runs = await asyncio.gather(*(stream(addr, [1, 2, 3], tokens) for _ in range(streams)))
-        return sum(r.tokens for r in runs)
+        got = 0
+        for _ in range(rounds):
+            runs = await asyncio.gather(*(stream(addr, [1, 2, 3], tokens) for _ in range(streams)))
+            got += sum(r.tokens for r in runs)
+        return got
     finally:
         await close_all()
