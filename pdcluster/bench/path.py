@@ -1,11 +1,15 @@
 """`pdcluster bench path`: what the request path (router, Ray, handshake, relay) adds to the engine's own time.
 
 For each model it runs, in one process and on the same prompts (fresh random token ids, greedy, `ignore_eos`):
-1. the engine alone (the decode pool's engine settings, one process, no cluster): the time to the first token of a
-   prompt on an idle engine, the decode step at batch 1, and tokens/s of 1 and of N concurrent streams;
+1. the engine alone (bench/path_engine.py: the decode pool's engine settings, in this process, no cluster): the time
+   to the first token of a prompt on an idle engine, the decode step at batch 1, and tokens/s of 1 and of N
+   concurrent streams;
 2. the same through a running cluster (`pdcluster serve` on `--config` in a child process, every request across
    the prefill -> decode handoff: prefix skipping and the SLO placement rules off), as a client sees it over OpenAI
-   HTTP streaming and gRPC streaming: TTFT, the gaps between tokens (ITL p50), tokens/s;
+   HTTP streaming and gRPC streaming: TTFT, the gaps between tokens (ITL p50), tokens/s. The engine alone runs
+   each of these cases again on the same prompts just before it (the 1-stream runs alternated with the cluster's,
+   round by round): what is added and the 1-stream ratio are taken within those pairs, so a slow spell of the
+   shared machine between the two sides does not count as the path's; the N-stream ratio is against step 1's run;
 3. where a first token's time goes: the router's own timeline of the TTFT requests (queue: arrival to the prefill's
    start on a worker; prefill: to its first token; first token: arrival to the token leaving the router), and the
    router process's CPU per request of them (all its threads' schedstat, net of its idle CPU): at GPU speed, how many
@@ -16,7 +20,7 @@ For each model it runs, in one process and on the same prompts (fresh random tok
    library streaming as many tokens at the same pace (bench/path_floor.py): the part that is grpc.aio's or
    aiohttp's own per-message cost;
 5. where one stream's time per token goes: the decode worker's own engine steps over the 1-stream runs (its
-   `pdcluster_engine_step_seconds` summary), beside the engine alone's steps on the same kind of prompts; what is
+   `pdcluster_engine_step_seconds` summary), beside the engine alone's steps on the same prompts; what is
    left of the time per token is the path's (relay, the worker's loop, the client). The prefill worker's own step
    over the TTFT requests (one step each) sits beside their first tokens the same way.
 The ratios (cluster / engine) are what carries over to a GPU: the path's own cost next to the engine's step.
@@ -44,6 +48,7 @@ from pdcluster.bench.path_clients import (
     worker_steps,
     worker_threads,
 )
+from pdcluster.bench.path_engine import TTFT_TOKENS, Cases, EngineAlone, ms
 from pdcluster.bench.path_floor import floor, floor_per_request
 from pdcluster.bench.path_table import format_table
 from pdcluster.bench.report import emit, log, machine
@@ -51,7 +56,6 @@ from pdcluster.event_loop import resolve
 from pdcluster.router_config import EventLoop
 
 BENCH = "path"
-TTFT_TOKENS = 8  # tokens of each TTFT request
 BARE_REQUESTS = 40  # requests of TTFT_TOKENS the bare server answers one by one (its CPU per request)
 IDLE_S = 3.0  # the router's idle CPU is measured over this long
 
@@ -64,13 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=75, help="prompt tokens of every request")
     p.add_argument("--ttft-requests", type=int, default=8, help="fresh prompts, one at a time, for TTFT")
     p.add_argument("--itl-tokens", type=int, default=64, help="tokens of the batch-1 stream whose gaps are ITL")
+    p.add_argument("--itl-rounds", type=int, default=3, help="batch-1 streams of each side, alternated (ITL p50 is "
+                   "over all their gaps)")
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the throughput case")
     p.add_argument("--stream-tokens", type=int, default=256, help="tokens per stream in the throughput cases")
     p.add_argument("--stream-rounds", type=int, default=1, help="rounds of the many-streams case through the cluster, "
                    "each on fresh prompts (its tok/s and the router's CPU per 1,000 tokens are over all of them: more "
                    "rounds, less noise)")
-    p.add_argument("--one-rounds", type=int, default=5, help="1-stream runs of each side (the median is reported: "
-                   "one run of 256 tiny tokens lasts ~0.1 s)")
+    p.add_argument("--one-rounds", type=int, default=5, help="1-stream runs of each side, alternated (the median "
+                   "is reported: one run of 256 tiny tokens lasts ~0.1-0.3 s)")
     p.add_argument("--stream-interval", type=int, default=None, help="the router's stream_interval (tokens per "
                    "streamed chunk); default: the config's")
     p.add_argument("--event-loop", choices=get_args(EventLoop), default=None,
@@ -85,77 +91,33 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
     return [[rng.randrange(300, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
-# ---- 1. the engine alone -----------------------------------------------------------------------------------------
-def engine_alone(loaded: Any, config_path: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    """TTFT, batch-1 step and tokens/s of the decode pool's engine, in this process."""
-    import torch
-
-    from engine import LLMEngine, SamplingParams
-
-    cfg = cluster_proc.load(config_path)
-    ecfg = cfg.decode.engine_config()
-    if ecfg.num_threads:
-        torch.set_num_threads(ecfg.num_threads)
-    engine = LLMEngine(loaded, ecfg)
-    n = [0]
-
-    def run(batch: list[list[int]], tokens: int) -> tuple[list[float], list[float], float]:
-        """First-token times (s), every step's time (s), and the whole run's seconds."""
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        for p in batch:
-            n[0] += 1
-            engine.add_request(f"alone-{n[0]}", p, params)
-        firsts: list[float] = []
-        steps: list[float] = []
-        while engine.has_unfinished_requests():
-            t = time.perf_counter()
-            outs = engine.step()
-            now = time.perf_counter()
-            steps.append(now - t)
-            firsts += [now - t0 for o in outs if len(o.token_ids) == 1 and o.new_token_ids]
-        return firsts, steps, time.perf_counter() - t0
-
-    run(prompts[:2], 4)  # warm-up
-    # NOTE: 8 tokens, not 1: a request that ends at its first token never waits for the KV handoff
-    ttft = [run([p], TTFT_TOKENS)[0][0] for p in prompts[2:2 + args.ttft_requests]]
-    _, steps, _ = run([prompts[-1]], args.itl_tokens)
-    ones = [run([p], args.stream_tokens) for p in _one_prompts(prompts, args.one_rounds)]
-    many = run(prompts[:args.streams], args.stream_tokens)[2]
-    one_steps = [s for _, st, _ in ones for s in st]
-    return {"ttft_ms_p50": _ms(statistics.median(ttft)), "step_ms_p50": _ms(statistics.median(steps[1:])),
-            "tok_s_1": statistics.median(args.stream_tokens / o[2] for o in ones),
-            "step_ms_mean_1": _ms(sum(one_steps) / len(one_steps)),
-            f"tok_s_{args.streams}": args.streams * args.stream_tokens / many}
-
-
-def _one_prompts(prompts: list[list[int]], rounds: int) -> list[list[int]]:
-    """The 1-stream runs' prompts: the `rounds` before the last (the ITL case's), fresh to every other case."""
-    return prompts[-1 - rounds:-1]
-
-
 # ---- 2. through the cluster --------------------------------------------------------------------------------------
 Stream = Callable[[str, list[int], int], Awaitable[Timed]]
 
 
-async def through_cluster(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                          pid: int, metrics: tuple[str, str], more: Sequence[list[int]] = ()) -> dict[str, Any]:
-    """The same cases as `engine_alone`, as a client of `addr` sees them (`metrics`: the prefill and the decode
-    worker's /metrics URLs; `more`: the fresh prompts of the many-streams case's rounds after the first)."""
+async def through_cluster(stream: Stream, addr: str, prompts: Cases, args: argparse.Namespace,
+                          pid: int, metrics: tuple[str, str], alone: EngineAlone,
+                          more: Sequence[list[int]] = ()) -> dict[str, Any]:
+    """The same cases as the engine alone's, as a client of `addr` sees them, each paired with `alone` on the same
+    prompts just before (`metrics`: the prefill and the decode worker's /metrics URLs; `more`: the fresh prompts of
+    the many-streams case's rounds after the first)."""
     try:
-        return await _cases(stream, addr, prompts, args, pid, metrics, more)
+        return await _cases(stream, addr, prompts, args, pid, metrics, alone, more)
     finally:
         await close_all()
 
 
-async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argparse.Namespace,
-                 pid: int, metrics: tuple[str, str], more: Sequence[list[int]]) -> dict[str, Any]:
-    await asyncio.gather(*(stream(addr, p, 4) for p in prompts[:2]))  # warm-up
+async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Namespace, pid: int,
+                 metrics: tuple[str, str], alone: EngineAlone, more: Sequence[list[int]]) -> dict[str, Any]:
+    await asyncio.gather(*(stream(addr, p, 4) for p in prompts.warm))
     ttft, parts = [], []
+    # NOTE: the engine alone's side of each pair runs here, outside the windows that read the router's and the
+    # workers' CPU (the bench's own process computes it while the cluster idles)
+    alone_ttft = [alone.ttft_s(p) for p in prompts.ttft]
     prefill0 = await asyncio.to_thread(worker_steps, metrics[0])
     threads0 = [await asyncio.to_thread(worker_threads, url) for url in metrics]
     router0, ttft_t0 = _cpu_ns(pid), time.perf_counter()
-    for p in prompts[2:2 + args.ttft_requests]:
+    for p in prompts.ttft:
         timed = await stream(addr, p, TTFT_TOKENS)
         ttft.append(timed.ttft_s)
         parts.append(timed.timeline)
@@ -163,9 +125,13 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     router_ttft_s, ttft_wall = (_cpu_ns(pid) - router0) / 1e9, time.perf_counter() - ttft_t0
     prefill1 = await asyncio.to_thread(worker_steps, metrics[0])
     threads1 = [await asyncio.to_thread(worker_threads, url) for url in metrics]
-    itl = (await stream(addr, prompts[-1], args.itl_tokens)).gaps_s
-    ones, steps0 = [], await asyncio.to_thread(worker_steps, metrics[1])
-    for p in _one_prompts(prompts, args.one_rounds):
+    alone_steps, itl = [], []
+    for p in prompts.itl:  # NOTE: alternated, as the 1-stream rounds below
+        alone_steps += alone.steps_s(p, args.itl_tokens)
+        itl += (await stream(addr, p, args.itl_tokens)).gaps_s
+    ones, alone_ones, steps0 = [], [], await asyncio.to_thread(worker_steps, metrics[1])
+    for p in prompts.one:  # NOTE: alternated: each round's ratio is one pair's
+        alone_ones.append(alone.stream_s(p, args.stream_tokens))
         t = time.perf_counter()
         ones.append((await stream(addr, p, args.stream_tokens), time.perf_counter() - t))
     steps1 = await asyncio.to_thread(worker_steps, metrics[1])
@@ -176,7 +142,7 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     idle_rate = (_cpu_ns(pid) / 1e9 - cpu0) / (time.perf_counter() - t)
     cpu0, t = _cpu_ns(pid) / 1e9, time.perf_counter()
     many = []
-    for batch in [prompts[:args.streams], *(more[i:i + args.streams] for i in range(0, len(more), args.streams))]:
+    for batch in [prompts.many, *(more[i:i + args.streams] for i in range(0, len(more), args.streams))]:
         many += await asyncio.gather(*(stream(addr, p, args.stream_tokens) for p in batch))
     many_s, cpu = time.perf_counter() - t, _cpu_ns(pid) / 1e9 - cpu0
     relayed = sum(r.tokens for r in many)
@@ -186,17 +152,23 @@ async def _cases(stream: Stream, addr: str, prompts: list[list[int]], args: argp
     # NOTE: the router's own timeline of the TTFT requests: where the first token's time went before it left the router
     timeline = {f"router_{k.removesuffix('_ms')}_ms_p50": round(statistics.median(t[k] for t in parts), 2)
                 for k in TIMELINE_PARTS if all(k in t for t in parts)}
-    return {"ttft_ms_p50": _ms(statistics.median(ttft)), **timeline, "itl_ms_p50": _ms(statistics.median(itl)),
+    return {"ttft_ms_p50": ms(statistics.median(ttft)), **timeline, "itl_ms_p50": ms(statistics.median(itl)),
             "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": relayed / many_s,
-            "worker_step_ms_mean_1": _ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),
+            # NOTE: the engine alone's side of the pairs, and the 1-stream ratio as the median of the rounds' own
+            "engine_ttft_ms_p50": ms(statistics.median(alone_ttft)), "engine_step_ms_p50": ms(statistics.median(
+                alone_steps)), "engine_tok_s_1": statistics.median(args.stream_tokens / s for s, _ in alone_ones),
+            "engine_step_ms_mean_1": ms(statistics.mean(x for _, st in alone_ones for x in st)),
+            "ratio_1": round(statistics.median(r.tokens / s / (args.stream_tokens / a) for (r, s), (a, _)
+                                               in zip(ones, alone_ones, strict=True)), 3),
+            "worker_step_ms_mean_1": ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),
             # NOTE: one step per TTFT request there (a prompt within the step budget): its prefill, as the worker ran it
-            "prefill_worker_step_ms_mean": _ms((prefill1[1] - prefill0[1]) / max(1, prefill1[0] - prefill0[0])),
+            "prefill_worker_step_ms_mean": ms((prefill1[1] - prefill0[1]) / max(1, prefill1[0] - prefill0[0])),
             # NOTE: where each worker's CPU went over those requests (a hand-off each), by thread: ms per request
             "threads_ms_per_request": {role: thread_ms(threads0[i], threads1[i], args.ttft_requests)
                                        for i, role in enumerate(("prefill", "decode"))},
             # NOTE: the router's CPU for one request of the TTFT case (8 tokens), all its threads, net of its idle
-            "router_cpu_ms_per_request": _ms(router_ttft_s / args.ttft_requests),
-            "router_cpu_ms_per_request_net": _ms(max(0.0, router_ttft_s - idle_rate * ttft_wall) / args.ttft_requests),
+            "router_cpu_ms_per_request": ms(router_ttft_s / args.ttft_requests),
+            "router_cpu_ms_per_request_net": ms(max(0.0, router_ttft_s - idle_rate * ttft_wall) / args.ttft_requests),
             "router_cpu_s_per_1k_tokens": cpu / max(relayed, 1) * 1e3,
             "router_cpu_s_per_1k_tokens_net": max(0.0, cpu - idle_rate * many_s) / max(relayed, 1) * 1e3,
             "router_idle_cpu": idle_rate}
@@ -215,23 +187,20 @@ def _cpu_ns(pid: int) -> int:
     return total
 
 
-def _ms(s: float) -> float:
-    return round(s * 1e3, 2)
-
-
 def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """One model: the engine alone, then each front through a cluster of it."""
     from engine.loader import load_model
 
     loaded = load_model(model)
     vocab = loaded.config.vocab_size
-    n = 2 + args.ttft_requests + max(args.streams, 2) + args.one_rounds
+    n = Cases.count(args)
     fronts = [f for f in args.fronts.split(",") if f]
     rng = random.Random(args.seed)
-    prompts = {f: _prompts(rng, n, args.prompt_len, vocab) for f in ["engine", *fronts]}
+    prompts = {f: Cases.of(_prompts(rng, n, args.prompt_len, vocab), args) for f in ["engine", *fronts]}
     more = {f: _prompts(rng, args.streams * (args.stream_rounds - 1), args.prompt_len, vocab) for f in fronts}
     log(BENCH, f"{model}: the engine alone")
-    result: dict[str, Any] = {"engine": engine_alone(loaded, args.config, prompts["engine"], args)}
+    alone = EngineAlone(loaded, args.config)
+    result: dict[str, Any] = {"engine": alone.figures(prompts["engine"], args)}
     cfg = cluster_proc.load(args.config, http="http" in fronts)
     cfg.model = model
     cfg.router.skip_prefill_max_uncached_tokens = 0  # NOTE: every request crosses the handoff
@@ -247,7 +216,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
             log(BENCH, f"{model}: through the cluster over {front}")
             addr, stream = (ep["http"], http_stream) if front == "http" else (ep["grpc"], grpc_stream)
             result[front] = asyncio.run(through_cluster(stream, addr, prompts[front], args, int(ep["pid"]),
-                                                        metrics, more[front]))
+                                                        metrics, alone, more[front]))
     streams = {"http": http_stream, "grpc": grpc_stream}
     for front in fronts:  # NOTE: the bare library's CPU per token at the pace the cluster's N streams ran
         r = result[front]
@@ -257,13 +226,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
                                               every=args.stream_interval, loop=args.event_loop)
         r["bare_cpu_ms_per_request"] = round(floor_per_request(
             front, streams[front], max(BARE_REQUESTS, args.ttft_requests), TTFT_TOKENS, loop=args.event_loop), 2)
-    eng = result["engine"]
-    for front in fronts:
+    for front in fronts:  # NOTE: against the engine alone's side of the same pairs; N streams against its one run
         r = result[front]
-        r["ttft_added_ms"] = round(r["ttft_ms_p50"] - eng["ttft_ms_p50"], 2)
-        r["itl_added_ms"] = round(r["itl_ms_p50"] - eng["step_ms_p50"], 2)
-        for key in ("tok_s_1", f"tok_s_{args.streams}"):
-            r[key.replace("tok_s", "ratio")] = round(r[key] / eng[key], 3)
+        r["ttft_added_ms"] = round(r["ttft_ms_p50"] - r["engine_ttft_ms_p50"], 2)
+        r["itl_added_ms"] = round(r["itl_ms_p50"] - r["engine_step_ms_p50"], 2)
+        r[f"ratio_{args.streams}"] = round(r[f"tok_s_{args.streams}"] / result["engine"][f"tok_s_{args.streams}"], 3)
     return result
 
 
