@@ -7,13 +7,15 @@ For each model it runs, in one process and on the same prompts (fresh random tok
 2. the same through a running cluster (`pdcluster serve` on `--config` in a child process, every request across
    the prefill -> decode handoff: prefix skipping and the SLO placement rules off), as a client sees it over OpenAI
    HTTP streaming and gRPC streaming: TTFT, the gaps between tokens (ITL p50), tokens/s. The engine alone runs
-   each of these cases again on the same prompts just before it (the 1-stream runs alternated with the cluster's,
-   round by round): what is added and the 1-stream ratio are taken within those pairs, so a slow spell of the
-   shared machine between the two sides does not count as the path's; the N-stream ratio is against step 1's run;
+   each of these cases again, alternated with the cluster's on the same prompts (request by request, round by
+   round): the TTFT added is the median of the pairs' differences, the 1-stream ratio the median of the rounds'
+   ratios, the ITL added the difference of the two sides' p50s, so a slow spell of the shared machine between the
+   two sides does not count as the path's; the N-stream ratio is against step 1's run;
 3. where a first token's time goes: the router's own timeline of the TTFT requests (queue: arrival to the prefill's
    start on a worker; prefill: to its first token; first token: arrival to the token leaving the router), and the
    router process's CPU per request of them (all its threads' schedstat, net of its idle CPU): at GPU speed, how many
-   requests one router process can take;
+   requests one router process can take (the workers' threads over the same window, the engine alone's first
+   tokens in it, idle);
 4. the router process's CPU seconds per 1,000 relayed tokens over the N-stream run (`--stream-rounds` of it, each on
    fresh prompts; its threads' schedstat: the router,
    its Ray driver and everything else `serve` runs in that process), beside a bare server of the same front's
@@ -110,14 +112,12 @@ async def through_cluster(stream: Stream, addr: str, prompts: Cases, args: argpa
 async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Namespace, pid: int,
                  metrics: tuple[str, str], alone: EngineAlone, more: Sequence[list[int]]) -> dict[str, Any]:
     await asyncio.gather(*(stream(addr, p, 4) for p in prompts.warm))
-    ttft, parts = [], []
-    # NOTE: the engine alone's side of each pair runs here, outside the windows that read the router's and the
-    # workers' CPU (the bench's own process computes it while the cluster idles)
-    alone_ttft = [alone.ttft_s(p) for p in prompts.ttft]
+    ttft, parts, alone_ttft = [], [], []
     prefill0 = await asyncio.to_thread(worker_steps, metrics[0])
     threads0 = [await asyncio.to_thread(worker_threads, url) for url in metrics]
     router0, ttft_t0 = _cpu_ns(pid), time.perf_counter()
-    for p in prompts.ttft:
+    for p in prompts.ttft:  # NOTE: each request right after the engine alone's first token of the same prompt
+        alone_ttft.append(alone.ttft_s(p))  # NOTE: the bench's own process: the cluster idles meanwhile
         timed = await stream(addr, p, TTFT_TOKENS)
         ttft.append(timed.ttft_s)
         parts.append(timed.timeline)
@@ -155,7 +155,9 @@ async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Names
     return {"ttft_ms_p50": ms(statistics.median(ttft)), **timeline, "itl_ms_p50": ms(statistics.median(itl)),
             "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": relayed / many_s,
             # NOTE: the engine alone's side of the pairs, and the 1-stream ratio as the median of the rounds' own
-            "engine_ttft_ms_p50": ms(statistics.median(alone_ttft)), "engine_step_ms_p50": ms(statistics.median(
+            "engine_ttft_ms_p50": ms(statistics.median(alone_ttft)),
+            "ttft_added_ms": ms(statistics.median(c - a for c, a in zip(ttft, alone_ttft, strict=True))),
+            "engine_step_ms_p50": ms(statistics.median(
                 alone_steps)), "engine_tok_s_1": statistics.median(args.stream_tokens / s for s, _ in alone_ones),
             "engine_step_ms_mean_1": ms(statistics.mean(x for _, st in alone_ones for x in st)),
             "ratio_1": round(statistics.median(r.tokens / s / (args.stream_tokens / a) for (r, s), (a, _)
@@ -228,7 +230,6 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
             front, streams[front], max(BARE_REQUESTS, args.ttft_requests), TTFT_TOKENS, loop=args.event_loop), 2)
     for front in fronts:  # NOTE: against the engine alone's side of the same pairs; N streams against its one run
         r = result[front]
-        r["ttft_added_ms"] = round(r["ttft_ms_p50"] - r["engine_ttft_ms_p50"], 2)
         r["itl_added_ms"] = round(r["itl_ms_p50"] - r["engine_step_ms_p50"], 2)
         r[f"ratio_{args.streams}"] = round(r[f"tok_s_{args.streams}"] / result["engine"][f"tok_s_{args.streams}"], 3)
     return result

@@ -1,9 +1,9 @@
 """The engine alone: `pdcluster bench path`'s baseline (the decode pool's engine settings, in the bench's process).
 
 It runs twice in a bench: once before the cluster starts (`figures`: every case, the engine's own line), and again
-for each front while the cluster is up, each case right before the same case through the cluster on the same prompt
-(`ttft_s`, `steps_s`, `stream_s`): on a shared machine a slow spell of a minute moved a ratio taken minutes apart by
-more than the path costs, and the pairs see the same spell.
+for each front while the cluster is up, each request or round right before the same one through the cluster on the
+same prompt (`ttft_s`, `steps_s`, `stream_s`): on a shared machine a slow spell of a minute moved a ratio taken
+minutes apart by more than the path costs, and the two sides of a pair see the same spell.
 """
 
 from __future__ import annotations
