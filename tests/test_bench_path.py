@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.bench import path
 from pdcluster.bench.path import _cpu_ns
 from pdcluster.bench.path_engine import Cases
 from pdcluster.bench.path_table import format_table
@@ -89,3 +90,11 @@ def test_no_prompt_serves_two_cases():
     assert sizes == [2, 8, 3, 5, 32]
     seen = [p[0] for c in (cases.warm, cases.ttft, cases.itl, cases.one, cases.many) for p in c]
     assert sorted(seen) == list(range(len(prompts)))
+
+
+@pytest.mark.parametrize("flag", ["stream_rounds", "ttft_requests", "itl_rounds", "one_rounds"])
+def test_a_case_of_no_runs_is_refused_naming_its_flag(flag):
+    args = argparse.Namespace(models="tiny", stream_rounds=1, ttft_requests=8, itl_rounds=3, one_rounds=5)
+    setattr(args, flag, 0)
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be at least 1"):
+        path.run(args)

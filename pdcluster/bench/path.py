@@ -237,8 +237,9 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     models = [m for m in args.models.split(",") if m]
-    if args.stream_rounds < 1:
-        raise ValueError(f"--stream-rounds must be at least 1, got {args.stream_rounds}")
+    for flag in ("stream_rounds", "ttft_requests", "itl_rounds", "one_rounds"):  # NOTE: each is a median's sample
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     router = cluster_proc.load(args.config).router
     if args.stream_interval is None:  # NOTE: the config's, so the bare server's floor writes the same messages
         args.stream_interval = router.stream_interval
