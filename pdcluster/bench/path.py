@@ -8,9 +8,9 @@ For each model it runs, in one process and on the same prompts (fresh random tok
    the prefill -> decode handoff: prefix skipping and the SLO placement rules off), as a client sees it over OpenAI
    HTTP streaming and gRPC streaming: TTFT, the gaps between tokens (ITL p50), tokens/s. The engine alone runs
    each of these cases again, alternated with the cluster's on the same prompts (request by request, round by
-   round): the TTFT added is the median of the pairs' differences, the 1-stream ratio the median of the rounds'
-   ratios, the ITL added the difference of the two sides' p50s, so a slow spell of the shared machine between the
-   two sides does not count as the path's; the N-stream ratio is against step 1's run;
+   round, the N streams' first round just before the cluster's rounds): the TTFT added is the median of the pairs'
+   differences, the 1-stream ratio the median of the rounds' ratios, the ITL added the difference of the two sides'
+   p50s, so a slow spell of the shared machine between the two sides does not count as the path's;
 3. where a first token's time goes: the router's own timeline of the TTFT requests (queue: arrival to the prefill's
    start on a worker; prefill: to its first token; first token: arrival to the token leaving the router), and the
    router process's CPU per request of them (all its threads' schedstat, net of its idle CPU): at GPU speed, how many
@@ -135,6 +135,7 @@ async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Names
         t = time.perf_counter()
         ones.append((await stream(addr, p, args.stream_tokens), time.perf_counter() - t))
     steps1 = await asyncio.to_thread(worker_steps, metrics[1])
+    alone_many = alone.run(prompts.many, args.stream_tokens)[2]  # NOTE: the N streams' first round, just before them
     # NOTE: the router's CPU at idle (heartbeat reads, pings, lease renewals) over a few seconds, taken out of the
     # run's figure for the net one: what relaying the tokens cost
     cpu0, t = _cpu_ns(pid) / 1e9, time.perf_counter()
@@ -160,6 +161,7 @@ async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Names
             "engine_step_ms_p50": ms(statistics.median(
                 alone_steps)), "engine_tok_s_1": statistics.median(args.stream_tokens / s for s, _ in alone_ones),
             "engine_step_ms_mean_1": ms(statistics.mean(x for _, st in alone_ones for x in st)),
+            f"engine_tok_s_{args.streams}": len(prompts.many) * args.stream_tokens / alone_many,
             "ratio_1": round(statistics.median(r.tokens / s / (args.stream_tokens / a) for (r, s), (a, _)
                                                in zip(ones, alone_ones, strict=True)), 3),
             "worker_step_ms_mean_1": ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),
@@ -228,10 +230,10 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
                                               every=args.stream_interval, loop=args.event_loop)
         r["bare_cpu_ms_per_request"] = round(floor_per_request(
             front, streams[front], max(BARE_REQUESTS, args.ttft_requests), TTFT_TOKENS, loop=args.event_loop), 2)
-    for front in fronts:  # NOTE: against the engine alone's side of the same pairs; N streams against its one run
+    for front in fronts:  # NOTE: against the engine alone's side of the same pairs
         r = result[front]
         r["itl_added_ms"] = round(r["itl_ms_p50"] - r["engine_step_ms_p50"], 2)
-        r[f"ratio_{args.streams}"] = round(r[f"tok_s_{args.streams}"] / result["engine"][f"tok_s_{args.streams}"], 3)
+        r[f"ratio_{args.streams}"] = round(r[f"tok_s_{args.streams}"] / r[f"engine_tok_s_{args.streams}"], 3)
     return result
 
 
