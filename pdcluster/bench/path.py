@@ -155,11 +155,11 @@ async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Names
                 for k in TIMELINE_PARTS if all(k in t for t in parts)}
     return {"ttft_ms_p50": ms(statistics.median(ttft)), **timeline, "itl_ms_p50": ms(statistics.median(itl)),
             "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": relayed / many_s,
-            # NOTE: the engine alone's side of the pairs, and the 1-stream ratio as the median of the rounds' own
+            # NOTE: the engine alone's side of the pairs; the TTFT added and the 1-stream ratio as medians of the pairs'
             "engine_ttft_ms_p50": ms(statistics.median(alone_ttft)),
             "ttft_added_ms": ms(statistics.median(c - a for c, a in zip(ttft, alone_ttft, strict=True))),
-            "engine_step_ms_p50": ms(statistics.median(
-                alone_steps)), "engine_tok_s_1": statistics.median(args.stream_tokens / s for s, _ in alone_ones),
+            "engine_step_ms_p50": ms(statistics.median(alone_steps)),
+            "engine_tok_s_1": statistics.median(args.stream_tokens / s for s, _ in alone_ones),
             "engine_step_ms_mean_1": ms(statistics.mean(x for _, st in alone_ones for x in st)),
             f"engine_tok_s_{args.streams}": len(prompts.many) * args.stream_tokens / alone_many,
             "ratio_1": round(statistics.median(r.tokens / s / (args.stream_tokens / a) for (r, s), (a, _)
