@@ -59,7 +59,8 @@ def test_the_table_prints_the_routers_cpu_per_request_beside_the_timeline():
              "router_cpu_s_per_1k_tokens_net": 0.09, "bare_cpu_s_per_1k_tokens": 0.05,
              "router_first_token_ms_p50": 7.0, "router_queue_ms_p50": 2.8, "router_prefill_ms_p50": 3.9,
              "prefill_worker_step_ms_mean": 3.5, "router_cpu_ms_per_request": 4.21,
-             "router_cpu_ms_per_request_net": 3.05, "bare_cpu_ms_per_request": 1.45}
+             "router_cpu_ms_per_request_net": 3.05, "bare_cpu_ms_per_request": 1.45, "engine_ttft_ms_p50": 1.5,
+             "engine_step_ms_p50": 0.7}
     figures = {"streams": 32, "models": {"tiny": {"engine": {"ttft_ms_p50": 1.5, "step_ms_p50": 0.7},
                                                   "cluster": {"start_s": 14.0}, "grpc": front}}}
     table = format_table(figures)

@@ -50,7 +50,7 @@ from pdcluster.bench.path_clients import (
     worker_steps,
     worker_threads,
 )
-from pdcluster.bench.path_engine import TTFT_TOKENS, Cases, EngineAlone, ms
+from pdcluster.bench.path_engine import TTFT_TOKENS, Cases, EngineAlone, ms, summary
 from pdcluster.bench.path_floor import floor, floor_per_request
 from pdcluster.bench.path_table import format_table
 from pdcluster.bench.report import emit, log, machine
@@ -156,12 +156,9 @@ async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Names
     return {"ttft_ms_p50": ms(statistics.median(ttft)), **timeline, "itl_ms_p50": ms(statistics.median(itl)),
             "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": relayed / many_s,
             # NOTE: the engine alone's side of the pairs; the TTFT added and the 1-stream ratio as medians of the pairs'
-            "engine_ttft_ms_p50": ms(statistics.median(alone_ttft)),
+            **{f"engine_{k}": v for k, v in summary(alone_ttft, alone_steps, alone_ones, alone_many,
+                                                     len(prompts.many), args).items()},
             "ttft_added_ms": ms(statistics.median(c - a for c, a in zip(ttft, alone_ttft, strict=True))),
-            "engine_step_ms_p50": ms(statistics.median(alone_steps)),
-            "engine_tok_s_1": statistics.median(args.stream_tokens / s for s, _ in alone_ones),
-            "engine_step_ms_mean_1": ms(statistics.mean(x for _, st in alone_ones for x in st)),
-            f"engine_tok_s_{args.streams}": len(prompts.many) * args.stream_tokens / alone_many,
             "ratio_1": round(statistics.median(r.tokens / s / (args.stream_tokens / a) for (r, s), (a, _)
                                                in zip(ones, alone_ones, strict=True)), 3),
             "worker_step_ms_mean_1": ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),

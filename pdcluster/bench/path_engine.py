@@ -9,6 +9,7 @@ minutes apart by more than the path costs, and the two sides of a pair see the s
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -40,8 +41,17 @@ class Cases:
     @classmethod
     def of(cls, prompts: list[list[int]], args: argparse.Namespace) -> Cases:
         sizes = (2, args.ttft_requests, args.itl_rounds, args.one_rounds, args.streams)
-        cut = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        return cls(*(prompts[a:b] for a, b in zip(cut, cut[1:], strict=False)))
+        return cls(*(prompts[a:b] for a, b in itertools.pairwise(itertools.accumulate(sizes, initial=0))))
+
+
+def summary(ttft: list[float], steps: list[float], ones: list[tuple[float, list[float]]], many_s: float,
+            many: int, args: argparse.Namespace) -> dict[str, float]:
+    """The engine alone's figures of one go at the cases: first tokens (s), batch-1 steps (s), the 1-stream runs
+    (`stream_s` each), and the seconds of `many` streams at once."""
+    return {"ttft_ms_p50": ms(statistics.median(ttft)), "step_ms_p50": ms(statistics.median(steps)),
+            "tok_s_1": statistics.median(args.stream_tokens / s for s, _ in ones),
+            "step_ms_mean_1": ms(statistics.mean(x for _, st in ones for x in st)),
+            f"tok_s_{args.streams}": many * args.stream_tokens / many_s}
 
 
 class EngineAlone:
@@ -96,9 +106,4 @@ class EngineAlone:
         ttft = [self.ttft_s(p) for p in cases.ttft]
         steps = [s for p in cases.itl for s in self.steps_s(p, args.itl_tokens)]
         ones = [self.stream_s(p, args.stream_tokens) for p in cases.one]
-        many = self.run(cases.many, args.stream_tokens)[2]
-        one_steps = [s for _, st in ones for s in st]
-        return {"ttft_ms_p50": ms(statistics.median(ttft)), "step_ms_p50": ms(statistics.median(steps)),
-                "tok_s_1": statistics.median(args.stream_tokens / s for s, _ in ones),
-                "step_ms_mean_1": ms(sum(one_steps) / len(one_steps)),
-                f"tok_s_{args.streams}": args.streams * args.stream_tokens / many}
+        return summary(ttft, steps, ones, self.run(cases.many, args.stream_tokens)[2], len(cases.many), args)

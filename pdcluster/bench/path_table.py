@@ -12,13 +12,6 @@ def _fronts(r: dict[str, Any]) -> list[str]:
     return [k for k in r if k not in ("engine", "cluster")]
 
 
-def _engine(r: dict[str, Any], front: str) -> dict[str, Any]:
-    """The engine alone's figures paired with `front`'s cases (bench/path_engine.py), where the run paired them; else
-    its one run before the cluster's."""
-    c, e = r[front], r["engine"]
-    return {k: c.get(f"engine_{k}", e.get(k, float("nan"))) for k in ("ttft_ms_p50", "step_ms_p50", "step_ms_mean_1")}
-
-
 def format_table(f: dict[str, Any]) -> str:
     n = f["streams"]
     interval = f.get("stream_interval", 1)
@@ -29,9 +22,9 @@ def format_table(f: dict[str, Any]) -> str:
     lines += [head, "|" + "---|" * 10]
     for model, r in f["models"].items():
         for front in _fronts(r):
-            c, e = r[front], _engine(r, front)
-            lines.append(f"| {model} | {front} | {c['ttft_ms_p50']:.1f} ({e['ttft_ms_p50']:.1f}) | "
-                         f"{c['ttft_added_ms']:+.1f} | {c['itl_ms_p50']:.2f} ({e['step_ms_p50']:.2f}) | "
+            c = r[front]  # NOTE: beside it, the engine alone's side of the front's pairs (bench/path_engine.py)
+            lines.append(f"| {model} | {front} | {c['ttft_ms_p50']:.1f} ({c['engine_ttft_ms_p50']:.1f}) | "
+                         f"{c['ttft_added_ms']:+.1f} | {c['itl_ms_p50']:.2f} ({c['engine_step_ms_p50']:.2f}) | "
                          f"{c['itl_added_ms']:+.2f} | {c['tok_s_1']:.0f} ({c['ratio_1']:.2f}x) | "
                          f"{c[f'tok_s_{n}']:.0f} ({c[f'ratio_{n}']:.2f}x) | {c['router_cpu_s_per_1k_tokens']:.3f} "
                          f"({c['router_cpu_s_per_1k_tokens_net']:.3f}) | {c['bare_cpu_s_per_1k_tokens']:.3f} |")
@@ -43,7 +36,7 @@ def format_table(f: dict[str, Any]) -> str:
         for front in _fronts(r):
             c = r[front]
             if "router_first_token_ms_p50" in c:
-                lines.append(f"| {model} | {front} | {_engine(r, front)['ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
+                lines.append(f"| {model} | {front} | {c['engine_ttft_ms_p50']:.1f} | {c['ttft_ms_p50']:.1f} | "
                              f"{c['router_first_token_ms_p50']:.1f} | {c['router_queue_ms_p50']:.1f} | "
                              f"{c['router_prefill_ms_p50']:.1f} | {c.get('prefill_worker_step_ms_mean', 0):.1f} | "
                              f"{c['router_cpu_ms_per_request']:.2f} ({c['router_cpu_ms_per_request_net']:.2f}) | "
@@ -56,7 +49,7 @@ def format_table(f: dict[str, Any]) -> str:
         for front in _fronts(r):
             c, per_token = r[front], 1e3 / r[front]["tok_s_1"]
             if "worker_step_ms_mean_1" in c:
-                lines.append(f"| {model} | {front} | {_engine(r, front)['step_ms_mean_1']:.3f} | {per_token:.3f} | "
+                lines.append(f"| {model} | {front} | {c['engine_step_ms_mean_1']:.3f} | {per_token:.3f} | "
                              f"{c['worker_step_ms_mean_1']:.3f} | {per_token - c['worker_step_ms_mean_1']:.3f} |")
     lines += ["", f"The workers' CPU per request of the TTFT case (ms, the {TOP_THREADS} busiest threads of each; "
               "a hand-off each):", "", "| model | front | worker | threads |", "|---|---|---|---|"]
