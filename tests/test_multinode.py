@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -175,6 +175,10 @@ def workers(serve: Serve) -> dict[str, Any]:
                                                            metadata=AUTH).workers}
 
 
+def decode_workers(names: Iterable[str]) -> list[str]:
+    return [n for n in names if n.startswith("decode")]
+
+
 def node_of_worker(name: str, status: dict[str, Any]) -> str:
     """The node a worker runs on: a decode worker's KV address, or the node whose address serves its /metrics."""
     if status[name].address:
@@ -217,7 +221,7 @@ def test_sixteen_requests_cross_nodes_token_exact(nodes, smollm2, transport):
 def test_a_node_lost_with_streams_in_flight_loses_and_repeats_nothing(nodes, smollm2):
     serve = serving(nodes, "grpc")
     status = workers(serve)
-    decode_nodes = {node_of_worker(n, status): n for n in status if n.startswith("decode")}
+    decode_nodes = {node_of_worker(n, status): n for n in decode_workers(status)}
     assert len(decode_nodes) == 2, decode_nodes  # the decode pool spans both decode nodes
     texts = unique_prompts("lost", 8)
     want = reference(smollm2, texts, 48)
@@ -256,10 +260,10 @@ def test_pools_scale_up_and_down_under_steady_requests(nodes, smollm2):
     # the lost node's worker dead (that test waits for it when it passes; here too, so a failure there stays there)
     serve = serving(nodes, "grpc")
     deadline = time.monotonic() + 120
-    while len([n for n in workers(serve) if n.startswith("decode")]) != 1 and time.monotonic() < deadline:
+    while len(decode_workers(workers(serve))) != 1 and time.monotonic() < deadline:
         time.sleep(0.5)
     before = set(workers(serve))
-    assert len([n for n in before if n.startswith("decode")]) == 1, before
+    assert len(decode_workers(before)) == 1, before
     with pytest.raises(grpc.RpcError) as denied:  # the admin method is behind the API key
         serve.stub.Scale(pb.ScaleRequest(decode=2), timeout=30)
     assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -153,12 +153,15 @@ async def _cases(stream: Stream, addr: str, prompts: Cases, args: argparse.Names
     # NOTE: the router's own timeline of the TTFT requests: where the first token's time went before it left the router
     timeline = {f"router_{k.removesuffix('_ms')}_ms_p50": round(statistics.median(t[k] for t in parts), 2)
                 for k in TIMELINE_PARTS if all(k in t for t in parts)}
-    return {"ttft_ms_p50": ms(statistics.median(ttft)), **timeline, "itl_ms_p50": ms(statistics.median(itl)),
-            "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": relayed / many_s,
+    engine = summary(alone_ttft, alone_steps, alone_ones, alone_many, len(prompts.many), args)
+    itl_p50, tok_s_n = ms(statistics.median(itl)), relayed / many_s
+    return {"ttft_ms_p50": ms(statistics.median(ttft)), **timeline, "itl_ms_p50": itl_p50,
+            "tok_s_1": statistics.median(r.tokens / s for r, s in ones), f"tok_s_{args.streams}": tok_s_n,
             # NOTE: the engine alone's side of the pairs; the TTFT added and the 1-stream ratio as medians of the pairs'
-            **{f"engine_{k}": v for k, v in summary(alone_ttft, alone_steps, alone_ones, alone_many,
-                                                     len(prompts.many), args).items()},
+            **{f"engine_{k}": v for k, v in engine.items()},
             "ttft_added_ms": ms(statistics.median(c - a for c, a in zip(ttft, alone_ttft, strict=True))),
+            "itl_added_ms": round(itl_p50 - engine["step_ms_p50"], 2),
+            f"ratio_{args.streams}": round(tok_s_n / engine[f"tok_s_{args.streams}"], 3),
             "ratio_1": round(statistics.median(r.tokens / s / (args.stream_tokens / a) for (r, s), (a, _)
                                                in zip(ones, alone_ones, strict=True)), 3),
             "worker_step_ms_mean_1": ms((steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0])),
@@ -227,10 +230,6 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
                                               every=args.stream_interval, loop=args.event_loop)
         r["bare_cpu_ms_per_request"] = round(floor_per_request(
             front, streams[front], max(BARE_REQUESTS, args.ttft_requests), TTFT_TOKENS, loop=args.event_loop), 2)
-    for front in fronts:  # NOTE: against the engine alone's side of the same pairs
-        r = result[front]
-        r["itl_added_ms"] = round(r["itl_ms_p50"] - r["engine_step_ms_p50"], 2)
-        r[f"ratio_{args.streams}"] = round(r[f"tok_s_{args.streams}"] / r[f"engine_tok_s_{args.streams}"], 3)
     return result
 
 
